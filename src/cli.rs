@@ -1,0 +1,192 @@
+//! Command line: `serve` (the worker), one-shot `prepare` / `deployed` /
+//! `cleanup` that run the pipeline without a broker and print the completion
+//! event as JSON.
+
+use crate::config::Config;
+use crate::error::Result;
+use crate::events::{Action, Completion, InstanceInfo, Options, Status};
+use crate::pipeline::{Pipeline, Request};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// Top-level arguments.
+#[derive(Debug, Parser)]
+#[command(name = "ironic-image-worker", version, about)]
+pub struct Cli {
+    /// TOML configuration file (Ironic's section and option names).
+    #[arg(long, global = true, env = "IRONIC_IMAGE_WORKER_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Override one option, e.g. `--set DEFAULT.host=cond-1` (repeatable).
+    #[arg(long = "set", global = true, value_name = "SECTION.OPTION=VALUE")]
+    pub set: Vec<String>,
+    /// Log format on stderr.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Human)]
+    pub log_format: LogFormat,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Log output formats.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Human,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the worker: image server, metrics listener and the broker consumer.
+    Serve,
+    /// Cache and publish an image for a node, without a broker.
+    Prepare(PrepareArgs),
+    /// Withdraw a deployed node's image URL and link, without a broker.
+    Deployed(NodeArgs),
+    /// Remove a node's image and URL, without a broker.
+    Cleanup(NodeArgs),
+}
+
+/// Arguments naming a node.
+#[derive(Debug, Args)]
+pub struct NodeArgs {
+    /// Node UUID.
+    #[arg(long)]
+    pub node: String,
+    /// Request id echoed in the completion event.
+    #[arg(long)]
+    pub request_id: Option<String>,
+}
+
+/// Arguments of a one-shot prepare (Ironic `instance_info` keys).
+#[derive(Debug, Args)]
+pub struct PrepareArgs {
+    #[command(flatten)]
+    node: NodeArgs,
+    /// `instance_info.image_source`.
+    #[arg(long)]
+    image_source: String,
+    /// `instance_info.image_checksum` (hex, `algo:hex` or a checksum file URL).
+    #[arg(long)]
+    checksum: Option<String>,
+    /// `instance_info.image_os_hash_algo`.
+    #[arg(long)]
+    os_hash_algo: Option<String>,
+    /// `instance_info.image_os_hash_value`.
+    #[arg(long)]
+    os_hash_value: Option<String>,
+    /// `instance_info.image_disk_format`.
+    #[arg(long)]
+    disk_format: Option<String>,
+    /// `instance_info.image_type` (`whole-disk` or `partition`).
+    #[arg(long)]
+    image_type: Option<String>,
+    /// `instance_info.image_download_source`.
+    #[arg(long)]
+    image_download_source: Option<String>,
+    /// Override `[DEFAULT]force_raw_images` for this request.
+    #[arg(long)]
+    force_raw: Option<bool>,
+    /// Override `[agent]stream_raw_images` for this request.
+    #[arg(long)]
+    stream_raw: Option<bool>,
+}
+
+impl PrepareArgs {
+    fn request(self) -> Request {
+        Request {
+            action: Action::Prepare,
+            node_uuid: self.node.node,
+            request_id: self.node.request_id,
+            instance_info: InstanceInfo {
+                image_source: Some(self.image_source),
+                image_checksum: self.checksum,
+                image_os_hash_algo: self.os_hash_algo,
+                image_os_hash_value: self.os_hash_value,
+                image_disk_format: self.disk_format,
+                image_type: self.image_type,
+                image_download_source: self.image_download_source,
+                ..InstanceInfo::default()
+            },
+            options: Options {
+                force_raw: self.force_raw,
+                stream_raw: self.stream_raw,
+            },
+        }
+    }
+}
+
+fn node_request(action: Action, args: NodeArgs) -> Request {
+    Request {
+        action,
+        node_uuid: args.node,
+        request_id: args.request_id,
+        instance_info: InstanceInfo::default(),
+        options: Options::default(),
+    }
+}
+
+/// Sets up logging on stderr (`RUST_LOG` filters, default `info`).
+pub fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Human => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
+}
+
+/// Entry point of the binary.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.log_format);
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("ironic-image-worker: cannot start runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("ironic-image-worker: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> Result<ExitCode> {
+    let config = Config::load(cli.config.as_deref(), &cli.set)?;
+    let request = match cli.command {
+        Command::Serve => {
+            crate::serve::serve(config).await?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        Command::Prepare(args) => args.request(),
+        Command::Deployed(args) => node_request(Action::Deployed, args),
+        Command::Cleanup(args) => node_request(Action::Cleanup, args),
+    };
+    let pipeline = Pipeline::new(config)?;
+    let done = pipeline.handle(&request).await;
+    Ok(print_completion(&done))
+}
+
+/// Prints a completion as one JSON line; the exit code says success or error.
+pub fn print_completion(done: &Completion) -> ExitCode {
+    match serde_json::to_string(done) {
+        Ok(line) => println!("{line}"),
+        Err(e) => eprintln!("ironic-image-worker: cannot encode completion: {e}"),
+    }
+    if done.status == Status::Success {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}

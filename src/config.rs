@@ -1,0 +1,452 @@
+//! Configuration: one TOML file using Ironic's own section and option names,
+//! overridden by environment variables and command-line `--set` flags.
+//!
+//! Precedence (lowest first): built-in defaults, the TOML file, environment
+//! variables `IRONIC_IMAGE_WORKER__<SECTION>__<OPTION>`, then `--set
+//! section.option=value` flags. With no file at all every path defaults to a
+//! directory the current user can write, so the worker starts without root.
+
+use crate::error::{Error, ErrorCode, Result};
+use serde::{Deserialize, Deserializer};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+/// Prefix of the environment variables that override configuration options.
+pub const ENV_PREFIX: &str = "IRONIC_IMAGE_WORKER__";
+
+/// The whole configuration, section by section as in ironic.conf.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// `[DEFAULT]`: the conductor host name and the raw-conversion switch.
+    #[serde(rename = "DEFAULT")]
+    pub default: DefaultSection,
+    /// `[agent]`: how the agent downloads images.
+    pub agent: AgentSection,
+    /// `[deploy]`: where symlinks live and the URL they are published under.
+    pub deploy: DeploySection,
+    /// `[pxe]`: the image cache and per-node image directories.
+    pub pxe: PxeSection,
+    /// `[conductor]`: image safety policy.
+    pub conductor: ConductorSection,
+    /// `[amqp]`: the broker connection and topology names.
+    pub amqp: AmqpSection,
+    /// `[http]`: the embedded image server.
+    pub http: HttpSection,
+    /// `[metrics]`: the metrics and health listener.
+    pub metrics: MetricsSection,
+    /// `[source]`: how image sources are fetched.
+    pub source: SourceSection,
+}
+
+/// `[DEFAULT]` options shared with Ironic.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DefaultSection {
+    /// Conductor host name: only events for this host are acted on.
+    pub host: String,
+    /// Ironic's `force_raw_images` (default true, as in Ironic).
+    pub force_raw_images: bool,
+}
+
+/// `[agent]` options shared with Ironic.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AgentSection {
+    /// `local`, `http` or `swift` (see DESIGN.md 3.5); the worker defaults to `local`.
+    pub image_download_source: String,
+    /// Ironic's `stream_raw_images` (default true).
+    pub stream_raw_images: bool,
+}
+
+/// `[deploy]` options shared with Ironic.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DeploySection {
+    /// Root directory served over HTTP.
+    pub http_root: PathBuf,
+    /// Base URL under which `http_root` is reachable by the nodes.
+    pub http_url: String,
+    /// Subdirectory of `http_root` holding the per-node symlinks.
+    pub http_image_subdir: String,
+}
+
+/// `[pxe]` options shared with Ironic.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PxeSection {
+    /// The master image cache directory.
+    pub instance_master_path: PathBuf,
+    /// Per-node image directories (`<images_path>/<node>/disk`).
+    pub images_path: PathBuf,
+    /// Cache size limit in MiB.
+    pub image_cache_size: u64,
+    /// Cache TTL in minutes.
+    pub image_cache_ttl: u64,
+}
+
+/// `[conductor]` options shared with Ironic.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ConductorSection {
+    /// Formats a detected image may have.
+    #[serde(deserialize_with = "list_opt")]
+    pub permitted_image_formats: Vec<String>,
+    /// Directories under which `file://` sources are allowed.
+    #[serde(deserialize_with = "path_list_opt")]
+    pub file_url_allowed_paths: Vec<PathBuf>,
+}
+
+/// `[amqp]`: the worker's broker settings.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AmqpSection {
+    /// Broker URL (`amqp://` or `amqps://`); never logged with its password.
+    pub url: String,
+    /// Command exchange (topic).
+    pub command_exchange: String,
+    /// Prefix of the per-host command queue (`<prefix>.<host>`).
+    pub queue_prefix: String,
+    /// Dead-letter exchange.
+    pub dead_letter_exchange: String,
+    /// Exchange for completion events without `reply_to`.
+    pub events_exchange: String,
+    /// `quorum` or `classic`.
+    pub queue_type: String,
+    /// Redeliveries allowed before a quorum queue dead-letters a message.
+    pub delivery_limit: u32,
+    /// Messages handled at once (AMQP prefetch).
+    pub prefetch: u16,
+    /// Whether to bind the per-host queue to Ironic's notification exchange.
+    pub bind_notifications: bool,
+    /// Ironic's notification exchange (`[DEFAULT]control_exchange`).
+    pub notification_exchange: String,
+    /// Notification topics (routing keys get `.info` / `.error` appended).
+    #[serde(deserialize_with = "list_opt")]
+    pub notification_topics: Vec<String>,
+    /// Seconds to wait for in-flight work on shutdown before requeueing it.
+    pub shutdown_grace: u64,
+}
+
+/// `[http]`: the embedded image server.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HttpSection {
+    /// Listen address of the image server.
+    pub listen: SocketAddr,
+}
+
+/// `[metrics]`: the metrics / health listener.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MetricsSection {
+    /// Listen address for `/metrics`, `/healthz`, `/readyz`.
+    pub listen: SocketAddr,
+}
+
+/// `[source]`: download behaviour.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SourceSection {
+    /// Seconds to establish a connection.
+    pub connect_timeout: u64,
+    /// Seconds without receiving a byte before a download is abandoned.
+    pub read_timeout: u64,
+    /// Attempts per download (connection errors, 5xx, broken streams).
+    pub retries: u32,
+    /// Whether TLS certificates of https sources are verified.
+    pub verify_tls: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            default: DefaultSection::default(),
+            agent: AgentSection::default(),
+            deploy: DeploySection::default(),
+            pxe: PxeSection::default(),
+            conductor: ConductorSection::default(),
+            amqp: AmqpSection::default(),
+            http: HttpSection::default(),
+            metrics: MetricsSection::default(),
+            source: SourceSection::default(),
+        }
+    }
+}
+
+/// Directory for the default paths: `$XDG_STATE_HOME/ironic-image-worker`,
+/// else `./ironic-image-worker-state` (both writable without root).
+pub fn default_state_dir() -> PathBuf {
+    match std::env::var_os("XDG_STATE_HOME") {
+        Some(dir) if !dir.is_empty() => PathBuf::from(dir).join("ironic-image-worker"),
+        _ => PathBuf::from("ironic-image-worker-state"),
+    }
+}
+
+/// The machine's host name, Ironic's default for `[DEFAULT]host`.
+pub fn system_hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "localhost".to_string())
+}
+
+impl Default for DefaultSection {
+    fn default() -> Self {
+        DefaultSection {
+            host: system_hostname(),
+            force_raw_images: true,
+        }
+    }
+}
+
+impl Default for AgentSection {
+    fn default() -> Self {
+        AgentSection {
+            image_download_source: "local".into(),
+            stream_raw_images: true,
+        }
+    }
+}
+
+impl Default for DeploySection {
+    fn default() -> Self {
+        DeploySection {
+            http_root: default_state_dir().join("httpboot"),
+            http_url: String::new(),
+            http_image_subdir: "agent_images".into(),
+        }
+    }
+}
+
+impl Default for PxeSection {
+    fn default() -> Self {
+        let base = default_state_dir();
+        PxeSection {
+            instance_master_path: base.join("master_images"),
+            images_path: base.join("images"),
+            image_cache_size: 20480,
+            image_cache_ttl: 10080,
+        }
+    }
+}
+
+impl Default for ConductorSection {
+    fn default() -> Self {
+        ConductorSection {
+            permitted_image_formats: ["raw", "gpt", "qcow2", "iso"].map(String::from).to_vec(),
+            file_url_allowed_paths: [
+                "/var/lib/ironic",
+                "/shared/html",
+                "/templates",
+                "/opt/cache/files",
+                "/vagrant",
+            ]
+            .map(PathBuf::from)
+            .to_vec(),
+        }
+    }
+}
+
+impl Default for AmqpSection {
+    fn default() -> Self {
+        AmqpSection {
+            url: "amqp://guest:guest@127.0.0.1:5672/%2f".into(),
+            command_exchange: "ironic-image-worker".into(),
+            queue_prefix: "ironic-image-worker".into(),
+            dead_letter_exchange: "ironic-image-worker.dlx".into(),
+            events_exchange: "ironic-image-worker.events".into(),
+            queue_type: "quorum".into(),
+            delivery_limit: 5,
+            prefetch: 32,
+            bind_notifications: true,
+            notification_exchange: "ironic".into(),
+            notification_topics: vec!["ironic_versioned_notifications".into()],
+            shutdown_grace: 30,
+        }
+    }
+}
+
+impl Default for HttpSection {
+    fn default() -> Self {
+        HttpSection {
+            listen: SocketAddr::from(([0, 0, 0, 0], 8080)),
+        }
+    }
+}
+
+impl Default for MetricsSection {
+    fn default() -> Self {
+        MetricsSection {
+            listen: SocketAddr::from(([127, 0, 0, 1], 9102)),
+        }
+    }
+}
+
+impl Default for SourceSection {
+    fn default() -> Self {
+        SourceSection {
+            connect_timeout: 10,
+            read_timeout: 60,
+            retries: 3,
+            verify_tls: true,
+        }
+    }
+}
+
+/// Ironic list options are comma-separated strings; TOML arrays work too.
+fn list_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Either {
+        One(String),
+        Many(Vec<String>),
+    }
+    let items = match Either::deserialize(d)? {
+        Either::One(s) => s.split(',').map(str::to_string).collect(),
+        Either::Many(v) => v,
+    };
+    Ok(items
+        .into_iter()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect())
+}
+
+fn path_list_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<PathBuf>, D::Error> {
+    Ok(list_opt(d)?.into_iter().map(PathBuf::from).collect())
+}
+
+impl Config {
+    /// Loads the configuration: defaults, then `file` (if any), then the
+    /// process environment, then `overrides` (`section.option=value`).
+    pub fn load(file: Option<&Path>, overrides: &[String]) -> Result<Config> {
+        let env: Vec<(String, String)> = std::env::vars().collect();
+        Self::load_from(file, &env, overrides)
+    }
+
+    /// [`Config::load`] with an explicit environment, for tests.
+    pub fn load_from(
+        file: Option<&Path>,
+        env: &[(String, String)],
+        overrides: &[String],
+    ) -> Result<Config> {
+        let mut table = match file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| config_error(format!("cannot read {}: {e}", path.display())))?;
+                text.parse::<toml::Table>()
+                    .map_err(|e| config_error(format!("{}: {e}", path.display())))?
+            }
+            None => toml::Table::new(),
+        };
+        for (name, value) in env {
+            if let Some(rest) = name.strip_prefix(ENV_PREFIX) {
+                let (section, key) = rest.split_once("__").ok_or_else(|| {
+                    config_error(format!("{name}: expected {ENV_PREFIX}<SECTION>__<OPTION>"))
+                })?;
+                let section = if section == "DEFAULT" {
+                    section.to_string()
+                } else {
+                    section.to_ascii_lowercase()
+                };
+                set_option(&mut table, &section, &key.to_ascii_lowercase(), value);
+            }
+        }
+        for item in overrides {
+            let (path, value) = item
+                .split_once('=')
+                .ok_or_else(|| config_error(format!("--set {item}: expected SECTION.OPTION=VALUE")))?;
+            let (section, key) = path
+                .split_once('.')
+                .ok_or_else(|| config_error(format!("--set {item}: expected SECTION.OPTION=VALUE")))?;
+            set_option(&mut table, section, key, value);
+        }
+        let config: Config = table
+            .try_into()
+            .map_err(|e: toml::de::Error| config_error(e.to_string()))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<()> {
+        match self.agent.image_download_source.as_str() {
+            "local" | "http" | "swift" => {}
+            other => {
+                return Err(config_error(format!(
+                    "[agent]image_download_source: unknown value {other:?} (local, http or swift)"
+                )));
+            }
+        }
+        match self.amqp.queue_type.as_str() {
+            "quorum" | "classic" => {}
+            other => {
+                return Err(config_error(format!(
+                    "[amqp]queue_type: unknown value {other:?} (quorum or classic)"
+                )));
+            }
+        }
+        if crate::node::is_valid_segment(&self.deploy.http_image_subdir) {
+            Ok(())
+        } else {
+            Err(config_error(
+                "[deploy]http_image_subdir must be one plain directory name".to_string(),
+            ))
+        }
+    }
+
+    /// The URL prefix published for node images: `http_url` or, when unset,
+    /// one derived from the image server's listen address.
+    pub fn http_url(&self) -> String {
+        if !self.deploy.http_url.is_empty() {
+            return self.deploy.http_url.trim_end_matches('/').to_string();
+        }
+        let addr = self.http.listen;
+        let host = if addr.ip().is_unspecified() {
+            "127.0.0.1".to_string()
+        } else if addr.is_ipv6() {
+            format!("[{}]", addr.ip())
+        } else {
+            addr.ip().to_string()
+        };
+        format!("http://{host}:{}", addr.port())
+    }
+
+    /// The AMQP URL with its password masked, for logs.
+    pub fn amqp_url_redacted(&self) -> String {
+        redact_url(&self.amqp.url)
+    }
+}
+
+/// Masks the password of a URL (`amqp://user:***@host/`), for logs and errors.
+pub fn redact_url(url: &str) -> String {
+    match reqwest::Url::parse(url) {
+        Ok(mut parsed) if parsed.password().is_some() => {
+            let _ = parsed.set_password(Some("***"));
+            parsed.to_string()
+        }
+        Ok(parsed) => parsed.to_string(),
+        Err(_) => "<unparsable url>".to_string(),
+    }
+}
+
+fn config_error(message: String) -> Error {
+    Error::new(ErrorCode::Internal, format!("configuration: {message}"))
+}
+
+/// Sets `[section] key = value`, parsing `value` as a TOML value when it is one
+/// (numbers, booleans, arrays) and as a string otherwise.
+fn set_option(table: &mut toml::Table, section: &str, key: &str, value: &str) {
+    let parsed = format!("v = {value}")
+        .parse::<toml::Table>()
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(value.to_string()));
+    let entry = table
+        .entry(section.to_string())
+        .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+    if let toml::Value::Table(section_table) = entry {
+        section_table.insert(key.to_string(), parsed);
+    }
+}

@@ -1,0 +1,121 @@
+//! The one error type of the worker, carrying the closed list of error codes
+//! that completion events publish (`schemas/completion.v1.json`).
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// Machine-readable error codes of DESIGN.md 3.3. Other programs switch on
+/// these strings, so the list is closed and mirrored in the JSON schema.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// The message (command or notification) could not be parsed or validated.
+    InvalidMessage,
+    /// The node UUID is not a canonical UUID (it would be used in paths).
+    InvalidNodeUuid,
+    /// The image source answered that the image does not exist (404/410, missing file).
+    SourceNotFound,
+    /// The image source could not be reached or broke off (timeouts, 5xx, resets).
+    SourceUnreachable,
+    /// The source refused or is not allowed (file:// outside the allowed paths, swift).
+    SourceNotAllowed,
+    /// The downloaded bytes do not match the expected checksum.
+    ChecksumMismatch,
+    /// The detected format differs from the declared `image_disk_format`.
+    FormatMismatch,
+    /// The detected format is not in `[conductor]permitted_image_formats`.
+    FormatNotPermitted,
+    /// The image is structurally valid but dangerous (backing file, data file, encryption...).
+    UnsafeImage,
+    /// The image is malformed or could not be converted.
+    CorruptImage,
+    /// Not enough disk space for the download or the conversion.
+    InsufficientDiskSpace,
+    /// Anything else: a bug or an unexpected local failure.
+    Internal,
+}
+
+impl ErrorCode {
+    /// Every code, in schema order; the schema test checks both lists agree.
+    pub const ALL: [ErrorCode; 12] = [
+        ErrorCode::InvalidMessage,
+        ErrorCode::InvalidNodeUuid,
+        ErrorCode::SourceNotFound,
+        ErrorCode::SourceUnreachable,
+        ErrorCode::SourceNotAllowed,
+        ErrorCode::ChecksumMismatch,
+        ErrorCode::FormatMismatch,
+        ErrorCode::FormatNotPermitted,
+        ErrorCode::UnsafeImage,
+        ErrorCode::CorruptImage,
+        ErrorCode::InsufficientDiskSpace,
+        ErrorCode::Internal,
+    ];
+
+    /// The wire name of the code (as in the schema).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::InvalidMessage => "invalid_message",
+            ErrorCode::InvalidNodeUuid => "invalid_node_uuid",
+            ErrorCode::SourceNotFound => "source_not_found",
+            ErrorCode::SourceUnreachable => "source_unreachable",
+            ErrorCode::SourceNotAllowed => "source_not_allowed",
+            ErrorCode::ChecksumMismatch => "checksum_mismatch",
+            ErrorCode::FormatMismatch => "format_mismatch",
+            ErrorCode::FormatNotPermitted => "format_not_permitted",
+            ErrorCode::UnsafeImage => "unsafe_image",
+            ErrorCode::CorruptImage => "corrupt_image",
+            ErrorCode::InsufficientDiskSpace => "insufficient_disk_space",
+            ErrorCode::Internal => "internal",
+        }
+    }
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An error with its wire code and a human message; every fallible step of the
+/// pipeline returns it so that the completion event can always be built.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Error {
+    /// The closed-list code published in the completion event.
+    pub code: ErrorCode,
+    /// A message for the operator (no secrets: URLs are stripped of credentials).
+    pub message: String,
+}
+
+impl Error {
+    /// Builds an error from a code and a message.
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        Error {
+            code,
+            message: message.into(),
+        }
+    }
+
+    /// Wraps a local I/O failure, mapping ENOSPC/EDQUOT to `insufficient_disk_space`.
+    pub fn io(context: impl fmt::Display, err: std::io::Error) -> Self {
+        let code = match err.raw_os_error() {
+            Some(libc_enospc) if libc_enospc == 28 || libc_enospc == 122 => {
+                ErrorCode::InsufficientDiskSpace
+            }
+            _ if err.kind() == std::io::ErrorKind::StorageFull => ErrorCode::InsufficientDiskSpace,
+            _ => ErrorCode::Internal,
+        };
+        Error::new(code, format!("{context}: {err}"))
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.code, self.message)
+    }
+}
+
+impl std::error::Error for Error {}
+
+/// The worker's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

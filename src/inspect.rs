@@ -1,0 +1,204 @@
+//! Image format detection from the bytes themselves (never from metadata),
+//! in the spirit of oslo.utils' format inspector.
+
+use crate::error::{Error, ErrorCode, Result};
+use serde::Serialize;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+/// Bytes read from the start of a file for detection (ISO 9660 descriptors
+/// start at 32 KiB).
+pub const HEADER_LEN: usize = 64 * 1024;
+
+/// A disk image format the worker can recognise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Format {
+    /// Anything without a known signature.
+    Raw,
+    /// A raw disk carrying a GUID partition table.
+    Gpt,
+    /// An ISO 9660 file system.
+    Iso,
+    /// QEMU copy-on-write v2/v3.
+    Qcow2,
+    /// QEMU enhanced disk (refused: it supports backing files only in ways we do not check).
+    Qed,
+    /// VMware disk.
+    Vmdk,
+    /// Virtual PC / Hyper-V legacy disk.
+    Vhd,
+    /// Hyper-V disk.
+    Vhdx,
+    /// VirtualBox disk.
+    Vdi,
+    /// LUKS-encrypted volume.
+    Luks,
+}
+
+impl Format {
+    /// The name used by Glance's `disk_format` and Ironic's permitted formats.
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::Raw => "raw",
+            Format::Gpt => "gpt",
+            Format::Iso => "iso",
+            Format::Qcow2 => "qcow2",
+            Format::Qed => "qed",
+            Format::Vmdk => "vmdk",
+            Format::Vhd => "vhd",
+            Format::Vhdx => "vhdx",
+            Format::Vdi => "vdi",
+            Format::Luks => "luks",
+        }
+    }
+
+    /// True for formats whose bytes are the disk itself (served as `raw`).
+    pub fn is_raw(self) -> bool {
+        matches!(self, Format::Raw | Format::Gpt)
+    }
+
+    /// The `disk_format` announced for served bytes of this format: IPA only
+    /// streams images announced as `raw`, which a GPT disk is.
+    pub fn served_name(self) -> &'static str {
+        if self.is_raw() { "raw" } else { self.name() }
+    }
+}
+
+/// Detects the format from the first [`HEADER_LEN`] bytes of an image.
+pub fn detect(header: &[u8]) -> Format {
+    let at = |off: usize, magic: &[u8]| header.get(off..off + magic.len()) == Some(magic);
+    if at(0, b"QFI\xfb") {
+        Format::Qcow2
+    } else if at(0, b"QED\0") {
+        Format::Qed
+    } else if at(0, b"KDMV") || at(0, b"# Disk DescriptorFile") {
+        Format::Vmdk
+    } else if at(0, b"vhdxfile") {
+        Format::Vhdx
+    } else if at(0, b"conectix") {
+        Format::Vhd
+    } else if at(0x40, &0xbeda107f_u32.to_le_bytes()) {
+        Format::Vdi
+    } else if at(0, b"LUKS\xba\xbe") {
+        Format::Luks
+    } else if at(0x8001, b"CD001") {
+        Format::Iso
+    } else if at(510, &[0x55, 0xaa]) && (at(512, b"EFI PART") || at(4096, b"EFI PART")) {
+        Format::Gpt
+    } else {
+        Format::Raw
+    }
+}
+
+/// What inspection tells about an image file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Inspection {
+    /// The detected format.
+    pub format: Format,
+    /// Size of the disk the image describes (the file size for raw formats).
+    pub virtual_size: u64,
+    /// Size of the file itself.
+    pub file_size: u64,
+}
+
+/// Reads the header of `path` and detects its format and virtual size.
+pub fn inspect_file(path: &Path) -> Result<Inspection> {
+    let file = File::open(path).map_err(|e| Error::io(format!("open {}", path.display()), e))?;
+    let file_size = file
+        .metadata()
+        .map_err(|e| Error::io("stat image", e))?
+        .len();
+    let mut header = vec![0u8; HEADER_LEN.min(file_size as usize)];
+    file.read_exact_at(&mut header, 0)
+        .map_err(|e| Error::io("read image header", e))?;
+    let format = detect(&header);
+    let virtual_size = match format {
+        Format::Qcow2 => qcow2_virtual_size(&header)?,
+        _ => file_size,
+    };
+    Ok(Inspection {
+        format,
+        virtual_size,
+        file_size,
+    })
+}
+
+fn qcow2_virtual_size(header: &[u8]) -> Result<u64> {
+    header
+        .get(24..32)
+        .map(|b| u64::from_be_bytes(b.try_into().unwrap_or_default()))
+        .ok_or_else(|| Error::new(ErrorCode::CorruptImage, "qcow2 header is truncated"))
+}
+
+/// Checks the detected format against the declared `image_disk_format` (a
+/// declared `raw` also accepts a GPT disk) and the permitted list.
+pub fn check_format(detected: Format, declared: Option<&str>, permitted: &[String]) -> Result<()> {
+    if let Some(declared) = declared.map(str::trim).filter(|d| !d.is_empty()) {
+        let declared = declared.to_ascii_lowercase();
+        let matches = declared == detected.name() || (declared == "raw" && detected.is_raw());
+        if !matches {
+            return Err(Error::new(
+                ErrorCode::FormatMismatch,
+                format!(
+                    "image declared as {declared} but its content is {}",
+                    detected.name()
+                ),
+            ));
+        }
+    }
+    if !permitted.iter().any(|p| p.eq_ignore_ascii_case(detected.name())) {
+        return Err(Error::new(
+            ErrorCode::FormatNotPermitted,
+            format!(
+                "image format {} is not in [conductor]permitted_image_formats ({})",
+                detected.name(),
+                permitted.join(", ")
+            ),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(off: usize, magic: &[u8]) -> Vec<u8> {
+        let mut h = vec![0u8; HEADER_LEN];
+        h[off..off + magic.len()].copy_from_slice(magic);
+        h
+    }
+
+    #[test]
+    fn detects_signatures() {
+        assert_eq!(detect(&with(0, b"QFI\xfb")), Format::Qcow2);
+        assert_eq!(detect(&with(0, b"QED\0")), Format::Qed);
+        assert_eq!(detect(&with(0, b"KDMV")), Format::Vmdk);
+        assert_eq!(detect(&with(0, b"vhdxfile")), Format::Vhdx);
+        assert_eq!(detect(&with(0, b"conectix")), Format::Vhd);
+        assert_eq!(detect(&with(0x40, &[0x7f, 0x10, 0xda, 0xbe])), Format::Vdi);
+        assert_eq!(detect(&with(0, b"LUKS\xba\xbe")), Format::Luks);
+        assert_eq!(detect(&with(0x8001, b"CD001")), Format::Iso);
+        let mut gpt = with(512, b"EFI PART");
+        gpt[510] = 0x55;
+        gpt[511] = 0xaa;
+        assert_eq!(detect(&gpt), Format::Gpt);
+        assert_eq!(detect(&[1, 2, 3]), Format::Raw);
+    }
+
+    #[test]
+    fn declared_and_permitted() {
+        let permitted: Vec<String> = ["raw", "gpt", "qcow2"].map(String::from).to_vec();
+        assert!(check_format(Format::Gpt, Some("raw"), &permitted).is_ok());
+        assert_eq!(
+            check_format(Format::Qcow2, Some("raw"), &permitted).unwrap_err().code,
+            ErrorCode::FormatMismatch
+        );
+        assert_eq!(
+            check_format(Format::Vmdk, None, &permitted).unwrap_err().code,
+            ErrorCode::FormatNotPermitted
+        );
+    }
+}

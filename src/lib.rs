@@ -1,0 +1,23 @@
+//! ironic-image-worker: caches, converts, checksums and serves Ironic
+//! instance images for the `direct` deploy interface, driven by RabbitMQ.
+//!
+//! The pipeline (`source` -> `inspect` -> `cache` -> `link`) is independent
+//! of how requests arrive; `cli` and `serve` drive it.
+
+pub mod cache;
+pub mod checksum;
+pub mod cli;
+pub mod config;
+pub mod error;
+pub mod events;
+pub mod fsutil;
+pub mod http;
+pub mod inspect;
+pub mod link;
+pub mod lock;
+pub mod metrics;
+pub mod node;
+pub mod pipeline;
+pub mod serve;
+pub mod sink;
+pub mod source;

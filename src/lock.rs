@@ -1,0 +1,64 @@
+//! Named locks that hold within the process (tokio mutexes, so waiting tasks
+//! do not block threads) and across processes sharing the directories
+//! (`flock` on a lock file, released by the kernel if the holder crashes).
+
+use crate::error::{Error, Result};
+use crate::fsutil;
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use tokio::sync::OwnedMutexGuard;
+
+/// A family of named locks backed by files in one directory.
+pub struct Locks {
+    dir: PathBuf,
+    local: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+/// Holds a named lock until dropped.
+pub struct LockGuard {
+    _file: File,
+    _local: OwnedMutexGuard<()>,
+}
+
+impl Locks {
+    /// Lock files live in `dir` (created 0755).
+    pub fn new(dir: PathBuf) -> Result<Locks> {
+        fsutil::ensure_dir(&dir)?;
+        Ok(Locks {
+            dir,
+            local: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Waits for the lock named `key` (a file-name-safe string).
+    pub async fn acquire(&self, key: &str) -> Result<LockGuard> {
+        let local = {
+            let mut map = self.local.lock().unwrap_or_else(|p| p.into_inner());
+            if map.len() > 1024 {
+                map.retain(|_, m| Arc::strong_count(m) > 1);
+            }
+            map.entry(key.to_string()).or_default().clone()
+        };
+        let local = local.lock_owned().await;
+        let path = self.dir.join(format!("{key}.lock"));
+        let file = tokio::task::spawn_blocking(move || -> Result<File> {
+            let file = std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(&path)
+                .map_err(|e| Error::io(format!("open lock {}", path.display()), e))?;
+            file.lock()
+                .map_err(|e| Error::io(format!("lock {}", path.display()), e))?;
+            Ok(file)
+        })
+        .await
+        .map_err(|e| Error::new(crate::error::ErrorCode::Internal, format!("lock task: {e}")))??;
+        Ok(LockGuard {
+            _file: file,
+            _local: local,
+        })
+    }
+}

@@ -1,0 +1,115 @@
+//! Prometheus metrics of the worker, registered in one registry that the
+//! metrics listener renders in the text exposition format.
+
+use crate::events::Completion;
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
+};
+
+/// All metrics; cheap to clone handles are kept inside.
+pub struct Metrics {
+    registry: Registry,
+    /// Completion events by action, status and error code.
+    pub completions: IntCounterVec,
+    /// Prepare duration by cache outcome.
+    pub prepare_seconds: HistogramVec,
+    /// Image server requests by HTTP status.
+    pub http_requests: IntCounterVec,
+    /// Image server response bytes (Content-Length of answered requests).
+    pub http_bytes: IntCounterVec,
+    /// 1 while connected to the broker.
+    pub amqp_connected: IntGauge,
+}
+
+const PREFIX: &str = "ironic_image_worker_";
+
+impl Metrics {
+    /// Creates and registers every metric (plus process metrics on Linux).
+    pub fn new() -> Metrics {
+        let registry = Registry::new();
+        let counter = |name: &str, help: &str, labels: &[&str]| {
+            let c = IntCounterVec::new(Opts::new(format!("{PREFIX}{name}"), help), labels)
+                .expect("valid metric");
+            registry.register(Box::new(c.clone())).expect("unique metric");
+            c
+        };
+        let completions = counter(
+            "completions_total",
+            "Completion events by action, status and error code.",
+            &["action", "status", "code"],
+        );
+        let http_requests = counter(
+            "http_requests_total",
+            "Image server requests by status code.",
+            &["status"],
+        );
+        let http_bytes = counter(
+            "http_response_bytes_total",
+            "Image server response body bytes announced, by status code.",
+            &["status"],
+        );
+        let prepare_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                format!("{PREFIX}prepare_duration_seconds"),
+                "Prepare duration by cache outcome.",
+            )
+            .buckets(vec![
+                0.001, 0.005, 0.02, 0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 1200.0,
+            ]),
+            &["cache"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(prepare_seconds.clone()))
+            .expect("unique metric");
+        let amqp_connected = IntGauge::new(
+            format!("{PREFIX}amqp_connected"),
+            "1 while the worker is connected to the broker.",
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(amqp_connected.clone()))
+            .expect("unique metric");
+        let _ = registry.register(Box::new(
+            prometheus::process_collector::ProcessCollector::for_self(),
+        ));
+        Metrics {
+            registry,
+            completions,
+            prepare_seconds,
+            http_requests,
+            http_bytes,
+            amqp_connected,
+        }
+    }
+
+    /// Counts a completion event.
+    pub fn record(&self, done: &Completion) {
+        let code = done.error.as_ref().map(|e| e.code.as_str()).unwrap_or("");
+        self.completions
+            .with_label_values(&[done.action.as_str(), done.status.as_str(), code])
+            .inc();
+        if let Some(cache) = done.cache {
+            let label = match cache {
+                crate::events::CacheOutcome::Hit => "hit",
+                crate::events::CacheOutcome::Miss => "miss",
+            };
+            self.prepare_seconds
+                .with_label_values(&[label])
+                .observe(done.duration_ms as f64 / 1000.0);
+        }
+    }
+
+    /// Renders all metrics in the Prometheus text format.
+    pub fn render(&self) -> String {
+        let mut out = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        String::from_utf8(out).unwrap_or_default()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}

@@ -1,0 +1,343 @@
+//! The pipeline for one node: source -> verify -> inspect -> cache -> link.
+//! It knows nothing of AMQP or HTTP serving: the broker layer, the one-shot
+//! CLI and the tests all call [`Pipeline::handle`] and get a [`Completion`].
+
+use crate::cache::{self, Cache, Master, MasterMeta};
+use crate::checksum::{Algo, ChecksumSpec, Expected, parse_checksum_file};
+use crate::config::Config;
+use crate::error::{Error, ErrorCode, Result};
+use crate::events::{Action, CacheOutcome, Completion, InstanceInfo, Options};
+use crate::fsutil::{self, TempGuard};
+use crate::inspect;
+use crate::link::NodeLinks;
+use crate::lock::Locks;
+use crate::node::NodeUuid;
+use crate::source::{Fetcher, Source};
+use std::time::{Instant, SystemTime};
+
+/// Everything needed to serve nodes on this conductor host.
+pub struct Pipeline {
+    config: Config,
+    http_url: String,
+    cache: Cache,
+    links: NodeLinks,
+    node_locks: Locks,
+    fetcher: Fetcher,
+}
+
+/// A request as the pipeline sees it, whatever carried it.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// What to do.
+    pub action: Action,
+    /// The node UUID as received (validated by the pipeline).
+    pub node_uuid: String,
+    /// Command `request_id` or notification `message_id`.
+    pub request_id: Option<String>,
+    /// Ironic's `instance_info` (prepare only).
+    pub instance_info: InstanceInfo,
+    /// Per-request overrides.
+    pub options: Options,
+}
+
+impl Pipeline {
+    /// Opens the directories and removes temporaries left by a crashed run.
+    pub fn new(config: Config) -> Result<Pipeline> {
+        let cache = Cache::open(&config.pxe.instance_master_path)?;
+        let links = NodeLinks::open(
+            &config.pxe.images_path,
+            &config.deploy.http_root,
+            &config.deploy.http_image_subdir,
+        )?;
+        let node_locks = Locks::new(config.pxe.images_path.join(".locks"))?;
+        let removed = cache.remove_stale_temps()? + links.remove_stale_temps()?;
+        if removed > 0 {
+            tracing::info!(removed, "removed temporaries left by an earlier run");
+        }
+        Ok(Pipeline {
+            http_url: config.http_url(),
+            fetcher: Fetcher::new(&config)?,
+            config,
+            cache,
+            links,
+            node_locks,
+        })
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Handles one request and always answers with a completion event.
+    pub async fn handle(&self, req: &Request) -> Completion {
+        let started = Instant::now();
+        let mut done = Completion::new(
+            req.action,
+            Some(req.node_uuid.clone()),
+            req.request_id.clone(),
+            &self.config.default.host,
+        );
+        if req.action == Action::Prepare {
+            done.image_source = req.instance_info.image_source.clone();
+        }
+        let result = match NodeUuid::parse(&req.node_uuid) {
+            Err(e) => Err(e),
+            Ok(node) => match req.action {
+                Action::Prepare => self.prepare(&node, req, &mut done).await,
+                Action::Deployed => self.release(&node, false).await,
+                Action::Cleanup => self.release(&node, true).await,
+                Action::Unknown => Err(Error::new(ErrorCode::InvalidMessage, "unknown action")),
+            },
+        };
+        if let Err(e) = result {
+            tracing::warn!(node = %req.node_uuid, request_id = ?req.request_id, action = req.action.as_str(), error = %e, "request failed");
+            done = done.failed(&e);
+        }
+        done.duration_ms = started.elapsed().as_millis() as u64;
+        done
+    }
+
+    /// deployed: withdraw the URL and the node's link; cleanup: also remove
+    /// the node's directory. Doing it twice changes nothing.
+    async fn release(&self, node: &NodeUuid, whole_dir: bool) -> Result<()> {
+        let _node = self.node_locks.acquire(node.as_str()).await?;
+        self.links.unpublish(node)?;
+        if whole_dir {
+            self.links.remove_node_dir(node)?;
+        } else {
+            self.links.remove_disk(node)?;
+        }
+        Ok(())
+    }
+
+    async fn prepare(&self, node: &NodeUuid, req: &Request, done: &mut Completion) -> Result<()> {
+        let info = &req.instance_info;
+        let href = info
+            .image_source
+            .as_deref()
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .ok_or_else(|| {
+                Error::new(ErrorCode::InvalidMessage, "instance_info.image_source is required")
+            })?;
+        let spec = ChecksumSpec::from_fields(
+            info.image_checksum.as_deref(),
+            info.image_os_hash_algo.as_deref(),
+            info.image_os_hash_value.as_deref(),
+        )?;
+        let source = self.parse_source(href)?;
+        let mode = info
+            .image_download_source
+            .as_deref()
+            .unwrap_or(&self.config.agent.image_download_source);
+        match (mode, &source) {
+            ("swift", _) => {
+                return Err(Error::new(
+                    ErrorCode::SourceNotAllowed,
+                    "image_download_source=swift is not handled by this worker",
+                ));
+            }
+            ("http", Source::Http(_)) => return self.pass_through(&source, href, spec, done).await,
+            ("local" | "http", _) => {}
+            (other, _) => {
+                return Err(Error::new(
+                    ErrorCode::InvalidMessage,
+                    format!("unknown image_download_source {other:?}"),
+                ));
+            }
+        }
+        let expected = match spec {
+            None => None,
+            Some(spec) => Some(self.resolve_checksum(spec, &source).await?),
+        };
+        let force_raw = req.options.force_raw.unwrap_or(self.config.default.force_raw_images)
+            && req.options.stream_raw.unwrap_or(self.config.agent.stream_raw_images)
+            && info.is_whole_disk();
+        let name = cache::master_name(href, force_raw);
+        let want_sha512 = expected.as_ref().is_some_and(|e| e.algo == Algo::Sha512);
+
+        let _node = self.node_locks.acquire(node.as_str()).await?;
+        let _master = self.cache.lock(&name).await?;
+        let cached = self
+            .cache
+            .load(&name)
+            .filter(|m| m.meta.source == href && matches_expected(&m.meta, expected.as_ref()));
+        let (master, outcome) = match cached {
+            // The node already links this verified master: a repeated event.
+            Some(m) if self.links.disk_is(node, &m.path) => (m, CacheOutcome::Hit),
+            Some(m) if expected.is_some() || self.is_fresh(&source, &m.meta).await? => {
+                (m, CacheOutcome::Hit)
+            }
+            _ => {
+                let m = self
+                    .fetch_master(&source, href, &name, expected.as_ref(), want_sha512, force_raw, info)
+                    .await?;
+                (m, CacheOutcome::Miss)
+            }
+        };
+        if !self.links.disk_is(node, &master.path) {
+            self.links.link_disk(node, &master.path)?;
+        }
+        self.links.publish(node)?;
+        tracing::info!(node = %node, request_id = ?req.request_id, cache = ?outcome, master = %master.path.display(), "prepared");
+
+        let meta = &master.meta;
+        done.image_url = Some(format!(
+            "{}/{}/{}",
+            self.http_url, self.config.deploy.http_image_subdir, node
+        ));
+        done.image_checksum = Some(meta.md5.clone());
+        let (algo, value) = match (&meta.sha512, want_sha512) {
+            (Some(v), true) => ("sha512", v.clone()),
+            _ => ("sha256", meta.sha256.clone()),
+        };
+        done.image_os_hash_algo = Some(algo.into());
+        done.image_os_hash_value = Some(value);
+        done.image_disk_format = Some(meta.disk_format.clone());
+        done.image_size = Some(meta.size);
+        done.converted = Some(meta.converted);
+        done.cache = Some(outcome);
+        Ok(())
+    }
+
+    fn parse_source(&self, href: &str) -> Result<Source> {
+        if cache::glance_id(href).is_some() {
+            return Err(Error::new(
+                ErrorCode::SourceNotAllowed,
+                "Glance image sources are not supported by this worker yet; use an http(s) or file URL",
+            ));
+        }
+        Source::parse(href, &self.config)
+    }
+
+    /// `image_download_source = http` with an http(s) source: the agent
+    /// downloads from the source itself, after a HEAD check, as Ironic does.
+    async fn pass_through(
+        &self,
+        source: &Source,
+        href: &str,
+        spec: Option<ChecksumSpec>,
+        done: &mut Completion,
+    ) -> Result<()> {
+        let stat = self.fetcher.stat(source).await?;
+        let expected = match spec {
+            None => None,
+            Some(spec) => Some(self.resolve_checksum(spec, source).await?),
+        };
+        done.image_url = Some(href.to_string());
+        if let Some(e) = expected {
+            if e.algo == Algo::Md5 {
+                done.image_checksum = Some(e.hex);
+            } else {
+                done.image_os_hash_algo = Some(e.algo.name().into());
+                done.image_os_hash_value = Some(e.hex);
+            }
+        }
+        done.image_size = stat.size;
+        done.converted = Some(false);
+        Ok(())
+    }
+
+    async fn resolve_checksum(&self, spec: ChecksumSpec, source: &Source) -> Result<Expected> {
+        match spec {
+            ChecksumSpec::Value(e) => Ok(e),
+            ChecksumSpec::Url { url, algo } => {
+                let text = self.fetcher.fetch_text(&url).await?;
+                parse_checksum_file(&text, &source.file_name(), algo)
+            }
+        }
+    }
+
+    /// Ironic's staleness rule for a master without an expected checksum: the
+    /// source must say when it changed, and not after the master was fetched.
+    async fn is_fresh(&self, source: &Source, meta: &MasterMeta) -> Result<bool> {
+        let stat = self.fetcher.stat(source).await?;
+        Ok(stat
+            .last_modified
+            .is_some_and(|t| cache::unix_secs(t) <= meta.fetched_at))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn fetch_master(
+        &self,
+        source: &Source,
+        href: &str,
+        name: &str,
+        expected: Option<&Expected>,
+        sha512: bool,
+        force_raw: bool,
+        info: &InstanceInfo,
+    ) -> Result<Master> {
+        let fetched_at = cache::unix_secs(SystemTime::now());
+        let temp = TempGuard::new(self.cache.temp_path(name));
+        let dir = self.cache.dir().to_path_buf();
+        let room = move |len: u64| fsutil::check_space(&dir, len);
+        tracing::info!(source = %source.display(), master = name, "downloading");
+        let (digests, stat) = self
+            .fetcher
+            .download(source, temp.path(), sha512, &room)
+            .await?;
+        if let Some(e) = expected {
+            let got = digests.get(e.algo).unwrap_or_default();
+            if got != e.hex {
+                return Err(Error::new(
+                    ErrorCode::ChecksumMismatch,
+                    format!(
+                        "{}: {} is {got}, expected {}",
+                        source.display(),
+                        e.algo,
+                        e.hex
+                    ),
+                ));
+            }
+        }
+        let found = inspect::inspect_file(temp.path())?;
+        inspect::check_format(
+            found.format,
+            info.image_disk_format.as_deref(),
+            &self.config.conductor.permitted_image_formats,
+        )?;
+        if force_raw && !found.format.is_raw() {
+            return Err(Error::new(
+                ErrorCode::FormatNotPermitted,
+                format!(
+                    "image is {} and force_raw applies, but conversion to raw is not available in this build",
+                    found.format.name()
+                ),
+            ));
+        }
+        let meta = MasterMeta {
+            source: href.to_string(),
+            fetched_at,
+            source_last_modified: stat.last_modified.map(cache::unix_secs),
+            source_size: digests.size,
+            source_md5: digests.md5.clone(),
+            source_sha256: digests.sha256.clone(),
+            source_sha512: digests.sha512.clone(),
+            source_format: found.format.name().into(),
+            converted: false,
+            disk_format: found.format.served_name().into(),
+            size: digests.size,
+            md5: digests.md5,
+            sha256: digests.sha256,
+            sha512: digests.sha512,
+            inode: 0,
+        };
+        let master = self.cache.commit(temp.path(), name, meta)?;
+        temp.keep();
+        Ok(master)
+    }
+}
+
+/// True when the master's recorded source digest equals what Ironic expects
+/// (or nothing is expected).
+fn matches_expected(meta: &MasterMeta, expected: Option<&Expected>) -> bool {
+    let Some(e) = expected else { return true };
+    let recorded = match e.algo {
+        Algo::Md5 => Some(&meta.source_md5),
+        Algo::Sha256 => Some(&meta.source_sha256),
+        Algo::Sha512 => meta.source_sha512.as_ref(),
+    };
+    recorded == Some(&e.hex)
+}

@@ -1,0 +1,82 @@
+//! `serve`: the long-running worker. Starts the image server and the metrics
+//! listener and runs until SIGTERM/SIGINT.
+
+use crate::config::Config;
+use crate::error::{Error, ErrorCode, Result};
+use crate::http::{self, Health, ImageRoots};
+use crate::metrics::Metrics;
+use crate::pipeline::Pipeline;
+use std::sync::Arc;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+/// Runs the worker until a termination signal.
+pub async fn serve(config: Config) -> Result<()> {
+    let pipeline = Arc::new(Pipeline::new(config)?);
+    let config = pipeline.config().clone();
+    let metrics = Arc::new(Metrics::new());
+    let roots = ImageRoots::new(
+        &config.deploy.http_root,
+        &[&config.pxe.instance_master_path, &config.pxe.images_path],
+    )
+    .map_err(|e| Error::io("resolve served directories", e))?;
+    let image_listener = bind(config.http.listen).await?;
+    let ops_listener = bind(config.metrics.listen).await?;
+    tracing::info!(
+        host = %config.default.host,
+        images = %config.http.listen,
+        metrics = %config.metrics.listen,
+        http_url = %config.http_url(),
+        "ironic-image-worker serving"
+    );
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let health = Health {
+        dirs: vec![
+            config.pxe.instance_master_path.clone(),
+            config.pxe.images_path.clone(),
+            config.deploy.http_root.join(&config.deploy.http_image_subdir),
+        ],
+        broker: None,
+    };
+    let images = tokio::spawn(http::serve_images(
+        image_listener,
+        roots,
+        metrics.clone(),
+        stopped(stop_rx.clone()),
+    ));
+    let ops = tokio::spawn(http::serve_ops(
+        ops_listener,
+        metrics.clone(),
+        health,
+        stopped(stop_rx.clone()),
+    ));
+    shutdown_signal().await;
+    tracing::info!("shutting down");
+    let _ = stop_tx.send(true);
+    let _ = images.await;
+    let _ = ops.await;
+    drop(pipeline);
+    Ok(())
+}
+
+async fn bind(addr: std::net::SocketAddr) -> Result<TcpListener> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|e| Error::new(ErrorCode::Internal, format!("cannot listen on {addr}: {e}")))
+}
+
+/// Completes on SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
