@@ -54,6 +54,25 @@ impl Format {
         }
     }
 
+    /// Every format, for lookups by name.
+    pub const ALL: [Format; 10] = [
+        Format::Raw,
+        Format::Gpt,
+        Format::Iso,
+        Format::Qcow2,
+        Format::Qed,
+        Format::Vmdk,
+        Format::Vhd,
+        Format::Vhdx,
+        Format::Vdi,
+        Format::Luks,
+    ];
+
+    /// The format called `name` (as [`Format::name`] spells it).
+    pub fn from_name(name: &str) -> Option<Format> {
+        Format::ALL.into_iter().find(|f| f.name() == name)
+    }
+
     /// True for formats whose bytes are the disk itself (served as `raw`).
     pub fn is_raw(self) -> bool {
         matches!(self, Format::Raw | Format::Gpt)

@@ -83,12 +83,17 @@ impl Pipeline {
         }
         let result = match NodeUuid::parse(&req.node_uuid) {
             Err(e) => Err(e),
-            Ok(node) => match req.action {
-                Action::Prepare => self.prepare(&node, req, &mut done).await,
-                Action::Deployed => self.release(&node, false).await,
-                Action::Cleanup => self.release(&node, true).await,
-                Action::Unknown => Err(Error::new(ErrorCode::InvalidMessage, "unknown action")),
-            },
+            Ok(node) => {
+                done.node_uuid = Some(node.to_string());
+                match req.action {
+                    Action::Prepare => self.prepare(&node, req, &mut done).await,
+                    Action::Deployed => self.release(&node, false).await,
+                    Action::Cleanup => self.release(&node, true).await,
+                    Action::Unknown => {
+                        Err(Error::new(ErrorCode::InvalidMessage, "unknown action"))
+                    }
+                }
+            }
         };
         if let Err(e) = result {
             tracing::warn!(node = %req.node_uuid, request_id = ?req.request_id, action = req.action.as_str(), error = %e, "request failed");
@@ -176,6 +181,18 @@ impl Pipeline {
                 (m, CacheOutcome::Miss)
             }
         };
+        if outcome == CacheOutcome::Hit {
+            // Declared format and policy are checked on every request, not
+            // only when the master was made.
+            let format = inspect::Format::from_name(&master.meta.source_format).ok_or_else(|| {
+                Error::new(ErrorCode::Internal, "cache sidecar names an unknown format")
+            })?;
+            inspect::check_format(
+                format,
+                info.image_disk_format.as_deref(),
+                &self.config.conductor.permitted_image_formats,
+            )?;
+        }
         if !self.links.disk_is(node, &master.path) {
             self.links.link_disk(node, &master.path)?;
         }

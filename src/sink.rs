@@ -100,7 +100,7 @@ impl Sink {
 
     /// Bytes accepted so far.
     pub fn size(&self) -> u64 {
-        self.size
+        self.size + self.buf.len() as u64
     }
 
     /// Appends `data`, handing full chunks to the consumers.

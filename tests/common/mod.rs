@@ -1,0 +1,392 @@
+//! Test support: a real HTTP source server that counts requests, a worker
+//! environment in a temporary directory, images made with `qemu-img`, and
+//! validation of every completion event against the JSON schema.
+#![allow(dead_code)]
+
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::response::{IntoResponse, Response};
+use serde_json::Value;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Output, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tower::ServiceExt;
+
+/// The worker binary under test.
+pub const BIN: &str = env!("CARGO_BIN_EXE_ironic-image-worker");
+
+/// A local HTTP server serving a directory, counting requests per
+/// `(method, path)`.
+pub struct SourceServer {
+    pub addr: SocketAddr,
+    pub dir: PathBuf,
+    counts: Arc<Mutex<HashMap<(String, String), usize>>>,
+}
+
+impl SourceServer {
+    pub async fn start(dir: &Path) -> SourceServer {
+        let counts: Arc<Mutex<HashMap<(String, String), usize>>> = Arc::default();
+        let state = (dir.to_path_buf(), counts.clone());
+        let app = Router::new().fallback(serve_counted).with_state(state);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        SourceServer {
+            addr,
+            dir: dir.to_path_buf(),
+            counts,
+        }
+    }
+
+    pub fn url(&self, name: &str) -> String {
+        format!("http://{}/{name}", self.addr)
+    }
+
+    /// Requests seen for `path` with `method`.
+    pub fn count(&self, method: &str, name: &str) -> usize {
+        let key = (method.to_string(), format!("/{name}"));
+        *self.counts.lock().unwrap().get(&key).unwrap_or(&0)
+    }
+}
+
+type CountState = (PathBuf, Arc<Mutex<HashMap<(String, String), usize>>>);
+
+async fn serve_counted(State((dir, counts)): State<CountState>, req: Request) -> Response {
+    let key = (req.method().to_string(), req.uri().path().to_string());
+    *counts.lock().unwrap().entry(key).or_default() += 1;
+    match tower_http::services::ServeDir::new(dir).oneshot(req).await {
+        Ok(r) => r.into_response(),
+        Err(never) => match never {},
+    }
+}
+
+/// A worker configuration rooted in a temporary directory.
+pub struct Env {
+    pub tmp: tempfile::TempDir,
+    pub config: PathBuf,
+    pub http_port: u16,
+    pub metrics_port: u16,
+    pub host: String,
+}
+
+/// A free TCP port on loopback (bound then released).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl Env {
+    /// A new environment; `extra` is appended to the TOML file.
+    pub fn new(extra: &str) -> Env {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        for d in ["src", "allowed"] {
+            std::fs::create_dir_all(root.join(d)).unwrap();
+        }
+        let http_port = free_port();
+        let metrics_port = free_port();
+        let host = format!("test-{}", uuid::Uuid::new_v4().simple());
+        let config = root.join("worker.toml");
+        let text = format!(
+            r#"
+[DEFAULT]
+host = "{host}"
+
+[deploy]
+http_root = "{root}/httpboot"
+http_url = "http://127.0.0.1:{http_port}"
+
+[pxe]
+instance_master_path = "{root}/master_images"
+images_path = "{root}/images"
+
+[conductor]
+file_url_allowed_paths = "{root}/allowed"
+
+[http]
+listen = "127.0.0.1:{http_port}"
+
+[metrics]
+listen = "127.0.0.1:{metrics_port}"
+
+[source]
+retries = 2
+connect_timeout = 2
+read_timeout = 5
+{extra}
+"#,
+            root = root.display()
+        );
+        std::fs::write(&config, text).unwrap();
+        Env {
+            tmp,
+            config,
+            http_port,
+            metrics_port,
+            host,
+        }
+    }
+
+    pub fn root(&self) -> &Path {
+        self.tmp.path()
+    }
+
+    pub fn master_dir(&self) -> PathBuf {
+        self.root().join("master_images")
+    }
+
+    pub fn images_dir(&self) -> PathBuf {
+        self.root().join("images")
+    }
+
+    pub fn link_dir(&self) -> PathBuf {
+        self.root().join("httpboot/agent_images")
+    }
+
+    /// Runs the binary with this configuration and `args`.
+    pub async fn run(&self, args: &[&str]) -> Output {
+        self.run_with_umask(None, args).await
+    }
+
+    /// Runs the binary under `umask` (via sh) with `args`.
+    pub async fn run_with_umask(&self, umask: Option<&str>, args: &[&str]) -> Output {
+        let mut cmd = match umask {
+            None => tokio::process::Command::new(BIN),
+            Some(mask) => {
+                let mut c = tokio::process::Command::new("sh");
+                c.arg("-c")
+                    .arg(format!("umask {mask}; exec \"$0\" \"$@\""))
+                    .arg(BIN);
+                c
+            }
+        };
+        cmd.arg("--config").arg(&self.config).args(args);
+        cmd.env_remove("IRONIC_IMAGE_WORKER_CONFIG");
+        tokio::time::timeout(Duration::from_secs(120), cmd.output())
+            .await
+            .expect("worker command timed out")
+            .unwrap()
+    }
+
+    /// Runs a one-shot command and returns its completion event (validated).
+    pub async fn oneshot(&self, args: &[&str]) -> (bool, Value) {
+        let out = self.run(args).await;
+        completion_of(&out)
+    }
+
+    /// `prepare --node NODE --image-source SRC` plus `extra`.
+    pub async fn prepare(&self, node: &str, source: &str, extra: &[&str]) -> (bool, Value) {
+        let mut args = vec!["prepare", "--node", node, "--image-source", source];
+        args.extend_from_slice(extra);
+        self.oneshot(&args).await
+    }
+
+    /// Files in the master cache that are not sidecars, locks or hidden.
+    pub fn masters(&self) -> Vec<String> {
+        list_visible(&self.master_dir())
+            .into_iter()
+            .filter(|n| !n.ends_with(".meta.json"))
+            .collect()
+    }
+
+    /// Every entry of the master directory that is a temporary.
+    pub fn temporaries(&self) -> Vec<String> {
+        let mut found = Vec::new();
+        for dir in [self.master_dir(), self.link_dir()] {
+            if let Ok(rd) = std::fs::read_dir(dir) {
+                for e in rd.flatten() {
+                    let n = e.file_name().to_string_lossy().into_owned();
+                    if n.starts_with(".tmp-") {
+                        found.push(n);
+                    }
+                }
+            }
+        }
+        found
+    }
+
+    /// Starts `serve` and waits until `/healthz` answers.
+    pub async fn serve(&self) -> Worker {
+        self.serve_with(&[], &[]).await
+    }
+
+    /// Starts `serve` with extra arguments and environment variables.
+    pub async fn serve_with(&self, args: &[&str], envs: &[(&str, &str)]) -> Worker {
+        let mut cmd = tokio::process::Command::new(BIN);
+        cmd.arg("--config")
+            .arg(&self.config)
+            .args(args)
+            .arg("serve")
+            .env_remove("IRONIC_IMAGE_WORKER_CONFIG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true);
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().unwrap();
+        let worker = Worker {
+            child,
+            http_port: self.http_port,
+            metrics_port: self.metrics_port,
+        };
+        worker.wait_healthy().await;
+        worker
+    }
+}
+
+/// A running `serve` process.
+pub struct Worker {
+    pub child: tokio::process::Child,
+    pub http_port: u16,
+    pub metrics_port: u16,
+}
+
+impl Worker {
+    pub async fn wait_healthy(&self) {
+        let url = format!("http://127.0.0.1:{}/healthz", self.metrics_port);
+        for _ in 0..200 {
+            if let Ok(r) = reqwest::get(&url).await {
+                if r.status().is_success() {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("worker did not become healthy");
+    }
+
+    pub fn image_url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.http_port)
+    }
+
+    pub fn metrics_url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.metrics_port)
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    pub async fn terminate(mut self) -> std::process::ExitStatus {
+        if let Some(pid) = self.child.id() {
+            unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        }
+        tokio::time::timeout(Duration::from_secs(60), self.child.wait())
+            .await
+            .expect("worker did not stop")
+            .unwrap()
+    }
+}
+
+pub fn list_visible(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| !n.starts_with('.'))
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// Parses and schema-validates the completion printed by a one-shot command;
+/// returns (exit success, event).
+pub fn completion_of(out: &Output) -> (bool, Value) {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.lines().last().unwrap_or_else(|| {
+        panic!(
+            "no completion on stdout; stderr:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    let event: Value = serde_json::from_str(line).expect("completion is JSON");
+    assert_valid_completion(&event);
+    let ok = out.status.success();
+    assert_eq!(ok, event["status"] == "success", "exit status agrees with event: {event}");
+    (ok, event)
+}
+
+/// Validates `event` against `schemas/completion.v1.json`.
+pub fn assert_valid_completion(event: &Value) {
+    static SCHEMA: std::sync::OnceLock<jsonschema::Validator> = std::sync::OnceLock::new();
+    let validator = SCHEMA.get_or_init(|| {
+        let text = std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("schemas/completion.v1.json"),
+        )
+        .unwrap();
+        jsonschema::validator_for(&serde_json::from_str(&text).unwrap()).unwrap()
+    });
+    let errors: Vec<String> = validator.iter_errors(event).map(|e| e.to_string()).collect();
+    assert!(errors.is_empty(), "event {event} violates the schema: {errors:?}");
+}
+
+/// Runs a reference tool and returns its stdout, panicking on failure.
+pub fn tool(cmd: &str, args: &[&str]) -> String {
+    let out = std::process::Command::new(cmd).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `md5sum` of a file (hex).
+pub fn md5sum(path: &Path) -> String {
+    tool("md5sum", &[path.to_str().unwrap()])
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+/// `sha256sum` of a file (hex).
+pub fn sha256sum(path: &Path) -> String {
+    tool("sha256sum", &[path.to_str().unwrap()])
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+/// Writes `len` pseudo-random bytes (seeded, so failures reproduce).
+pub fn random_file(path: &Path, len: usize, seed: u64) {
+    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut data = Vec::with_capacity(len + 8);
+    while data.len() < len {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        data.extend_from_slice(&state.to_le_bytes());
+    }
+    data.truncate(len);
+    std::fs::write(path, data).unwrap();
+}
+
+/// Makes a qcow2 from a raw file with `qemu-img convert` (options in `opts`).
+pub fn qcow2_from(raw: &Path, out: &Path, opts: &[&str]) {
+    let mut args = vec!["convert", "-f", "raw", "-O", "qcow2"];
+    args.extend_from_slice(opts);
+    args.push(raw.to_str().unwrap());
+    args.push(out.to_str().unwrap());
+    tool("qemu-img", &args);
+}
+
+/// A random canonical node UUID.
+pub fn node() -> String {
+    uuid::Uuid::new_v4().to_string()
+}
+
+/// GETs `url` and returns (status, body bytes).
+pub async fn get(url: &str) -> (u16, Vec<u8>) {
+    let r = reqwest::get(url).await.unwrap();
+    let status = r.status().as_u16();
+    (status, r.bytes().await.unwrap().to_vec())
+}
