@@ -91,7 +91,9 @@ pub fn glance_id(href: &str) -> Option<String> {
 
 /// Unix seconds of `t`.
 pub fn unix_secs(t: SystemTime) -> u64 {
-    t.duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    t.duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 impl Cache {

@@ -165,13 +165,12 @@ pub fn parse_checksum_file(text: &str, file_name: &str, algo: Option<Algo>) -> R
         if line.is_empty() || line.starts_with('#') {
             continue;
         }
-        if let Some((head, hex)) = line.rsplit_once(" = ") {
-            if let (Some(open), Some(close)) = (head.find('('), head.rfind(')')) {
-                if open < close {
-                    entries.push((Some(head[open + 1..close].to_string()), hex.trim().into()));
-                    continue;
-                }
-            }
+        if let Some((head, hex)) = line.rsplit_once(" = ")
+            && let (Some(open), Some(close)) = (head.find('('), head.rfind(')'))
+            && open < close
+        {
+            entries.push((Some(head[open + 1..close].to_string()), hex.trim().into()));
+            continue;
         }
         let mut parts = line.splitn(2, char::is_whitespace);
         let hex = parts.next().unwrap_or_default().to_string();
@@ -198,7 +197,12 @@ pub fn parse_checksum_file(text: &str, file_name: &str, algo: Option<Algo>) -> R
         Some(algo) => Expected::new(algo, hex),
         None => Expected::parse_guess(hex),
     }
-    .map_err(|e| Error::new(ErrorCode::ChecksumMismatch, format!("checksum file: {}", e.message)))
+    .map_err(|e| {
+        Error::new(
+            ErrorCode::ChecksumMismatch,
+            format!("checksum file: {}", e.message),
+        )
+    })
 }
 
 /// A running digest of one of the supported algorithms.
@@ -253,7 +257,9 @@ mod tests {
         let spec = ChecksumSpec::from_fields(Some(MD5), Some("sha256"), Some(SHA256)).unwrap();
         assert_eq!(
             spec,
-            Some(ChecksumSpec::Value(Expected::new(Algo::Sha256, SHA256).unwrap()))
+            Some(ChecksumSpec::Value(
+                Expected::new(Algo::Sha256, SHA256).unwrap()
+            ))
         );
     }
 
@@ -261,7 +267,9 @@ mod tests {
     fn guesses_and_prefixed_forms() {
         assert_eq!(Expected::parse_guess(MD5).unwrap().algo, Algo::Md5);
         assert_eq!(
-            Expected::parse_guess(&format!("sha256:{SHA256}")).unwrap().algo,
+            Expected::parse_guess(&format!("sha256:{SHA256}"))
+                .unwrap()
+                .algo,
             Algo::Sha256
         );
         assert!(Expected::parse_guess("abc").is_err());
@@ -278,9 +286,15 @@ mod tests {
     #[test]
     fn checksum_file_formats() {
         let text = format!("{MD5}  other.img\n{SHA256} *disk.img\n");
-        assert_eq!(parse_checksum_file(&text, "disk.img", None).unwrap().hex, SHA256);
+        assert_eq!(
+            parse_checksum_file(&text, "disk.img", None).unwrap().hex,
+            SHA256
+        );
         let bsd = format!("SHA256 (disk.img) = {SHA256}\n");
-        assert_eq!(parse_checksum_file(&bsd, "disk.img", None).unwrap().hex, SHA256);
+        assert_eq!(
+            parse_checksum_file(&bsd, "disk.img", None).unwrap().hex,
+            SHA256
+        );
         assert_eq!(parse_checksum_file(MD5, "x", None).unwrap().hex, MD5);
         assert!(parse_checksum_file(&text, "missing.img", None).is_err());
     }

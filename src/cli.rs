@@ -48,6 +48,8 @@ pub enum Command {
     Deployed(NodeArgs),
     /// Remove a node's image and URL, without a broker.
     Cleanup(NodeArgs),
+    /// Publish a command to a running worker through the broker.
+    Send(SendArgs),
 }
 
 /// Arguments naming a node.
@@ -61,14 +63,12 @@ pub struct NodeArgs {
     pub request_id: Option<String>,
 }
 
-/// Arguments of a one-shot prepare (Ironic `instance_info` keys).
+/// Ironic `instance_info` keys and per-request options of a prepare.
 #[derive(Debug, Args)]
-pub struct PrepareArgs {
-    #[command(flatten)]
-    node: NodeArgs,
+pub struct ImageArgs {
     /// `instance_info.image_source`.
     #[arg(long)]
-    image_source: String,
+    image_source: Option<String>,
     /// `instance_info.image_checksum` (hex, `algo:hex` or a checksum file URL).
     #[arg(long)]
     checksum: Option<String>,
@@ -95,44 +95,91 @@ pub struct PrepareArgs {
     stream_raw: Option<bool>,
 }
 
-impl PrepareArgs {
-    fn request(self) -> Request {
-        Request {
-            action: Action::Prepare,
-            node_uuid: self.node.node,
-            request_id: self.node.request_id,
-            instance_info: InstanceInfo {
-                image_source: Some(self.image_source),
-                image_checksum: self.checksum,
-                image_os_hash_algo: self.os_hash_algo,
-                image_os_hash_value: self.os_hash_value,
-                image_disk_format: self.disk_format,
-                image_type: self.image_type,
-                image_download_source: self.image_download_source,
-                ..InstanceInfo::default()
-            },
-            options: Options {
-                force_raw: self.force_raw,
-                stream_raw: self.stream_raw,
-            },
+/// Arguments of a one-shot prepare.
+#[derive(Debug, Args)]
+pub struct PrepareArgs {
+    #[command(flatten)]
+    node: NodeArgs,
+    #[command(flatten)]
+    image: ImageArgs,
+}
+
+/// Arguments of `send`: publish a command to a running worker.
+#[derive(Debug, Args)]
+pub struct SendArgs {
+    /// prepare, deployed or cleanup.
+    #[arg(value_enum)]
+    action: SendAction,
+    #[command(flatten)]
+    node: NodeArgs,
+    #[command(flatten)]
+    image: ImageArgs,
+    /// Conductor host whose worker gets the command (default `[DEFAULT]host`).
+    #[arg(long)]
+    conductor: Option<String>,
+    /// Wait for the completion event and print it.
+    #[arg(long)]
+    wait: bool,
+    /// Seconds to wait with `--wait`.
+    #[arg(long, default_value_t = 3600)]
+    timeout: u64,
+}
+
+/// Actions a command can carry.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum SendAction {
+    /// Cache and publish the image.
+    Prepare,
+    /// Withdraw URL and link after deployment.
+    Deployed,
+    /// Remove everything of the node.
+    Cleanup,
+}
+
+impl SendAction {
+    fn action(self) -> Action {
+        match self {
+            SendAction::Prepare => Action::Prepare,
+            SendAction::Deployed => Action::Deployed,
+            SendAction::Cleanup => Action::Cleanup,
         }
     }
 }
 
-fn node_request(action: Action, args: NodeArgs) -> Request {
+fn request(action: Action, node: NodeArgs, image: Option<ImageArgs>) -> Request {
+    let (instance_info, options) = match image {
+        None => (InstanceInfo::default(), Options::default()),
+        Some(i) => (
+            InstanceInfo {
+                image_source: i.image_source,
+                image_checksum: i.checksum,
+                image_os_hash_algo: i.os_hash_algo,
+                image_os_hash_value: i.os_hash_value,
+                image_disk_format: i.disk_format,
+                image_type: i.image_type,
+                image_download_source: i.image_download_source,
+                ..InstanceInfo::default()
+            },
+            Options {
+                force_raw: i.force_raw,
+                stream_raw: i.stream_raw,
+            },
+        ),
+    };
     Request {
         action,
-        node_uuid: args.node,
-        request_id: args.request_id,
-        instance_info: InstanceInfo::default(),
-        options: Options::default(),
+        node_uuid: node.node,
+        request_id: node.request_id,
+        instance_info,
+        options,
     }
 }
 
 /// Sets up logging on stderr (`RUST_LOG` filters, default `info`).
 pub fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new("info,lapin=warn,lapin::returned_messages=error")
+    });
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
@@ -169,9 +216,31 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             crate::serve::serve(config).await?;
             return Ok(ExitCode::SUCCESS);
         }
-        Command::Prepare(args) => args.request(),
-        Command::Deployed(args) => node_request(Action::Deployed, args),
-        Command::Cleanup(args) => node_request(Action::Cleanup, args),
+        Command::Prepare(args) => request(Action::Prepare, args.node, Some(args.image)),
+        Command::Deployed(args) => request(Action::Deployed, args, None),
+        Command::Cleanup(args) => request(Action::Cleanup, args, None),
+        Command::Send(args) => {
+            let action = args.action.action();
+            let image = (action == Action::Prepare).then_some(args.image);
+            let mut req = request(action, args.node, image);
+            let request_id = req
+                .request_id
+                .get_or_insert_with(|| uuid::Uuid::new_v4().to_string())
+                .clone();
+            let host = args
+                .conductor
+                .unwrap_or_else(|| config.default.host.clone());
+            let wait = args
+                .wait
+                .then_some(std::time::Duration::from_secs(args.timeout));
+            return match crate::client::send(&config, &host, &req, wait).await? {
+                Some(done) => Ok(print_completion(&done)),
+                None => {
+                    println!("{}", serde_json::json!({"request_id": request_id}));
+                    Ok(ExitCode::SUCCESS)
+                }
+            };
+        }
     };
     let pipeline = Pipeline::new(config)?;
     let done = pipeline.handle(&request).await;

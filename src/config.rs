@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 pub const ENV_PREFIX: &str = "IRONIC_IMAGE_WORKER__";
 
 /// The whole configuration, section by section as in ironic.conf.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
     /// `[DEFAULT]`: the conductor host name and the raw-conversion switch.
@@ -156,22 +156,6 @@ pub struct SourceSection {
     pub retries: u32,
     /// Whether TLS certificates of https sources are verified.
     pub verify_tls: bool,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Config {
-            default: DefaultSection::default(),
-            agent: AgentSection::default(),
-            deploy: DeploySection::default(),
-            pxe: PxeSection::default(),
-            conductor: ConductorSection::default(),
-            amqp: AmqpSection::default(),
-            http: HttpSection::default(),
-            metrics: MetricsSection::default(),
-            source: SourceSection::default(),
-        }
-    }
 }
 
 /// Directory for the default paths: `$XDG_STATE_HOME/ironic-image-worker`,
@@ -355,12 +339,12 @@ impl Config {
             }
         }
         for item in overrides {
-            let (path, value) = item
-                .split_once('=')
-                .ok_or_else(|| config_error(format!("--set {item}: expected SECTION.OPTION=VALUE")))?;
-            let (section, key) = path
-                .split_once('.')
-                .ok_or_else(|| config_error(format!("--set {item}: expected SECTION.OPTION=VALUE")))?;
+            let (path, value) = item.split_once('=').ok_or_else(|| {
+                config_error(format!("--set {item}: expected SECTION.OPTION=VALUE"))
+            })?;
+            let (section, key) = path.split_once('.').ok_or_else(|| {
+                config_error(format!("--set {item}: expected SECTION.OPTION=VALUE"))
+            })?;
             set_option(&mut table, section, key, value);
         }
         let config: Config = table

@@ -36,7 +36,10 @@ pub fn temp_path(target: &Path) -> PathBuf {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    target.with_file_name(format!("{TEMP_PREFIX}{name}.{}", uuid::Uuid::new_v4().simple()))
+    target.with_file_name(format!(
+        "{TEMP_PREFIX}{name}.{}",
+        uuid::Uuid::new_v4().simple()
+    ))
 }
 
 /// Prefix of every temporary file the worker creates.

@@ -41,7 +41,11 @@ impl ImageRoots {
     /// are never listed, symlinks out of the allowed directories are refused.
     pub async fn resolve(&self, raw_path: &str) -> Result<PathBuf, StatusCode> {
         let mut rel = PathBuf::new();
-        for segment in raw_path.strip_prefix('/').ok_or(StatusCode::BAD_REQUEST)?.split('/') {
+        for segment in raw_path
+            .strip_prefix('/')
+            .ok_or(StatusCode::BAD_REQUEST)?
+            .split('/')
+        {
             let bytes: Vec<u8> = percent_encoding::percent_decode_str(segment).collect();
             if bytes.is_empty()
                 || bytes == b"."
@@ -110,14 +114,22 @@ async fn serve_image(State(state): State<Arc<ImageState>>, req: Request) -> Resp
         }
     };
     let status = response.status().as_u16().to_string();
-    state.metrics.http_requests.with_label_values(&[&status]).inc();
+    state
+        .metrics
+        .http_requests
+        .with_label_values(&[&status])
+        .inc();
     if let Some(len) = response
         .headers()
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok())
     {
-        state.metrics.http_bytes.with_label_values(&[&status]).inc_by(len);
+        state
+            .metrics
+            .http_bytes
+            .with_label_values(&[&status])
+            .inc_by(len);
     }
     response
 }
@@ -134,10 +146,10 @@ impl Health {
     /// Returns the problems found (empty when ready).
     pub fn problems(&self) -> Vec<String> {
         let mut problems = Vec::new();
-        if let Some(broker) = &self.broker {
-            if !broker.load(Ordering::Relaxed) {
-                problems.push("broker: not connected".to_string());
-            }
+        if let Some(broker) = &self.broker
+            && !broker.load(Ordering::Relaxed)
+        {
+            problems.push("broker: not connected".to_string());
         }
         for dir in &self.dirs {
             let probe = crate::fsutil::temp_path(&dir.join("readyz"));

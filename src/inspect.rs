@@ -167,7 +167,10 @@ pub fn check_format(detected: Format, declared: Option<&str>, permitted: &[Strin
             ));
         }
     }
-    if !permitted.iter().any(|p| p.eq_ignore_ascii_case(detected.name())) {
+    if !permitted
+        .iter()
+        .any(|p| p.eq_ignore_ascii_case(detected.name()))
+    {
         return Err(Error::new(
             ErrorCode::FormatNotPermitted,
             format!(
@@ -212,11 +215,15 @@ mod tests {
         let permitted: Vec<String> = ["raw", "gpt", "qcow2"].map(String::from).to_vec();
         assert!(check_format(Format::Gpt, Some("raw"), &permitted).is_ok());
         assert_eq!(
-            check_format(Format::Qcow2, Some("raw"), &permitted).unwrap_err().code,
+            check_format(Format::Qcow2, Some("raw"), &permitted)
+                .unwrap_err()
+                .code,
             ErrorCode::FormatMismatch
         );
         assert_eq!(
-            check_format(Format::Vmdk, None, &permitted).unwrap_err().code,
+            check_format(Format::Vmdk, None, &permitted)
+                .unwrap_err()
+                .code,
             ErrorCode::FormatNotPermitted
         );
     }

@@ -4,14 +4,17 @@
 //! The pipeline (`source` -> `inspect` -> `cache` -> `link`) is independent
 //! of how requests arrive; `cli` and `serve` drive it.
 
+pub mod amqp;
 pub mod cache;
 pub mod checksum;
 pub mod cli;
+pub mod client;
 pub mod config;
 pub mod error;
 pub mod events;
 pub mod fsutil;
 pub mod http;
+pub mod inbound;
 pub mod inspect;
 pub mod link;
 pub mod lock;

@@ -19,6 +19,10 @@ pub struct Metrics {
     pub http_bytes: IntCounterVec,
     /// 1 while connected to the broker.
     pub amqp_connected: IntGauge,
+    /// Reconnection attempts to the broker.
+    pub amqp_reconnects: prometheus::IntCounter,
+    /// Messages acknowledged without an answer, by reason.
+    pub ignored: IntCounterVec,
 }
 
 const PREFIX: &str = "ironic_image_worker_";
@@ -30,7 +34,9 @@ impl Metrics {
         let counter = |name: &str, help: &str, labels: &[&str]| {
             let c = IntCounterVec::new(Opts::new(format!("{PREFIX}{name}"), help), labels)
                 .expect("valid metric");
-            registry.register(Box::new(c.clone())).expect("unique metric");
+            registry
+                .register(Box::new(c.clone()))
+                .expect("unique metric");
             c
         };
         let completions = counter(
@@ -47,6 +53,11 @@ impl Metrics {
             "http_response_bytes_total",
             "Image server response body bytes announced, by status code.",
             &["status"],
+        );
+        let ignored = counter(
+            "ignored_messages_total",
+            "Messages acknowledged without an answer (other conductors, irrelevant notifications), by reason.",
+            &["reason"],
         );
         let prepare_seconds = HistogramVec::new(
             HistogramOpts::new(
@@ -70,6 +81,14 @@ impl Metrics {
         registry
             .register(Box::new(amqp_connected.clone()))
             .expect("unique metric");
+        let amqp_reconnects = prometheus::IntCounter::new(
+            format!("{PREFIX}amqp_reconnects_total"),
+            "Reconnection attempts to the broker.",
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(amqp_reconnects.clone()))
+            .expect("unique metric");
         let _ = registry.register(Box::new(
             prometheus::process_collector::ProcessCollector::for_self(),
         ));
@@ -80,6 +99,8 @@ impl Metrics {
             http_requests,
             http_bytes,
             amqp_connected,
+            amqp_reconnects,
+            ignored,
         }
     }
 

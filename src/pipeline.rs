@@ -89,9 +89,7 @@ impl Pipeline {
                     Action::Prepare => self.prepare(&node, req, &mut done).await,
                     Action::Deployed => self.release(&node, false).await,
                     Action::Cleanup => self.release(&node, true).await,
-                    Action::Unknown => {
-                        Err(Error::new(ErrorCode::InvalidMessage, "unknown action"))
-                    }
+                    Action::Unknown => Err(Error::new(ErrorCode::InvalidMessage, "unknown action")),
                 }
             }
         };
@@ -124,7 +122,10 @@ impl Pipeline {
             .map(str::trim)
             .filter(|s| !s.is_empty())
             .ok_or_else(|| {
-                Error::new(ErrorCode::InvalidMessage, "instance_info.image_source is required")
+                Error::new(
+                    ErrorCode::InvalidMessage,
+                    "instance_info.image_source is required",
+                )
             })?;
         let spec = ChecksumSpec::from_fields(
             info.image_checksum.as_deref(),
@@ -156,8 +157,14 @@ impl Pipeline {
             None => None,
             Some(spec) => Some(self.resolve_checksum(spec, &source).await?),
         };
-        let force_raw = req.options.force_raw.unwrap_or(self.config.default.force_raw_images)
-            && req.options.stream_raw.unwrap_or(self.config.agent.stream_raw_images)
+        let force_raw = req
+            .options
+            .force_raw
+            .unwrap_or(self.config.default.force_raw_images)
+            && req
+                .options
+                .stream_raw
+                .unwrap_or(self.config.agent.stream_raw_images)
             && info.is_whole_disk();
         let name = cache::master_name(href, force_raw);
         let want_sha512 = expected.as_ref().is_some_and(|e| e.algo == Algo::Sha512);
@@ -176,7 +183,15 @@ impl Pipeline {
             }
             _ => {
                 let m = self
-                    .fetch_master(&source, href, &name, expected.as_ref(), want_sha512, force_raw, info)
+                    .fetch_master(
+                        &source,
+                        href,
+                        &name,
+                        expected.as_ref(),
+                        want_sha512,
+                        force_raw,
+                        info,
+                    )
                     .await?;
                 (m, CacheOutcome::Miss)
             }
@@ -184,9 +199,10 @@ impl Pipeline {
         if outcome == CacheOutcome::Hit {
             // Declared format and policy are checked on every request, not
             // only when the master was made.
-            let format = inspect::Format::from_name(&master.meta.source_format).ok_or_else(|| {
-                Error::new(ErrorCode::Internal, "cache sidecar names an unknown format")
-            })?;
+            let format =
+                inspect::Format::from_name(&master.meta.source_format).ok_or_else(|| {
+                    Error::new(ErrorCode::Internal, "cache sidecar names an unknown format")
+                })?;
             inspect::check_format(
                 format,
                 info.image_disk_format.as_deref(),

@@ -1,5 +1,5 @@
-//! `serve`: the long-running worker. Starts the image server and the metrics
-//! listener and runs until SIGTERM/SIGINT.
+//! `serve`: the long-running worker. Starts the image server, the metrics
+//! listener and the broker consumer, and runs until SIGTERM/SIGINT.
 
 use crate::config::Config;
 use crate::error::{Error, ErrorCode, Result};
@@ -33,13 +33,17 @@ pub async fn serve(config: Config) -> Result<()> {
     let stopped = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
+    let connected = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let health = Health {
         dirs: vec![
             config.pxe.instance_master_path.clone(),
             config.pxe.images_path.clone(),
-            config.deploy.http_root.join(&config.deploy.http_image_subdir),
+            config
+                .deploy
+                .http_root
+                .join(&config.deploy.http_image_subdir),
         ],
-        broker: None,
+        broker: Some(connected.clone()),
     };
     let images = tokio::spawn(http::serve_images(
         image_listener,
@@ -53,12 +57,28 @@ pub async fn serve(config: Config) -> Result<()> {
         health,
         stopped(stop_rx.clone()),
     ));
+    let consumer = tokio::spawn(crate::amqp::run(
+        pipeline.clone(),
+        metrics.clone(),
+        connected,
+        stop_rx.clone(),
+    ));
     shutdown_signal().await;
-    tracing::info!("shutting down");
+    tracing::info!("shutting down: finishing in-flight work");
     let _ = stop_tx.send(true);
-    let _ = images.await;
-    let _ = ops.await;
-    drop(pipeline);
+    let _ = consumer.await;
+    // Downloads by nodes may last long; give them a moment, then stop.
+    let servers = async {
+        let _ = images.await;
+        let _ = ops.await;
+    };
+    if tokio::time::timeout(std::time::Duration::from_secs(5), servers)
+        .await
+        .is_err()
+    {
+        tracing::info!("closing remaining image downloads");
+    }
+    tracing::info!("stopped");
     Ok(())
 }
 

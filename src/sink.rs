@@ -134,9 +134,7 @@ impl Sink {
     async fn fail(&mut self) -> Result<()> {
         self.senders.clear();
         for task in self.tasks.drain(..) {
-            if let Err(e) = join(task).await {
-                return Err(e);
-            }
+            join(task).await?;
         }
         Err(Error::new(ErrorCode::Internal, "a sink consumer stopped"))
     }
@@ -176,7 +174,8 @@ fn write_file(file: File, mut rx: mpsc::Receiver<Bytes>) -> Result<Output> {
     let mut synced = 0u64;
     while let Some(chunk) = rx.blocking_recv() {
         if !is_zero(&chunk) {
-            file.write_all_at(&chunk, offset).map_err(|e| io("write", e))?;
+            file.write_all_at(&chunk, offset)
+                .map_err(|e| io("write", e))?;
         }
         offset += chunk.len() as u64;
         if offset - synced >= WRITEBACK_WINDOW {

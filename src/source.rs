@@ -219,9 +219,8 @@ impl Fetcher {
 
     /// Fetches a small text document (a checksum file), at most 1 MiB.
     pub async fn fetch_text(&self, url: &str) -> Result<String> {
-        let parsed = reqwest::Url::parse(url).map_err(|e| {
-            Error::new(ErrorCode::InvalidMessage, format!("checksum URL: {e}"))
-        })?;
+        let parsed = reqwest::Url::parse(url)
+            .map_err(|e| Error::new(ErrorCode::InvalidMessage, format!("checksum URL: {e}")))?;
         let source = Source::Http(parsed.clone());
         self.retrying(|| async {
             let resp = self
@@ -336,17 +335,13 @@ impl Fetcher {
             let chunk = chunk.map_err(|e| request_failure(source, e))?;
             sink.write(&chunk).await?;
         }
-        if let Some(len) = stat.size {
-            if sink.size() != len {
-                return Err(Failure::Retry(Error::new(
-                    ErrorCode::SourceUnreachable,
-                    format!(
-                        "{}: got {} of {len} bytes",
-                        source.display(),
-                        sink.size()
-                    ),
-                )));
-            }
+        if let Some(len) = stat.size
+            && sink.size() != len
+        {
+            return Err(Failure::Retry(Error::new(
+                ErrorCode::SourceUnreachable,
+                format!("{}: got {} of {len} bytes", source.display(), sink.size()),
+            )));
         }
         let digests = sink.finish().await?;
         Ok((digests, stat))

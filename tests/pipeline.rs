@@ -16,7 +16,11 @@ async fn raw_image_is_cached_hashed_linked_and_served() {
     let node = node();
 
     let (ok, ev) = env
-        .prepare(&node, &server.url("disk.img"), &["--checksum", &md5sum(&src)])
+        .prepare(
+            &node,
+            &server.url("disk.img"),
+            &["--checksum", &md5sum(&src)],
+        )
         .await;
     assert!(ok, "{ev}");
     assert_eq!(ev["image_checksum"], md5sum(&src));
@@ -37,18 +41,32 @@ async fn raw_image_is_cached_hashed_linked_and_served() {
 
     // Ironic's layout: symlink -> <images>/<node>/disk, a hard link of the master.
     let disk = env.images_dir().join(&node).join("disk");
-    assert_eq!(std::fs::read_link(env.link_dir().join(&node)).unwrap(), disk);
+    assert_eq!(
+        std::fs::read_link(env.link_dir().join(&node)).unwrap(),
+        disk
+    );
     let masters = env.masters();
     assert_eq!(masters.len(), 1, "{masters:?}");
-    assert!(masters[0].ends_with(".converted"), "force_raw applies to a whole-disk image");
+    assert!(
+        masters[0].ends_with(".converted"),
+        "force_raw applies to a whole-disk image"
+    );
     let master = env.master_dir().join(&masters[0]);
-    assert_eq!(std::fs::metadata(&master).unwrap().ino(), std::fs::metadata(&disk).unwrap().ino());
+    assert_eq!(
+        std::fs::metadata(&master).unwrap().ino(),
+        std::fs::metadata(&disk).unwrap().ino()
+    );
 
     // The same event again: same answer, no second request of any kind.
     let (ok, again) = env.prepare(&node, &server.url("disk.img"), &[]).await;
     assert!(ok);
     assert_eq!(again["cache"], "hit");
-    for key in ["image_url", "image_checksum", "image_os_hash_value", "image_size"] {
+    for key in [
+        "image_url",
+        "image_checksum",
+        "image_os_hash_value",
+        "image_size",
+    ] {
         assert_eq!(again[key], ev[key], "{key}");
     }
     assert_eq!(server.count("GET", "disk.img"), 1);
@@ -66,8 +84,15 @@ async fn raw_image_is_cached_hashed_linked_and_served() {
     // The source changes (newer Last-Modified): the next prepare downloads again.
     random_file(&src, 1024 * 1024, 2);
     let later = std::time::SystemTime::now() + std::time::Duration::from_secs(5);
-    std::fs::File::options().write(true).open(&src).unwrap().set_modified(later).unwrap();
-    let (ok, fresh) = env.prepare(&common::node(), &server.url("disk.img"), &[]).await;
+    std::fs::File::options()
+        .write(true)
+        .open(&src)
+        .unwrap()
+        .set_modified(later)
+        .unwrap();
+    let (ok, fresh) = env
+        .prepare(&common::node(), &server.url("disk.img"), &[])
+        .await;
     assert!(ok, "{fresh}");
     assert_eq!(fresh["cache"], "miss");
     assert_eq!(fresh["image_checksum"], md5sum(&src));
@@ -94,9 +119,17 @@ async fn image_server_ranges_head_and_path_safety() {
     let client = reqwest::Client::new();
     let url = worker.image_url(&format!("/agent_images/{node}"));
 
-    let r = client.get(&url).header("Range", "bytes=100-199").send().await.unwrap();
+    let r = client
+        .get(&url)
+        .header("Range", "bytes=100-199")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 206);
-    assert_eq!(r.headers()["content-range"], format!("bytes 100-199/{}", data.len()));
+    assert_eq!(
+        r.headers()["content-range"],
+        format!("bytes 100-199/{}", data.len())
+    );
     assert_eq!(r.bytes().await.unwrap().as_ref(), &data[100..200]);
 
     let r = client.head(&url).send().await.unwrap();
@@ -138,7 +171,11 @@ async fn failures_leave_nothing_in_the_cache() {
 
     let wrong = "0".repeat(64);
     let (ok, ev) = env
-        .prepare(&node, &server.url("disk.img"), &["--os-hash-algo", "sha256", "--os-hash-value", &wrong])
+        .prepare(
+            &node,
+            &server.url("disk.img"),
+            &["--os-hash-algo", "sha256", "--os-hash-value", &wrong],
+        )
         .await;
     assert!(!ok);
     assert_eq!(ev["error"]["code"], "checksum_mismatch");
@@ -167,13 +204,17 @@ async fn file_sources_only_regular_files_under_allowed_paths() {
     random_file(&img, 1024 * 1024 + 7, 5);
     let node = node();
 
-    let (ok, ev) = env.prepare(&node, &format!("file://{}", img.display()), &[]).await;
+    let (ok, ev) = env
+        .prepare(&node, &format!("file://{}", img.display()), &[])
+        .await;
     assert!(ok, "{ev}");
     assert_eq!(ev["image_checksum"], md5sum(&img));
 
     let outside = env.root().join("src/outside.img");
     random_file(&outside, 1024, 6);
-    let (_, ev) = env.prepare(&node, &format!("file://{}", outside.display()), &[]).await;
+    let (_, ev) = env
+        .prepare(&node, &format!("file://{}", outside.display()), &[])
+        .await;
     assert_eq!(ev["error"]["code"], "source_not_allowed");
 
     // `..` and symlinks are resolved before the check.
@@ -182,7 +223,11 @@ async fn file_sources_only_regular_files_under_allowed_paths() {
     assert_eq!(ev["error"]["code"], "source_not_allowed");
     std::os::unix::fs::symlink(&outside, allowed.join("link.img")).unwrap();
     let (_, ev) = env
-        .prepare(&node, &format!("file://{}/link.img", allowed.display()), &[])
+        .prepare(
+            &node,
+            &format!("file://{}/link.img", allowed.display()),
+            &[],
+        )
         .await;
     assert_eq!(ev["error"]["code"], "source_not_allowed");
 
@@ -191,10 +236,25 @@ async fn file_sources_only_regular_files_under_allowed_paths() {
     // Even where /dev is allowed, a device, a FIFO or a directory is refused.
     let fifo = allowed.join("fifo");
     tool("mkfifo", &[fifo.to_str().unwrap()]);
-    let all = format!("conductor.file_url_allowed_paths=/dev,{}", allowed.display());
-    for src in ["file:///dev/zero".to_string(), format!("file://{}", fifo.display()), format!("file://{}", allowed.display())] {
+    let all = format!(
+        "conductor.file_url_allowed_paths=/dev,{}",
+        allowed.display()
+    );
+    for src in [
+        "file:///dev/zero".to_string(),
+        format!("file://{}", fifo.display()),
+        format!("file://{}", allowed.display()),
+    ] {
         let out = env
-            .run(&["--set", &all, "prepare", "--node", &node, "--image-source", &src])
+            .run(&[
+                "--set",
+                &all,
+                "prepare",
+                "--node",
+                &node,
+                "--image-source",
+                &src,
+            ])
             .await;
         let (ok, ev) = completion_of(&out);
         assert!(!ok);
@@ -220,9 +280,21 @@ async fn checksum_forms_and_checksum_files() {
     let cases: Vec<Vec<String>> = vec![
         vec!["--checksum".into(), format!("sha256:{sha}")],
         vec!["--checksum".into(), server.url("SHA256SUMS")],
-        vec!["--os-hash-algo".into(), "sha512".into(), "--os-hash-value".into(), sha512.into()],
+        vec![
+            "--os-hash-algo".into(),
+            "sha512".into(),
+            "--os-hash-value".into(),
+            sha512.into(),
+        ],
         // os_hash wins over a wrong legacy checksum.
-        vec!["--checksum".into(), "0".repeat(32), "--os-hash-algo".into(), "sha256".into(), "--os-hash-value".into(), sha.clone()],
+        vec![
+            "--checksum".into(),
+            "0".repeat(32),
+            "--os-hash-algo".into(),
+            "sha256".into(),
+            "--os-hash-value".into(),
+            sha.clone(),
+        ],
     ];
     for args in cases {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -231,15 +303,27 @@ async fn checksum_forms_and_checksum_files() {
         assert_eq!(ev["image_checksum"], md5sum(&src));
     }
     let (ok, ev) = env
-        .prepare(&node(), &server.url("disk.img"), &["--os-hash-algo", "sha512", "--os-hash-value", sha512])
+        .prepare(
+            &node(),
+            &server.url("disk.img"),
+            &["--os-hash-algo", "sha512", "--os-hash-value", sha512],
+        )
         .await;
     assert!(ok);
     assert_eq!(ev["image_os_hash_algo"], "sha512");
     assert_eq!(ev["image_os_hash_value"], sha512);
 
-    std::fs::write(env.root().join("src/BAD"), format!("{}  disk.img\n", "2".repeat(64))).unwrap();
+    std::fs::write(
+        env.root().join("src/BAD"),
+        format!("{}  disk.img\n", "2".repeat(64)),
+    )
+    .unwrap();
     let (ok, ev) = env
-        .prepare(&node(), &server.url("disk.img"), &["--checksum", &server.url("BAD")])
+        .prepare(
+            &node(),
+            &server.url("disk.img"),
+            &["--checksum", &server.url("BAD")],
+        )
         .await;
     assert!(!ok);
     assert_eq!(ev["error"]["code"], "checksum_mismatch");
@@ -300,7 +384,16 @@ async fn files_are_world_readable_under_umask_077() {
     let server = SourceServer::start(&env.root().join("src")).await;
     let node = node();
     let out = env
-        .run_with_umask(Some("077"), &["prepare", "--node", &node, "--image-source", &server.url("disk.img")])
+        .run_with_umask(
+            Some("077"),
+            &[
+                "prepare",
+                "--node",
+                &node,
+                "--image-source",
+                &server.url("disk.img"),
+            ],
+        )
         .await;
     let (ok, ev) = completion_of(&out);
     assert!(ok, "{ev}");
@@ -308,7 +401,12 @@ async fn files_are_world_readable_under_umask_077() {
     let master = env.master_dir().join(&env.masters()[0]);
     assert_eq!(mode(master), 0o644);
     assert_eq!(mode(env.images_dir().join(&node).join("disk")), 0o644);
-    for dir in [env.master_dir(), env.images_dir(), env.images_dir().join(&node), env.link_dir()] {
+    for dir in [
+        env.master_dir(),
+        env.images_dir(),
+        env.images_dir().join(&node),
+        env.link_dir(),
+    ] {
         assert_eq!(mode(dir.clone()), 0o755, "{}", dir.display());
     }
 }
@@ -322,8 +420,14 @@ async fn qcow2_kept_when_force_raw_does_not_apply() {
     qcow2_from(&raw, &qcow, &[]);
     let server = SourceServer::start(&env.root().join("src")).await;
 
-    for extra in [vec!["--force-raw", "false"], vec!["--image-type", "partition"], vec!["--stream-raw", "false"]] {
-        let (ok, ev) = env.prepare(&node(), &server.url("disk.qcow2"), &extra).await;
+    for extra in [
+        vec!["--force-raw", "false"],
+        vec!["--image-type", "partition"],
+        vec!["--stream-raw", "false"],
+    ] {
+        let (ok, ev) = env
+            .prepare(&node(), &server.url("disk.qcow2"), &extra)
+            .await;
         assert!(ok, "{extra:?}: {ev}");
         assert_eq!(ev["image_disk_format"], "qcow2");
         assert_eq!(ev["converted"], false);
@@ -334,7 +438,11 @@ async fn qcow2_kept_when_force_raw_does_not_apply() {
     assert!(!env.masters()[0].ends_with(".converted"));
 
     let (_, ev) = env
-        .prepare(&node(), &server.url("disk.qcow2"), &["--disk-format", "raw", "--force-raw", "false"])
+        .prepare(
+            &node(),
+            &server.url("disk.qcow2"),
+            &["--disk-format", "raw", "--force-raw", "false"],
+        )
         .await;
     assert_eq!(ev["error"]["code"], "format_mismatch");
 }

@@ -251,16 +251,16 @@ pub struct Worker {
 
 impl Worker {
     pub async fn wait_healthy(&self) {
-        let url = format!("http://127.0.0.1:{}/healthz", self.metrics_port);
+        let url = format!("http://127.0.0.1:{}/readyz", self.metrics_port);
         for _ in 0..200 {
-            if let Ok(r) = reqwest::get(&url).await {
-                if r.status().is_success() {
-                    return;
-                }
+            if let Ok(r) = reqwest::get(&url).await
+                && r.status().is_success()
+            {
+                return;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        panic!("worker did not become healthy");
+        panic!("worker did not become ready");
     }
 
     pub fn image_url(&self, path: &str) -> String {
@@ -309,7 +309,11 @@ pub fn completion_of(out: &Output) -> (bool, Value) {
     let event: Value = serde_json::from_str(line).expect("completion is JSON");
     assert_valid_completion(&event);
     let ok = out.status.success();
-    assert_eq!(ok, event["status"] == "success", "exit status agrees with event: {event}");
+    assert_eq!(
+        ok,
+        event["status"] == "success",
+        "exit status agrees with event: {event}"
+    );
     (ok, event)
 }
 
@@ -323,8 +327,14 @@ pub fn assert_valid_completion(event: &Value) {
         .unwrap();
         jsonschema::validator_for(&serde_json::from_str(&text).unwrap()).unwrap()
     });
-    let errors: Vec<String> = validator.iter_errors(event).map(|e| e.to_string()).collect();
-    assert!(errors.is_empty(), "event {event} violates the schema: {errors:?}");
+    let errors: Vec<String> = validator
+        .iter_errors(event)
+        .map(|e| e.to_string())
+        .collect();
+    assert!(
+        errors.is_empty(),
+        "event {event} violates the schema: {errors:?}"
+    );
 }
 
 /// Runs a reference tool and returns its stdout, panicking on failure.
@@ -358,7 +368,9 @@ pub fn sha256sum(path: &Path) -> String {
 
 /// Writes `len` pseudo-random bytes (seeded, so failures reproduce).
 pub fn random_file(path: &Path, len: usize, seed: u64) {
-    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     let mut data = Vec::with_capacity(len + 8);
     while data.len() < len {
         state ^= state << 13;
@@ -389,4 +401,210 @@ pub async fn get(url: &str) -> (u16, Vec<u8>) {
     let r = reqwest::get(url).await.unwrap();
     let status = r.status().as_u16();
     (status, r.bytes().await.unwrap().to_vec())
+}
+
+/// A test client of the real broker: publishes commands and collects the
+/// completion events that come back on its temporary reply queue.
+pub struct Broker {
+    pub conn: lapin::Connection,
+    pub channel: lapin::Channel,
+    pub reply_queue: String,
+    replies: tokio::sync::Mutex<tokio::sync::mpsc::UnboundedReceiver<(Option<String>, Value)>>,
+}
+
+pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+impl Broker {
+    pub async fn connect() -> Broker {
+        use futures_util::StreamExt;
+        use lapin::options::*;
+        let conn = lapin::Connection::connect(AMQP_URL, lapin::ConnectionProperties::default())
+            .await
+            .expect("RabbitMQ on 127.0.0.1:5672");
+        let channel = conn.create_channel().await.unwrap();
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        let q = channel
+            .queue_declare(
+                "".into(),
+                QueueDeclareOptions {
+                    exclusive: true,
+                    auto_delete: true,
+                    ..Default::default()
+                },
+                lapin::types::FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let reply_queue = q.name().as_str().to_string();
+        let consume = conn.create_channel().await.unwrap();
+        let mut consumer = consume
+            .basic_consume(
+                reply_queue.as_str().into(),
+                "".into(),
+                BasicConsumeOptions {
+                    no_ack: true,
+                    ..Default::default()
+                },
+                lapin::types::FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let _keep = consume;
+            while let Some(Ok(d)) = consumer.next().await {
+                let corr = d
+                    .properties
+                    .correlation_id()
+                    .as_ref()
+                    .map(|c| c.as_str().to_string());
+                let v: Value = serde_json::from_slice(&d.data).expect("completion is JSON");
+                assert_valid_completion(&v);
+                if tx.send((corr, v)).is_err() {
+                    break;
+                }
+            }
+        });
+        Broker {
+            conn,
+            channel,
+            reply_queue,
+            replies: tokio::sync::Mutex::new(rx),
+        }
+    }
+
+    /// Publishes raw `body` for `host` with routing key `<host>.node.<action>`.
+    pub async fn publish_raw(
+        &self,
+        host: &str,
+        action: &str,
+        body: &[u8],
+        correlation_id: &str,
+        headers: Option<lapin::types::FieldTable>,
+        reply: bool,
+    ) {
+        use lapin::options::*;
+        let mut props = lapin::BasicProperties::default()
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2)
+            .with_correlation_id(correlation_id.into());
+        if reply {
+            props = props.with_reply_to(self.reply_queue.as_str().into());
+        }
+        if let Some(h) = headers {
+            props = props.with_headers(h);
+        }
+        let confirm = self
+            .channel
+            .basic_publish(
+                "ironic-image-worker".into(),
+                format!("{host}.node.{action}").as_str().into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..Default::default()
+                },
+                body,
+                props,
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert_eq!(
+            confirm,
+            lapin::Confirmation::Ack(None),
+            "command was routed"
+        );
+    }
+
+    /// Publishes a command JSON and returns its correlation id.
+    pub async fn command(&self, host: &str, body: Value) -> String {
+        let corr = uuid::Uuid::new_v4().to_string();
+        let action = body["action"].as_str().unwrap_or("prepare").to_string();
+        self.publish_raw(
+            host,
+            &action,
+            body.to_string().as_bytes(),
+            &corr,
+            None,
+            true,
+        )
+        .await;
+        corr
+    }
+
+    /// The next completion event (with its correlation id).
+    pub async fn next_reply(&self, within: Duration) -> (Option<String>, Value) {
+        let mut rx = self.replies.lock().await;
+        tokio::time::timeout(within, rx.recv())
+            .await
+            .expect("a completion event in time")
+            .expect("reply consumer alive")
+    }
+
+    /// Waits for `n` replies, keyed by correlation id.
+    pub async fn replies(&self, n: usize, within: Duration) -> HashMap<String, Value> {
+        let deadline = tokio::time::Instant::now() + within;
+        let mut out = HashMap::new();
+        while out.len() < n {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let (corr, v) = self.next_reply(left).await;
+            out.insert(corr.unwrap_or_default(), v);
+        }
+        out
+    }
+
+    /// Sends one command and waits for its answer.
+    pub async fn call(&self, host: &str, body: Value) -> Value {
+        let corr = self.command(host, body).await;
+        let (got, v) = self.next_reply(Duration::from_secs(60)).await;
+        assert_eq!(
+            got.as_deref(),
+            Some(corr.as_str()),
+            "correlation_id honoured"
+        );
+        v
+    }
+
+    /// Takes every message from `queue` (acknowledging them).
+    pub async fn drain(&self, queue: &str) -> Vec<lapin::message::BasicGetMessage> {
+        use lapin::options::*;
+        let mut out = Vec::new();
+        while let Some(m) = self
+            .channel
+            .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap()
+        {
+            out.push(m);
+        }
+        out
+    }
+
+    /// Deletes the per-host queues of a test.
+    pub async fn delete_host_queues(&self, host: &str) {
+        use lapin::options::*;
+        for q in [
+            format!("ironic-image-worker.{host}"),
+            format!("ironic-image-worker.{host}.dead"),
+        ] {
+            let _ = self
+                .channel
+                .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                .await;
+        }
+    }
+}
+
+/// A prepare command body.
+pub fn prepare_cmd(node: &str, source: &str) -> Value {
+    serde_json::json!({
+        "action": "prepare",
+        "node_uuid": node,
+        "request_id": uuid::Uuid::new_v4().to_string(),
+        "instance_info": {"image_source": source},
+    })
 }

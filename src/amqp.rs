@@ -1,0 +1,455 @@
+//! The broker side of the worker: topology, consuming, answering.
+//!
+//! One connection with two channels (consume/ack, and publish with
+//! confirms). A delivery is acknowledged only after its completion event is
+//! confirmed by the broker; unusable messages are answered and rejected to
+//! the dead-letter queue. Deliveries for one node run in order, different
+//! nodes concurrently, bounded by the prefetch. Losing the connection means
+//! reconnecting with capped, jittered exponential backoff; unacknowledged
+//! work is redelivered and answered again idempotently.
+
+use crate::config::Config;
+use crate::error::{Error, ErrorCode, Result};
+use crate::events::Completion;
+use crate::inbound::{self, Inbound};
+use crate::metrics::Metrics;
+use crate::pipeline::Pipeline;
+use backon::{BackoffBuilder, ExponentialBuilder};
+use futures_util::StreamExt;
+use lapin::message::Delivery;
+use lapin::options::*;
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::{
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
+};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{Notify, mpsc, watch};
+use tokio_util::task::TaskTracker;
+
+/// Names of everything the worker declares, derived from `[amqp]` and the host.
+#[derive(Debug, Clone)]
+pub struct Topology {
+    /// Command exchange (topic).
+    pub command_exchange: String,
+    /// The per-host work queue.
+    pub queue: String,
+    /// Routing key binding commands for this host.
+    pub command_binding: String,
+    /// Dead-letter exchange.
+    pub dead_letter_exchange: String,
+    /// Dead-letter queue of this host (also its dead-letter routing key).
+    pub dead_letter_queue: String,
+    /// Exchange for completion events without `reply_to`.
+    pub events_exchange: String,
+}
+
+impl Topology {
+    /// Derives the names for `config`.
+    pub fn new(config: &Config) -> Topology {
+        let a = &config.amqp;
+        let host = &config.default.host;
+        let queue = format!("{}.{host}", a.queue_prefix);
+        Topology {
+            command_exchange: a.command_exchange.clone(),
+            command_binding: format!("{host}.node.*"),
+            dead_letter_exchange: a.dead_letter_exchange.clone(),
+            dead_letter_queue: format!("{queue}.dead"),
+            events_exchange: a.events_exchange.clone(),
+            queue,
+        }
+    }
+
+    /// Declares exchanges, queues and bindings (idempotent, durable).
+    pub async fn declare(&self, channel: &Channel, config: &Config) -> lapin::Result<()> {
+        let durable = ExchangeDeclareOptions {
+            durable: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        for name in [
+            &self.command_exchange,
+            &self.dead_letter_exchange,
+            &self.events_exchange,
+        ] {
+            channel
+                .exchange_declare(
+                    name.as_str().into(),
+                    ExchangeKind::Topic,
+                    durable,
+                    FieldTable::default(),
+                )
+                .await?;
+        }
+        let queue_type = AMQPValue::LongString(config.amqp.queue_type.as_str().into());
+        let mut dead_args = FieldTable::default();
+        dead_args.insert("x-queue-type".into(), queue_type.clone());
+        let mut args = dead_args.clone();
+        args.insert(
+            "x-dead-letter-exchange".into(),
+            AMQPValue::LongString(self.dead_letter_exchange.as_str().into()),
+        );
+        args.insert(
+            "x-dead-letter-routing-key".into(),
+            AMQPValue::LongString(self.dead_letter_queue.as_str().into()),
+        );
+        if config.amqp.queue_type == "quorum" {
+            args.insert(
+                "x-delivery-limit".into(),
+                AMQPValue::LongInt(config.amqp.delivery_limit as i32),
+            );
+        }
+        let q = QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        };
+        channel
+            .queue_declare(self.dead_letter_queue.as_str().into(), q, dead_args)
+            .await?;
+        channel
+            .queue_bind(
+                self.dead_letter_queue.as_str().into(),
+                self.dead_letter_exchange.as_str().into(),
+                self.dead_letter_queue.as_str().into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        channel
+            .queue_declare(self.queue.as_str().into(), q, args)
+            .await?;
+        channel
+            .queue_bind(
+                self.queue.as_str().into(),
+                self.command_exchange.as_str().into(),
+                self.command_binding.as_str().into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        Ok(())
+    }
+}
+
+/// Publishes completion events with publisher confirms.
+#[derive(Clone)]
+pub struct Publisher {
+    channel: Channel,
+    events_exchange: String,
+}
+
+impl Publisher {
+    /// Puts `channel` in confirm mode.
+    pub async fn new(channel: Channel, events_exchange: &str) -> lapin::Result<Publisher> {
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        Ok(Publisher {
+            channel,
+            events_exchange: events_exchange.to_string(),
+        })
+    }
+
+    /// Publishes `done` to `reply_to` (default exchange) with `correlation_id`,
+    /// or to the events exchange as `node.<action>.<status>`, persistent, and
+    /// waits for the broker's confirmation.
+    pub async fn publish(
+        &self,
+        done: &Completion,
+        reply_to: Option<&str>,
+        correlation_id: Option<&str>,
+    ) -> Result<()> {
+        let body =
+            serde_json::to_vec(done).map_err(|e| Error::new(ErrorCode::Internal, e.to_string()))?;
+        let mut props = BasicProperties::default()
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2)
+            .with_app_id("ironic-image-worker".into())
+            .with_type(
+                format!("node.{}.{}", done.action.as_str(), done.status.as_str())
+                    .as_str()
+                    .into(),
+            );
+        if let Some(id) = correlation_id {
+            props = props.with_correlation_id(id.into());
+        }
+        let (exchange, key) = match reply_to {
+            Some(queue) => (String::new(), queue.to_string()),
+            None => (
+                self.events_exchange.clone(),
+                format!("node.{}.{}", done.action.as_str(), done.status.as_str()),
+            ),
+        };
+        let broker =
+            |e: lapin::Error| Error::new(ErrorCode::Internal, format!("publish completion: {e}"));
+        let confirm = self
+            .channel
+            .basic_publish(
+                exchange.as_str().into(),
+                key.as_str().into(),
+                BasicPublishOptions::default(),
+                &body,
+                props,
+            )
+            .await
+            .map_err(broker)?
+            .await
+            .map_err(broker)?;
+        match confirm {
+            Confirmation::Ack(_) | Confirmation::NotRequested => Ok(()),
+            Confirmation::Nack(_) => Err(Error::new(
+                ErrorCode::Internal,
+                "broker refused the completion event",
+            )),
+        }
+    }
+}
+
+/// State shared by every delivery of one connection.
+struct Session {
+    pipeline: Arc<Pipeline>,
+    metrics: Arc<Metrics>,
+    publisher: Publisher,
+    host: String,
+    /// Per-node FIFO queues: deliveries for one node run in order.
+    nodes: Mutex<HashMap<String, mpsc::UnboundedSender<Delivery>>>,
+    /// Signalled when a broker operation failed: reconnect.
+    broken: Notify,
+    tracker: TaskTracker,
+}
+
+/// Runs the consumer until `stop` turns true, reconnecting as needed.
+/// `connected` mirrors the connection state for `/readyz`.
+pub async fn run(
+    pipeline: Arc<Pipeline>,
+    metrics: Arc<Metrics>,
+    connected: Arc<AtomicBool>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let config = pipeline.config().clone();
+    let mut backoff = reconnect_backoff();
+    while !*stop.borrow() {
+        let outcome = session(&pipeline, &metrics, &connected, &mut stop, &config).await;
+        connected.store(false, Ordering::Relaxed);
+        metrics.amqp_connected.set(0);
+        match outcome {
+            Ok(true) => break,
+            Ok(false) => backoff = reconnect_backoff(),
+            Err(e) => {
+                tracing::warn!(broker = %config.amqp_url_redacted(), error = %e, "broker session ended")
+            }
+        }
+        let delay = backoff.next().unwrap_or(Duration::from_secs(30));
+        tracing::info!(?delay, "reconnecting to the broker");
+        metrics.amqp_reconnects.inc();
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = stop.wait_for(|s| *s) => break,
+        }
+    }
+}
+
+fn reconnect_backoff() -> impl Iterator<Item = Duration> {
+    ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(200))
+        .with_max_delay(Duration::from_secs(30))
+        .with_jitter()
+        .without_max_times()
+        .build()
+}
+
+/// One connection's lifetime. Ok(true): stopped on request; Ok(false): the
+/// connection was lost after working; Err: could not get going.
+async fn session(
+    pipeline: &Arc<Pipeline>,
+    metrics: &Arc<Metrics>,
+    connected: &AtomicBool,
+    stop: &mut watch::Receiver<bool>,
+    config: &Config,
+) -> lapin::Result<bool> {
+    let props = ConnectionProperties::default()
+        .with_connection_name(format!("ironic-image-worker@{}", config.default.host).into());
+    let conn = tokio::select! {
+        conn = Connection::connect(&config.amqp.url, props) => conn?,
+        _ = stop.wait_for(|s| *s) => return Ok(true),
+    };
+    let consume_channel = conn.create_channel().await?;
+    let publish_channel = conn.create_channel().await?;
+    let topology = Topology::new(config);
+    topology.declare(&consume_channel, config).await?;
+    consume_channel
+        .basic_qos(config.amqp.prefetch, BasicQosOptions::default())
+        .await?;
+    let publisher = Publisher::new(publish_channel, &topology.events_exchange).await?;
+    let mut consumer = consume_channel
+        .basic_consume(
+            topology.queue.as_str().into(),
+            ShortString::from(
+                format!("ironic-image-worker-{}", uuid::Uuid::new_v4().simple()).as_str(),
+            ),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    connected.store(true, Ordering::Relaxed);
+    metrics.amqp_connected.set(1);
+    tracing::info!(broker = %config.amqp_url_redacted(), queue = %topology.queue, "consuming");
+
+    let session = Arc::new(Session {
+        pipeline: pipeline.clone(),
+        metrics: metrics.clone(),
+        publisher,
+        host: config.default.host.clone(),
+        nodes: Mutex::new(HashMap::new()),
+        broken: Notify::new(),
+        tracker: TaskTracker::new(),
+    });
+    let stopped = loop {
+        tokio::select! {
+            next = consumer.next() => match next {
+                Some(Ok(delivery)) => dispatch(&session, delivery),
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "consumer failed");
+                    break false;
+                }
+                None => break false,
+            },
+            _ = session.broken.notified() => break false,
+            _ = stop.wait_for(|s| *s) => break true,
+        }
+    };
+    if stopped {
+        // Stop taking work, let in-flight work finish within the grace
+        // period; whatever is still unacknowledged is requeued by the broker
+        // when the connection closes.
+        let _ = consume_channel
+            .basic_cancel(consumer.tag(), BasicCancelOptions::default())
+            .await;
+        session.tracker.close();
+        let grace = Duration::from_secs(config.amqp.shutdown_grace);
+        if tokio::time::timeout(grace, session.tracker.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                ?grace,
+                "in-flight work did not finish in the grace period; it will be redelivered"
+            );
+        }
+    }
+    let _ = conn.close(200, "bye".into()).await;
+    Ok(stopped)
+}
+
+/// Routes a delivery: unusable and ignored messages are settled at once,
+/// work goes to the node's FIFO queue.
+fn dispatch(session: &Arc<Session>, delivery: Delivery) {
+    let node = match serde_json::from_slice::<serde_json::Value>(&delivery.data) {
+        Ok(v) => v
+            .get("node_uuid")
+            .and_then(|n| n.as_str())
+            .map(str::to_string),
+        Err(_) => None,
+    };
+    let Some(node) = node else {
+        let s = session.clone();
+        session
+            .tracker
+            .spawn(async move { s.settle(delivery).await });
+        return;
+    };
+    let mut nodes = session.nodes.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(tx) = nodes.get(&node) {
+        match tx.send(delivery) {
+            Ok(()) => return,
+            Err(mpsc::error::SendError(d)) => {
+                return spawn_node_queue(session, &mut nodes, node, d);
+            }
+        }
+    }
+    spawn_node_queue(session, &mut nodes, node, delivery);
+}
+
+fn spawn_node_queue(
+    session: &Arc<Session>,
+    nodes: &mut HashMap<String, mpsc::UnboundedSender<Delivery>>,
+    node: String,
+    first: Delivery,
+) {
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let _ = tx.send(first);
+    nodes.insert(node.clone(), tx);
+    let s = session.clone();
+    session.tracker.spawn(async move {
+        loop {
+            while let Ok(delivery) = rx.try_recv() {
+                s.settle(delivery).await;
+            }
+            let mut nodes = s.nodes.lock().unwrap_or_else(|p| p.into_inner());
+            if rx.is_empty() {
+                nodes.remove(&node);
+                return;
+            }
+        }
+    });
+}
+
+impl Session {
+    /// Handles one delivery to the end: answer, then ack (or dead-letter).
+    async fn settle(&self, delivery: Delivery) {
+        if let Err(e) = self.try_settle(&delivery).await {
+            tracing::warn!(error = %e, "could not settle a delivery; reconnecting");
+            self.broken.notify_one();
+        }
+    }
+
+    async fn try_settle(&self, delivery: &Delivery) -> Result<()> {
+        let broker = |e: lapin::Error| Error::new(ErrorCode::Internal, format!("broker: {e}"));
+        let reply_to = delivery
+            .properties
+            .reply_to()
+            .as_ref()
+            .map(|s| s.as_str().to_string());
+        let correlation = delivery
+            .properties
+            .correlation_id()
+            .as_ref()
+            .map(|s| s.as_str().to_string());
+        match inbound::parse_command(&delivery.data, &self.host) {
+            Inbound::Work(request) => {
+                let done = self.pipeline.handle(&request).await;
+                self.metrics.record(&done);
+                self.publisher
+                    .publish(&done, reply_to.as_deref(), correlation.as_deref())
+                    .await?;
+                delivery
+                    .acker
+                    .ack(BasicAckOptions::default())
+                    .await
+                    .map_err(broker)?;
+            }
+            Inbound::Invalid(done) => {
+                tracing::warn!(error = ?done.error, "dead-lettering an unusable message");
+                self.metrics.record(&done);
+                self.publisher
+                    .publish(&done, reply_to.as_deref(), correlation.as_deref())
+                    .await?;
+                delivery
+                    .acker
+                    .reject(BasicRejectOptions { requeue: false })
+                    .await
+                    .map_err(broker)?;
+            }
+            Inbound::Ignore(why) => {
+                self.metrics.ignored.with_label_values(&[why]).inc();
+                delivery
+                    .acker
+                    .ack(BasicAckOptions::default())
+                    .await
+                    .map_err(broker)?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,269 @@
+//! The worker on the real RabbitMQ: commands in, completion events out,
+//! images served over HTTP, bad input dead-lettered.
+
+mod common;
+
+use common::*;
+use serde_json::json;
+use std::time::Duration;
+
+const MINUTE: Duration = Duration::from_secs(60);
+
+fn same_answer(a: &serde_json::Value, b: &serde_json::Value) {
+    for key in [
+        "status",
+        "node_uuid",
+        "image_url",
+        "image_checksum",
+        "image_os_hash_algo",
+        "image_os_hash_value",
+        "image_size",
+        "image_disk_format",
+        "converted",
+    ] {
+        assert_eq!(a[key], b[key], "{key}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prepare_deployed_cleanup_through_the_broker() {
+    let env = Env::new("");
+    let src = env.root().join("src/disk.img");
+    random_file(&src, 4 * 1024 * 1024 + 5, 21);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let worker = env.serve().await;
+    let broker = Broker::connect().await;
+    let node = node();
+
+    let cmd = prepare_cmd(&node, &server.url("disk.img"));
+    let first = broker.call(&env.host, cmd.clone()).await;
+    assert_eq!(first["status"], "success", "{first}");
+    assert_eq!(first["request_id"], cmd["request_id"]);
+    assert_eq!(first["conductor_host"], env.host);
+    let (status, body) = get(first["image_url"].as_str().unwrap()).await;
+    assert_eq!(status, 200);
+    let served = env.root().join("served");
+    std::fs::write(&served, body).unwrap();
+    assert_eq!(first["image_checksum"], md5sum(&served));
+    assert_eq!(first["image_os_hash_value"], sha256sum(&served));
+    assert_eq!(md5sum(&served), md5sum(&src));
+
+    // The same command again: the same answer, no second download.
+    let again = broker.call(&env.host, cmd).await;
+    same_answer(&first, &again);
+    assert_eq!(again["request_id"], first["request_id"]);
+    assert_eq!(server.count("GET", "disk.img"), 1);
+
+    let done = broker
+        .call(
+            &env.host,
+            json!({"action": "deployed", "node_uuid": node, "request_id": "d1"}),
+        )
+        .await;
+    assert_eq!(done["status"], "success", "{done}");
+    assert_eq!(get(first["image_url"].as_str().unwrap()).await.0, 404);
+    let done = broker
+        .call(
+            &env.host,
+            json!({"action": "cleanup", "node_uuid": node, "request_id": "c1"}),
+        )
+        .await;
+    assert_eq!(done["status"], "success");
+    assert!(!env.images_dir().join(&node).exists());
+
+    // Without reply_to the event goes to the events exchange as node.<action>.<status>.
+    use lapin::options::*;
+    let ch = broker.conn.create_channel().await.unwrap();
+    let q = ch
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                ..Default::default()
+            },
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    ch.queue_bind(
+        q.name().clone(),
+        "ironic-image-worker.events".into(),
+        "node.cleanup.*".into(),
+        Default::default(),
+        Default::default(),
+    )
+    .await
+    .unwrap();
+    let body =
+        json!({"action": "cleanup", "node_uuid": node, "request_id": "no-reply"}).to_string();
+    broker
+        .publish_raw(&env.host, "cleanup", body.as_bytes(), "x", None, false)
+        .await;
+    let mut found = None;
+    for _ in 0..100 {
+        if let Some(m) = ch
+            .basic_get(q.name().clone(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap()
+        {
+            found = Some(m);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let m = found.expect("event on the events exchange");
+    assert_eq!(m.delivery.routing_key.as_str(), "node.cleanup.success");
+    assert_eq!(m.delivery.properties.delivery_mode(), &Some(2));
+    let ev: serde_json::Value = serde_json::from_slice(&m.delivery.data).unwrap();
+    assert_valid_completion(&ev);
+    assert_eq!(ev["request_id"], "no-reply");
+
+    let readyz = reqwest::get(worker.metrics_url("/readyz")).await.unwrap();
+    assert_eq!(readyz.status(), 200);
+    assert!(worker.terminate().await.success());
+    broker.delete_host_queues(&env.host).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hundred_nodes_one_image_one_download() {
+    let env = Env::new("");
+    let src = env.root().join("src/disk.img");
+    random_file(&src, 8 * 1024 * 1024, 22);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let _worker = env.serve().await;
+    let broker = Broker::connect().await;
+    let checksum = md5sum(&src);
+
+    let mut sent = std::collections::HashMap::new();
+    for _ in 0..100 {
+        let node = node();
+        let mut cmd = prepare_cmd(&node, &server.url("disk.img"));
+        cmd["instance_info"]["image_checksum"] = checksum.clone().into();
+        sent.insert(broker.command(&env.host, cmd).await, node);
+    }
+    let replies = broker.replies(100, 2 * MINUTE).await;
+    for (corr, node) in &sent {
+        let r = &replies[corr];
+        assert_eq!(r["status"], "success", "{r}");
+        assert_eq!(r["node_uuid"], node.as_str());
+        assert_eq!(r["image_checksum"], checksum);
+    }
+    assert_eq!(server.count("GET", "disk.img"), 1);
+    assert_eq!(std::fs::read_dir(env.link_dir()).unwrap().count(), 100);
+    broker.delete_host_queues(&env.host).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_is_answered_and_dead_lettered() {
+    let env = Env::new("");
+    let src = env.root().join("src/disk.img");
+    random_file(&src, 1024 * 1024, 23);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let _worker = env.serve().await;
+    let broker = Broker::connect().await;
+    let node = node();
+
+    let cases: Vec<(&str, Vec<u8>, &str, Option<&str>)> = vec![
+        ("prepare", b"{not json".to_vec(), "invalid_message", None),
+        ("prepare", json!({"action": "prepare", "node_uuid": node, "request_id": "r-schema", "instance_info": {}}).to_string().into_bytes(), "invalid_message", Some("r-schema")),
+        ("prepare", json!({"action": "explode", "node_uuid": node, "request_id": "r-action"}).to_string().into_bytes(), "invalid_message", Some("r-action")),
+        ("cleanup", json!({"action": "cleanup", "node_uuid": "../../etc", "request_id": "r-uuid"}).to_string().into_bytes(), "invalid_node_uuid", Some("r-uuid")),
+        ("prepare", json!({"action": "prepare", "node_uuid": node, "request_id": "r-type", "instance_info": {"image_source": 42}}).to_string().into_bytes(), "invalid_message", Some("r-type")),
+    ];
+    for (i, (action, body, code, request_id)) in cases.iter().enumerate() {
+        let mut headers = lapin::types::FieldTable::default();
+        headers.insert(
+            "x-test-case".into(),
+            lapin::types::AMQPValue::LongInt(i as i32),
+        );
+        let corr = format!("bad-{i}");
+        broker
+            .publish_raw(&env.host, action, body, &corr, Some(headers), true)
+            .await;
+        let (got, ev) = broker.next_reply(MINUTE).await;
+        assert_eq!(got.as_deref(), Some(corr.as_str()));
+        assert_eq!(ev["status"], "error");
+        assert_eq!(ev["error"]["code"], *code, "case {i}: {ev}");
+        assert_eq!(ev["request_id"].as_str(), *request_id, "case {i}");
+    }
+    // Each original is in the dead-letter queue, bytes and headers intact.
+    let dead_queue = format!("ironic-image-worker.{}.dead", env.host);
+    let mut dead = Vec::new();
+    for _ in 0..100 {
+        dead.extend(broker.drain(&dead_queue).await);
+        if dead.len() >= cases.len() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(dead.len(), cases.len());
+    for m in &dead {
+        let headers = m.delivery.properties.headers().as_ref().unwrap();
+        let case = match headers.inner().get("x-test-case") {
+            Some(lapin::types::AMQPValue::LongInt(i)) => *i as usize,
+            other => panic!("header lost: {other:?}"),
+        };
+        assert_eq!(m.delivery.data, cases[case].1, "case {case} body intact");
+        assert!(
+            headers.inner().contains_key("x-death"),
+            "dead-lettered by the broker"
+        );
+    }
+    // And the worker still answers a good command.
+    let ok = broker
+        .call(&env.host, prepare_cmd(&node, &server.url("disk.img")))
+        .await;
+    assert_eq!(ok["status"], "success", "{ok}");
+    // A failed prepare is answered and acknowledged, not dead-lettered.
+    let missing = broker
+        .call(&env.host, prepare_cmd(&node, &server.url("missing.img")))
+        .await;
+    assert_eq!(missing["error"]["code"], "source_not_found");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(broker.drain(&dead_queue).await.is_empty());
+    broker.delete_host_queues(&env.host).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn send_subcommand_waits_for_the_answer() {
+    let env = Env::new("");
+    let src = env.root().join("src/disk.img");
+    random_file(&src, 1024 * 1024, 24);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let _worker = env.serve().await;
+    let node = node();
+    let url = server.url("disk.img");
+    let out = env
+        .run(&[
+            "send",
+            "prepare",
+            "--node",
+            &node,
+            "--image-source",
+            &url,
+            "--request-id",
+            "cli-1",
+            "--wait",
+            "--timeout",
+            "60",
+        ])
+        .await;
+    let (ok, ev) = completion_of(&out);
+    assert!(ok, "{ev}");
+    assert_eq!(ev["request_id"], "cli-1");
+    assert_eq!(ev["image_checksum"], md5sum(&src));
+    // No worker for that host: a clear failure, not a silent loss.
+    let out = env
+        .run(&[
+            "send",
+            "cleanup",
+            "--node",
+            &node,
+            "--conductor",
+            "no-such-host-xyz",
+        ])
+        .await;
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no queue is bound"));
+    Broker::connect().await.delete_host_queues(&env.host).await;
+}
