@@ -22,14 +22,31 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (host, source, md5) = (&args[1], &args[2], &args[3]);
     let count: usize = args[4].parse()?;
     let window: usize = args.get(5).map(|w| w.parse()).transpose()?.unwrap_or(32);
-    let url = std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    let url = std::env::var("AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
     let conn = Connection::connect(&url, ConnectionProperties::default()).await?;
     let ch = conn.create_channel().await?;
     let reply = ch
-        .queue_declare("".into(), QueueDeclareOptions { exclusive: true, auto_delete: true, ..Default::default() }, FieldTable::default())
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
         .await?;
     let mut replies = ch
-        .basic_consume(reply.name().clone(), "".into(), BasicConsumeOptions { no_ack: true, ..Default::default() }, FieldTable::default())
+        .basic_consume(
+            reply.name().clone(),
+            "".into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
         .await?;
     let key = format!("{host}.node.prepare");
     let mut sent_at: HashMap<String, Instant> = HashMap::new();
@@ -50,14 +67,25 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .with_correlation_id(id.as_str().into())
                 .with_delivery_mode(2);
             sent_at.insert(id, Instant::now());
-            ch.basic_publish("ironic-image-worker".into(), key.as_str().into(), BasicPublishOptions::default(), body.to_string().as_bytes(), props)
-                .await?;
+            ch.basic_publish(
+                "ironic-image-worker".into(),
+                key.as_str().into(),
+                BasicPublishOptions::default(),
+                body.to_string().as_bytes(),
+                props,
+            )
+            .await?;
             next += 1;
         }
         let d = tokio::time::timeout(Duration::from_secs(60), replies.next())
             .await?
             .ok_or("reply queue closed")??;
-        let id = d.properties.correlation_id().as_ref().map(|c| c.as_str().to_string()).unwrap_or_default();
+        let id = d
+            .properties
+            .correlation_id()
+            .as_ref()
+            .map(|c| c.as_str().to_string())
+            .unwrap_or_default();
         if let Some(t) = sent_at.remove(&id) {
             latencies.push(t.elapsed());
             let v: serde_json::Value = serde_json::from_slice(&d.data)?;

@@ -50,6 +50,23 @@ pub enum Command {
     Cleanup(NodeArgs),
     /// Publish a command to a running worker through the broker.
     Send(SendArgs),
+    /// Detect an image file's format and virtual size and check its safety.
+    Inspect {
+        /// The image file.
+        file: PathBuf,
+    },
+    /// Internal: convert a checked qcow2 to raw (run by the worker in a
+    /// separate, memory-limited process).
+    #[command(hide = true)]
+    ConvertChild {
+        /// Source qcow2.
+        src: PathBuf,
+        /// New raw file.
+        dst: PathBuf,
+        /// Also compute SHA-512.
+        #[arg(long)]
+        sha512: bool,
+    },
 }
 
 /// Arguments naming a node.
@@ -192,6 +209,9 @@ pub fn init_logging(format: LogFormat) {
 /// Entry point of the binary.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Command::ConvertChild { src, dst, sha512 } = &cli.command {
+        return crate::convert::child_main(src, dst, *sha512);
+    }
     init_logging(cli.log_format);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
@@ -216,6 +236,8 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             crate::serve::serve(config).await?;
             return Ok(ExitCode::SUCCESS);
         }
+        Command::Inspect { file } => return Ok(inspect(&config, &file)),
+        Command::ConvertChild { .. } => return Ok(ExitCode::FAILURE),
         Command::Prepare(args) => request(Action::Prepare, args.node, Some(args.image)),
         Command::Deployed(args) => request(Action::Deployed, args, None),
         Command::Cleanup(args) => request(Action::Cleanup, args, None),
@@ -245,6 +267,31 @@ async fn run(cli: Cli) -> Result<ExitCode> {
     let pipeline = Pipeline::new(config)?;
     let done = pipeline.handle(&request).await;
     Ok(print_completion(&done))
+}
+
+/// `inspect FILE`: format, sizes and the safety verdict as JSON.
+fn inspect(config: &Config, file: &std::path::Path) -> ExitCode {
+    let verdict = crate::inspect::inspect_file(file).and_then(|found| {
+        crate::inspect::safety_check(file, &found, config.convert.qcow2_limits())?;
+        Ok(found)
+    });
+    let (out, code) = match verdict {
+        Ok(found) => (
+            serde_json::json!({"format": found.format, "virtual_size": found.virtual_size,
+                "file_size": found.file_size, "safe": true}),
+            ExitCode::SUCCESS,
+        ),
+        Err(e) => {
+            let format = crate::inspect::inspect_file(file).ok().map(|f| f.format);
+            (
+                serde_json::json!({"format": format, "safe": false,
+                    "error": {"code": e.code, "message": e.message}}),
+                ExitCode::FAILURE,
+            )
+        }
+    };
+    println!("{out}");
+    code
 }
 
 /// Prints a completion as one JSON line; the exit code says success or error.

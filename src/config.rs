@@ -37,6 +37,8 @@ pub struct Config {
     pub metrics: MetricsSection,
     /// `[source]`: how image sources are fetched.
     pub source: SourceSection,
+    /// `[convert]`: limits of image conversion.
+    pub convert: ConvertSection,
 }
 
 /// `[DEFAULT]` options shared with Ironic.
@@ -264,6 +266,54 @@ impl Default for MetricsSection {
     fn default() -> Self {
         MetricsSection {
             listen: SocketAddr::from(([127, 0, 0, 1], 9102)),
+        }
+    }
+}
+
+/// `[convert]`: how conversions to raw are bounded.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ConvertSection {
+    /// Address-space limit of the converter process, MiB.
+    pub memory_limit_mib: u64,
+    /// Seconds a conversion may always take.
+    pub min_timeout: u64,
+    /// Slowest acceptable conversion rate (MiB of virtual disk per second)
+    /// beyond `min_timeout`.
+    pub min_rate_mib: u64,
+    /// Largest virtual size of an image, GiB.
+    pub max_virtual_size_gib: u64,
+    /// Ironic's `raw_image_growth_factor`: the raw size is estimated as the
+    /// image size times this (capped by the virtual size) for space checks.
+    pub raw_image_growth_factor: f64,
+}
+
+impl Default for ConvertSection {
+    fn default() -> Self {
+        ConvertSection {
+            memory_limit_mib: 2048,
+            min_timeout: 300,
+            min_rate_mib: 20,
+            max_virtual_size_gib: 4096,
+            raw_image_growth_factor: 2.0,
+        }
+    }
+}
+
+impl ConvertSection {
+    /// The converter limits in the units the converter uses.
+    pub fn limits(&self) -> crate::convert::Limits {
+        crate::convert::Limits {
+            memory: self.memory_limit_mib << 20,
+            min_timeout: std::time::Duration::from_secs(self.min_timeout),
+            min_rate: self.min_rate_mib << 20,
+        }
+    }
+
+    /// The limits of the qcow2 header check.
+    pub fn qcow2_limits(&self) -> crate::qcow2::Limits {
+        crate::qcow2::Limits {
+            max_virtual_size: self.max_virtual_size_gib << 30,
         }
     }
 }

@@ -2,6 +2,7 @@
 //! in the spirit of oslo.utils' format inspector.
 
 use crate::error::{Error, ErrorCode, Result};
+use crate::qcow2;
 use serde::Serialize;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -122,8 +123,13 @@ pub struct Inspection {
     pub file_size: u64,
 }
 
-/// Reads the header of `path` and detects its format and virtual size.
-pub fn inspect_file(path: &Path) -> Result<Inspection> {
+/// zstd frame magic: Ironic decompresses such downloads before inspecting.
+pub fn is_zstd(header: &[u8]) -> bool {
+    header.starts_with(&[0x28, 0xb5, 0x2f, 0xfd])
+}
+
+/// Reads the first [`HEADER_LEN`] bytes of `path` and its size.
+pub fn read_header(path: &Path) -> Result<(Vec<u8>, u64)> {
     let file = File::open(path).map_err(|e| Error::io(format!("open {}", path.display()), e))?;
     let file_size = file
         .metadata()
@@ -132,9 +138,18 @@ pub fn inspect_file(path: &Path) -> Result<Inspection> {
     let mut header = vec![0u8; HEADER_LEN.min(file_size as usize)];
     file.read_exact_at(&mut header, 0)
         .map_err(|e| Error::io("read image header", e))?;
+    Ok((header, file_size))
+}
+
+/// Detects the format of `path` and its virtual size.
+pub fn inspect_file(path: &Path) -> Result<Inspection> {
+    let (header, file_size) = read_header(path)?;
     let format = detect(&header);
     let virtual_size = match format {
-        Format::Qcow2 => qcow2_virtual_size(&header)?,
+        Format::Qcow2 => header
+            .get(24..32)
+            .map(|b| u64::from_be_bytes(b.try_into().unwrap_or_default()))
+            .ok_or_else(|| Error::new(ErrorCode::CorruptImage, "qcow2 header is truncated"))?,
         _ => file_size,
     };
     Ok(Inspection {
@@ -144,11 +159,86 @@ pub fn inspect_file(path: &Path) -> Result<Inspection> {
     })
 }
 
-fn qcow2_virtual_size(header: &[u8]) -> Result<u64> {
-    header
-        .get(24..32)
-        .map(|b| u64::from_be_bytes(b.try_into().unwrap_or_default()))
-        .ok_or_else(|| Error::new(ErrorCode::CorruptImage, "qcow2 header is truncated"))
+/// The deep safety check of an image of format `found.format`: qcow2
+/// headers and L1 tables are validated, QED is refused, VMDK must be a
+/// self-contained monolithicSparse or streamOptimized disk. Returns the
+/// parsed qcow2 header for the converter.
+pub fn safety_check(
+    path: &Path,
+    found: &Inspection,
+    limits: qcow2::Limits,
+) -> Result<Option<qcow2::Header>> {
+    match found.format {
+        Format::Qcow2 => {
+            let (head, file_size) = read_header(path)?;
+            let header = qcow2::parse(&head, file_size, limits)?;
+            let mut l1 = vec![0u8; header.l1_size as usize * 8];
+            File::open(path)
+                .and_then(|f| f.read_exact_at(&mut l1, header.l1_table_offset))
+                .map_err(|e| Error::io("read qcow2 L1 table", e))?;
+            qcow2::check_l1_table(&header, &l1, file_size)?;
+            if header.nb_snapshots > 0 {
+                let len = (file_size - header.snapshots_offset).min(64 << 20);
+                let mut table = vec![0u8; len as usize];
+                File::open(path)
+                    .and_then(|f| f.read_exact_at(&mut table, header.snapshots_offset))
+                    .map_err(|e| Error::io("read qcow2 snapshot table", e))?;
+                qcow2::check_snapshot_table(&header, &table, file_size)?;
+            }
+            Ok(Some(header))
+        }
+        Format::Qed => Err(Error::new(
+            ErrorCode::UnsafeImage,
+            "QED images are refused (backing files cannot be ruled out)",
+        )),
+        Format::Vmdk => {
+            check_vmdk(path)?;
+            Ok(None)
+        }
+        _ => Ok(None),
+    }
+}
+
+fn check_vmdk(path: &Path) -> Result<()> {
+    let (head, file_size) = read_header(path)?;
+    let descriptor: Vec<u8> = if head.starts_with(b"KDMV") {
+        let le64 = |off: usize| {
+            head.get(off..off + 8)
+                .map(|b| u64::from_le_bytes(b.try_into().unwrap_or_default()))
+                .unwrap_or(0)
+        };
+        let (offset, size) = (le64(28).saturating_mul(512), le64(36).saturating_mul(512));
+        if size == 0 || size > 1 << 20 || offset.saturating_add(size) > file_size {
+            return Err(Error::new(
+                ErrorCode::CorruptImage,
+                "vmdk: bad embedded descriptor",
+            ));
+        }
+        let mut d = vec![0u8; size as usize];
+        File::open(path)
+            .and_then(|f| f.read_exact_at(&mut d, offset))
+            .map_err(|e| Error::io("read vmdk descriptor", e))?;
+        d
+    } else {
+        head
+    };
+    let text = String::from_utf8_lossy(&descriptor);
+    let create_type = text
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("createType"))
+        .filter_map(|rest| rest.trim().strip_prefix('='))
+        .map(|v| v.trim().trim_matches('"').to_string())
+        .next()
+        .unwrap_or_default();
+    match create_type.as_str() {
+        "monolithicSparse" | "streamOptimized" => Ok(()),
+        other => Err(Error::new(
+            ErrorCode::UnsafeImage,
+            format!(
+                "vmdk createType {other:?} may reference other files; only monolithicSparse and streamOptimized are accepted"
+            ),
+        )),
+    }
 }
 
 /// Checks the detected format against the declared `image_disk_format` (a
@@ -156,7 +246,11 @@ fn qcow2_virtual_size(header: &[u8]) -> Result<u64> {
 pub fn check_format(detected: Format, declared: Option<&str>, permitted: &[String]) -> Result<()> {
     if let Some(declared) = declared.map(str::trim).filter(|d| !d.is_empty()) {
         let declared = declared.to_ascii_lowercase();
-        let matches = declared == detected.name() || (declared == "raw" && detected.is_raw());
+        // Kernels and ramdisks declared ari/aki are raw bytes, as Ironic allows.
+        let matches = declared == detected.name()
+            || (declared == "raw" && detected.is_raw())
+            || declared == "ari"
+            || declared == "aki";
         if !matches {
             return Err(Error::new(
                 ErrorCode::FormatMismatch,

@@ -5,6 +5,7 @@
 use crate::cache::{self, Cache, Master, MasterMeta};
 use crate::checksum::{Algo, ChecksumSpec, Expected, parse_checksum_file};
 use crate::config::Config;
+use crate::convert;
 use crate::error::{Error, ErrorCode, Result};
 use crate::events::{Action, CacheOutcome, Completion, InstanceInfo, Options};
 use crate::fsutil::{self, TempGuard};
@@ -325,36 +326,80 @@ impl Pipeline {
                 ));
             }
         }
+        // zstd-compressed downloads are decompressed, as Ironic does, and
+        // the result is what gets inspected and served.
+        let (header, _) = inspect::read_header(temp.path())?;
+        let (temp, served) = if inspect::is_zstd(&header) {
+            let out = TempGuard::new(self.cache.temp_path(name));
+            let max = self.config.convert.max_virtual_size_gib << 30;
+            let d = convert::decompress_zstd(temp.path(), out.path(), sha512, max).await?;
+            (out, d)
+        } else {
+            (temp, digests.clone())
+        };
         let found = inspect::inspect_file(temp.path())?;
         inspect::check_format(
             found.format,
             info.image_disk_format.as_deref(),
             &self.config.conductor.permitted_image_formats,
         )?;
-        if force_raw && !found.format.is_raw() {
-            return Err(Error::new(
-                ErrorCode::FormatNotPermitted,
-                format!(
-                    "image is {} and force_raw applies, but conversion to raw is not available in this build",
-                    found.format.name()
-                ),
-            ));
-        }
+        let qcow2 = inspect::safety_check(temp.path(), &found, self.config.convert.qcow2_limits())?;
+        let (temp, served, converted) = if force_raw && convert::needs_conversion(found.format) {
+            let growth = self.config.convert.raw_image_growth_factor;
+            let estimate = ((found.file_size as f64 * growth) as u64).min(found.virtual_size);
+            fsutil::check_space(self.cache.dir(), estimate)?;
+            let out = TempGuard::new(self.cache.temp_path(name));
+            tracing::info!(
+                format = found.format.name(),
+                virtual_size = found.virtual_size,
+                "converting to raw"
+            );
+            let d = convert::to_raw(
+                temp.path(),
+                out.path(),
+                &found,
+                qcow2.as_ref(),
+                sha512,
+                self.config.convert.limits(),
+            )
+            .await?;
+            let now = inspect::inspect_file(out.path())?;
+            let size_ok = found.format != inspect::Format::Qcow2
+                || d.size == convert::raw_size(found.virtual_size);
+            if !now.format.is_raw() || !size_ok {
+                return Err(Error::new(
+                    ErrorCode::CorruptImage,
+                    format!(
+                        "converted to raw, but the result is {} of {} bytes (virtual size {})",
+                        now.format.name(),
+                        d.size,
+                        found.virtual_size
+                    ),
+                ));
+            }
+            (out, d, true)
+        } else {
+            (temp, served, false)
+        };
         let meta = MasterMeta {
             source: href.to_string(),
             fetched_at,
             source_last_modified: stat.last_modified.map(cache::unix_secs),
             source_size: digests.size,
-            source_md5: digests.md5.clone(),
-            source_sha256: digests.sha256.clone(),
-            source_sha512: digests.sha512.clone(),
+            source_md5: digests.md5,
+            source_sha256: digests.sha256,
+            source_sha512: digests.sha512,
             source_format: found.format.name().into(),
-            converted: false,
-            disk_format: found.format.served_name().into(),
-            size: digests.size,
-            md5: digests.md5,
-            sha256: digests.sha256,
-            sha512: digests.sha512,
+            converted,
+            disk_format: if converted {
+                "raw".into()
+            } else {
+                found.format.served_name().into()
+            },
+            size: served.size,
+            md5: served.md5,
+            sha256: served.sha256,
+            sha512: served.sha512,
             inode: 0,
         };
         let master = self.cache.commit(temp.path(), name, meta)?;

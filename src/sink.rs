@@ -69,13 +69,24 @@ impl Sink {
             .open(path)
             .map_err(|e| Error::io(format!("create {}", path.display()), e))?;
         crate::fsutil::set_mode(&file, 0o644)?;
+        Ok(Sink::new(Some(file), sha512))
+    }
+
+    /// Hashes without writing anywhere (for bytes already on disk).
+    pub fn hash_only(sha512: bool) -> Sink {
+        Sink::new(None, sha512)
+    }
+
+    fn new(file: Option<File>, sha512: bool) -> Sink {
         let mut sink = Sink {
             senders: Vec::new(),
             tasks: Vec::new(),
             buf: BytesMut::with_capacity(CHUNK),
             size: 0,
         };
-        sink.spawn(move |rx| write_file(file, rx));
+        if let Some(file) = file {
+            sink.spawn(move |rx| write_file(file, rx));
+        }
         let mut algos = vec![Algo::Md5, Algo::Sha256];
         if sha512 {
             algos.push(Algo::Sha512);
@@ -89,7 +100,7 @@ impl Sink {
                 Ok(Output::Digest(algo, hasher.finalize_hex()))
             });
         }
-        Ok(sink)
+        sink
     }
 
     fn spawn(&mut self, f: impl FnOnce(mpsc::Receiver<Bytes>) -> Result<Output> + Send + 'static) {
