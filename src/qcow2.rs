@@ -407,3 +407,43 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+mod robustness {
+    use super::*;
+
+    /// A quick stand-in for the cargo-fuzz target that runs in every test
+    /// run: mutated valid headers and random bytes never panic the parser.
+    #[test]
+    fn random_inputs_never_panic() {
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let mut base = vec![0u8; 4096];
+        base[0..4].copy_from_slice(b"QFI\xfb");
+        base[4..8].copy_from_slice(&3u32.to_be_bytes());
+        base[20..24].copy_from_slice(&12u32.to_be_bytes());
+        base[100..104].copy_from_slice(&112u32.to_be_bytes());
+        for i in 0..200_000 {
+            let mut data = base.clone();
+            let len = if i % 7 == 0 { (next() % 200) as usize } else { data.len() };
+            data.truncate(len);
+            for _ in 0..1 + next() % 8 {
+                if !data.is_empty() {
+                    let at = (next() as usize) % data.len().min(160);
+                    data[at] = next() as u8;
+                }
+            }
+            let size = next() % (1 << 24);
+            let limits = Limits { max_virtual_size: 1 << 40 };
+            if let Ok(h) = parse(&data, size, limits) {
+                let _ = check_l1_table(&h, &data, size);
+                let _ = check_snapshot_table(&h, &data, size);
+            }
+        }
+    }
+}
