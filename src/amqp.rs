@@ -44,6 +44,11 @@ pub struct Topology {
     pub dead_letter_queue: String,
     /// Exchange for completion events without `reply_to`.
     pub events_exchange: String,
+    /// Ironic's notification exchange and the routing keys bound from it
+    /// (empty when notifications are not consumed).
+    pub notification_exchange: String,
+    /// `<topic>.info` and `<topic>.error` for each notification topic.
+    pub notification_bindings: Vec<String>,
 }
 
 impl Topology {
@@ -59,11 +64,29 @@ impl Topology {
             dead_letter_queue: format!("{queue}.dead"),
             events_exchange: a.events_exchange.clone(),
             queue,
+            notification_exchange: a.notification_exchange.clone(),
+            notification_bindings: if a.bind_notifications {
+                a.notification_topics
+                    .iter()
+                    .flat_map(|t| [format!("{t}.info"), format!("{t}.error")])
+                    .collect()
+            } else {
+                Vec::new()
+            },
         }
     }
 
-    /// Declares exchanges, queues and bindings (idempotent, durable).
-    pub async fn declare(&self, channel: &Channel, config: &Config) -> lapin::Result<()> {
+    /// Declares exchanges, queues and bindings (idempotent, durable). Ironic's
+    /// exchange is used as it exists (a passive declare, on a channel of its
+    /// own because a failed one closes it) and created the way
+    /// oslo.messaging creates it otherwise, so neither side ever meets a
+    /// PRECONDITION_FAILED.
+    pub async fn declare(
+        &self,
+        conn: &Connection,
+        channel: &Channel,
+        config: &Config,
+    ) -> lapin::Result<()> {
         let durable = ExchangeDeclareOptions {
             durable: true,
             ..ExchangeDeclareOptions::default()
@@ -128,6 +151,51 @@ impl Topology {
                 FieldTable::default(),
             )
             .await?;
+        if self.notification_bindings.is_empty() {
+            return Ok(());
+        }
+        let probe = conn.create_channel().await?;
+        let passive = ExchangeDeclareOptions {
+            passive: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        let name = self.notification_exchange.as_str();
+        if probe
+            .exchange_declare(
+                name.into(),
+                ExchangeKind::Topic,
+                passive,
+                FieldTable::default(),
+            )
+            .await
+            .is_err()
+        {
+            let create = ExchangeDeclareOptions {
+                durable: config.amqp.notification_exchange_durable,
+                ..ExchangeDeclareOptions::default()
+            };
+            channel
+                .exchange_declare(
+                    name.into(),
+                    ExchangeKind::Topic,
+                    create,
+                    FieldTable::default(),
+                )
+                .await?;
+        } else {
+            let _ = probe.close(200, "ok".into()).await;
+        }
+        for key in &self.notification_bindings {
+            channel
+                .queue_bind(
+                    self.queue.as_str().into(),
+                    name.into(),
+                    key.as_str().into(),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await?;
+        }
         Ok(())
     }
 }
@@ -212,8 +280,10 @@ struct Session {
     metrics: Arc<Metrics>,
     publisher: Publisher,
     host: String,
+    /// Ironic's notification exchange (deliveries from it are notifications).
+    notification_exchange: String,
     /// Per-node FIFO queues: deliveries for one node run in order.
-    nodes: Mutex<HashMap<String, mpsc::UnboundedSender<Delivery>>>,
+    nodes: Mutex<HashMap<String, mpsc::UnboundedSender<Job>>>,
     /// Signalled when a broker operation failed: reconnect.
     broken: Notify,
     tracker: TaskTracker,
@@ -277,7 +347,7 @@ async fn session(
     let consume_channel = conn.create_channel().await?;
     let publish_channel = conn.create_channel().await?;
     let topology = Topology::new(config);
-    topology.declare(&consume_channel, config).await?;
+    topology.declare(&conn, &consume_channel, config).await?;
     consume_channel
         .basic_qos(config.amqp.prefetch, BasicQosOptions::default())
         .await?;
@@ -301,6 +371,7 @@ async fn session(
         metrics: metrics.clone(),
         publisher,
         host: config.default.host.clone(),
+        notification_exchange: config.amqp.notification_exchange.clone(),
         nodes: Mutex::new(HashMap::new()),
         broken: Notify::new(),
         tracker: TaskTracker::new(),
@@ -343,48 +414,51 @@ async fn session(
 }
 
 /// Routes a delivery: unusable and ignored messages are settled at once,
-/// work goes to the node's FIFO queue.
+/// work goes to its node's FIFO queue.
 fn dispatch(session: &Arc<Session>, delivery: Delivery) {
-    let node = match serde_json::from_slice::<serde_json::Value>(&delivery.data) {
-        Ok(v) => v
-            .get("node_uuid")
-            .and_then(|n| n.as_str())
-            .map(str::to_string),
-        Err(_) => None,
+    let from_ironic = delivery.exchange.as_str() == session.notification_exchange;
+    let inbound = inbound::parse(&delivery.data, from_ironic, &session.host);
+    let source = if from_ironic {
+        "notification"
+    } else {
+        "command"
     };
-    let Some(node) = node else {
-        let s = session.clone();
-        session
-            .tracker
-            .spawn(async move { s.settle(delivery).await });
-        return;
+    let node = match &inbound {
+        Inbound::Work(req) => req.node_uuid.clone(),
+        _ => {
+            let s = session.clone();
+            session.tracker.spawn(async move {
+                s.settle(Job {
+                    delivery,
+                    inbound,
+                    source,
+                })
+                .await
+            });
+            return;
+        }
+    };
+    let job = Job {
+        delivery,
+        inbound,
+        source,
     };
     let mut nodes = session.nodes.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(tx) = nodes.get(&node) {
-        match tx.send(delivery) {
+    let job = match nodes.get(&node) {
+        Some(tx) => match tx.send(job) {
             Ok(()) => return,
-            Err(mpsc::error::SendError(d)) => {
-                return spawn_node_queue(session, &mut nodes, node, d);
-            }
-        }
-    }
-    spawn_node_queue(session, &mut nodes, node, delivery);
-}
-
-fn spawn_node_queue(
-    session: &Arc<Session>,
-    nodes: &mut HashMap<String, mpsc::UnboundedSender<Delivery>>,
-    node: String,
-    first: Delivery,
-) {
+            Err(mpsc::error::SendError(job)) => job,
+        },
+        None => job,
+    };
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let _ = tx.send(first);
+    let _ = tx.send(job);
     nodes.insert(node.clone(), tx);
     let s = session.clone();
     session.tracker.spawn(async move {
         loop {
-            while let Ok(delivery) = rx.try_recv() {
-                s.settle(delivery).await;
+            while let Ok(job) = rx.try_recv() {
+                s.settle(job).await;
             }
             let mut nodes = s.nodes.lock().unwrap_or_else(|p| p.into_inner());
             if rx.is_empty() {
@@ -395,16 +469,28 @@ fn spawn_node_queue(
     });
 }
 
+/// A delivery and what it was parsed into.
+struct Job {
+    delivery: Delivery,
+    inbound: Inbound,
+    source: &'static str,
+}
+
 impl Session {
     /// Handles one delivery to the end: answer, then ack (or dead-letter).
-    async fn settle(&self, delivery: Delivery) {
-        if let Err(e) = self.try_settle(&delivery).await {
+    async fn settle(&self, job: Job) {
+        if let Err(e) = self.try_settle(job).await {
             tracing::warn!(error = %e, "could not settle a delivery; reconnecting");
             self.broken.notify_one();
         }
     }
 
-    async fn try_settle(&self, delivery: &Delivery) -> Result<()> {
+    async fn try_settle(&self, job: Job) -> Result<()> {
+        let Job {
+            delivery,
+            inbound,
+            source,
+        } = job;
         let broker = |e: lapin::Error| Error::new(ErrorCode::Internal, format!("broker: {e}"));
         let reply_to = delivery
             .properties
@@ -416,10 +502,20 @@ impl Session {
             .correlation_id()
             .as_ref()
             .map(|s| s.as_str().to_string());
-        match inbound::parse_command(&delivery.data, &self.host) {
+        let inbound = match inbound {
+            Inbound::Work(req)
+                if req.only_if_prepared && !self.pipeline.has_node_files(&req.node_uuid) =>
+            {
+                Inbound::Ignore("not_prepared_here")
+            }
+            other => other,
+        };
+        match inbound {
             Inbound::Work(request) => {
                 let done = self.pipeline.handle(&request).await;
                 self.metrics.record(&done);
+                self.metrics
+                    .consumed(source, done.action.as_str(), done.status.as_str());
                 self.publisher
                     .publish(&done, reply_to.as_deref(), correlation.as_deref())
                     .await?;
@@ -430,8 +526,10 @@ impl Session {
                     .map_err(broker)?;
             }
             Inbound::Invalid(done) => {
-                tracing::warn!(error = ?done.error, "dead-lettering an unusable message");
+                tracing::warn!(source, error = ?done.error, "dead-lettering an unusable message");
                 self.metrics.record(&done);
+                self.metrics
+                    .consumed(source, done.action.as_str(), "invalid");
                 self.publisher
                     .publish(&done, reply_to.as_deref(), correlation.as_deref())
                     .await?;
@@ -443,6 +541,7 @@ impl Session {
             }
             Inbound::Ignore(why) => {
                 self.metrics.ignored.with_label_values(&[why]).inc();
+                self.metrics.consumed(source, "none", "ignored");
                 delivery
                     .acker
                     .ack(BasicAckOptions::default())

@@ -189,6 +189,7 @@ fn request(action: Action, node: NodeArgs, image: Option<ImageArgs>) -> Request 
         request_id: node.request_id,
         instance_info,
         options,
+        only_if_prepared: false,
     }
 }
 

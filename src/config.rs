@@ -126,6 +126,10 @@ pub struct AmqpSection {
     /// Notification topics (routing keys get `.info` / `.error` appended).
     #[serde(deserialize_with = "list_opt")]
     pub notification_topics: Vec<String>,
+    /// Durability used when the worker has to create Ironic's exchange
+    /// itself (oslo.messaging's `amqp_durable_queues`, default false); an
+    /// existing exchange is used as it is.
+    pub notification_exchange_durable: bool,
     /// Seconds to wait for in-flight work on shutdown before requeueing it.
     pub shutdown_grace: u64,
 }
@@ -249,6 +253,7 @@ impl Default for AmqpSection {
             bind_notifications: true,
             notification_exchange: "ironic".into(),
             notification_topics: vec!["ironic_versioned_notifications".into()],
+            notification_exchange_durable: false,
             shutdown_grace: 30,
         }
     }

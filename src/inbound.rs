@@ -1,5 +1,7 @@
 //! What arrives on the per-host queue and what it asks for: explicit
-//! commands (`schemas/command.v1.json`) today, Ironic notifications too.
+//! commands (`schemas/command.v1.json`) and Ironic's own versioned
+//! notifications (`baremetal.node.provision_set.*` in the oslo.messaging v2
+//! envelope, DESIGN.md 3.1).
 //! Parsing never fails silently: an unreadable message becomes an error
 //! completion plus a dead-letter, never a dropped message.
 
@@ -19,6 +21,20 @@ pub enum Inbound {
     /// Not for this worker (another conductor, an irrelevant notification):
     /// acknowledge without answering. The string says why, for metrics.
     Ignore(&'static str),
+}
+
+/// Parses a delivery: notifications (from Ironic's exchange, or shaped like
+/// one) and commands.
+pub fn parse(body: &[u8], from_notification_exchange: bool, host: &str) -> Inbound {
+    let looks_like_notification = || {
+        serde_json::from_slice::<serde_json::Value>(body)
+            .is_ok_and(|v| v.get("oslo.version").is_some() || v.get("event_type").is_some())
+    };
+    if from_notification_exchange || looks_like_notification() {
+        parse_notification(body, host)
+    } else {
+        parse_command(body, host)
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -109,6 +125,133 @@ pub fn parse_command(body: &[u8], host: &str) -> Inbound {
         request_id: cmd.request_id,
         instance_info,
         options: cmd.options.unwrap_or_default(),
+        only_if_prepared: false,
+    }))
+}
+
+/// Ironic's provision-state transition, as a notification tells it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Transition {
+    /// The node's new provision state.
+    pub state: String,
+    /// The state it left.
+    pub previous: String,
+    /// The FSM event that moved it.
+    pub event: String,
+}
+
+/// What the worker does for a transition (DESIGN.md 3.1); the flag says the
+/// cleanup is only wanted when the node was prepared here.
+pub fn action_for(t: &Transition) -> Option<(Action, bool)> {
+    match t.state.as_str() {
+        "deploying" if t.event == "deploy" || t.event == "rebuild" => {
+            Some((Action::Prepare, false))
+        }
+        "active" if matches!(t.previous.as_str(), "deploying" | "wait call-back") => {
+            Some((Action::Deployed, false))
+        }
+        // Teardown of an active or deploy-failed node always starts here.
+        "deleting" => Some((Action::Cleanup, false)),
+        "cleaning" | "available" | "manageable" | "error" => Some((Action::Cleanup, true)),
+        _ => None,
+    }
+}
+
+/// Parses an oslo.messaging notification (v2 envelope or unwrapped) for the
+/// worker of conductor `host`. Notifications of other conductors and other
+/// events are ignored; unreadable ones are invalid.
+pub fn parse_notification(body: &[u8], host: &str) -> Inbound {
+    let bad = |request_id: Option<String>, msg: String| {
+        invalid(Action::Unknown, None, request_id, host, msg)
+    };
+    let outer: serde_json::Value = match serde_json::from_slice(body) {
+        Ok(v) => v,
+        Err(e) => return bad(None, format!("notification is not JSON: {e}")),
+    };
+    let msg = match outer.get("oslo.message") {
+        Some(serde_json::Value::String(inner)) => match serde_json::from_str(inner) {
+            Ok(v) => v,
+            Err(e) => return bad(None, format!("oslo.message is not JSON: {e}")),
+        },
+        Some(_) => return bad(None, "oslo.message is not a JSON string".into()),
+        None => outer,
+    };
+    let text =
+        |v: &serde_json::Value, key: &str| v.get(key).and_then(|x| x.as_str()).map(str::to_string);
+    let message_id = text(&msg, "message_id");
+    let Some(publisher) = text(&msg, "publisher_id") else {
+        return bad(message_id, "notification has no publisher_id".into());
+    };
+    let Some(event_type) = text(&msg, "event_type") else {
+        return bad(message_id, "notification has no event_type".into());
+    };
+    match publisher.split_once('.') {
+        Some(("ironic-conductor", h)) if h == host => {}
+        _ => return Inbound::Ignore("other_publisher"),
+    }
+    if !event_type.starts_with("baremetal.node.provision_set.") {
+        return Inbound::Ignore("other_event");
+    }
+    let payload = msg.get("payload").cloned().unwrap_or_default();
+    let data = payload
+        .get("ironic_object.data")
+        .cloned()
+        .unwrap_or(payload);
+    let node = text(&data, "uuid");
+    let invalid_here =
+        |msg: String| invalid(Action::Unknown, node.clone(), message_id.clone(), host, msg);
+    let Some(node_uuid) = node.clone() else {
+        return invalid_here("provision_set payload has no node uuid".into());
+    };
+    let transition = Transition {
+        state: text(&data, "provision_state").unwrap_or_default(),
+        previous: text(&data, "previous_provision_state").unwrap_or_default(),
+        event: text(&data, "event").unwrap_or_default(),
+    };
+    let Some((action, only_if_prepared)) = action_for(&transition) else {
+        return Inbound::Ignore("no_action");
+    };
+    if let Err(e) = NodeUuid::parse(&node_uuid) {
+        return Inbound::Invalid(Box::new(
+            Completion::new(action, node, message_id, host).failed(&e),
+        ));
+    }
+    let instance_info: InstanceInfo = match data.get("instance_info") {
+        None | Some(serde_json::Value::Null) => InstanceInfo::default(),
+        Some(v) => match serde_json::from_value(v.clone()) {
+            Ok(i) => i,
+            Err(e) => {
+                return invalid(
+                    action,
+                    node,
+                    message_id,
+                    host,
+                    format!("instance_info: {e}"),
+                );
+            }
+        },
+    };
+    if action == Action::Prepare
+        && instance_info
+            .image_source
+            .as_deref()
+            .is_none_or(|s| s.trim().is_empty())
+    {
+        return invalid(
+            action,
+            node,
+            message_id,
+            host,
+            "deploy notification without instance_info.image_source".into(),
+        );
+    }
+    Inbound::Work(Box::new(Request {
+        action,
+        node_uuid,
+        request_id: message_id,
+        instance_info,
+        options: Options::default(),
+        only_if_prepared,
     }))
 }
 
@@ -188,6 +331,98 @@ mod tests {
         assert_eq!(
             code(&parse_command(bad_type.as_bytes(), "h")),
             Some(ErrorCode::InvalidMessage)
+        );
+    }
+
+    /// Bodies captured from Ironic 39.0.0's notifier (messagingv2), so the
+    /// parsing is tested without Python too.
+    const START: &str = include_str!("../tests/fixtures/provision_set_start.json");
+    const END: &str = include_str!("../tests/fixtures/provision_set_end_active.json");
+    const ERROR: &str = include_str!("../tests/fixtures/provision_set_error_deploy_failed.json");
+
+    fn work(i: Inbound) -> Request {
+        match i {
+            Inbound::Work(r) => *r,
+            other => panic!("expected work, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn captured_ironic_notifications() {
+        let start = work(parse(START.as_bytes(), true, "testhost"));
+        assert_eq!(start.action, Action::Prepare);
+        assert_eq!(start.node_uuid, "1be26c0b-03f2-4d2e-ae87-c02d7f33c199");
+        assert_eq!(
+            start.instance_info.image_source.as_deref(),
+            Some("http://x/y.img")
+        );
+        assert_eq!(start.instance_info.other["image_url"], "******");
+        assert_eq!(
+            start.request_id.as_deref(),
+            Some("86931059-05c3-4f24-b329-5ae1bcb7cd04")
+        );
+
+        let end = work(parse(END.as_bytes(), true, "testhost"));
+        assert_eq!(end.action, Action::Deployed);
+        // Detected by shape even when it arrives through another exchange.
+        assert_eq!(
+            work(parse(END.as_bytes(), false, "testhost")).action,
+            Action::Deployed
+        );
+
+        assert!(matches!(
+            parse(ERROR.as_bytes(), true, "testhost"),
+            Inbound::Ignore("no_action")
+        ));
+        assert!(matches!(
+            parse(START.as_bytes(), true, "otherhost"),
+            Inbound::Ignore("other_publisher")
+        ));
+    }
+
+    #[test]
+    fn unwrapped_and_newer_payloads_are_tolerated() {
+        let outer: serde_json::Value = serde_json::from_str(START).unwrap();
+        let mut msg: serde_json::Value =
+            serde_json::from_str(outer["oslo.message"].as_str().unwrap()).unwrap();
+        msg["payload"]["ironic_object.version"] = "9.99".into();
+        msg["payload"]["ironic_object.data"]["some_future_field"] = serde_json::json!({"x": 1});
+        let req = work(parse(msg.to_string().as_bytes(), false, "testhost"));
+        assert_eq!(req.action, Action::Prepare);
+    }
+
+    #[test]
+    fn provision_state_mapping() {
+        let t = |state: &str, previous: &str, event: &str| Transition {
+            state: state.into(),
+            previous: previous.into(),
+            event: event.into(),
+        };
+        assert_eq!(
+            action_for(&t("deploying", "available", "deploy")),
+            Some((Action::Prepare, false))
+        );
+        assert_eq!(
+            action_for(&t("deploying", "active", "rebuild")),
+            Some((Action::Prepare, false))
+        );
+        assert_eq!(
+            action_for(&t("deploying", "wait call-back", "resume")),
+            None
+        );
+        assert_eq!(
+            action_for(&t("active", "deploying", "done")),
+            Some((Action::Deployed, false))
+        );
+        assert_eq!(action_for(&t("active", "rescuing", "done")), None);
+        assert_eq!(action_for(&t("deploy failed", "deploying", "fail")), None);
+        assert_eq!(
+            action_for(&t("deleting", "deploy failed", "deleted")),
+            Some((Action::Cleanup, false))
+        );
+        assert_eq!(
+            action_for(&t("available", "cleaning", "done")),
+            Some((Action::Cleanup, true))
         );
     }
 }

@@ -23,6 +23,8 @@ pub struct Metrics {
     pub amqp_reconnects: prometheus::IntCounter,
     /// Messages acknowledged without an answer, by reason.
     pub ignored: IntCounterVec,
+    /// Messages consumed, by source (command/notification), action, outcome.
+    pub messages: IntCounterVec,
 }
 
 const PREFIX: &str = "ironic_image_worker_";
@@ -53,6 +55,11 @@ impl Metrics {
             "http_response_bytes_total",
             "Image server response body bytes announced, by status code.",
             &["status"],
+        );
+        let messages = counter(
+            "messages_consumed_total",
+            "Messages consumed from the broker by source, action and outcome.",
+            &["source", "action", "outcome"],
         );
         let ignored = counter(
             "ignored_messages_total",
@@ -101,6 +108,7 @@ impl Metrics {
             amqp_connected,
             amqp_reconnects,
             ignored,
+            messages,
         }
     }
 
@@ -119,6 +127,13 @@ impl Metrics {
                 .with_label_values(&[label])
                 .observe(done.duration_ms as f64 / 1000.0);
         }
+    }
+
+    /// Counts a consumed message.
+    pub fn consumed(&self, source: &str, action: &str, outcome: &str) {
+        self.messages
+            .with_label_values(&[source, action, outcome])
+            .inc();
     }
 
     /// Renders all metrics in the Prometheus text format.

@@ -39,6 +39,10 @@ pub struct Request {
     pub instance_info: InstanceInfo,
     /// Per-request overrides.
     pub options: Options,
+    /// A cleanup inferred from a notification that is only wanted when the
+    /// node has files here (stray cleaning/available transitions of nodes
+    /// this worker never prepared are not answered).
+    pub only_if_prepared: bool,
 }
 
 impl Pipeline {
@@ -62,6 +66,14 @@ impl Pipeline {
             cache,
             links,
             node_locks,
+        })
+    }
+
+    /// True when the node has a published link or a cached image here.
+    pub fn has_node_files(&self, node: &str) -> bool {
+        NodeUuid::parse(node).is_ok_and(|n| {
+            self.links.symlink_path(&n).symlink_metadata().is_ok()
+                || self.links.node_dir(&n).exists()
         })
     }
 

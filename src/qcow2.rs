@@ -430,7 +430,11 @@ mod robustness {
         base[100..104].copy_from_slice(&112u32.to_be_bytes());
         for i in 0..200_000 {
             let mut data = base.clone();
-            let len = if i % 7 == 0 { (next() % 200) as usize } else { data.len() };
+            let len = if i % 7 == 0 {
+                (next() % 200) as usize
+            } else {
+                data.len()
+            };
             data.truncate(len);
             for _ in 0..1 + next() % 8 {
                 if !data.is_empty() {
@@ -439,7 +443,9 @@ mod robustness {
                 }
             }
             let size = next() % (1 << 24);
-            let limits = Limits { max_virtual_size: 1 << 40 };
+            let limits = Limits {
+                max_virtual_size: 1 << 40,
+            };
             if let Ok(h) = parse(&data, size, limits) {
                 let _ = check_l1_table(&h, &data, size);
                 let _ = check_snapshot_table(&h, &data, size);

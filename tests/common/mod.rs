@@ -608,3 +608,117 @@ pub fn prepare_cmd(node: &str, source: &str) -> Value {
         "instance_info": {"image_source": source},
     })
 }
+
+/// Python with Ironic installed (a virtualenv under `target/`, created on
+/// first use from PyPI), to emit notifications with Ironic's own code.
+pub fn ironic_python() -> PathBuf {
+    let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("target");
+    std::fs::create_dir_all(&target).unwrap();
+    let venv = target.join("ironic-venv");
+    let python = venv.join("bin/python");
+    let lock = std::fs::File::create(target.join("ironic-venv.lock")).unwrap();
+    lock.lock().unwrap();
+    let ready = || {
+        std::process::Command::new(&python)
+            .args(["-c", "import ironic.conductor.notification_utils"])
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !ready() {
+        tool("python3", &["-m", "venv", venv.to_str().unwrap()]);
+        tool(
+            venv.join("bin/pip").to_str().unwrap(),
+            &["install", "-q", "--disable-pip-version-check", IRONIC_PIP],
+        );
+        assert!(ready(), "ironic is importable in {}", venv.display());
+    }
+    python
+}
+
+/// The Ironic release the notification tests emit with.
+pub const IRONIC_PIP: &str = "ironic==39.0.0";
+
+/// Emits provision_set notifications through Ironic's notifier as conductor
+/// `host`; each spec is one transition (see tests/helpers/emit_notification.py).
+pub fn emit_notifications(host: &str, specs: &[Value]) {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("specs.jsonl");
+    let lines: Vec<String> = specs.iter().map(|s| s.to_string()).collect();
+    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/helpers/emit_notification.py");
+    let out = std::process::Command::new(ironic_python())
+        .arg(script)
+        .arg(host)
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "emit failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A queue receiving the completion events published without reply_to.
+pub struct EventTap {
+    channel: lapin::Channel,
+    queue: String,
+}
+
+impl EventTap {
+    pub async fn new(broker: &Broker) -> EventTap {
+        use lapin::options::*;
+        let channel = broker.conn.create_channel().await.unwrap();
+        let q = channel
+            .queue_declare(
+                "".into(),
+                QueueDeclareOptions {
+                    exclusive: true,
+                    ..Default::default()
+                },
+                Default::default(),
+            )
+            .await
+            .unwrap();
+        channel
+            .queue_bind(
+                q.name().clone(),
+                "ironic-image-worker.events".into(),
+                "node.#".into(),
+                Default::default(),
+                Default::default(),
+            )
+            .await
+            .unwrap();
+        EventTap {
+            channel,
+            queue: q.name().as_str().to_string(),
+        }
+    }
+
+    /// Events of conductor `host` seen within `wait` (stops early at `n`).
+    pub async fn collect(&self, host: &str, n: usize, wait: Duration) -> Vec<Value> {
+        use lapin::options::*;
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut out = Vec::new();
+        while out.len() < n && tokio::time::Instant::now() < deadline {
+            match self
+                .channel
+                .basic_get(self.queue.as_str().into(), BasicGetOptions { no_ack: true })
+                .await
+                .unwrap()
+            {
+                Some(m) => {
+                    let v: Value = serde_json::from_slice(&m.delivery.data).unwrap();
+                    assert_valid_completion(&v);
+                    if v["conductor_host"] == host {
+                        out.push(v);
+                    }
+                }
+                None => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+        out
+    }
+}

@@ -1,0 +1,298 @@
+//! Driving the worker from Ironic's own versioned notifications: emitted by
+//! Ironic's notification code through oslo.messaging to the real broker.
+
+mod common;
+
+use common::*;
+use serde_json::{Value, json};
+use std::time::Duration;
+
+fn transition(
+    node: &str,
+    status: &str,
+    prev: &str,
+    state: &str,
+    event: &str,
+    info: &Value,
+) -> Value {
+    json!({"node": node, "status": status, "prev_state": prev, "state": state,
+           "target": if state == "deploying" || state == "wait call-back" { json!("active") } else { Value::Null },
+           "event": event, "instance_info": info})
+}
+
+/// The notifications Ironic sends for a successful direct deploy.
+fn deploy(node: &str, info: &Value, from: &str, event: &str) -> Vec<Value> {
+    vec![
+        transition(node, "start", from, "deploying", event, info),
+        transition(node, "success", "deploying", "wait call-back", "wait", info),
+        transition(
+            node,
+            "success",
+            "wait call-back",
+            "deploying",
+            "resume",
+            info,
+        ),
+        transition(node, "end", "deploying", "active", "done", info),
+    ]
+}
+
+const WAIT: Duration = Duration::from_secs(60);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_deploy_then_rebuild_then_teardown() {
+    let env = Env::new("");
+    let a = env.root().join("src/a.img");
+    let b = env.root().join("src/b.img");
+    random_file(&a, 2 << 20, 31);
+    random_file(&b, 2 << 20, 32);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let _worker = env.serve().await;
+    let broker = Broker::connect().await;
+    let tap = EventTap::new(&broker).await;
+    let node = node();
+    let link = env.link_dir().join(&node);
+    let info_a = json!({"image_source": server.url("a.img"), "image_checksum": md5sum(&a), "image_url": "******"});
+
+    // deploying (start): prepared. Symlink there until active (end).
+    let steps = deploy(&node, &info_a, "available", "deploy");
+    emit_notifications(&env.host, &steps[..1]);
+    let ev = tap.collect(&env.host, 1, WAIT).await;
+    assert_eq!(ev.len(), 1);
+    assert_eq!(ev[0]["action"], "prepare");
+    assert_eq!(ev[0]["status"], "success", "{}", ev[0]);
+    assert_eq!(ev[0]["image_checksum"], md5sum(&a));
+    assert!(
+        ev[0]["request_id"]
+            .as_str()
+            .is_some_and(|id| id.len() == 36),
+        "message_id echoed"
+    );
+    assert!(link.symlink_metadata().is_ok());
+    let (status, body) = get(ev[0]["image_url"].as_str().unwrap()).await;
+    assert_eq!((status, body), (200, std::fs::read(&a).unwrap()));
+    emit_notifications(&env.host, &steps[1..]);
+    let ev = tap.collect(&env.host, 1, WAIT).await;
+    assert_eq!(ev[0]["action"], "deployed", "{ev:?}");
+    assert!(link.symlink_metadata().is_err(), "symlink gone once active");
+
+    // Rebuild with another image.
+    let info_b = json!({"image_source": server.url("b.img"), "image_url": "******"});
+    emit_notifications(&env.host, &deploy(&node, &info_b, "active", "rebuild")[..1]);
+    let ev = tap.collect(&env.host, 1, WAIT).await;
+    assert_eq!(ev[0]["action"], "prepare");
+    assert_eq!(ev[0]["image_checksum"], md5sum(&b));
+    assert_eq!(
+        get(ev[0]["image_url"].as_str().unwrap()).await.1,
+        std::fs::read(&b).unwrap()
+    );
+
+    // Teardown: deleting cleans up once; the cleaning/available that follow are quiet.
+    emit_notifications(
+        &env.host,
+        &[
+            transition(&node, "start", "active", "deleting", "deleted", &info_b),
+            transition(
+                &node,
+                "success",
+                "deleting",
+                "cleaning",
+                "clean",
+                &json!({}),
+            ),
+            transition(&node, "end", "cleaning", "available", "done", &json!({})),
+        ],
+    );
+    let ev = tap.collect(&env.host, 3, Duration::from_secs(5)).await;
+    assert_eq!(ev.len(), 1, "{ev:?}");
+    assert_eq!(ev[0]["action"], "cleanup");
+    assert!(!env.images_dir().join(&node).exists());
+    assert!(link.symlink_metadata().is_err());
+    assert_eq!(server.count("GET", "a.img"), 1);
+    broker.delete_host_queues(&env.host).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_deploy_keeps_the_link_until_teardown() {
+    let env = Env::new("");
+    let a = env.root().join("src/a.img");
+    random_file(&a, 1 << 20, 33);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let _worker = env.serve().await;
+    let broker = Broker::connect().await;
+    let tap = EventTap::new(&broker).await;
+    let node = node();
+    let link = env.link_dir().join(&node);
+    let info = json!({"image_source": server.url("a.img")});
+
+    // The start arrives twice (redelivery): the same answer, one download.
+    let start = transition(&node, "start", "available", "deploying", "deploy", &info);
+    emit_notifications(&env.host, &[start.clone(), start]);
+    let ev = tap.collect(&env.host, 2, WAIT).await;
+    assert_eq!(ev.len(), 2);
+    assert_eq!(ev[0]["image_url"], ev[1]["image_url"]);
+    assert_eq!(ev[0]["image_checksum"], ev[1]["image_checksum"]);
+    assert_eq!(server.count("GET", "a.img"), 1);
+
+    emit_notifications(
+        &env.host,
+        &[transition(
+            &node,
+            "error",
+            "wait call-back",
+            "deploy failed",
+            "fail",
+            &info,
+        )],
+    );
+    assert!(
+        tap.collect(&env.host, 1, Duration::from_secs(3))
+            .await
+            .is_empty()
+    );
+    assert!(
+        link.symlink_metadata().is_ok(),
+        "deploy failed keeps the symlink for debugging"
+    );
+
+    emit_notifications(
+        &env.host,
+        &[transition(
+            &node,
+            "start",
+            "deploy failed",
+            "deleting",
+            "deleted",
+            &info,
+        )],
+    );
+    let ev = tap.collect(&env.host, 1, WAIT).await;
+    assert_eq!(ev[0]["action"], "cleanup");
+    assert!(link.symlink_metadata().is_err());
+    // A cleanup for a node never prepared here: answered, harmless.
+    let other = common::node();
+    emit_notifications(
+        &env.host,
+        &[transition(
+            &other,
+            "start",
+            "active",
+            "deleting",
+            "deleted",
+            &json!({}),
+        )],
+    );
+    let ev = tap.collect(&env.host, 1, WAIT).await;
+    assert_eq!(
+        (ev[0]["action"].as_str(), ev[0]["status"].as_str()),
+        (Some("cleanup"), Some("success"))
+    );
+    broker.delete_host_queues(&env.host).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_conductors_and_malformed_notifications() {
+    let env = Env::new("");
+    let a = env.root().join("src/a.img");
+    random_file(&a, 1 << 20, 34);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let worker = env.serve().await;
+    let broker = Broker::connect().await;
+    let tap = EventTap::new(&broker).await;
+    let node = node();
+    let info = json!({"image_source": server.url("a.img")});
+
+    // Another conductor's deploy: not ours, not answered, nothing on disk.
+    let other_host = format!("{}-other", env.host);
+    emit_notifications(
+        &other_host,
+        &[transition(
+            &node,
+            "start",
+            "available",
+            "deploying",
+            "deploy",
+            &info,
+        )],
+    );
+    assert!(
+        tap.collect(&env.host, 1, Duration::from_secs(3))
+            .await
+            .is_empty()
+    );
+    assert!(!env.link_dir().join(&node).exists());
+
+    // Malformed notifications on Ironic's exchange: error event + dead letter.
+    use lapin::options::*;
+    let bodies = [
+        b"{\"oslo.version\": \"2.0\", \"oslo.message\": \"{not json\"}".to_vec(),
+        json!({"oslo.version": "2.0", "oslo.message": json!({"message_id": "m-1",
+            "publisher_id": format!("ironic-conductor.{}", env.host),
+            "event_type": "baremetal.node.provision_set.start", "priority": "INFO",
+            "payload": {"ironic_object.data": {"provision_state": "deploying", "event": "deploy"}}}).to_string()})
+            .to_string()
+            .into_bytes(),
+    ];
+    for body in &bodies {
+        broker
+            .channel
+            .basic_publish(
+                "ironic".into(),
+                "ironic_versioned_notifications.info".into(),
+                BasicPublishOptions::default(),
+                body,
+                Default::default(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let events = tap.collect(&env.host, 2, WAIT).await;
+    assert_eq!(events.len(), 2);
+    for ev in &events {
+        assert_eq!(ev["error"]["code"], "invalid_message", "{ev}");
+    }
+    assert!(events.iter().any(|e| e["request_id"] == "m-1"));
+    let dead = format!("ironic-image-worker.{}.dead", env.host);
+    let mut got = Vec::new();
+    for _ in 0..60 {
+        got.extend(broker.drain(&dead).await);
+        if got.len() >= 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(got.len(), 2);
+    // Ours still work afterwards, and the ignored one was counted.
+    emit_notifications(
+        &env.host,
+        &[transition(
+            &node,
+            "start",
+            "available",
+            "deploying",
+            "deploy",
+            &info,
+        )],
+    );
+    let ev = tap.collect(&env.host, 1, WAIT).await;
+    assert_eq!(ev[0]["status"], "success", "{ev:?}");
+    let metrics = reqwest::get(worker.metrics_url("/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let ignored: f64 = metrics
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(
+                "ironic_image_worker_ignored_messages_total{reason=\"other_publisher\"} ",
+            )
+        })
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+    assert!(ignored >= 1.0, "{metrics}");
+    broker.delete_host_queues(&env.host).await;
+}
