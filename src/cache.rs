@@ -116,7 +116,8 @@ impl Cache {
         self.dir.join(name)
     }
 
-    fn meta_path(&self, name: &str) -> PathBuf {
+    /// Path of the sidecar of master `name`.
+    pub fn meta_path(&self, name: &str) -> PathBuf {
         self.dir.join(format!("{name}{META_SUFFIX}"))
     }
 
@@ -128,6 +129,12 @@ impl Cache {
     /// Serialises all work on the master `name`, in this process and others.
     pub async fn lock(&self, name: &str) -> Result<LockGuard> {
         self.locks.acquire(name).await
+    }
+
+    /// The lock on master `name` if it is free right now (for eviction,
+    /// which skips masters in use rather than waiting).
+    pub fn try_lock(&self, name: &str) -> Option<LockGuard> {
+        self.locks.try_acquire(name)
     }
 
     /// The master `name` if it exists with a sidecar that describes exactly it.

@@ -50,6 +50,9 @@ pub enum Command {
     Cleanup(NodeArgs),
     /// Publish a command to a running worker through the broker.
     Send(SendArgs),
+    /// Look at or clean the master image cache.
+    #[command(subcommand)]
+    Cache(CacheCommand),
     /// Detect an image file's format and virtual size and check its safety.
     Inspect {
         /// The image file.
@@ -66,6 +69,26 @@ pub enum Command {
         /// Also compute SHA-512.
         #[arg(long)]
         sha512: bool,
+    },
+}
+
+/// `cache` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum CacheCommand {
+    /// List the masters: image, size, last used, linked nodes, converted.
+    List {
+        /// JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Apply the TTL and size limit now (never touching linked masters).
+    Clean {
+        /// Remove every master no node links, whatever the limits.
+        #[arg(long)]
+        all_unused: bool,
+        /// Only say what would be removed.
+        #[arg(long)]
+        dry_run: bool,
     },
 }
 
@@ -238,6 +261,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             return Ok(ExitCode::SUCCESS);
         }
         Command::Inspect { file } => return Ok(inspect(&config, &file)),
+        Command::Cache(cmd) => return cache_command(config, cmd),
         Command::ConvertChild { .. } => return Ok(ExitCode::FAILURE),
         Command::Prepare(args) => request(Action::Prepare, args.node, Some(args.image)),
         Command::Deployed(args) => request(Action::Deployed, args, None),
@@ -268,6 +292,51 @@ async fn run(cli: Cli) -> Result<ExitCode> {
     let pipeline = Pipeline::new(config)?;
     let done = pipeline.handle(&request).await;
     Ok(print_completion(&done))
+}
+
+/// `cache list` / `cache clean`.
+fn cache_command(config: Config, cmd: CacheCommand) -> Result<ExitCode> {
+    let pipeline = Pipeline::new(config)?;
+    match cmd {
+        CacheCommand::List { json } => {
+            let entries = pipeline.cache_entries()?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&entries).unwrap_or_default()
+                );
+            } else {
+                println!(
+                    "{:<48} {:>12} {:<20} {:>6} {:>9}",
+                    "IMAGE", "SIZE", "LAST USED (UTC)", "NODES", "CONVERTED"
+                );
+                for e in entries {
+                    let when = std::time::UNIX_EPOCH
+                        + std::time::Duration::from_secs(e.last_used.max(0) as u64);
+                    let when = httpdate::fmt_http_date(when);
+                    println!(
+                        "{:<48} {:>12} {:<20} {:>6} {:>9}",
+                        e.name,
+                        e.size,
+                        &when[5..25],
+                        e.linked_nodes,
+                        e.converted
+                    );
+                }
+            }
+        }
+        CacheCommand::Clean {
+            all_unused,
+            dry_run,
+        } => {
+            let report = pipeline.clean_cache(0, all_unused, dry_run)?;
+            println!(
+                "{}",
+                serde_json::json!({"dry_run": dry_run, "evicted": report.evicted, "freed_bytes": report.freed})
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// `inspect FILE`: format, sizes and the safety verdict as JSON.

@@ -39,6 +39,24 @@ pub struct Config {
     pub source: SourceSection,
     /// `[convert]`: limits of image conversion.
     pub convert: ConvertSection,
+    /// `[cache]`: the worker's cache housekeeping.
+    pub cache: CacheSection,
+}
+
+/// `[cache]`: housekeeping of the master cache beyond Ironic's `[pxe]` limits.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CacheSection {
+    /// Seconds between periodic clean-ups (TTL and size limit), 0 = never.
+    pub clean_interval: u64,
+}
+
+impl Default for CacheSection {
+    fn default() -> Self {
+        CacheSection {
+            clean_interval: 600,
+        }
+    }
 }
 
 /// `[DEFAULT]` options shared with Ironic.
@@ -450,6 +468,14 @@ impl Config {
             addr.ip().to_string()
         };
         format!("http://{host}:{}", addr.port())
+    }
+
+    /// The cache policy from `[pxe]image_cache_size` (MiB) and `image_cache_ttl` (minutes).
+    pub fn eviction_policy(&self) -> crate::eviction::Policy {
+        crate::eviction::Policy {
+            size_limit: self.pxe.image_cache_size << 20,
+            ttl: (self.pxe.image_cache_ttl * 60) as i64,
+        }
     }
 
     /// The AMQP URL with its password masked, for logs.

@@ -13,6 +13,7 @@ pub mod config;
 pub mod convert;
 pub mod error;
 pub mod events;
+pub mod eviction;
 pub mod fsutil;
 pub mod http;
 pub mod inbound;

@@ -32,16 +32,36 @@ impl Locks {
         })
     }
 
+    fn local(&self, key: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut map = self.local.lock().unwrap_or_else(|p| p.into_inner());
+        if map.len() > 1024 {
+            map.retain(|_, m| Arc::strong_count(m) > 1);
+        }
+        map.entry(key.to_string()).or_default().clone()
+    }
+
+    fn open(&self, key: &str) -> std::io::Result<File> {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(self.dir.join(format!("{key}.lock")))
+    }
+
+    /// Takes the lock named `key` only if nobody holds it now.
+    pub fn try_acquire(&self, key: &str) -> Option<LockGuard> {
+        let local = self.local(key).try_lock_owned().ok()?;
+        let file = self.open(key).ok()?;
+        file.try_lock().ok()?;
+        Some(LockGuard {
+            _file: file,
+            _local: local,
+        })
+    }
+
     /// Waits for the lock named `key` (a file-name-safe string).
     pub async fn acquire(&self, key: &str) -> Result<LockGuard> {
-        let local = {
-            let mut map = self.local.lock().unwrap_or_else(|p| p.into_inner());
-            if map.len() > 1024 {
-                map.retain(|_, m| Arc::strong_count(m) > 1);
-            }
-            map.entry(key.to_string()).or_default().clone()
-        };
-        let local = local.lock_owned().await;
+        let local = self.local(key).lock_owned().await;
         let path = self.dir.join(format!("{key}.lock"));
         let file = tokio::task::spawn_blocking(move || -> Result<File> {
             let file = std::fs::OpenOptions::new()

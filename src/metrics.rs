@@ -25,6 +25,14 @@ pub struct Metrics {
     pub ignored: IntCounterVec,
     /// Messages consumed, by source (command/notification), action, outcome.
     pub messages: IntCounterVec,
+    /// Bytes allocated by the master cache.
+    pub cache_bytes: IntGauge,
+    /// Masters in the cache.
+    pub cache_files: IntGauge,
+    /// Masters linked by at least one node.
+    pub cache_linked: IntGauge,
+    /// Masters evicted.
+    pub evictions: prometheus::IntCounter,
 }
 
 const PREFIX: &str = "ironic_image_worker_";
@@ -96,6 +104,30 @@ impl Metrics {
         registry
             .register(Box::new(amqp_reconnects.clone()))
             .expect("unique metric");
+        let gauge = |name: &str, help: &str| {
+            let g = IntGauge::new(format!("{PREFIX}{name}"), help).expect("valid metric");
+            registry
+                .register(Box::new(g.clone()))
+                .expect("unique metric");
+            g
+        };
+        let cache_bytes = gauge(
+            "cache_size_bytes",
+            "Bytes allocated by the master image cache.",
+        );
+        let cache_files = gauge("cache_files", "Masters in the image cache.");
+        let cache_linked = gauge(
+            "cache_linked_files",
+            "Masters linked by at least one node (never evicted).",
+        );
+        let evictions = prometheus::IntCounter::new(
+            format!("{PREFIX}cache_evictions_total"),
+            "Masters evicted from the cache.",
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(evictions.clone()))
+            .expect("unique metric");
         let _ = registry.register(Box::new(
             prometheus::process_collector::ProcessCollector::for_self(),
         ));
@@ -109,6 +141,10 @@ impl Metrics {
             amqp_reconnects,
             ignored,
             messages,
+            cache_bytes,
+            cache_files,
+            cache_linked,
+            evictions,
         }
     }
 
@@ -127,6 +163,15 @@ impl Metrics {
                 .with_label_values(&[label])
                 .observe(done.duration_ms as f64 / 1000.0);
         }
+    }
+
+    /// Sets the cache gauges from a listing.
+    pub fn cache_state(&self, entries: &[crate::eviction::Entry]) {
+        self.cache_bytes
+            .set(entries.iter().map(|e| e.size as i64).sum());
+        self.cache_files.set(entries.len() as i64);
+        self.cache_linked
+            .set(entries.iter().filter(|e| e.linked_nodes > 0).count() as i64);
     }
 
     /// Counts a consumed message.

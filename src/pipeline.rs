@@ -77,6 +77,46 @@ impl Pipeline {
         })
     }
 
+    /// Applies the cache policy (see `eviction`), reclaiming at least
+    /// `amount` bytes if it can.
+    pub fn clean_cache(
+        &self,
+        amount: u64,
+        all_unused: bool,
+        dry_run: bool,
+    ) -> Result<crate::eviction::Report> {
+        crate::eviction::clean(
+            &self.cache,
+            self.config.eviction_policy(),
+            amount,
+            all_unused,
+            dry_run,
+        )
+    }
+
+    /// The masters in the cache, oldest-used first.
+    pub fn cache_entries(&self) -> Result<Vec<crate::eviction::Entry>> {
+        crate::eviction::list(&self.cache)
+    }
+
+    /// Makes sure `needed` bytes are free in the cache, evicting unused
+    /// masters first, as Ironic does before a download or conversion.
+    fn make_room(&self, needed: u64) -> Result<()> {
+        let dir = self.cache.dir();
+        let free = fsutil::free_space(dir)?;
+        if needed > free {
+            let report = self.clean_cache(needed - free, false, false)?;
+            if !report.evicted.is_empty() {
+                tracing::info!(
+                    evicted = report.evicted.len(),
+                    freed = report.freed,
+                    "evicted to make room"
+                );
+            }
+        }
+        fsutil::check_space(dir, needed)
+    }
+
     /// The configuration in force.
     pub fn config(&self) -> &Config {
         &self.config
@@ -226,6 +266,9 @@ impl Pipeline {
             self.links.link_disk(node, &master.path)?;
         }
         self.links.publish(node)?;
+        if outcome == CacheOutcome::Miss {
+            self.after_growth();
+        }
         tracing::info!(node = %node, request_id = ?req.request_id, cache = ?outcome, master = %master.path.display(), "prepared");
 
         let meta = &master.meta;
@@ -317,8 +360,7 @@ impl Pipeline {
     ) -> Result<Master> {
         let fetched_at = cache::unix_secs(SystemTime::now());
         let temp = TempGuard::new(self.cache.temp_path(name));
-        let dir = self.cache.dir().to_path_buf();
-        let room = move |len: u64| fsutil::check_space(&dir, len);
+        let room = |len: u64| self.make_room(len);
         tracing::info!(source = %source.display(), master = name, "downloading");
         let (digests, stat) = self
             .fetcher
@@ -359,7 +401,7 @@ impl Pipeline {
         let (temp, served, converted) = if force_raw && convert::needs_conversion(found.format) {
             let growth = self.config.convert.raw_image_growth_factor;
             let estimate = ((found.file_size as f64 * growth) as u64).min(found.virtual_size);
-            fsutil::check_space(self.cache.dir(), estimate)?;
+            self.make_room(estimate)?;
             let out = TempGuard::new(self.cache.temp_path(name));
             tracing::info!(
                 format = found.format.name(),
@@ -417,6 +459,14 @@ impl Pipeline {
         let master = self.cache.commit(temp.path(), name, meta)?;
         temp.keep();
         Ok(master)
+    }
+
+    /// After the cache grew: enforce the size limit and TTL (the new master is
+    /// protected by its link to the node, made before this runs).
+    fn after_growth(&self) {
+        if let Err(e) = self.clean_cache(0, false, false) {
+            tracing::warn!(error = %e, "cache clean-up failed");
+        }
     }
 }
 

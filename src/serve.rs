@@ -63,10 +63,16 @@ pub async fn serve(config: Config) -> Result<()> {
         connected,
         stop_rx.clone(),
     ));
+    let housekeeping = tokio::spawn(housekeeping(
+        pipeline.clone(),
+        metrics.clone(),
+        stop_rx.clone(),
+    ));
     shutdown_signal().await;
     tracing::info!("shutting down: finishing in-flight work");
     let _ = stop_tx.send(true);
     let _ = consumer.await;
+    let _ = housekeeping.await;
     // Downloads by nodes may last long; give them a moment, then stop.
     let servers = async {
         let _ = images.await;
@@ -80,6 +86,36 @@ pub async fn serve(config: Config) -> Result<()> {
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Applies the cache policy every `[cache]clean_interval` seconds (not only
+/// when an image is used) and keeps the cache gauges current.
+async fn housekeeping(
+    pipeline: Arc<Pipeline>,
+    metrics: Arc<Metrics>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let every = pipeline.config().cache.clean_interval;
+    let period = std::time::Duration::from_secs(if every == 0 { 60 } else { every });
+    loop {
+        let (p, m) = (pipeline.clone(), metrics.clone());
+        let _ = tokio::task::spawn_blocking(move || {
+            if every > 0 {
+                match p.clean_cache(0, false, false) {
+                    Ok(r) => m.evictions.inc_by(r.evicted.len() as u64),
+                    Err(e) => tracing::warn!(error = %e, "periodic cache clean-up failed"),
+                }
+            }
+            if let Ok(entries) = p.cache_entries() {
+                m.cache_state(&entries);
+            }
+        })
+        .await;
+        tokio::select! {
+            _ = tokio::time::sleep(period) => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+    }
 }
 
 async fn bind(addr: std::net::SocketAddr) -> Result<TcpListener> {

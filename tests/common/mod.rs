@@ -227,6 +227,7 @@ read_timeout = 5
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
+            .env("RUST_LOG", "warn,lapin=error")
             .kill_on_drop(true);
         for (k, v) in envs {
             cmd.env(k, v);
