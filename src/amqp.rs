@@ -513,7 +513,6 @@ impl Session {
         match inbound {
             Inbound::Work(request) => {
                 let done = self.pipeline.handle(&request).await;
-                self.metrics.record(&done);
                 self.metrics
                     .consumed(source, done.action.as_str(), done.status.as_str());
                 self.publisher

@@ -5,10 +5,13 @@
 use crate::config::Config;
 use crate::error::Result;
 use crate::events::{Action, Completion, InstanceInfo, Options, Status};
+use crate::metrics::Metrics;
 use crate::pipeline::{Pipeline, Request};
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 /// Top-level arguments.
 #[derive(Debug, Parser)]
@@ -289,14 +292,48 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             };
         }
     };
-    let pipeline = Pipeline::new(config)?;
+    let metrics = Arc::new(Metrics::new());
+    let pipeline = Pipeline::new(config, metrics.clone())?;
+    let bar = std::io::stderr()
+        .is_terminal()
+        .then(|| tokio::spawn(progress_bar(metrics)));
     let done = pipeline.handle(&request).await;
+    if let Some(bar) = bar {
+        bar.abort();
+        eprintln!();
+    }
     Ok(print_completion(&done))
+}
+
+/// Draws the in-flight transfer gauges as a progress bar on a terminal.
+async fn progress_bar(metrics: Arc<Metrics>) {
+    let bar = indicatif::ProgressBar::new(0).with_style(
+        indicatif::ProgressStyle::with_template(
+            "{msg:>9} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+        .progress_chars("=> "),
+    );
+    loop {
+        for stage in ["download", "convert"] {
+            let expected = metrics.in_flight_expected.with_label_values(&[stage]).get();
+            let done = metrics.in_flight_done.with_label_values(&[stage]).get();
+            if done > 0 || expected > 0 {
+                if bar.message() != stage {
+                    bar.reset();
+                    bar.set_message(stage);
+                }
+                bar.set_length(expected.max(done) as u64);
+                bar.set_position(done as u64);
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
 }
 
 /// `cache list` / `cache clean`.
 fn cache_command(config: Config, cmd: CacheCommand) -> Result<ExitCode> {
-    let pipeline = Pipeline::new(config)?;
+    let pipeline = Pipeline::new(config, Arc::new(Metrics::new()))?;
     match cmd {
         CacheCommand::List { json } => {
             let entries = pipeline.cache_entries()?;

@@ -47,20 +47,14 @@ pub fn raw_size(virtual_size: u64) -> u64 {
     virtual_size / 512 * 512
 }
 
-/// What the child reports on stdout.
+/// What the child reports on stdout, one JSON object per line: progress
+/// now and then, then the result.
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(untagged)]
 enum ChildReport {
-    Done {
-        size: u64,
-        md5: String,
-        sha256: String,
-        sha512: Option<String>,
-    },
-    Failed {
-        code: crate::error::ErrorCode,
-        message: String,
-    },
+    Progress { progress: u64 },
+    Failed { code: ErrorCode, message: String },
+    Done(Digests),
 }
 
 /// Converts `src` (already safety-checked, format `found`) to raw at the new
@@ -72,11 +66,12 @@ pub async fn to_raw(
     header: Option<&qcow2::Header>,
     sha512: bool,
     limits: Limits,
+    progress: &(dyn Fn(u64) + Sync),
 ) -> Result<Digests> {
     let timeout = limits.timeout(found.virtual_size);
     match (found.format, header) {
         (Format::Qcow2, Some(h)) if h.qcow2_rs_can_read() => {
-            run_child(src, dst, sha512, limits.memory, timeout).await
+            run_child(src, dst, sha512, limits.memory, timeout, progress).await
         }
         (format, _) => qemu_img(src, dst, format, sha512, timeout).await,
     }
@@ -88,6 +83,7 @@ async fn run_child(
     sha512: bool,
     memory: u64,
     timeout: Duration,
+    progress: &(dyn Fn(u64) + Sync),
 ) -> Result<Digests> {
     let exe = std::env::current_exe().map_err(|e| Error::io("locate own binary", e))?;
     let mut cmd = tokio::process::Command::new(exe);
@@ -113,9 +109,29 @@ async fn run_child(
             Ok(())
         });
     }
-    let child = cmd.spawn().map_err(|e| Error::io("start converter", e))?;
-    let out = match tokio::time::timeout(timeout, child.wait_with_output()).await {
-        Ok(out) => out.map_err(|e| Error::io("converter", e))?,
+    let mut child = cmd.spawn().map_err(|e| Error::io("start converter", e))?;
+    let (Some(stdout), Some(mut stderr)) = (child.stdout.take(), child.stderr.take()) else {
+        return Err(Error::new(ErrorCode::Internal, "converter pipes missing"));
+    };
+    let stderr_text = tokio::spawn(async move {
+        let mut text = String::new();
+        let _ = tokio::io::AsyncReadExt::read_to_string(&mut stderr, &mut text).await;
+        text
+    });
+    let run = async {
+        let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
+        let mut report = None;
+        while let Ok(Some(line)) = lines.next_line().await {
+            match serde_json::from_str::<ChildReport>(&line) {
+                Ok(ChildReport::Progress { progress: done }) => progress(done),
+                Ok(other) => report = Some(other),
+                Err(_) => {}
+            }
+        }
+        (child.wait().await, report)
+    };
+    let (status, report) = match tokio::time::timeout(timeout, run).await {
+        Ok((status, report)) => (status.map_err(|e| Error::io("converter", e))?, report),
         Err(_) => {
             let _ = std::fs::remove_file(dst);
             return Err(Error::new(
@@ -124,33 +140,16 @@ async fn run_child(
             ));
         }
     };
-    let report = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .last()
-        .and_then(|l| serde_json::from_str::<ChildReport>(l).ok());
-    match (out.status.success(), report) {
-        (
-            true,
-            Some(ChildReport::Done {
-                size,
-                md5,
-                sha256,
-                sha512,
-            }),
-        ) => Ok(Digests {
-            size,
-            md5,
-            sha256,
-            sha512,
-        }),
+    match (status.success(), report) {
+        (true, Some(ChildReport::Done(digests))) => Ok(digests),
         (_, Some(ChildReport::Failed { code, message })) => Err(Error::new(code, message)),
         _ => {
             use std::os::unix::process::ExitStatusExt;
-            let stderr = String::from_utf8_lossy(&out.stderr);
+            let stderr = stderr_text.await.unwrap_or_default();
             let tail: String = stderr.lines().rev().take(3).collect::<Vec<_>>().join(" | ");
-            let how = match out.status.signal() {
+            let how = match status.signal() {
                 Some(sig) => format!("killed by signal {sig}"),
-                None => format!("exited with {}", out.status),
+                None => format!("exited with {status}"),
             };
             Err(Error::new(
                 ErrorCode::CorruptImage,
@@ -283,12 +282,7 @@ pub async fn decompress_zstd(
 /// by the parent as a failed conversion.
 pub fn child_main(src: &Path, dst: &Path, sha512: bool) -> std::process::ExitCode {
     let report = match child_convert(src, dst, sha512) {
-        Ok(d) => ChildReport::Done {
-            size: d.size,
-            md5: d.md5,
-            sha256: d.sha256,
-            sha512: d.sha512,
-        },
+        Ok(d) => ChildReport::Done(d),
         Err(e) => {
             let _ = std::fs::remove_file(dst);
             ChildReport::Failed {
@@ -323,7 +317,13 @@ fn child_convert(src: &Path, dst: &Path, sha512: bool) -> Result<Digests> {
         let mut sink = Sink::create(dst, sha512)?;
         let mut buf = qcow2_rs::helpers::Qcow2IoBuf::<u8>::new(READ);
         let mut off = 0u64;
+        let mut reported = std::time::Instant::now();
         while off < virtual_size {
+            if reported.elapsed() >= Duration::from_secs(1) {
+                reported = std::time::Instant::now();
+                let line = serde_json::to_string(&ChildReport::Progress { progress: off });
+                println!("{}", line.unwrap_or_default());
+            }
             let left = virtual_size - off;
             let want = (left.min(READ as u64) as usize).div_ceil(512) * 512;
             let n = dev.read_at(&mut buf[..want], off).await.map_err(corrupt)?;

@@ -23,6 +23,7 @@ pub mod lock;
 pub mod metrics;
 pub mod node;
 pub mod pipeline;
+pub mod progress;
 pub mod qcow2;
 pub mod serve;
 pub mod sink;

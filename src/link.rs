@@ -74,13 +74,15 @@ impl NodeLinks {
         })
     }
 
-    /// Points the node's symlink at its `disk`, replacing it atomically.
-    pub fn publish(&self, node: &NodeUuid) -> Result<()> {
+    /// Points the node's symlink at its `disk`, replacing it atomically;
+    /// true when the node had no symlink before.
+    pub fn publish(&self, node: &NodeUuid) -> Result<bool> {
         let link = self.symlink_path(node);
         let target = std::path::absolute(self.disk_path(node))
             .map_err(|e| Error::io("resolve images_path", e))?;
-        if std::fs::read_link(&link).ok().as_deref() == Some(target.as_path()) {
-            return Ok(());
+        let current = std::fs::read_link(&link).ok();
+        if current.as_deref() == Some(target.as_path()) {
+            return Ok(false);
         }
         let temp = fsutil::temp_path(&link);
         std::os::unix::fs::symlink(&target, &temp)
@@ -88,7 +90,19 @@ impl NodeLinks {
         std::fs::rename(&temp, &link).map_err(|e| {
             let _ = std::fs::remove_file(&temp);
             Error::io(format!("rename {}", link.display()), e)
-        })
+        })?;
+        Ok(current.is_none())
+    }
+
+    /// Published node symlinks (temporaries excluded).
+    pub fn count_published(&self) -> usize {
+        std::fs::read_dir(&self.link_dir)
+            .map(|rd| {
+                rd.flatten()
+                    .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
+                    .count()
+            })
+            .unwrap_or(0)
     }
 
     /// Removes the node's symlink; true if there was one.

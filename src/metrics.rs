@@ -3,7 +3,8 @@
 
 use crate::events::Completion;
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
+    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    TextEncoder,
 };
 
 /// All metrics; cheap to clone handles are kept inside.
@@ -27,12 +28,32 @@ pub struct Metrics {
     pub messages: IntCounterVec,
     /// Bytes allocated by the master cache.
     pub cache_bytes: IntGauge,
+    /// `[pxe]image_cache_size` in bytes, for alerting on the ratio.
+    pub cache_limit: IntGauge,
     /// Masters in the cache.
     pub cache_files: IntGauge,
     /// Masters linked by at least one node.
     pub cache_linked: IntGauge,
     /// Masters evicted.
     pub evictions: prometheus::IntCounter,
+    /// Published node symlinks.
+    pub active_links: IntGauge,
+    /// Requests being handled, by action.
+    pub in_flight: IntGaugeVec,
+    /// Bytes done of in-flight transfers, by stage (download, convert).
+    pub in_flight_done: IntGaugeVec,
+    /// Bytes expected of in-flight transfers, by stage (0 when unknown).
+    pub in_flight_expected: IntGaugeVec,
+    /// Bytes downloaded from sources.
+    pub download_bytes: prometheus::IntCounter,
+    /// Download durations.
+    pub download_seconds: prometheus::Histogram,
+    /// Raw bytes produced by conversions.
+    pub convert_bytes: prometheus::IntCounter,
+    /// Conversion durations.
+    pub convert_seconds: prometheus::Histogram,
+    /// Time the slowest hasher of a pass spent hashing.
+    pub hash_seconds: prometheus::Histogram,
 }
 
 const PREFIX: &str = "ironic_image_worker_";
@@ -116,6 +137,10 @@ impl Metrics {
             "Bytes allocated by the master image cache.",
         );
         let cache_files = gauge("cache_files", "Masters in the image cache.");
+        let cache_limit = gauge(
+            "cache_limit_bytes",
+            "The cache size limit ([pxe]image_cache_size).",
+        );
         let cache_linked = gauge(
             "cache_linked_files",
             "Masters linked by at least one node (never evicted).",
@@ -128,6 +153,68 @@ impl Metrics {
         registry
             .register(Box::new(evictions.clone()))
             .expect("unique metric");
+        let gauge_vec = |name: &str, help: &str, labels: &[&str]| {
+            let g = IntGaugeVec::new(Opts::new(format!("{PREFIX}{name}"), help), labels)
+                .expect("valid metric");
+            registry
+                .register(Box::new(g.clone()))
+                .expect("unique metric");
+            g
+        };
+        let active_links = gauge("active_links", "Published node symlinks under http_root.");
+        let in_flight = gauge_vec(
+            "operations_in_flight",
+            "Requests being handled, by action.",
+            &["action"],
+        );
+        let in_flight_done = gauge_vec(
+            "in_flight_bytes_done",
+            "Bytes done of in-flight downloads and conversions, by stage.",
+            &["stage"],
+        );
+        let in_flight_expected = gauge_vec(
+            "in_flight_bytes_expected",
+            "Bytes expected of in-flight downloads and conversions, by stage (0 when unknown).",
+            &["stage"],
+        );
+        let counter1 = |name: &str, help: &str| {
+            let c =
+                prometheus::IntCounter::new(format!("{PREFIX}{name}"), help).expect("valid metric");
+            registry
+                .register(Box::new(c.clone()))
+                .expect("unique metric");
+            c
+        };
+        let download_bytes = counter1(
+            "download_bytes_total",
+            "Bytes downloaded from image sources.",
+        );
+        let convert_bytes = counter1(
+            "conversion_bytes_total",
+            "Raw bytes produced by conversions.",
+        );
+        let histogram = |name: &str, help: &str| {
+            let h = prometheus::Histogram::with_opts(
+                HistogramOpts::new(format!("{PREFIX}{name}"), help).buckets(vec![
+                    0.01, 0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 1200.0, 3600.0,
+                ]),
+            )
+            .expect("valid metric");
+            registry
+                .register(Box::new(h.clone()))
+                .expect("unique metric");
+            h
+        };
+        let download_seconds =
+            histogram("download_duration_seconds", "Duration of image downloads.");
+        let convert_seconds = histogram(
+            "conversion_duration_seconds",
+            "Duration of conversions to raw.",
+        );
+        let hash_seconds = histogram(
+            "hashing_duration_seconds",
+            "Time the slowest hasher of a pass spent hashing (it runs beside the I/O).",
+        );
         let _ = registry.register(Box::new(
             prometheus::process_collector::ProcessCollector::for_self(),
         ));
@@ -142,9 +229,19 @@ impl Metrics {
             ignored,
             messages,
             cache_bytes,
+            cache_limit,
             cache_files,
             cache_linked,
             evictions,
+            active_links,
+            in_flight,
+            in_flight_done,
+            in_flight_expected,
+            download_bytes,
+            download_seconds,
+            convert_bytes,
+            convert_seconds,
+            hash_seconds,
         }
     }
 

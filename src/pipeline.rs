@@ -12,9 +12,13 @@ use crate::fsutil::{self, TempGuard};
 use crate::inspect;
 use crate::link::NodeLinks;
 use crate::lock::Locks;
+use crate::metrics::Metrics;
 use crate::node::NodeUuid;
+use crate::progress::Transfer;
 use crate::source::{Fetcher, Source};
+use std::sync::Arc;
 use std::time::{Instant, SystemTime};
+use tracing::Instrument;
 
 /// Everything needed to serve nodes on this conductor host.
 pub struct Pipeline {
@@ -24,6 +28,7 @@ pub struct Pipeline {
     links: NodeLinks,
     node_locks: Locks,
     fetcher: Fetcher,
+    metrics: Arc<Metrics>,
 }
 
 /// A request as the pipeline sees it, whatever carried it.
@@ -47,7 +52,8 @@ pub struct Request {
 
 impl Pipeline {
     /// Opens the directories and removes temporaries left by a crashed run.
-    pub fn new(config: Config) -> Result<Pipeline> {
+    /// Transfers and evictions are recorded in `metrics`.
+    pub fn new(config: Config, metrics: Arc<Metrics>) -> Result<Pipeline> {
         let cache = Cache::open(&config.pxe.instance_master_path)?;
         let links = NodeLinks::open(
             &config.pxe.images_path,
@@ -66,7 +72,13 @@ impl Pipeline {
             cache,
             links,
             node_locks,
+            metrics,
         })
+    }
+
+    /// The metrics this pipeline records into.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
     }
 
     /// True when the node has a published link or a cached image here.
@@ -85,13 +97,35 @@ impl Pipeline {
         all_unused: bool,
         dry_run: bool,
     ) -> Result<crate::eviction::Report> {
-        crate::eviction::clean(
+        let report = crate::eviction::clean(
             &self.cache,
             self.config.eviction_policy(),
             amount,
             all_unused,
             dry_run,
-        )
+        )?;
+        if !dry_run {
+            self.metrics.evictions.inc_by(report.evicted.len() as u64);
+        }
+        Ok(report)
+    }
+
+    /// Refreshes the cache and link gauges from the directories.
+    pub fn refresh_gauges(&self) {
+        self.refresh_cache_gauges();
+        self.metrics
+            .active_links
+            .set(self.links.count_published() as i64);
+    }
+
+    fn refresh_cache_gauges(&self) {
+        let limit = self.config.eviction_policy().size_limit;
+        self.metrics
+            .cache_limit
+            .set(limit.min(i64::MAX as u64) as i64);
+        if let Ok(entries) = self.cache_entries() {
+            self.metrics.cache_state(&entries);
+        }
     }
 
     /// The masters in the cache, oldest-used first.
@@ -122,8 +156,27 @@ impl Pipeline {
         &self.config
     }
 
-    /// Handles one request and always answers with a completion event.
+    /// Handles one request and always answers with a completion event. Every
+    /// log line inside carries the node, request id and action.
     pub async fn handle(&self, req: &Request) -> Completion {
+        let span = tracing::error_span!(
+            "request",
+            node = %req.node_uuid,
+            request_id = req.request_id.as_deref().unwrap_or(""),
+            action = req.action.as_str()
+        );
+        let gauge = self
+            .metrics
+            .in_flight
+            .with_label_values(&[req.action.as_str()]);
+        gauge.inc();
+        let done = self.handle_inner(req).instrument(span).await;
+        gauge.dec();
+        self.metrics.record(&done);
+        done
+    }
+
+    async fn handle_inner(&self, req: &Request) -> Completion {
         let started = Instant::now();
         let mut done = Completion::new(
             req.action,
@@ -147,7 +200,7 @@ impl Pipeline {
             }
         };
         if let Err(e) = result {
-            tracing::warn!(node = %req.node_uuid, request_id = ?req.request_id, action = req.action.as_str(), error = %e, "request failed");
+            tracing::warn!(error = %e, "request failed");
             done = done.failed(&e);
         }
         done.duration_ms = started.elapsed().as_millis() as u64;
@@ -158,12 +211,15 @@ impl Pipeline {
     /// the node's directory. Doing it twice changes nothing.
     async fn release(&self, node: &NodeUuid, whole_dir: bool) -> Result<()> {
         let _node = self.node_locks.acquire(node.as_str()).await?;
-        self.links.unpublish(node)?;
+        if self.links.unpublish(node)? {
+            self.metrics.active_links.dec();
+        }
         if whole_dir {
             self.links.remove_node_dir(node)?;
         } else {
             self.links.remove_disk(node)?;
         }
+        self.refresh_cache_gauges();
         Ok(())
     }
 
@@ -265,11 +321,14 @@ impl Pipeline {
         if !self.links.disk_is(node, &master.path) {
             self.links.link_disk(node, &master.path)?;
         }
-        self.links.publish(node)?;
+        if self.links.publish(node)? {
+            self.metrics.active_links.inc();
+        }
         if outcome == CacheOutcome::Miss {
             self.after_growth();
+            self.refresh_cache_gauges();
         }
-        tracing::info!(node = %node, request_id = ?req.request_id, cache = ?outcome, master = %master.path.display(), "prepared");
+        tracing::info!(cache = ?outcome, master = %master.path.display(), "prepared");
 
         let meta = &master.meta;
         done.image_url = Some(format!(
@@ -360,12 +419,34 @@ impl Pipeline {
     ) -> Result<Master> {
         let fetched_at = cache::unix_secs(SystemTime::now());
         let temp = TempGuard::new(self.cache.temp_path(name));
-        let room = |len: u64| self.make_room(len);
         tracing::info!(source = %source.display(), master = name, "downloading");
+        let transfer = std::sync::Mutex::new(Transfer::start(&self.metrics, "download", 0));
+        let room = |len: u64| {
+            transfer
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .set_expected(len);
+            self.make_room(len)
+        };
+        let progress = |done: u64| {
+            transfer
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .set_done(done)
+        };
+        let started = Instant::now();
         let (digests, stat) = self
             .fetcher
-            .download(source, temp.path(), sha512, &room)
+            .download(source, temp.path(), sha512, &room, &progress)
             .await?;
+        drop(transfer);
+        self.metrics.download_bytes.inc_by(digests.size);
+        self.metrics
+            .download_seconds
+            .observe(started.elapsed().as_secs_f64());
+        self.metrics
+            .hash_seconds
+            .observe(digests.hash_micros as f64 / 1e6);
         if let Some(e) = expected {
             let got = digests.get(e.algo).unwrap_or_default();
             if got != e.hex {
@@ -408,6 +489,8 @@ impl Pipeline {
                 virtual_size = found.virtual_size,
                 "converting to raw"
             );
+            let transfer = Transfer::start(&self.metrics, "convert", found.virtual_size);
+            let started = Instant::now();
             let d = convert::to_raw(
                 temp.path(),
                 out.path(),
@@ -415,8 +498,17 @@ impl Pipeline {
                 qcow2.as_ref(),
                 sha512,
                 self.config.convert.limits(),
+                &|done| transfer.set_done(done),
             )
             .await?;
+            drop(transfer);
+            self.metrics.convert_bytes.inc_by(d.size);
+            self.metrics
+                .convert_seconds
+                .observe(started.elapsed().as_secs_f64());
+            self.metrics
+                .hash_seconds
+                .observe(d.hash_micros as f64 / 1e6);
             let now = inspect::inspect_file(out.path())?;
             let size_ok = found.format != inspect::Format::Qcow2
                 || d.size == convert::raw_size(found.virtual_size);

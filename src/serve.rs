@@ -12,9 +12,9 @@ use tokio::sync::watch;
 
 /// Runs the worker until a termination signal.
 pub async fn serve(config: Config) -> Result<()> {
-    let pipeline = Arc::new(Pipeline::new(config)?);
-    let config = pipeline.config().clone();
     let metrics = Arc::new(Metrics::new());
+    let pipeline = Arc::new(Pipeline::new(config, metrics.clone())?);
+    let config = pipeline.config().clone();
     let roots = ImageRoots::new(
         &config.deploy.http_root,
         &[&config.pxe.instance_master_path, &config.pxe.images_path],
@@ -63,11 +63,7 @@ pub async fn serve(config: Config) -> Result<()> {
         connected,
         stop_rx.clone(),
     ));
-    let housekeeping = tokio::spawn(housekeeping(
-        pipeline.clone(),
-        metrics.clone(),
-        stop_rx.clone(),
-    ));
+    let housekeeping = tokio::spawn(housekeeping(pipeline.clone(), stop_rx.clone()));
     shutdown_signal().await;
     tracing::info!("shutting down: finishing in-flight work");
     let _ = stop_tx.send(true);
@@ -89,30 +85,27 @@ pub async fn serve(config: Config) -> Result<()> {
 }
 
 /// Applies the cache policy every `[cache]clean_interval` seconds (not only
-/// when an image is used) and keeps the cache gauges current.
-async fn housekeeping(
-    pipeline: Arc<Pipeline>,
-    metrics: Arc<Metrics>,
-    mut stop: watch::Receiver<bool>,
-) {
+/// when an image is used) and refreshes the cache gauges every few seconds.
+async fn housekeeping(pipeline: Arc<Pipeline>, mut stop: watch::Receiver<bool>) {
+    const GAUGES_EVERY: std::time::Duration = std::time::Duration::from_secs(15);
     let every = pipeline.config().cache.clean_interval;
-    let period = std::time::Duration::from_secs(if every == 0 { 60 } else { every });
+    let mut last_clean: Option<std::time::Instant> = None;
     loop {
-        let (p, m) = (pipeline.clone(), metrics.clone());
+        let due = every > 0
+            && last_clean.is_none_or(|t| t.elapsed() >= std::time::Duration::from_secs(every));
+        if due {
+            last_clean = Some(std::time::Instant::now());
+        }
+        let p = pipeline.clone();
         let _ = tokio::task::spawn_blocking(move || {
-            if every > 0 {
-                match p.clean_cache(0, false, false) {
-                    Ok(r) => m.evictions.inc_by(r.evicted.len() as u64),
-                    Err(e) => tracing::warn!(error = %e, "periodic cache clean-up failed"),
-                }
+            if due && let Err(e) = p.clean_cache(0, false, false) {
+                tracing::warn!(error = %e, "periodic cache clean-up failed");
             }
-            if let Ok(entries) = p.cache_entries() {
-                m.cache_state(&entries);
-            }
+            p.refresh_gauges();
         })
         .await;
         tokio::select! {
-            _ = tokio::time::sleep(period) => {}
+            _ = tokio::time::sleep(GAUGES_EVERY) => {}
             _ = stop.wait_for(|s| *s) => return,
         }
     }

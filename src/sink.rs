@@ -22,7 +22,7 @@ const DEPTH: usize = 8;
 const WRITEBACK_WINDOW: u64 = 32 << 20;
 
 /// The digests and size of everything written through a [`Sink`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Digests {
     /// Bytes written.
     pub size: u64,
@@ -32,6 +32,9 @@ pub struct Digests {
     pub sha256: String,
     /// SHA-512 hex, only when it was asked for.
     pub sha512: Option<String>,
+    /// Microseconds the slowest hasher spent hashing (beside the I/O).
+    #[serde(default)]
+    pub hash_micros: u64,
 }
 
 impl Digests {
@@ -47,7 +50,7 @@ impl Digests {
 
 enum Output {
     Written,
-    Digest(Algo, String),
+    Digest(Algo, String, std::time::Duration),
 }
 
 /// A file being written plus its hashers; see the module documentation.
@@ -94,10 +97,13 @@ impl Sink {
         for algo in algos {
             sink.spawn(move |mut rx| {
                 let mut hasher = Hasher::new(algo);
+                let mut busy = std::time::Duration::ZERO;
                 while let Some(chunk) = rx.blocking_recv() {
+                    let t = std::time::Instant::now();
                     hasher.update(&chunk);
+                    busy += t.elapsed();
                 }
-                Ok(Output::Digest(algo, hasher.finalize_hex()))
+                Ok(Output::Digest(algo, hasher.finalize_hex(), busy))
             });
         }
         sink
@@ -159,13 +165,16 @@ impl Sink {
             md5: String::new(),
             sha256: String::new(),
             sha512: None,
+            hash_micros: 0,
         };
         for task in self.tasks.drain(..) {
-            match join(task).await? {
-                Output::Written => {}
-                Output::Digest(Algo::Md5, hex) => digests.md5 = hex,
-                Output::Digest(Algo::Sha256, hex) => digests.sha256 = hex,
-                Output::Digest(Algo::Sha512, hex) => digests.sha512 = Some(hex),
+            if let Output::Digest(algo, hex, busy) = join(task).await? {
+                digests.hash_micros = digests.hash_micros.max(busy.as_micros() as u64);
+                match algo {
+                    Algo::Md5 => digests.md5 = hex,
+                    Algo::Sha256 => digests.sha256 = hex,
+                    Algo::Sha512 => digests.sha512 = Some(hex),
+                }
             }
         }
         Ok(digests)

@@ -243,20 +243,28 @@ impl Fetcher {
 
     /// Downloads `source` into the new file `dest`, hashing in the same pass.
     /// `room` is called with the announced size before any byte is written
-    /// (to check or make free space). On any failure `dest` is removed.
+    /// (to check or make free space), `progress` with the bytes received so
+    /// far (0 when an attempt starts). On any failure `dest` is removed.
     pub async fn download(
         &self,
         source: &Source,
         dest: &Path,
         sha512: bool,
         room: &(dyn Fn(u64) -> Result<()> + Sync),
+        progress: &(dyn Fn(u64) + Sync),
     ) -> Result<(Digests, SourceStat)> {
         let result = self
             .retrying(|| async {
                 let _ = crate::fsutil::remove_file_if_exists(dest);
+                progress(0);
                 match source {
-                    Source::File(path) => Ok(self.copy_file(path, dest, sha512, room).await?),
-                    Source::Http(url) => self.get_http(source, url, dest, sha512, room).await,
+                    Source::File(path) => {
+                        Ok(self.copy_file(path, dest, sha512, room, progress).await?)
+                    }
+                    Source::Http(url) => {
+                        self.get_http(source, url, dest, sha512, room, progress)
+                            .await
+                    }
                 }
             })
             .await;
@@ -272,6 +280,7 @@ impl Fetcher {
         dest: &Path,
         sha512: bool,
         room: &(dyn Fn(u64) -> Result<()> + Sync),
+        progress: &(dyn Fn(u64) + Sync),
     ) -> Result<(Digests, SourceStat)> {
         let mut file = tokio::fs::File::open(path)
             .await
@@ -292,6 +301,7 @@ impl Fetcher {
                 break;
             }
             sink.write(&buf[..n]).await?;
+            progress(sink.size());
         }
         let digests = sink.finish().await?;
         Ok((
@@ -310,6 +320,7 @@ impl Fetcher {
         dest: &Path,
         sha512: bool,
         room: &(dyn Fn(u64) -> Result<()> + Sync),
+        progress: &(dyn Fn(u64) + Sync),
     ) -> std::result::Result<(Digests, SourceStat), Failure> {
         let resp = self
             .client
@@ -334,6 +345,7 @@ impl Fetcher {
         while let Some(chunk) = body.next().await {
             let chunk = chunk.map_err(|e| request_failure(source, e))?;
             sink.write(&chunk).await?;
+            progress(sink.size());
         }
         if let Some(len) = stat.size
             && sink.size() != len
