@@ -109,6 +109,9 @@ pub fn clean(
         .map(|d| d.as_secs() as i64)
         .unwrap_or(0);
     let mut report = Report::default();
+    if !dry_run {
+        remove_orphan_sidecars(cache)?;
+    }
     for name in plan(&entries, now, policy, amount, all_unused) {
         let size = entries
             .iter()
@@ -136,6 +139,23 @@ pub fn clean(
         }
     }
     Ok(report)
+}
+
+/// Removes sidecars whose master is gone (a crash between the two removals).
+fn remove_orphan_sidecars(cache: &Cache) -> Result<()> {
+    let dir =
+        std::fs::read_dir(cache.dir()).map_err(|e| crate::error::Error::io("list cache", e))?;
+    for entry in dir.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if let Some(master) = name.strip_suffix(META_SUFFIX)
+            && !master.starts_with('.')
+            && !cache.master_path(master).exists()
+            && let Some(_guard) = cache.try_lock(master)
+        {
+            crate::fsutil::remove_file_if_exists(&entry.path())?;
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

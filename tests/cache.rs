@@ -108,8 +108,14 @@ async fn ttl_dry_run_and_all_unused() {
     assert!(env.prepare(&n1, &url("a"), &[]).await.0);
     assert!(env.prepare(&n2, &url("b"), &[]).await.0);
     env.oneshot(&["deployed", "--node", &n1]).await;
-    // Within the default TTL (a week) nothing expires.
+    // Within the default TTL (a week) nothing expires; an orphaned sidecar
+    // (its master gone) is tidied away.
+    let orphan = env
+        .master_dir()
+        .join("0e0e0e0e-0000-5000-8000-000000000000.meta.json");
+    std::fs::write(&orphan, "{}").unwrap();
     assert_eq!(clean(&env, &[]).await["evicted"], serde_json::json!([]));
+    assert!(!orphan.exists());
     // A dry run says what would go and removes nothing.
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let dry = run_clean_with(&env, "pxe.image_cache_ttl=0", &["--dry-run"]).await;
