@@ -723,3 +723,150 @@ impl EventTap {
         out
     }
 }
+
+/// A raw HTTP server for fault injection, serving files of `dir` by name:
+/// `/slow/NAME` at `rate` bytes/s, `/stall/NAME` stops after half the body
+/// and holds the connection, `/short/NAME` closes after half the body
+/// (Content-Length says more), `/reset/NAME` resets the connection after
+/// half the body. Counts requests per path.
+pub struct FaultServer {
+    pub addr: SocketAddr,
+    counts: Arc<Mutex<HashMap<String, usize>>>,
+}
+
+impl FaultServer {
+    pub async fn start(dir: &Path, rate: usize) -> FaultServer {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let counts: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+        let (dir, c) = (dir.to_path_buf(), counts.clone());
+        tokio::spawn(async move {
+            while let Ok((sock, _)) = listener.accept().await {
+                let (dir, c) = (dir.clone(), c.clone());
+                tokio::spawn(async move {
+                    let _ = serve_fault(sock, &dir, rate, &c).await;
+                });
+            }
+        });
+        FaultServer { addr, counts }
+    }
+
+    pub fn url(&self, mode: &str, name: &str) -> String {
+        format!("http://{}/{mode}/{name}", self.addr)
+    }
+
+    pub fn count(&self, mode: &str, name: &str) -> usize {
+        *self
+            .counts
+            .lock()
+            .unwrap()
+            .get(&format!("/{mode}/{name}"))
+            .unwrap_or(&0)
+    }
+}
+
+async fn serve_fault(
+    mut sock: tokio::net::TcpStream,
+    dir: &Path,
+    rate: usize,
+    counts: &Mutex<HashMap<String, usize>>,
+) -> std::io::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut req = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = sock.read(&mut buf).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        req.extend_from_slice(&buf[..n]);
+    }
+    let text = String::from_utf8_lossy(&req).to_string();
+    let mut words = text.split_whitespace();
+    let (method, path) = (
+        words.next().unwrap_or(""),
+        words.next().unwrap_or("").to_string(),
+    );
+    *counts.lock().unwrap().entry(path.clone()).or_default() += 1;
+    let mut parts = path.trim_start_matches('/').splitn(2, '/');
+    let (mode, name) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let Ok(data) = std::fs::read(dir.join(name)) else {
+        sock.write_all(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            .await?;
+        return Ok(());
+    };
+    let head = format!(
+        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nLast-Modified: Mon, 30 Nov 2026 00:00:00 GMT\r\nConnection: close\r\n\r\n",
+        data.len()
+    );
+    sock.write_all(head.as_bytes()).await?;
+    if method == "HEAD" {
+        return Ok(());
+    }
+    let half = data.len() / 2;
+    match mode {
+        "slow" => {
+            for chunk in data.chunks(rate.max(1) / 10 + 1) {
+                sock.write_all(chunk).await?;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        "stall" => {
+            sock.write_all(&data[..half]).await?;
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+        }
+        "short" => sock.write_all(&data[..half]).await?,
+        "reset" => {
+            sock.write_all(&data[..half]).await?;
+            sock.set_linger(Some(Duration::ZERO))?;
+        }
+        _ => sock.write_all(&data).await?,
+    }
+    Ok(())
+}
+
+impl Env {
+    /// Starts a second `serve` sharing this environment's queue and
+    /// directories, on its own HTTP and metrics ports.
+    pub async fn serve_another(&self, extra: &[&str]) -> Worker {
+        let (http, metrics) = (free_port(), free_port());
+        let h = format!("http.listen=127.0.0.1:{http}");
+        let m = format!("metrics.listen=127.0.0.1:{metrics}");
+        let mut args = vec!["--set", &h, "--set", &m];
+        args.extend_from_slice(extra);
+        let mut cmd = tokio::process::Command::new(BIN);
+        cmd.arg("--config")
+            .arg(&self.config)
+            .args(&args)
+            .arg("serve")
+            .env_remove("IRONIC_IMAGE_WORKER_CONFIG")
+            .env("RUST_LOG", "warn,lapin=error")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true);
+        let worker = Worker {
+            child: cmd.spawn().unwrap(),
+            http_port: http,
+            metrics_port: metrics,
+        };
+        worker.wait_healthy().await;
+        worker
+    }
+
+    /// Waits until a temporary file appears in the master cache.
+    pub async fn wait_for_temporary(&self, within: Duration) {
+        let deadline = tokio::time::Instant::now() + within;
+        while self.temporaries().is_empty() {
+            assert!(tokio::time::Instant::now() < deadline, "no work started");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Worker {
+    /// SIGKILL, as a crash would.
+    pub async fn kill9(mut self) {
+        let _ = self.child.kill().await;
+    }
+}

@@ -1,0 +1,305 @@
+//! Faults injected into the real broker, the worker process and the image
+//! sources: nothing is lost, nothing wrong or partial is ever served.
+
+mod common;
+
+use common::*;
+use std::time::{Duration, Instant};
+
+const MINUTE: Duration = Duration::from_secs(60);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_short_and_reset_sources_are_retried_then_unreachable() {
+    let env = Env::new("");
+    random_file(&env.root().join("src/disk.img"), 4 << 20, 61);
+    let faults = FaultServer::start(&env.root().join("src"), 1 << 20).await;
+    for mode in ["stall", "short", "reset"] {
+        let started = Instant::now();
+        let out = env
+            .run(&[
+                "--set",
+                "source.read_timeout=1",
+                "--set",
+                "source.retries=3",
+                "prepare",
+                "--node",
+                &node(),
+                "--image-source",
+                &faults.url(mode, "disk.img"),
+            ])
+            .await;
+        let (ok, ev) = completion_of(&out);
+        assert!(!ok);
+        assert_eq!(ev["error"]["code"], "source_unreachable", "{mode}: {ev}");
+        assert_eq!(faults.count(mode, "disk.img"), 3, "{mode}: bounded retries");
+        assert!(
+            started.elapsed() < Duration::from_secs(40),
+            "{mode}: never a hang"
+        );
+    }
+    assert!(env.masters().is_empty());
+    assert!(env.temporaries().is_empty());
+}
+
+/// kill -9 during a download: the unacknowledged command is redelivered to
+/// the restarted worker and answered exactly once, with the right bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_during_download_is_redelivered_and_answered_once() {
+    let env = Env::new("");
+    let src = env.root().join("src/disk.img");
+    random_file(&src, 6 << 20, 62);
+    let faults = FaultServer::start(&env.root().join("src"), 2 << 20).await;
+    let broker = Broker::connect().await;
+    let worker = env.serve().await;
+    let node = node();
+    let corr = broker
+        .command(
+            &env.host,
+            prepare_cmd(&node, &faults.url("slow", "disk.img")),
+        )
+        .await;
+    env.wait_for_temporary(MINUTE).await;
+    worker.kill9().await;
+    assert!(
+        !env.temporaries().is_empty(),
+        "the crash left a partial file"
+    );
+    let _again = env.serve().await;
+    let (got, ev) = broker.next_reply(MINUTE).await;
+    assert_eq!(got.as_deref(), Some(corr.as_str()));
+    assert_eq!(ev["status"], "success", "{ev}");
+    assert_eq!(ev["image_checksum"], md5sum(&src));
+    assert_eq!(
+        get(ev["image_url"].as_str().unwrap()).await.1,
+        std::fs::read(&src).unwrap()
+    );
+    assert!(
+        env.temporaries().is_empty(),
+        "start-up recovery removed the partial file"
+    );
+    let extra = tokio::time::timeout(Duration::from_secs(3), broker.next_reply(MINUTE)).await;
+    assert!(extra.is_err(), "answered exactly once");
+    assert_eq!(faults.count("slow", "disk.img"), 2);
+    broker.delete_host_queues(&env.host).await;
+}
+
+/// kill -9 during a conversion: the isolated converter dies with the worker;
+/// the restarted worker converts again and answers once, as qemu-img would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_during_conversion_is_redelivered_and_answered_once() {
+    let env = Env::new("");
+    let raw = env.root().join("big.raw");
+    {
+        let f = std::fs::File::create(&raw).unwrap();
+        f.set_len(3 << 30).unwrap();
+    }
+    random_file(&env.root().join("head.bin"), 1 << 20, 63);
+    let head = std::fs::read(env.root().join("head.bin")).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(
+        &std::fs::File::options().write(true).open(&raw).unwrap(),
+        &head,
+        0,
+    )
+    .unwrap();
+    let img = env.root().join("allowed/big.qcow2");
+    qcow2_from(&raw, &img, &[]);
+    std::fs::remove_file(&raw).unwrap();
+    let reference = env.root().join("big.ref");
+    tool(
+        "qemu-img",
+        &[
+            "convert",
+            "-f",
+            "qcow2",
+            "-O",
+            "raw",
+            img.to_str().unwrap(),
+            reference.to_str().unwrap(),
+        ],
+    );
+
+    let broker = Broker::connect().await;
+    let worker = env.serve().await;
+    let corr = broker
+        .command(
+            &env.host,
+            prepare_cmd(&node(), &format!("file://{}", img.display())),
+        )
+        .await;
+    // The conversion's output is the second temporary (after the download's).
+    let deadline = Instant::now() + MINUTE;
+    loop {
+        let converting = std::fs::read_dir(env.master_dir())
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with(".tmp-"))
+            .count()
+            >= 2;
+        if converting {
+            break;
+        }
+        assert!(Instant::now() < deadline, "conversion never started");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    worker.kill9().await;
+    let _again = env.serve().await;
+    let (got, ev) = broker.next_reply(Duration::from_secs(300)).await;
+    assert_eq!(got.as_deref(), Some(corr.as_str()));
+    assert_eq!(ev["status"], "success", "{ev}");
+    assert_eq!(ev["image_checksum"], md5sum(&reference));
+    assert!(env.temporaries().is_empty());
+    let extra = tokio::time::timeout(Duration::from_secs(3), broker.next_reply(MINUTE)).await;
+    assert!(extra.is_err(), "answered exactly once");
+    broker.delete_host_queues(&env.host).await;
+}
+
+/// SIGTERM during work: the worker stops within its grace period and the
+/// unfinished command goes back to the queue for the next worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_requeues_unfinished_work_within_the_grace_period() {
+    let env = Env::new("");
+    let src = env.root().join("src/disk.img");
+    random_file(&src, 8 << 20, 64);
+    let faults = FaultServer::start(&env.root().join("src"), 1 << 20).await;
+    let broker = Broker::connect().await;
+    let worker = env
+        .serve_with(&["--set", "amqp.shutdown_grace=1"], &[])
+        .await;
+    let corr = broker
+        .command(
+            &env.host,
+            prepare_cmd(&node(), &faults.url("slow", "disk.img")),
+        )
+        .await;
+    env.wait_for_temporary(MINUTE).await;
+    let started = Instant::now();
+    let status = worker.terminate().await;
+    assert!(status.success(), "clean exit: {status}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "stopped within the grace period"
+    );
+    let _next = env.serve().await;
+    let (got, ev) = broker.next_reply(MINUTE).await;
+    assert_eq!(got.as_deref(), Some(corr.as_str()));
+    assert_eq!(ev["image_checksum"], md5sum(&src), "{ev}");
+    broker.delete_host_queues(&env.host).await;
+}
+
+/// A command whose handling keeps killing the worker is dead-lettered by the
+/// quorum queue's delivery limit instead of looping forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_message_is_dead_lettered_after_bounded_attempts() {
+    let env = Env::new("");
+    random_file(&env.root().join("src/disk.img"), 8 << 20, 65);
+    let faults = FaultServer::start(&env.root().join("src"), 1 << 20).await;
+    let broker = Broker::connect().await;
+    let limit = ["--set", "amqp.delivery_limit=1"];
+    let corr = {
+        let w = env.serve_with(&limit, &[]).await;
+        let corr = broker
+            .command(
+                &env.host,
+                prepare_cmd(&node(), &faults.url("slow", "disk.img")),
+            )
+            .await;
+        env.wait_for_temporary(MINUTE).await;
+        w.kill9().await;
+        corr
+    };
+    // Second delivery: crash again.
+    let w = env.serve_with(&limit, &[]).await;
+    env.wait_for_temporary(MINUTE).await;
+    while faults.count("slow", "disk.img") < 2 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    w.kill9().await;
+    // The limit is exceeded: the broker dead-letters instead of a third try.
+    let worker = env.serve_with(&limit, &[]).await;
+    let dead = format!("ironic-image-worker.{}.dead", env.host);
+    let mut got = Vec::new();
+    for _ in 0..200 {
+        got.extend(broker.drain(&dead).await);
+        if !got.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(got.len(), 1, "dead-lettered");
+    assert_eq!(
+        got[0]
+            .delivery
+            .properties
+            .correlation_id()
+            .as_ref()
+            .map(|c| c.as_str()),
+        Some(corr.as_str())
+    );
+    assert_eq!(faults.count("slow", "disk.img"), 2, "no third attempt");
+    // The worker is fine and answers the next command.
+    random_file(&env.root().join("src/ok.img"), 1 << 20, 66);
+    let src = SourceServer::start(&env.root().join("src")).await;
+    let ev = broker
+        .call(&env.host, prepare_cmd(&node(), &src.url("ok.img")))
+        .await;
+    assert_eq!(ev["status"], "success", "{ev}");
+    drop(worker);
+    broker.delete_host_queues(&env.host).await;
+}
+
+/// Two workers share one queue and one cache: 50 nodes of one image make
+/// one download and one conversion, and every reply has the same checksums.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_workers_one_download_one_conversion() {
+    let env = Env::new("");
+    let raw = env.root().join("d.raw");
+    random_file(&raw, 6 << 20, 67);
+    qcow2_from(&raw, &env.root().join("src/d.qcow2"), &[]);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let a = env.serve().await;
+    let b = env.serve_another(&[]).await;
+    let broker = Broker::connect().await;
+    for _ in 0..50 {
+        broker
+            .command(&env.host, prepare_cmd(&node(), &server.url("d.qcow2")))
+            .await;
+    }
+    let replies = broker.replies(50, Duration::from_secs(120)).await;
+    let sums: std::collections::HashSet<String> = replies
+        .values()
+        .map(|r| {
+            assert_eq!(r["status"], "success", "{r}");
+            r["image_checksum"].as_str().unwrap().to_string()
+        })
+        .collect();
+    assert_eq!(sums.len(), 1);
+    assert_eq!(sums.into_iter().next().unwrap(), md5sum(&raw));
+    assert_eq!(server.count("GET", "d.qcow2"), 1, "one download");
+    let mut conversions = 0.0;
+    let mut served_by = Vec::new();
+    for w in [&a, &b] {
+        let text = reqwest::get(w.metrics_url("/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        for line in text.lines() {
+            if let Some(v) =
+                line.strip_prefix("ironic_image_worker_conversion_duration_seconds_count ")
+            {
+                conversions += v.parse::<f64>().unwrap();
+            }
+            if let Some(v) = line.strip_prefix("ironic_image_worker_messages_consumed_total{action=\"prepare\",outcome=\"success\",source=\"command\"} ") {
+                served_by.push(v.parse::<f64>().unwrap());
+            }
+        }
+    }
+    assert_eq!(conversions, 1.0, "one conversion across both workers");
+    assert_eq!(
+        served_by.len(),
+        2,
+        "both workers took commands: {served_by:?}"
+    );
+    broker.delete_host_queues(&env.host).await;
+}
