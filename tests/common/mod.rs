@@ -818,7 +818,7 @@ async fn serve_fault(
         "short" => sock.write_all(&data[..half]).await?,
         "reset" => {
             sock.write_all(&data[..half]).await?;
-            sock.set_linger(Some(Duration::ZERO))?;
+            sock.set_zero_linger()?;
         }
         _ => sock.write_all(&data).await?,
     }
