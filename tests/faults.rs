@@ -303,3 +303,46 @@ async fn two_workers_one_download_one_conversion() {
     );
     broker.delete_host_queues(&env.host).await;
 }
+
+/// Prepare and cleanup of one node racing on two workers (cross-process node
+/// locks): whatever order wins, the node's link and image agree, and a final
+/// prepare serves the right bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_prepare_and_cleanup_stay_consistent() {
+    let env = Env::new("");
+    let src = env.root().join("src/disk.img");
+    random_file(&src, 2 << 20, 68);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let _a = env.serve().await;
+    let _b = env.serve_another(&[]).await;
+    let broker = Broker::connect().await;
+    let node = node();
+    for i in 0..40 {
+        let cmd = if i % 2 == 0 {
+            prepare_cmd(&node, &server.url("disk.img"))
+        } else {
+            serde_json::json!({"action": "cleanup", "node_uuid": node})
+        };
+        broker.command(&env.host, cmd).await;
+    }
+    let replies = broker.replies(40, MINUTE).await;
+    assert!(
+        replies.values().all(|r| r["status"] == "success"),
+        "{replies:?}"
+    );
+    let link = env.link_dir().join(&node);
+    let disk = env.images_dir().join(&node).join("disk");
+    assert_eq!(
+        link.symlink_metadata().is_ok(),
+        disk.exists(),
+        "link and image agree"
+    );
+    let last = broker
+        .call(&env.host, prepare_cmd(&node, &server.url("disk.img")))
+        .await;
+    assert_eq!(
+        get(last["image_url"].as_str().unwrap()).await.1,
+        std::fs::read(&src).unwrap()
+    );
+    assert!(env.temporaries().is_empty());
+}

@@ -243,6 +243,41 @@ read_timeout = 5
     }
 }
 
+impl Drop for Env {
+    /// Deletes this environment's queues (they are bound to Ironic's
+    /// exchange and would collect notifications forever).
+    fn drop(&mut self) {
+        let host = self.host.clone();
+        let _ = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async {
+                use lapin::options::QueueDeleteOptions;
+                let Ok(conn) = lapin::Connection::connect(AMQP_URL, Default::default()).await
+                else {
+                    return;
+                };
+                if let Ok(ch) = conn.create_channel().await {
+                    for q in [
+                        format!("ironic-image-worker.{host}"),
+                        format!("ironic-image-worker.{host}.dead"),
+                    ] {
+                        let _ = ch
+                            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                            .await;
+                    }
+                }
+                let _ = conn.close(200, "bye".into()).await;
+            });
+        })
+        .join();
+    }
+}
+
 /// A running `serve` process.
 pub struct Worker {
     pub child: tokio::process::Child,
@@ -728,7 +763,8 @@ impl EventTap {
 /// `/slow/NAME` at `rate` bytes/s, `/stall/NAME` stops after half the body
 /// and holds the connection, `/short/NAME` closes after half the body
 /// (Content-Length says more), `/reset/NAME` resets the connection after
-/// half the body. Counts requests per path.
+/// half the body, `/nolength/NAME` sends it without a Content-Length.
+/// Counts requests per path.
 pub struct FaultServer {
     pub addr: SocketAddr,
     counts: Arc<Mutex<HashMap<String, usize>>>,
@@ -795,9 +831,13 @@ async fn serve_fault(
             .await?;
         return Ok(());
     };
+    let length = if mode == "nolength" {
+        String::new()
+    } else {
+        format!("Content-Length: {}\r\n", data.len())
+    };
     let head = format!(
-        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nLast-Modified: Mon, 30 Nov 2026 00:00:00 GMT\r\nConnection: close\r\n\r\n",
-        data.len()
+        "HTTP/1.1 200 OK\r\n{length}Last-Modified: Mon, 30 Nov 2026 00:00:00 GMT\r\nConnection: close\r\n\r\n"
     );
     sock.write_all(head.as_bytes()).await?;
     if method == "HEAD" {
