@@ -72,50 +72,18 @@ async fn prepare_deployed_cleanup_through_the_broker() {
     assert!(!env.images_dir().join(&node).exists());
 
     // Without reply_to the event goes to the events exchange as node.<action>.<status>.
-    use lapin::options::*;
-    let ch = broker.conn.create_channel().await.unwrap();
-    let q = ch
-        .queue_declare(
-            "".into(),
-            QueueDeclareOptions {
-                exclusive: true,
-                ..Default::default()
-            },
-            Default::default(),
-        )
-        .await
-        .unwrap();
-    ch.queue_bind(
-        q.name().clone(),
-        "ironic-image-worker.events".into(),
-        "node.cleanup.*".into(),
-        Default::default(),
-        Default::default(),
-    )
-    .await
-    .unwrap();
+    let tap = EventTap::new(&broker).await;
     let body =
         json!({"action": "cleanup", "node_uuid": node, "request_id": "no-reply"}).to_string();
     broker
         .publish_raw(&env.host, "cleanup", body.as_bytes(), "x", None, false)
         .await;
-    let mut found = None;
-    for _ in 0..100 {
-        if let Some(m) = ch
-            .basic_get(q.name().clone(), BasicGetOptions { no_ack: true })
-            .await
-            .unwrap()
-        {
-            found = Some(m);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let m = found.expect("event on the events exchange");
-    assert_eq!(m.delivery.routing_key.as_str(), "node.cleanup.success");
-    assert_eq!(m.delivery.properties.delivery_mode(), &Some(2));
-    let ev: serde_json::Value = serde_json::from_slice(&m.delivery.data).unwrap();
-    assert_valid_completion(&ev);
+    let (key, mode, ev) = tap
+        .next(&env.host, MINUTE)
+        .await
+        .expect("event on the events exchange");
+    assert_eq!(key, "node.cleanup.success");
+    assert_eq!(mode, Some(2), "persistent");
     assert_eq!(ev["request_id"], "no-reply");
 
     let readyz = reqwest::get(worker.metrics_url("/readyz")).await.unwrap();

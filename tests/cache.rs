@@ -21,8 +21,12 @@ async fn cache_list(env: &Env) -> Vec<Value> {
         .clone()
 }
 
-async fn clean(env: &Env, args: &[&str]) -> Value {
-    let mut all = vec!["cache", "clean"];
+/// `cache clean ARGS`, with `--set SET` when given.
+async fn clean_with(env: &Env, set: Option<&str>, args: &[&str]) -> Value {
+    let mut all = match set {
+        Some(set) => vec!["--set", set, "cache", "clean"],
+        None => vec!["cache", "clean"],
+    };
     all.extend_from_slice(args);
     let out = env.run(&all).await;
     assert!(
@@ -67,30 +71,18 @@ async fn oldest_unlinked_first_and_linked_never() {
     assert!(entry(&a)["last_used"].as_i64() < entry(&b)["last_used"].as_i64());
 
     // Over a 2 MiB limit with 3 MiB cached: only the oldest unlinked goes.
-    let r = run_clean_with(&env, "pxe.image_cache_size=2", &[]).await;
+    let r = clean_with(&env, Some("pxe.image_cache_size=2"), &[]).await;
     assert_eq!(r["evicted"], serde_json::json!([a]));
     assert!(
         !env.master_dir().join(format!("{a}.meta.json")).exists(),
         "sidecar evicted with its master"
     );
     // Limit 0: everything unlinked goes, the linked master stays.
-    let r = run_clean_with(&env, "pxe.image_cache_size=0", &[]).await;
+    let r = clean_with(&env, Some("pxe.image_cache_size=0"), &[]).await;
     assert_eq!(r["evicted"], serde_json::json!([b]));
     assert_eq!(env.masters(), vec![c.clone()]);
     // The node using c is still served.
     assert!(env.images_dir().join(&nodes[2]).join("disk").exists());
-}
-
-async fn run_clean_with(env: &Env, set: &str, extra: &[&str]) -> Value {
-    let mut args = vec!["--set", set, "cache", "clean"];
-    args.extend_from_slice(extra);
-    let out = env.run(&args).await;
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -114,19 +106,22 @@ async fn ttl_dry_run_and_all_unused() {
         .master_dir()
         .join("0e0e0e0e-0000-5000-8000-000000000000.meta.json");
     std::fs::write(&orphan, "{}").unwrap();
-    assert_eq!(clean(&env, &[]).await["evicted"], serde_json::json!([]));
+    assert_eq!(
+        clean_with(&env, None, &[]).await["evicted"],
+        serde_json::json!([])
+    );
     assert!(!orphan.exists());
     // A dry run says what would go and removes nothing.
     tokio::time::sleep(Duration::from_millis(1100)).await;
-    let dry = run_clean_with(&env, "pxe.image_cache_ttl=0", &["--dry-run"]).await;
+    let dry = clean_with(&env, Some("pxe.image_cache_ttl=0"), &["--dry-run"]).await;
     assert_eq!(dry["evicted"].as_array().unwrap().len(), 1);
     assert_eq!(env.masters().len(), 2);
     // TTL 0: the unused master expires; the linked one does not.
-    let r = run_clean_with(&env, "pxe.image_cache_ttl=0", &[]).await;
+    let r = clean_with(&env, Some("pxe.image_cache_ttl=0"), &[]).await;
     assert_eq!(r["evicted"].as_array().unwrap().len(), 1);
     assert_eq!(env.masters().len(), 1);
     env.oneshot(&["cleanup", "--node", &n2]).await;
-    let r = clean(&env, &["--all-unused"]).await;
+    let r = clean_with(&env, None, &["--all-unused"]).await;
     assert_eq!(r["evicted"].as_array().unwrap().len(), 1);
     assert!(env.masters().is_empty());
 }

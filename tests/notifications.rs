@@ -284,15 +284,10 @@ async fn other_conductors_and_malformed_notifications() {
         .text()
         .await
         .unwrap();
-    let ignored: f64 = metrics
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix(
-                "ironic_image_worker_ignored_messages_total{reason=\"other_publisher\"} ",
-            )
-        })
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0);
-    assert!(ignored >= 1.0, "{metrics}");
+    let ignored = metric(
+        &metrics,
+        "ironic_image_worker_ignored_messages_total{reason=\"other_publisher\"}",
+    );
+    assert!(ignored >= Some(1.0), "{metrics}");
     broker.delete_host_queues(&env.host).await;
 }

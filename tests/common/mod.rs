@@ -733,30 +733,52 @@ impl EventTap {
         }
     }
 
-    /// Events of conductor `host` seen within `wait` (stops early at `n`).
-    pub async fn collect(&self, host: &str, n: usize, wait: Duration) -> Vec<Value> {
+    /// The next event of conductor `host` within `wait`, with its routing key
+    /// and delivery mode.
+    pub async fn next(&self, host: &str, wait: Duration) -> Option<(String, Option<u8>, Value)> {
         use lapin::options::*;
         let deadline = tokio::time::Instant::now() + wait;
-        let mut out = Vec::new();
-        while out.len() < n && tokio::time::Instant::now() < deadline {
-            match self
+        while tokio::time::Instant::now() < deadline {
+            let got = self
                 .channel
                 .basic_get(self.queue.as_str().into(), BasicGetOptions { no_ack: true })
                 .await
-                .unwrap()
-            {
+                .unwrap();
+            match got {
                 Some(m) => {
                     let v: Value = serde_json::from_slice(&m.delivery.data).unwrap();
                     assert_valid_completion(&v);
                     if v["conductor_host"] == host {
-                        out.push(v);
+                        let mode = *m.delivery.properties.delivery_mode();
+                        return Some((m.delivery.routing_key.as_str().to_string(), mode, v));
                     }
                 }
                 None => tokio::time::sleep(Duration::from_millis(50)).await,
             }
         }
+        None
+    }
+
+    /// Events of conductor `host` seen within `wait` (stops early at `n`).
+    pub async fn collect(&self, host: &str, n: usize, wait: Duration) -> Vec<Value> {
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut out = Vec::new();
+        while out.len() < n {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            match self.next(host, left).await {
+                Some((_, _, v)) => out.push(v),
+                None => break,
+            }
+        }
         out
     }
+}
+
+/// The value of the sample `line_prefix` (metric name with labels) in a
+/// Prometheus text exposition, if present.
+pub fn metric(text: &str, line_prefix: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(line_prefix)?.strip_prefix(' ')?.parse().ok())
 }
 
 /// A raw HTTP server for fault injection, serving files of `dir` by name:
