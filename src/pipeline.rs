@@ -76,11 +76,6 @@ impl Pipeline {
         })
     }
 
-    /// The metrics this pipeline records into.
-    pub fn metrics(&self) -> &Arc<Metrics> {
-        &self.metrics
-    }
-
     /// True when the node has a published link or a cached image here.
     pub fn has_node_files(&self, node: &str) -> bool {
         NodeUuid::parse(node).is_ok_and(|n| {

@@ -446,3 +446,56 @@ async fn qcow2_kept_when_force_raw_does_not_apply() {
         .await;
     assert_eq!(ev["error"]["code"], "format_mismatch");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn download_source_modes() {
+    let env = Env::new("");
+    let src = env.root().join("src/disk.img");
+    random_file(&src, 1 << 20, 12);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let md5 = md5sum(&src);
+    // Ironic's `http` mode: an http(s) source is handed to the agent as is,
+    // after a HEAD check, with the checksum it was given; nothing cached.
+    let (ok, ev) = env
+        .prepare(
+            &node(),
+            &server.url("disk.img"),
+            &["--image-download-source", "http", "--checksum", &md5],
+        )
+        .await;
+    assert!(ok, "{ev}");
+    assert_eq!(ev["image_url"], server.url("disk.img"));
+    assert_eq!(ev["image_checksum"], md5);
+    assert_eq!(server.count("HEAD", "disk.img"), 1);
+    assert_eq!(server.count("GET", "disk.img"), 0);
+    assert!(env.masters().is_empty());
+    let (_, ev) = env
+        .prepare(
+            &node(),
+            &server.url("missing.img"),
+            &["--image-download-source", "http"],
+        )
+        .await;
+    assert_eq!(ev["error"]["code"], "source_not_found");
+    // file:// sources are still cached and served in `http` mode.
+    let local = env.root().join("allowed/disk.img");
+    std::fs::copy(&src, &local).unwrap();
+    let (ok, ev) = env
+        .prepare(
+            &node(),
+            &format!("file://{}", local.display()),
+            &["--image-download-source", "http"],
+        )
+        .await;
+    assert!(ok, "{ev}");
+    assert!(ev["image_url"].as_str().unwrap().contains("/agent_images/"));
+    // swift is not the worker's business.
+    let (_, ev) = env
+        .prepare(
+            &node(),
+            &server.url("disk.img"),
+            &["--image-download-source", "swift"],
+        )
+        .await;
+    assert_eq!(ev["error"]["code"], "source_not_allowed");
+}

@@ -645,14 +645,17 @@ pub fn prepare_cmd(node: &str, source: &str) -> Value {
     })
 }
 
-/// Python with Ironic installed (a virtualenv under `target/`, created on
-/// first use from PyPI), to emit notifications with Ironic's own code.
+/// Python with Ironic installed (a virtualenv at `$IIW_IRONIC_VENV`, default
+/// `target/ironic-venv`, created on first use from PyPI), to emit
+/// notifications with Ironic's own code.
 pub fn ironic_python() -> PathBuf {
-    let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("target");
-    std::fs::create_dir_all(&target).unwrap();
-    let venv = target.join("ironic-venv");
+    let venv = std::env::var_os("IIW_IRONIC_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target/ironic-venv"));
+    let parent = venv.parent().unwrap().to_path_buf();
+    std::fs::create_dir_all(&parent).unwrap();
     let python = venv.join("bin/python");
-    let lock = std::fs::File::create(target.join("ironic-venv.lock")).unwrap();
+    let lock = std::fs::File::create(parent.join("ironic-venv.lock")).unwrap();
     lock.lock().unwrap();
     let ready = || {
         std::process::Command::new(&python)
