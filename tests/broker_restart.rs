@@ -166,12 +166,7 @@ async fn commands_survive_connection_loss_and_broker_restart() {
         assert!(Instant::now() < deadline, "ready again after reconnecting");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let metrics = reqwest::get(worker.metrics_url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = worker.metrics_text().await;
     assert!(
         metric(&metrics, "ironic_image_worker_amqp_reconnects_total") >= Some(1.0),
         "{metrics}"

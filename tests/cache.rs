@@ -154,12 +154,7 @@ async fn size_limit_holds_after_a_burst() {
         .map(|e| e["size"].as_u64().unwrap())
         .sum();
     assert!(total <= 3 << 20, "cache holds {total} bytes, limit 3 MiB");
-    let metrics = reqwest::get(worker.metrics_url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = worker.metrics_text().await;
     assert!(
         metrics.contains("ironic_image_worker_cache_files"),
         "{metrics}"

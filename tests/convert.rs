@@ -8,44 +8,6 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-/// Writes a raw disk with random data at a few places and zeros elsewhere.
-fn patchy_raw(path: &Path, size: u64, seed: u64) {
-    let f = std::fs::File::create(path).unwrap();
-    f.set_len(size).unwrap();
-    let chunk = env_tmp_random(64 * 1024 + 17, seed);
-    use std::os::unix::fs::FileExt;
-    for (i, at) in [0, size / 3, size / 2 + 4096, size.saturating_sub(70_000)]
-        .iter()
-        .enumerate()
-    {
-        let at = (*at).min(size.saturating_sub(chunk.len() as u64));
-        f.write_all_at(&chunk[..chunk.len() - i], at).unwrap();
-    }
-}
-
-fn env_tmp_random(len: usize, seed: u64) -> Vec<u8> {
-    let dir = tempfile::tempdir().unwrap();
-    let p = dir.path().join("r");
-    random_file(&p, len, seed);
-    std::fs::read(p).unwrap()
-}
-
-/// `qemu-img convert -O raw` of `img` into `out`.
-fn reference_raw(img: &Path, out: &Path) {
-    tool(
-        "qemu-img",
-        &[
-            "convert",
-            "-f",
-            "qcow2",
-            "-O",
-            "raw",
-            img.to_str().unwrap(),
-            out.to_str().unwrap(),
-        ],
-    );
-}
-
 fn disk_of(env: &Env, node: &str) -> PathBuf {
     env.images_dir().join(node).join("disk")
 }

@@ -116,12 +116,7 @@ async fn full_disk_fails_cleanly_evicts_first_and_keeps_serving() {
         .await;
     assert_eq!(b["status"], "success", "{b}");
     assert_eq!(b["image_checksum"], md5sum(&src.join("b.img")));
-    let metrics = reqwest::get(worker.metrics_url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = worker.metrics_text().await;
     assert!(
         metric(&metrics, "ironic_image_worker_cache_evictions_total") >= Some(1.0),
         "an eviction was counted"

@@ -89,34 +89,12 @@ async fn crash_during_download_is_redelivered_and_answered_once() {
 async fn crash_during_conversion_is_redelivered_and_answered_once() {
     let env = Env::new("");
     let raw = env.root().join("big.raw");
-    {
-        let f = std::fs::File::create(&raw).unwrap();
-        f.set_len(3 << 30).unwrap();
-    }
-    random_file(&env.root().join("head.bin"), 1 << 20, 63);
-    let head = std::fs::read(env.root().join("head.bin")).unwrap();
-    std::os::unix::fs::FileExt::write_all_at(
-        &std::fs::File::options().write(true).open(&raw).unwrap(),
-        &head,
-        0,
-    )
-    .unwrap();
+    patchy_raw(&raw, 3 << 30, 63);
     let img = env.root().join("allowed/big.qcow2");
     qcow2_from(&raw, &img, &[]);
     std::fs::remove_file(&raw).unwrap();
     let reference = env.root().join("big.ref");
-    tool(
-        "qemu-img",
-        &[
-            "convert",
-            "-f",
-            "qcow2",
-            "-O",
-            "raw",
-            img.to_str().unwrap(),
-            reference.to_str().unwrap(),
-        ],
-    );
+    reference_raw(&img, &reference);
 
     let broker = Broker::connect().await;
     let worker = env.serve().await;
@@ -278,12 +256,7 @@ async fn two_workers_one_download_one_conversion() {
     let mut conversions = 0.0;
     let mut served_by = Vec::new();
     for w in [&a, &b] {
-        let text = reqwest::get(w.metrics_url("/metrics"))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let text = w.metrics_text().await;
         for line in text.lines() {
             if let Some(v) =
                 line.strip_prefix("ironic_image_worker_conversion_duration_seconds_count ")

@@ -85,12 +85,7 @@ async fn metrics_appear_and_move() {
         .unwrap();
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
 
-    let text = reqwest::get(worker.metrics_url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = worker.metrics_text().await;
     let m = scrape(&text);
     let v = |name: &str, labels: &[(&str, &str)]| {
         value(&m, &format!("ironic_image_worker_{name}"), labels)

@@ -278,12 +278,7 @@ async fn other_conductors_and_malformed_notifications() {
     );
     let ev = tap.collect(&env.host, 1, WAIT).await;
     assert_eq!(ev[0]["status"], "success", "{ev:?}");
-    let metrics = reqwest::get(worker.metrics_url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = worker.metrics_text().await;
     let ignored = metric(
         &metrics,
         "ironic_image_worker_ignored_messages_total{reason=\"other_publisher\"}",

@@ -418,6 +418,41 @@ pub fn random_file(path: &Path, len: usize, seed: u64) {
     std::fs::write(path, data).unwrap();
 }
 
+/// Writes a sparse raw disk of `size` bytes with random data at a few
+/// places (start, a third, the middle, the end) and zeros elsewhere.
+pub fn patchy_raw(path: &Path, size: u64, seed: u64) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::create(path).unwrap();
+    f.set_len(size).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let chunk_path = dir.path().join("chunk");
+    random_file(&chunk_path, 64 * 1024 + 17, seed);
+    let chunk = std::fs::read(chunk_path).unwrap();
+    for (i, at) in [0, size / 3, size / 2 + 4096, size.saturating_sub(70_000)]
+        .iter()
+        .enumerate()
+    {
+        let at = (*at).min(size.saturating_sub(chunk.len() as u64));
+        f.write_all_at(&chunk[..chunk.len() - i], at).unwrap();
+    }
+}
+
+/// `qemu-img convert -O raw` of the qcow2 `img` into `out`: the reference.
+pub fn reference_raw(img: &Path, out: &Path) {
+    tool(
+        "qemu-img",
+        &[
+            "convert",
+            "-f",
+            "qcow2",
+            "-O",
+            "raw",
+            img.to_str().unwrap(),
+            out.to_str().unwrap(),
+        ],
+    );
+}
+
 /// Makes a qcow2 from a raw file with `qemu-img convert` (options in `opts`).
 pub fn qcow2_from(raw: &Path, out: &Path, opts: &[&str]) {
     let mut args = vec!["convert", "-f", "raw", "-O", "qcow2"];
@@ -930,6 +965,16 @@ impl Env {
 }
 
 impl Worker {
+    /// The `/metrics` page.
+    pub async fn metrics_text(&self) -> String {
+        reqwest::get(self.metrics_url("/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
     /// SIGKILL, as a crash would.
     pub async fn kill9(mut self) {
         let _ = self.child.kill().await;
