@@ -23,6 +23,21 @@ fn rabbitmqctl(args: &[&str]) {
     );
 }
 
+/// Starts the broker application again when dropped, whatever happened, so
+/// a failure here never leaves the other tests without a broker.
+struct AppRestart;
+
+impl Drop for AppRestart {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("rabbitmqctl")
+            .arg("start_app")
+            .status();
+        let _ = std::process::Command::new("rabbitmqctl")
+            .arg("await_startup")
+            .status();
+    }
+}
+
 async fn connect_retrying() -> lapin::Connection {
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
@@ -99,6 +114,7 @@ async fn commands_survive_connection_loss_and_broker_restart() {
     let pending = COUNT - answered_before;
     assert!(pending > 0, "commands were unanswered at the cut");
     rabbitmqctl(&["close_all_connections", "fault test"]);
+    let restart = AppRestart;
     rabbitmqctl(&["stop_app"]);
     let readyz = worker.metrics_url("/readyz");
     let mut not_ready = false;
@@ -111,8 +127,7 @@ async fn commands_survive_connection_loss_and_broker_restart() {
     }
     assert!(not_ready, "/readyz reports the lost broker");
     tokio::time::sleep(Duration::from_secs(2)).await;
-    rabbitmqctl(&["start_app"]);
-    rabbitmqctl(&["await_startup"]);
+    drop(restart);
 
     let conn = connect_retrying().await;
     let ch = conn.create_channel().await.unwrap();
