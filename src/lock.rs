@@ -62,20 +62,14 @@ impl Locks {
     /// Waits for the lock named `key` (a file-name-safe string).
     pub async fn acquire(&self, key: &str) -> Result<LockGuard> {
         let local = self.local(key).lock_owned().await;
-        let path = self.dir.join(format!("{key}.lock"));
-        let file = tokio::task::spawn_blocking(move || -> Result<File> {
-            let file = std::fs::OpenOptions::new()
-                .create(true)
-                .truncate(false)
-                .write(true)
-                .open(&path)
-                .map_err(|e| Error::io(format!("open lock {}", path.display()), e))?;
-            file.lock()
-                .map_err(|e| Error::io(format!("lock {}", path.display()), e))?;
-            Ok(file)
-        })
-        .await
-        .map_err(|e| Error::new(crate::error::ErrorCode::Internal, format!("lock task: {e}")))??;
+        let file = self
+            .open(key)
+            .map_err(|e| Error::io(format!("open lock {key}"), e))?;
+        // Only the wait for another process's lock blocks a thread.
+        let file = tokio::task::spawn_blocking(move || file.lock().map(|()| file))
+            .await
+            .map_err(|e| Error::new(crate::error::ErrorCode::Internal, format!("lock task: {e}")))?
+            .map_err(|e| Error::io(format!("lock {key}"), e))?;
         Ok(LockGuard {
             _file: file,
             _local: local,

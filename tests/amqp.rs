@@ -89,7 +89,6 @@ async fn prepare_deployed_cleanup_through_the_broker() {
     let readyz = reqwest::get(worker.metrics_url("/readyz")).await.unwrap();
     assert_eq!(readyz.status(), 200);
     assert!(worker.terminate().await.success());
-    broker.delete_host_queues(&env.host).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -118,7 +117,6 @@ async fn hundred_nodes_one_image_one_download() {
     }
     assert_eq!(server.count("GET", "disk.img"), 1);
     assert_eq!(std::fs::read_dir(env.link_dir()).unwrap().count(), 100);
-    broker.delete_host_queues(&env.host).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -189,7 +187,6 @@ async fn bad_input_is_answered_and_dead_lettered() {
     assert_eq!(missing["error"]["code"], "source_not_found");
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(broker.drain(&dead_queue).await.is_empty());
-    broker.delete_host_queues(&env.host).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -233,5 +230,4 @@ async fn send_subcommand_waits_for_the_answer() {
         .await;
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("no queue is bound"));
-    Broker::connect().await.delete_host_queues(&env.host).await;
 }

@@ -159,5 +159,4 @@ async fn size_limit_holds_after_a_burst() {
         metrics.contains("ironic_image_worker_cache_files"),
         "{metrics}"
     );
-    broker.delete_host_queues(&env.host).await;
 }

@@ -255,30 +255,13 @@ async fn hostile_images_are_refused_with_clear_errors() {
     }
     // Even where vmdk/qed are permitted, the deep checks apply.
     let set = "conductor.permitted_image_formats=raw,qcow2,vmdk,qed";
-    let out = env
-        .run(&[
-            "--set",
-            set,
-            "prepare",
-            "--node",
-            &node(),
-            "--image-source",
-            &file_url(&dir.join("disk.qed")),
-        ])
+    let (_, ev) = env
+        .prepare(&node(), &file_url(&dir.join("disk.qed")), &["--set", set])
         .await;
-    assert_eq!(completion_of(&out).1["error"]["code"], "unsafe_image");
-    let out = env
-        .run(&[
-            "--set",
-            set,
-            "prepare",
-            "--node",
-            &node(),
-            "--image-source",
-            &file_url(&dir.join("disk.vmdk")),
-        ])
+    assert_eq!(ev["error"]["code"], "unsafe_image");
+    let (ok, ev) = env
+        .prepare(&node(), &file_url(&dir.join("disk.vmdk")), &["--set", set])
         .await;
-    let (ok, ev) = completion_of(&out);
     assert!(ok, "monolithicSparse vmdk is converted with qemu-img: {ev}");
     assert_eq!(ev["image_checksum"], md5sum(&raw));
 
@@ -446,7 +429,6 @@ async fn corrupted_headers_never_crash_the_worker() {
         )
         .await;
     assert_eq!(ok["status"], "success", "{ok}");
-    broker.delete_host_queues(&env.host).await;
 }
 
 fn seed_img_copy(env: &Env, seed: &[u8]) -> PathBuf {
@@ -492,20 +474,18 @@ async fn converter_crash_or_timeout_is_contained() {
     assert_eq!(ok["status"], "success", "{ok}");
     worker.terminate().await;
 
-    let out = env
-        .run(&[
-            "--set",
-            "convert.min_timeout=0",
-            "--set",
-            "convert.min_rate_mib=100000000",
-            "prepare",
-            "--node",
+    let (_, ev) = env
+        .prepare(
             &node(),
-            "--image-source",
             &file_url(&img),
-        ])
+            &[
+                "--set",
+                "convert.min_timeout=0",
+                "--set",
+                "convert.min_rate_mib=100000000",
+            ],
+        )
         .await;
-    let (_, ev) = completion_of(&out);
     assert_eq!(ev["error"]["code"], "corrupt_image");
     assert!(
         ev["error"]["message"]
@@ -515,5 +495,4 @@ async fn converter_crash_or_timeout_is_contained() {
         "{ev}"
     );
     assert!(env.temporaries().is_empty());
-    broker.delete_host_queues(&env.host).await;
 }

@@ -122,6 +122,5 @@ async fn full_disk_fails_cleanly_evicts_first_and_keeps_serving() {
         "an eviction was counted"
     );
     tokio::time::sleep(Duration::from_millis(100)).await;
-    broker.delete_host_queues(&env.host).await;
     drop(worker);
 }

@@ -15,20 +15,18 @@ async fn stalled_short_and_reset_sources_are_retried_then_unreachable() {
     let faults = FaultServer::start(&env.root().join("src"), 1 << 20).await;
     for mode in ["stall", "short", "reset"] {
         let started = Instant::now();
-        let out = env
-            .run(&[
-                "--set",
-                "source.read_timeout=1",
-                "--set",
-                "source.retries=3",
-                "prepare",
-                "--node",
+        let (ok, ev) = env
+            .prepare(
                 &node(),
-                "--image-source",
                 &faults.url(mode, "disk.img"),
-            ])
+                &[
+                    "--set",
+                    "source.read_timeout=1",
+                    "--set",
+                    "source.retries=3",
+                ],
+            )
             .await;
-        let (ok, ev) = completion_of(&out);
         assert!(!ok);
         assert_eq!(ev["error"]["code"], "source_unreachable", "{mode}: {ev}");
         assert_eq!(faults.count(mode, "disk.img"), 3, "{mode}: bounded retries");
@@ -80,7 +78,6 @@ async fn crash_during_download_is_redelivered_and_answered_once() {
     let extra = tokio::time::timeout(Duration::from_secs(3), broker.next_reply(MINUTE)).await;
     assert!(extra.is_err(), "answered exactly once");
     assert_eq!(faults.count("slow", "disk.img"), 2);
-    broker.delete_host_queues(&env.host).await;
 }
 
 /// kill -9 during a conversion: the isolated converter dies with the worker;
@@ -128,7 +125,6 @@ async fn crash_during_conversion_is_redelivered_and_answered_once() {
     assert!(env.temporaries().is_empty());
     let extra = tokio::time::timeout(Duration::from_secs(3), broker.next_reply(MINUTE)).await;
     assert!(extra.is_err(), "answered exactly once");
-    broker.delete_host_queues(&env.host).await;
 }
 
 /// SIGTERM during work: the worker stops within its grace period and the
@@ -161,7 +157,6 @@ async fn sigterm_requeues_unfinished_work_within_the_grace_period() {
     let (got, ev) = broker.next_reply(MINUTE).await;
     assert_eq!(got.as_deref(), Some(corr.as_str()));
     assert_eq!(ev["image_checksum"], md5sum(&src), "{ev}");
-    broker.delete_host_queues(&env.host).await;
 }
 
 /// A command whose handling keeps killing the worker is dead-lettered by the
@@ -222,7 +217,6 @@ async fn poison_message_is_dead_lettered_after_bounded_attempts() {
         .await;
     assert_eq!(ev["status"], "success", "{ev}");
     drop(worker);
-    broker.delete_host_queues(&env.host).await;
 }
 
 /// Two workers share one queue and one cache: 50 nodes of one image make
@@ -274,7 +268,6 @@ async fn two_workers_one_download_one_conversion() {
         2,
         "both workers took commands: {served_by:?}"
     );
-    broker.delete_host_queues(&env.host).await;
 }
 
 /// Prepare and cleanup of one node racing on two workers (cross-process node

@@ -175,5 +175,4 @@ async fn metrics_appear_and_move() {
             "Prometheus naming: {line}"
         );
     }
-    broker.delete_host_queues(&env.host).await;
 }

@@ -109,7 +109,6 @@ async fn full_deploy_then_rebuild_then_teardown() {
     assert!(!env.images_dir().join(&node).exists());
     assert!(link.symlink_metadata().is_err());
     assert_eq!(server.count("GET", "a.img"), 1);
-    broker.delete_host_queues(&env.host).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -187,7 +186,6 @@ async fn failed_deploy_keeps_the_link_until_teardown() {
         (ev[0]["action"].as_str(), ev[0]["status"].as_str()),
         (Some("cleanup"), Some("success"))
     );
-    broker.delete_host_queues(&env.host).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -284,5 +282,4 @@ async fn other_conductors_and_malformed_notifications() {
         "ironic_image_worker_ignored_messages_total{reason=\"other_publisher\"}",
     );
     assert!(ignored >= Some(1.0), "{metrics}");
-    broker.delete_host_queues(&env.host).await;
 }

@@ -245,18 +245,7 @@ async fn file_sources_only_regular_files_under_allowed_paths() {
         format!("file://{}", fifo.display()),
         format!("file://{}", allowed.display()),
     ] {
-        let out = env
-            .run(&[
-                "--set",
-                &all,
-                "prepare",
-                "--node",
-                &node,
-                "--image-source",
-                &src,
-            ])
-            .await;
-        let (ok, ev) = completion_of(&out);
+        let (ok, ev) = env.prepare(&node, &src, &["--set", &all]).await;
         assert!(!ok);
         assert_eq!(ev["error"]["code"], "source_not_allowed", "{src}");
     }

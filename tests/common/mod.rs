@@ -654,20 +654,6 @@ impl Broker {
         }
         out
     }
-
-    /// Deletes the per-host queues of a test.
-    pub async fn delete_host_queues(&self, host: &str) {
-        use lapin::options::*;
-        for q in [
-            format!("ironic-image-worker.{host}"),
-            format!("ironic-image-worker.{host}.dead"),
-        ] {
-            let _ = self
-                .channel
-                .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
-                .await;
-        }
-    }
 }
 
 /// A prepare command body.
