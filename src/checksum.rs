@@ -2,7 +2,6 @@
 //! the digest algorithms themselves, and Ironic's checksum-file format.
 
 use crate::error::{Error, ErrorCode, Result};
-use md5::Digest;
 use std::fmt;
 
 /// A digest algorithm Ironic may name for an image.
@@ -220,27 +219,27 @@ impl Hasher {
     /// A fresh hasher for `algo`.
     pub fn new(algo: Algo) -> Hasher {
         match algo {
-            Algo::Md5 => Hasher::Md5(md5::Md5::new()),
-            Algo::Sha256 => Hasher::Sha256(sha2::Sha256::new()),
-            Algo::Sha512 => Hasher::Sha512(sha2::Sha512::new()),
+            Algo::Md5 => Hasher::Md5(md5::Digest::new()),
+            Algo::Sha256 => Hasher::Sha256(sha2::Digest::new()),
+            Algo::Sha512 => Hasher::Sha512(sha2::Digest::new()),
         }
     }
 
     /// Feeds bytes.
     pub fn update(&mut self, data: &[u8]) {
         match self {
-            Hasher::Md5(h) => h.update(data),
-            Hasher::Sha256(h) => h.update(data),
-            Hasher::Sha512(h) => h.update(data),
+            Hasher::Md5(h) => md5::Digest::update(h, data),
+            Hasher::Sha256(h) => sha2::Digest::update(h, data),
+            Hasher::Sha512(h) => sha2::Digest::update(h, data),
         }
     }
 
     /// The lowercase hex digest.
     pub fn finalize_hex(self) -> String {
         match self {
-            Hasher::Md5(h) => hex::encode(h.finalize()),
-            Hasher::Sha256(h) => hex::encode(h.finalize()),
-            Hasher::Sha512(h) => hex::encode(h.finalize()),
+            Hasher::Md5(h) => hex::encode(md5::Digest::finalize(h)),
+            Hasher::Sha256(h) => hex::encode(sha2::Digest::finalize(h)),
+            Hasher::Sha512(h) => hex::encode(sha2::Digest::finalize(h)),
         }
     }
 }

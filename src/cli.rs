@@ -20,6 +20,12 @@ pub struct Cli {
     /// TOML configuration file (Ironic's section and option names).
     #[arg(long, global = true, env = "IRONIC_IMAGE_WORKER_CONFIG")]
     pub config: Option<PathBuf>,
+    /// An existing ironic.conf to take the options shared with the conductor
+    /// from (host, transport_url, [deploy], [pxe], [agent], [conductor],
+    /// [glance], notification topics); `--config`, the environment and
+    /// `--set` override it.
+    #[arg(long, global = true, env = "IRONIC_IMAGE_WORKER_IRONIC_CONFIG")]
+    pub ironic_config: Option<PathBuf>,
     /// Override one option, e.g. `--set DEFAULT.host=cond-1` (repeatable).
     #[arg(long = "set", global = true, value_name = "SECTION.OPTION=VALUE")]
     pub set: Vec<String>,
@@ -257,7 +263,11 @@ pub fn main() -> ExitCode {
 }
 
 async fn run(cli: Cli) -> Result<ExitCode> {
-    let config = Config::load(cli.config.as_deref(), &cli.set)?;
+    let files = crate::config::Files {
+        ironic_conf: cli.ironic_config.clone(),
+        toml: cli.config.clone(),
+    };
+    let config = Config::load(&files, &cli.set)?;
     let request = match cli.command {
         Command::Serve => {
             crate::serve::serve(config).await?;

@@ -9,7 +9,7 @@
 use crate::error::{Error, ErrorCode, Result};
 use serde::{Deserialize, Deserializer};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// Prefix of the environment variables that override configuration options.
 pub const ENV_PREFIX: &str = "IRONIC_IMAGE_WORKER__";
@@ -41,6 +41,77 @@ pub struct Config {
     pub convert: ConvertSection,
     /// `[cache]`: the worker's cache housekeeping.
     pub cache: CacheSection,
+    /// `[glance]`: the Image API and its Keystone credentials (Ironic's own
+    /// keystoneauth option names), for Glance image UUID sources.
+    pub glance: GlanceSection,
+}
+
+/// `[glance]`: where Glance is and how to authenticate to it. The names are
+/// those of ironic.conf's `[glance]` (keystoneauth) options.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GlanceSection {
+    /// Image API base URL (without `/v2`); when empty, the `image` endpoint
+    /// of the Keystone catalog is used.
+    pub endpoint_override: String,
+    /// `password`/`v3password`, `v3applicationcredential`, `admin_token`
+    /// (a static token, sent as it is) or `none`/`noauth`.
+    pub auth_type: String,
+    /// Keystone URL (`.../v3` or its root).
+    pub auth_url: String,
+    /// Password authentication: user name.
+    pub username: String,
+    /// Password authentication: password (never logged).
+    pub password: String,
+    /// Domain of the user, by name.
+    pub user_domain_name: String,
+    /// Domain of the user, by id.
+    pub user_domain_id: String,
+    /// Project to scope the token to, by name.
+    pub project_name: String,
+    /// Project to scope the token to, by id.
+    pub project_id: String,
+    /// Domain of the project, by name.
+    pub project_domain_name: String,
+    /// Domain of the project, by id.
+    pub project_domain_id: String,
+    /// Application credential id.
+    pub application_credential_id: String,
+    /// Application credential secret (never logged).
+    pub application_credential_secret: String,
+    /// Static token for `admin_token` (never logged).
+    pub token: String,
+    /// Catalog region of the image endpoint.
+    pub region_name: String,
+    /// Catalog interfaces to try, in order.
+    #[serde(deserialize_with = "list_opt")]
+    pub valid_interfaces: Vec<String>,
+    /// Skip TLS verification of Keystone and Glance.
+    pub insecure: bool,
+}
+
+impl Default for GlanceSection {
+    fn default() -> Self {
+        GlanceSection {
+            endpoint_override: String::new(),
+            auth_type: "password".into(),
+            auth_url: String::new(),
+            username: String::new(),
+            password: String::new(),
+            user_domain_name: String::new(),
+            user_domain_id: String::new(),
+            project_name: String::new(),
+            project_id: String::new(),
+            project_domain_name: String::new(),
+            project_domain_id: String::new(),
+            application_credential_id: String::new(),
+            application_credential_secret: String::new(),
+            token: String::new(),
+            region_name: String::new(),
+            valid_interfaces: vec!["internal".into(), "public".into()],
+            insecure: false,
+        }
+    }
 }
 
 /// `[cache]`: housekeeping of the master cache beyond Ironic's `[pxe]` limits.
@@ -180,6 +251,15 @@ pub struct SourceSection {
     pub retries: u32,
     /// Whether TLS certificates of https sources are verified.
     pub verify_tls: bool,
+}
+
+/// The configuration files to read, lowest precedence first.
+#[derive(Debug, Clone, Default)]
+pub struct Files {
+    /// An existing ironic.conf: the options shared with the conductor.
+    pub ironic_conf: Option<PathBuf>,
+    /// The worker's own TOML file.
+    pub toml: Option<PathBuf>,
 }
 
 /// Directory for the default paths: `$XDG_STATE_HOME/ironic-image-worker`,
@@ -376,28 +456,41 @@ fn path_list_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<PathBuf>, D::Err
 }
 
 impl Config {
-    /// Loads the configuration: defaults, then `file` (if any), then the
-    /// process environment, then `overrides` (`section.option=value`).
-    pub fn load(file: Option<&Path>, overrides: &[String]) -> Result<Config> {
+    /// Loads the configuration: defaults, then the shared options of
+    /// `files.ironic_conf`, then `files.toml`, then the process environment,
+    /// then `overrides` (`section.option=value`).
+    pub fn load(files: &Files, overrides: &[String]) -> Result<Config> {
         let env: Vec<(String, String)> = std::env::vars().collect();
-        Self::load_from(file, &env, overrides)
+        Self::load_from(files, &env, overrides)
     }
 
     /// [`Config::load`] with an explicit environment, for tests.
     pub fn load_from(
-        file: Option<&Path>,
+        files: &Files,
         env: &[(String, String)],
         overrides: &[String],
     ) -> Result<Config> {
-        let mut table = match file {
-            Some(path) => {
-                let text = std::fs::read_to_string(path)
-                    .map_err(|e| config_error(format!("cannot read {}: {e}", path.display())))?;
-                text.parse::<toml::Table>()
-                    .map_err(|e| config_error(format!("{}: {e}", path.display())))?
-            }
+        let mut table = match &files.ironic_conf {
+            Some(path) => crate::ironic_conf::load(path)?,
             None => toml::Table::new(),
         };
+        if let Some(path) = &files.toml {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| config_error(format!("cannot read {}: {e}", path.display())))?;
+            let own = text
+                .parse::<toml::Table>()
+                .map_err(|e| config_error(format!("{}: {e}", path.display())))?;
+            for (section, options) in own {
+                match (table.get_mut(&section), options) {
+                    (Some(toml::Value::Table(base)), toml::Value::Table(options)) => {
+                        base.extend(options)
+                    }
+                    (_, options) => {
+                        table.insert(section, options);
+                    }
+                }
+            }
+        }
         for (name, value) in env {
             if let Some(rest) = name.strip_prefix(ENV_PREFIX) {
                 let (section, key) = rest.split_once("__").ok_or_else(|| {

@@ -231,12 +231,20 @@ impl Pipeline {
                     "instance_info.image_source is required",
                 )
             })?;
+        let source = Source::parse(href, &self.config)?;
+        // `<id>` and `glance://<id>` are one image: recorded by its id.
+        let href = match &source {
+            Source::Glance(id) => id.as_str(),
+            _ => href,
+        };
+        let mut info = info.clone();
+        self.complete_from_glance(&source, &mut info).await?;
+        let info = &info;
         let spec = ChecksumSpec::from_fields(
             info.image_checksum.as_deref(),
             info.image_os_hash_algo.as_deref(),
             info.image_os_hash_value.as_deref(),
         )?;
-        let source = self.parse_source(href)?;
         let mode = info
             .image_download_source
             .as_deref()
@@ -344,14 +352,29 @@ impl Pipeline {
         Ok(())
     }
 
-    fn parse_source(&self, href: &str) -> Result<Source> {
-        if cache::glance_id(href).is_some() {
-            return Err(Error::new(
-                ErrorCode::SourceNotAllowed,
-                "Glance image sources are not supported by this worker yet; use an http(s) or file URL",
-            ));
+    /// For a Glance image, what Glance says completes `instance_info`: its
+    /// checksums when Ironic passed none, its disk format when none was
+    /// declared (Ironic copies both from Glance when it deploys).
+    async fn complete_from_glance(&self, source: &Source, info: &mut InstanceInfo) -> Result<()> {
+        let Source::Glance(id) = source else {
+            return Ok(());
+        };
+        let meta = self.fetcher.glance().image(id).await?;
+        let no_checksum = info.image_checksum.is_none()
+            && info.image_os_hash_algo.is_none()
+            && info.image_os_hash_value.is_none();
+        if no_checksum {
+            if meta.os_hash_algo.is_some() && meta.os_hash_value.is_some() {
+                info.image_os_hash_algo = meta.os_hash_algo;
+                info.image_os_hash_value = meta.os_hash_value;
+            } else {
+                info.image_checksum = meta.checksum;
+            }
         }
-        Source::parse(href, &self.config)
+        if info.image_disk_format.is_none() {
+            info.image_disk_format = meta.disk_format;
+        }
+        Ok(())
     }
 
     /// `image_download_source = http` with an http(s) source: the agent

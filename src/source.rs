@@ -1,13 +1,16 @@
 //! Image sources: where the bytes of an image come from (`http(s)://` with
-//! reqwest, streamed; `file://` under the allowed paths), with bounded
+//! reqwest, streamed; `file://` under the allowed paths; Glance image ids
+//! through the Image API, see `glance`), with bounded
 //! retries and the metadata Ironic uses to revalidate a cached copy.
 
 use crate::config::{Config, redact_url};
 use crate::error::{Error, ErrorCode, Result};
+use crate::glance::Glance;
 use crate::sink::{Digests, Sink};
 use backon::{ExponentialBuilder, Retryable};
 use futures_util::StreamExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 use tokio::io::AsyncReadExt;
 
@@ -19,6 +22,8 @@ pub enum Source {
     /// A local regular file, already resolved and checked against
     /// `[conductor]file_url_allowed_paths`.
     File(PathBuf),
+    /// A Glance image id, fetched through the Image API.
+    Glance(String),
 }
 
 /// What a source says about its image without sending it.
@@ -35,6 +40,7 @@ pub struct SourceStat {
 pub struct Fetcher {
     client: reqwest::Client,
     retries: u32,
+    glance: Arc<Glance>,
 }
 
 enum Failure {
@@ -52,6 +58,9 @@ impl Source {
     /// Parses `href`, refusing schemes the worker cannot fetch and `file://`
     /// paths outside the allowed directories or that are not regular files.
     pub fn parse(href: &str, config: &Config) -> Result<Source> {
+        if let Some(id) = crate::cache::glance_id(href) {
+            return Ok(Source::Glance(id));
+        }
         let url = reqwest::Url::parse(href).map_err(|e| {
             Error::new(
                 ErrorCode::InvalidMessage,
@@ -88,6 +97,7 @@ impl Source {
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default(),
+            Source::Glance(id) => id.clone(),
         }
     }
 
@@ -96,6 +106,7 @@ impl Source {
         match self {
             Source::Http(url) => redact_url(url.as_str()),
             Source::File(path) => format!("file://{}", path.display()),
+            Source::Glance(id) => format!("glance://{id}"),
         }
     }
 }
@@ -147,10 +158,29 @@ impl Fetcher {
             .user_agent(concat!("ironic-image-worker/", env!("CARGO_PKG_VERSION")))
             .build()
             .map_err(|e| Error::new(ErrorCode::Internal, format!("HTTP client: {e}")))?;
+        let glance = Arc::new(Glance::new(
+            config.glance.clone(),
+            if config.glance.insecure {
+                reqwest::Client::builder()
+                    .connect_timeout(Duration::from_secs(s.connect_timeout))
+                    .read_timeout(Duration::from_secs(s.read_timeout))
+                    .tls_danger_accept_invalid_certs(true)
+                    .build()
+                    .map_err(|e| Error::new(ErrorCode::Internal, format!("HTTP client: {e}")))?
+            } else {
+                client.clone()
+            },
+        ));
         Ok(Fetcher {
             client,
             retries: s.retries.max(1),
+            glance,
         })
+    }
+
+    /// The Glance client, for image metadata.
+    pub fn glance(&self) -> &Glance {
+        &self.glance
     }
 
     fn backoff(&self) -> ExponentialBuilder {
@@ -182,6 +212,13 @@ impl Fetcher {
     /// Asks the source for its metadata (HTTP `HEAD`, file `stat`).
     pub async fn stat(&self, source: &Source) -> Result<SourceStat> {
         match source {
+            Source::Glance(id) => {
+                let meta = self.glance.image(id).await?;
+                Ok(SourceStat {
+                    last_modified: meta.updated(),
+                    size: meta.size,
+                })
+            }
             Source::File(path) => {
                 let meta = tokio::fs::metadata(path)
                     .await
@@ -262,7 +299,13 @@ impl Fetcher {
                         Ok(self.copy_file(path, dest, sha512, room, progress).await?)
                     }
                     Source::Http(url) => {
-                        self.get_http(source, url, dest, sha512, room, progress)
+                        let req = self.client.get(url.clone());
+                        self.get_http(source, req, dest, sha512, room, progress)
+                            .await
+                    }
+                    Source::Glance(id) => {
+                        let req = self.glance.data_request(id).await?;
+                        self.get_http(source, req, dest, sha512, room, progress)
                             .await
                     }
                 }
@@ -316,18 +359,24 @@ impl Fetcher {
     async fn get_http(
         &self,
         source: &Source,
-        url: &reqwest::Url,
+        req: reqwest::RequestBuilder,
         dest: &Path,
         sha512: bool,
         room: &(dyn Fn(u64) -> Result<()> + Sync),
         progress: &(dyn Fn(u64) + Sync),
     ) -> std::result::Result<(Digests, SourceStat), Failure> {
-        let resp = self
-            .client
-            .get(url.clone())
-            .send()
-            .await
-            .map_err(|e| request_failure(source, e))?;
+        let resp = req.send().await.map_err(|e| request_failure(source, e))?;
+        if let Source::Glance(_) = source
+            && resp.status() == reqwest::StatusCode::UNAUTHORIZED
+        {
+            // The cached token was revoked or expired early: renew, retry.
+            self.glance.forget_token().await;
+            return Err(Failure::Retry(crate::glance::status_error(
+                "Glance",
+                "image data",
+                401,
+            )));
+        }
         check_status(source, resp.status())?;
         let stat = SourceStat {
             last_modified: resp
@@ -368,7 +417,8 @@ fn request_failure(source: &Source, e: reqwest::Error) -> Failure {
     ))
 }
 
-fn error_chain(e: &dyn std::error::Error) -> String {
+/// The error and its causes on one line, for messages.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut cur = e.source();
     while let Some(inner) = cur {
@@ -386,6 +436,7 @@ fn check_status(source: &Source, status: reqwest::StatusCode) -> std::result::Re
     let err = |code| Error::new(code, format!("{} answered {status}", source.display()));
     Err(match status.as_u16() {
         404 | 410 => Failure::Fatal(err(ErrorCode::SourceNotFound)),
+        401 | 403 => Failure::Fatal(err(ErrorCode::SourceNotAllowed)),
         408 | 429 | 500..=599 => Failure::Retry(err(ErrorCode::SourceUnreachable)),
         _ => Failure::Fatal(err(ErrorCode::SourceUnreachable)),
     })

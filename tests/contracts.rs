@@ -1,7 +1,7 @@
 //! Contracts other programs rely on: configuration precedence and the
 //! closed list of error codes in the completion schema.
 
-use ironic_image_worker::config::Config;
+use ironic_image_worker::config::{Config, Files};
 use ironic_image_worker::error::ErrorCode;
 
 #[test]
@@ -51,7 +51,7 @@ fn file_then_environment_then_flags() {
             "127.0.0.1:9999".to_string(),
         ),
     ];
-    let c = Config::load_from(Some(&file), &env, &["DEFAULT.host=from-flag".into()]).unwrap();
+    let c = Config::load_from(&toml_file(&file), &env, &["DEFAULT.host=from-flag".into()]).unwrap();
     assert_eq!(c.default.host, "from-flag");
     assert!(!c.default.force_raw_images);
     assert_eq!(c.pxe.image_cache_size, 200);
@@ -59,13 +59,20 @@ fn file_then_environment_then_flags() {
     assert_eq!(c.conductor.permitted_image_formats, ["raw", "qcow2"]);
     assert_eq!(c.http_url(), "http://127.0.0.1:9999");
 
-    assert!(Config::load_from(None, &[], &["agent.image_download_source=ftp".into()]).is_err());
-    assert!(Config::load_from(None, &[], &["nosuch.option=1".into()]).is_err());
+    assert!(
+        Config::load_from(
+            &Files::default(),
+            &[],
+            &["agent.image_download_source=ftp".into()]
+        )
+        .is_err()
+    );
+    assert!(Config::load_from(&Files::default(), &[], &["nosuch.option=1".into()]).is_err());
 }
 
 #[test]
 fn defaults_need_no_root() {
-    let c = Config::load_from(None, &[], &[]).unwrap();
+    let c = Config::load_from(&Files::default(), &[], &[]).unwrap();
     assert!(
         c.pxe.instance_master_path.is_relative()
             || !c.pxe.instance_master_path.starts_with("/var/lib")
@@ -78,4 +85,80 @@ fn defaults_need_no_root() {
     );
     assert!(c.default.force_raw_images && c.agent.stream_raw_images);
     assert_eq!(c.amqp_url_redacted(), "amqp://guest:***@127.0.0.1:5672/%2f");
+}
+
+fn toml_file(path: &std::path::Path) -> Files {
+    Files {
+        toml: Some(path.to_path_buf()),
+        ..Files::default()
+    }
+}
+
+#[test]
+fn ironic_conf_gives_the_shared_options_and_our_file_overrides_it() {
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let dir = tempfile::tempdir().unwrap();
+    let own = dir.path().join("w.toml");
+    std::fs::write(
+        &own,
+        "[http]\nlisten = \"192.0.2.10:8088\"\n[pxe]\nimage_cache_ttl = 60\n",
+    )
+    .unwrap();
+    let files = Files {
+        ironic_conf: Some(fixtures.join("ironic.conf")),
+        toml: Some(own),
+    };
+    let c = Config::load_from(&files, &[], &["DEFAULT.force_raw_images=false".into()]).unwrap();
+    assert_eq!(c.default.host, "cond-7.example.net");
+    assert!(!c.default.force_raw_images, "--set beats ironic.conf");
+    assert_eq!(
+        c.amqp.url,
+        "amqp://ironic:Sup3r%2Fsecret@mq-1.example.net:5672/ironic"
+    );
+    assert_eq!(c.amqp.notification_exchange, "ironic");
+    assert_eq!(
+        c.amqp.notification_topics,
+        ["ironic_versioned_notifications", "ops_notifications"]
+    );
+    assert!(c.amqp.notification_exchange_durable);
+    assert_eq!(c.agent.image_download_source, "http");
+    assert_eq!(c.deploy.http_root, std::path::Path::new("/srv/httpboot"));
+    assert_eq!(c.http_url(), "http://192.0.2.10:8088");
+    assert_eq!(
+        c.pxe.images_path,
+        std::path::Path::new("/var/lib/ironic/images")
+    );
+    assert_eq!(
+        c.pxe.instance_master_path,
+        std::path::Path::new("/var/lib/ironic/master_images")
+    );
+    assert_eq!(c.pxe.image_cache_size, 51200);
+    assert_eq!(c.pxe.image_cache_ttl, 60, "our file beats ironic.conf");
+    assert_eq!(c.conductor.permitted_image_formats, ["raw", "qcow2"]);
+    assert_eq!(
+        c.conductor.file_url_allowed_paths,
+        [
+            std::path::PathBuf::from("/var/lib/ironic"),
+            "/srv/images".into()
+        ]
+    );
+    assert_eq!(c.glance.password, "gl@nce pass");
+    assert_eq!(c.glance.valid_interfaces, ["internal"]);
+    assert_eq!(c.glance.auth_url, "http://keystone.example.net:5000/v3");
+
+    // Unset in ironic.conf: Ironic's defaults, and the worker's own
+    // image_download_source (only an explicit setting counts).
+    std::fs::write(dir.path().join("min.conf"), "[DEFAULT]\nhost = c\n").unwrap();
+    let c = Config::load_from(
+        &Files {
+            ironic_conf: Some(dir.path().join("min.conf")),
+            toml: None,
+        },
+        &[],
+        &[],
+    )
+    .unwrap();
+    assert_eq!(c.deploy.http_root, std::path::Path::new("/httpboot"));
+    assert_eq!(c.agent.image_download_source, "local");
+    assert_eq!(c.amqp.url, "amqp://guest:guest@127.0.0.1:5672/%2f");
 }

@@ -1,0 +1,525 @@
+//! Reading an existing `ironic.conf` (oslo.config INI syntax), so that the
+//! worker takes the options it shares with the conductor from the very file
+//! the conductor reads and the two cannot disagree.
+//!
+//! Only the shared options are taken; the result is the lowest layer of the
+//! configuration, below the worker's own TOML file, the environment and
+//! `--set` flags. Options the ironic.conf leaves unset get Ironic's defaults
+//! where they differ from the worker's own (paths such as `/httpboot`), except
+//! `[agent]image_download_source`, which only counts when set explicitly
+//! (DESIGN.md 3.5).
+
+use crate::error::{Error, ErrorCode, Result};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// Parsed INI: section -> option -> values (oslo multi-valued options may
+/// repeat; the last value wins for single-valued ones).
+#[derive(Debug, Default, Clone)]
+pub struct IniFile {
+    sections: BTreeMap<String, BTreeMap<String, Vec<String>>>,
+}
+
+/// How an ironic.conf value is turned into a worker option.
+#[derive(Clone, Copy)]
+enum Kind {
+    Str,
+    Bool,
+    Int,
+    List,
+}
+
+/// (ironic.conf section, option, worker section, worker option, kind).
+const SHARED: &[(&str, &str, &str, &str, Kind)] = &[
+    ("DEFAULT", "host", "DEFAULT", "host", Kind::Str),
+    (
+        "DEFAULT",
+        "force_raw_images",
+        "DEFAULT",
+        "force_raw_images",
+        Kind::Bool,
+    ),
+    (
+        "DEFAULT",
+        "control_exchange",
+        "amqp",
+        "notification_exchange",
+        Kind::Str,
+    ),
+    (
+        "agent",
+        "image_download_source",
+        "agent",
+        "image_download_source",
+        Kind::Str,
+    ),
+    (
+        "agent",
+        "stream_raw_images",
+        "agent",
+        "stream_raw_images",
+        Kind::Bool,
+    ),
+    ("deploy", "http_root", "deploy", "http_root", Kind::Str),
+    ("deploy", "http_url", "deploy", "http_url", Kind::Str),
+    (
+        "deploy",
+        "http_image_subdir",
+        "deploy",
+        "http_image_subdir",
+        Kind::Str,
+    ),
+    (
+        "pxe",
+        "instance_master_path",
+        "pxe",
+        "instance_master_path",
+        Kind::Str,
+    ),
+    ("pxe", "images_path", "pxe", "images_path", Kind::Str),
+    (
+        "pxe",
+        "image_cache_size",
+        "pxe",
+        "image_cache_size",
+        Kind::Int,
+    ),
+    (
+        "pxe",
+        "image_cache_ttl",
+        "pxe",
+        "image_cache_ttl",
+        Kind::Int,
+    ),
+    (
+        "conductor",
+        "permitted_image_formats",
+        "conductor",
+        "permitted_image_formats",
+        Kind::List,
+    ),
+    (
+        "conductor",
+        "file_url_allowed_paths",
+        "conductor",
+        "file_url_allowed_paths",
+        Kind::List,
+    ),
+    (
+        "oslo_messaging_notifications",
+        "topics",
+        "amqp",
+        "notification_topics",
+        Kind::List,
+    ),
+    (
+        "oslo_messaging_rabbit",
+        "amqp_durable_queues",
+        "amqp",
+        "notification_exchange_durable",
+        Kind::Bool,
+    ),
+    (
+        "glance",
+        "endpoint_override",
+        "glance",
+        "endpoint_override",
+        Kind::Str,
+    ),
+    ("glance", "auth_type", "glance", "auth_type", Kind::Str),
+    ("glance", "auth_url", "glance", "auth_url", Kind::Str),
+    ("glance", "username", "glance", "username", Kind::Str),
+    ("glance", "password", "glance", "password", Kind::Str),
+    (
+        "glance",
+        "user_domain_name",
+        "glance",
+        "user_domain_name",
+        Kind::Str,
+    ),
+    (
+        "glance",
+        "user_domain_id",
+        "glance",
+        "user_domain_id",
+        Kind::Str,
+    ),
+    (
+        "glance",
+        "project_name",
+        "glance",
+        "project_name",
+        Kind::Str,
+    ),
+    ("glance", "project_id", "glance", "project_id", Kind::Str),
+    (
+        "glance",
+        "project_domain_name",
+        "glance",
+        "project_domain_name",
+        Kind::Str,
+    ),
+    (
+        "glance",
+        "project_domain_id",
+        "glance",
+        "project_domain_id",
+        Kind::Str,
+    ),
+    (
+        "glance",
+        "application_credential_id",
+        "glance",
+        "application_credential_id",
+        Kind::Str,
+    ),
+    (
+        "glance",
+        "application_credential_secret",
+        "glance",
+        "application_credential_secret",
+        Kind::Str,
+    ),
+    ("glance", "token", "glance", "token", Kind::Str),
+    ("glance", "region_name", "glance", "region_name", Kind::Str),
+    (
+        "glance",
+        "valid_interfaces",
+        "glance",
+        "valid_interfaces",
+        Kind::List,
+    ),
+    ("glance", "insecure", "glance", "insecure", Kind::Bool),
+];
+
+/// Ironic's defaults for the path options, used when the ironic.conf does not
+/// set them (the worker's own defaults are root-free paths instead).
+const IRONIC_DEFAULTS: &[(&str, &str, &str)] = &[
+    ("deploy", "http_root", "/httpboot"),
+    (
+        "pxe",
+        "instance_master_path",
+        "/var/lib/ironic/master_images",
+    ),
+    ("pxe", "images_path", "/var/lib/ironic/images/"),
+    ("DEFAULT", "state_path", "/var/lib/ironic"),
+];
+
+impl IniFile {
+    /// Parses oslo.config INI text: `[section]`, `key = value` or
+    /// `key: value`, `#`/`;` comment lines, indented continuation lines,
+    /// values in matching quotes unquoted, repeated keys kept in order.
+    pub fn parse(text: &str) -> Result<IniFile> {
+        let mut ini = IniFile::default();
+        let mut section: Option<String> = None;
+        let mut last: Option<(String, String)> = None;
+        for (n, raw) in text.lines().enumerate() {
+            let line = raw.trim_end();
+            let trimmed = line.trim_start();
+            if trimmed.is_empty() || trimmed.starts_with('#') || trimmed.starts_with(';') {
+                continue;
+            }
+            let bad = |what: &str| conf_error(format!("line {}: {what}", n + 1));
+            if line.starts_with([' ', '\t']) {
+                let (s, k) = last
+                    .as_ref()
+                    .ok_or_else(|| bad("continuation of nothing"))?;
+                if let Some(v) = ini.values_mut(s, k).last_mut() {
+                    v.push('\n');
+                    v.push_str(trimmed);
+                }
+                continue;
+            }
+            if let Some(name) = trimmed.strip_prefix('[') {
+                let name = name
+                    .strip_suffix(']')
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                    .ok_or_else(|| bad("bad section header"))?;
+                section = Some(name.to_string());
+                last = None;
+                continue;
+            }
+            let sec = section
+                .clone()
+                .ok_or_else(|| bad("option before any section"))?;
+            let split = trimmed
+                .find(['=', ':'])
+                .ok_or_else(|| bad("expected `name = value`"))?;
+            let key = trimmed[..split].trim().to_string();
+            if key.is_empty() {
+                return Err(bad("empty option name"));
+            }
+            let value = unquote(trimmed[split + 1..].trim()).to_string();
+            ini.values_mut(&sec, &key).push(value);
+            last = Some((sec, key));
+        }
+        Ok(ini)
+    }
+
+    fn values_mut(&mut self, section: &str, key: &str) -> &mut Vec<String> {
+        self.sections
+            .entry(section.to_string())
+            .or_default()
+            .entry(key.to_string())
+            .or_default()
+    }
+
+    /// The raw (last) value of an option, before `$name` substitution.
+    pub fn raw(&self, section: &str, key: &str) -> Option<&str> {
+        self.sections
+            .get(section)?
+            .get(key)?
+            .last()
+            .map(String::as_str)
+    }
+
+    /// The value with oslo.config's `$name` / `${name}` / `${group.name}`
+    /// substitution (from the same section, then `[DEFAULT]`, then Ironic's
+    /// defaults), `$$` for a literal `$`.
+    pub fn get(&self, section: &str, key: &str) -> Result<Option<String>> {
+        match self.raw(section, key) {
+            None => Ok(None),
+            Some(v) => self.substitute(section, v, 0).map(Some),
+        }
+    }
+
+    fn lookup(&self, section: &str, name: &str, depth: u32) -> Result<String> {
+        let (section, name) = match name.split_once('.') {
+            Some((group, opt)) => (group, opt),
+            None => (section, name),
+        };
+        let value = self
+            .raw(section, name)
+            .or_else(|| self.raw("DEFAULT", name))
+            .or_else(|| ironic_default(section, name))
+            .or_else(|| ironic_default("DEFAULT", name))
+            .ok_or_else(|| conf_error(format!("${name}: no such option to substitute")))?;
+        self.substitute(section, value, depth + 1)
+    }
+
+    fn substitute(&self, section: &str, value: &str, depth: u32) -> Result<String> {
+        if depth > 10 {
+            return Err(conf_error(format!("{value:?}: substitution loop")));
+        }
+        let mut out = String::new();
+        let mut rest = value;
+        while let Some(at) = rest.find('$') {
+            out.push_str(&rest[..at]);
+            let after = &rest[at + 1..];
+            if let Some(tail) = after.strip_prefix('$') {
+                out.push('$');
+                rest = tail;
+            } else if let Some(braced) = after.strip_prefix('{') {
+                let end = braced
+                    .find('}')
+                    .ok_or_else(|| conf_error(format!("{value:?}: unclosed ${{")))?;
+                out.push_str(&self.lookup(section, &braced[..end], depth)?);
+                rest = &braced[end + 1..];
+            } else {
+                let end = after
+                    .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                    .unwrap_or(after.len());
+                if end == 0 {
+                    out.push('$');
+                } else {
+                    out.push_str(&self.lookup(section, &after[..end], depth)?);
+                }
+                rest = &after[end..];
+            }
+        }
+        out.push_str(rest);
+        Ok(out)
+    }
+}
+
+fn ironic_default(section: &str, key: &str) -> Option<&'static str> {
+    IRONIC_DEFAULTS
+        .iter()
+        .find(|(s, k, _)| *s == section && *k == key)
+        .map(|(_, _, v)| *v)
+}
+
+fn unquote(v: &str) -> &str {
+    for q in ['"', '\''] {
+        if v.len() >= 2 && v.starts_with(q) && v.ends_with(q) {
+            return &v[1..v.len() - 1];
+        }
+    }
+    v
+}
+
+fn conf_error(message: String) -> Error {
+    Error::new(ErrorCode::Internal, format!("ironic.conf: {message}"))
+}
+
+fn parse_bool(section: &str, key: &str, v: &str) -> Result<bool> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "true" | "yes" | "on" | "1" => Ok(true),
+        "false" | "no" | "off" | "0" => Ok(false),
+        _ => Err(conf_error(format!(
+            "[{section}]{key}: {v:?} is not a boolean"
+        ))),
+    }
+}
+
+/// Turns an oslo.messaging `transport_url`
+/// (`rabbit://user:pass@host:port[,user:pass@host2:port]/vhost?ssl=1`) into
+/// the worker's AMQP URL. Only the first host is used; the worker reconnects
+/// to it (list several brokers behind one address for failover).
+pub fn amqp_url_from_transport(transport: &str, ssl: bool) -> Result<String> {
+    let (scheme, rest) = transport
+        .split_once("://")
+        .ok_or_else(|| conf_error("[DEFAULT]transport_url: not a URL".into()))?;
+    if !matches!(scheme, "rabbit" | "amqp" | "kombu+rabbit") {
+        return Err(conf_error(format!(
+            "[DEFAULT]transport_url: scheme {scheme:?} is not RabbitMQ (rabbit://)"
+        )));
+    }
+    let (authority, path) = match rest.find('/') {
+        Some(i) => (&rest[..i], &rest[i + 1..]),
+        None => (rest, ""),
+    };
+    let (path, query) = path.split_once('?').unwrap_or((path, ""));
+    let ssl = ssl
+        || query.split('&').any(|kv| {
+            matches!(
+                kv.split_once('='),
+                Some(("ssl", v)) if parse_bool("DEFAULT", "transport_url", v).unwrap_or(false)
+            )
+        });
+    let first = authority.split(',').next().unwrap_or_default();
+    if first.is_empty() {
+        return Err(conf_error("[DEFAULT]transport_url: no host".into()));
+    }
+    // oslo.messaging: an empty virtual host is the broker's default, "/".
+    let vhost = if path.is_empty() { "%2F" } else { path };
+    let scheme = if ssl { "amqps" } else { "amqp" };
+    Ok(format!("{scheme}://{first}/{vhost}"))
+}
+
+/// The worker configuration layer taken from an ironic.conf file: a TOML
+/// table with the worker's sections and options.
+pub fn load(path: &Path) -> Result<toml::Table> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| conf_error(format!("cannot read {}: {e}", path.display())))?;
+    to_table(&IniFile::parse(&text)?)
+}
+
+/// Maps the shared options of a parsed ironic.conf to the worker's options.
+pub fn to_table(ini: &IniFile) -> Result<toml::Table> {
+    let mut table = toml::Table::new();
+    let mut put = |section: &str, key: &str, value: toml::Value| {
+        if let toml::Value::Table(t) = table
+            .entry(section.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+        {
+            t.insert(key.to_string(), value);
+        }
+    };
+    for (section, key, value) in IRONIC_DEFAULTS {
+        if *section != "DEFAULT" && ini.raw(section, key).is_none() {
+            put(section, key, toml::Value::String((*value).to_string()));
+        }
+    }
+    for &(isec, ikey, wsec, wkey, kind) in SHARED {
+        let Some(v) = ini.get(isec, ikey)? else {
+            continue;
+        };
+        let value = match kind {
+            Kind::Str => toml::Value::String(v),
+            Kind::Bool => toml::Value::Boolean(parse_bool(isec, ikey, &v)?),
+            Kind::Int => toml::Value::Integer(
+                v.trim()
+                    .parse()
+                    .map_err(|_| conf_error(format!("[{isec}]{ikey}: {v:?} is not an integer")))?,
+            ),
+            Kind::List => toml::Value::Array(
+                v.split([',', '\n'])
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                    .map(|s| toml::Value::String(s.to_string()))
+                    .collect(),
+            ),
+        };
+        put(wsec, wkey, value);
+    }
+    if let Some(transport) = ini.get("DEFAULT", "transport_url")? {
+        let ssl = match ini.get("oslo_messaging_rabbit", "ssl")? {
+            Some(v) => parse_bool("oslo_messaging_rabbit", "ssl", &v)?,
+            None => false,
+        };
+        put(
+            "amqp",
+            "url",
+            toml::Value::String(amqp_url_from_transport(&transport, ssl)?),
+        );
+    }
+    if let Some(other) = ini.get("oslo_messaging_notifications", "transport_url")?
+        && Some(&other) != ini.get("DEFAULT", "transport_url")?.as_ref()
+    {
+        tracing::warn!(
+            "[oslo_messaging_notifications]transport_url names another broker; the worker \
+             listens on [DEFAULT]transport_url only (set [amqp]url to choose)"
+        );
+    }
+    Ok(table)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_oslo_syntax() {
+        let ini = IniFile::parse(
+            "# comment\n[DEFAULT]\nhost = cond-1\nstate_path=/srv/ironic\n; other\n\
+             [pxe]\nimages_path = $state_path/images\ninstance_master_path: ${DEFAULT.state_path}/m\n\
+             [conductor]\npermitted_image_formats = raw,\n  qcow2\nprice = '$$5'\n",
+        )
+        .unwrap();
+        assert_eq!(ini.get("DEFAULT", "host").unwrap().unwrap(), "cond-1");
+        assert_eq!(
+            ini.get("pxe", "images_path").unwrap().unwrap(),
+            "/srv/ironic/images"
+        );
+        assert_eq!(
+            ini.get("pxe", "instance_master_path").unwrap().unwrap(),
+            "/srv/ironic/m"
+        );
+        assert_eq!(
+            ini.get("conductor", "permitted_image_formats")
+                .unwrap()
+                .unwrap(),
+            "raw,\nqcow2"
+        );
+        assert_eq!(ini.get("conductor", "price").unwrap().unwrap(), "$5");
+        assert!(IniFile::parse("host = x\n").is_err());
+        assert!(IniFile::parse("[a\n").is_err());
+    }
+
+    #[test]
+    fn transport_url_becomes_amqp_url() {
+        let t = |u, ssl| amqp_url_from_transport(u, ssl).unwrap();
+        assert_eq!(
+            t("rabbit://ironic:s3cret@10.0.0.5:5672/", false),
+            "amqp://ironic:s3cret@10.0.0.5:5672/%2F"
+        );
+        assert_eq!(
+            t("rabbit://u:p@a:5671,u:p@b:5671/ironic?ssl=1", false),
+            "amqps://u:p@a:5671/ironic"
+        );
+        assert_eq!(t("rabbit://u:p@a", true), "amqps://u:p@a/%2F");
+        assert!(amqp_url_from_transport("kafka://x/", false).is_err());
+    }
+
+    #[test]
+    fn unset_paths_take_ironic_defaults() {
+        let table = to_table(&IniFile::parse("[DEFAULT]\nhost = c\n").unwrap()).unwrap();
+        assert_eq!(table["deploy"]["http_root"].as_str(), Some("/httpboot"));
+        assert!(
+            table.get("agent").is_none(),
+            "image_download_source only when set"
+        );
+    }
+}
