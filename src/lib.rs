@@ -27,6 +27,7 @@ pub mod node;
 pub mod pipeline;
 pub mod progress;
 pub mod qcow2;
+pub mod sd_notify;
 pub mod serve;
 pub mod sink;
 pub mod source;

@@ -64,7 +64,11 @@ pub async fn serve(config: Config) -> Result<()> {
         stop_rx.clone(),
     ));
     let housekeeping = tokio::spawn(housekeeping(pipeline.clone(), stop_rx.clone()));
+    // Images are served from here on; the broker connection (which may come
+    // later, with retries) is reported by /readyz, not by systemd.
+    crate::sd_notify::notify("READY=1\nSTATUS=serving images; broker state on /readyz");
     shutdown_signal().await;
+    crate::sd_notify::notify("STOPPING=1");
     tracing::info!("shutting down: finishing in-flight work");
     let _ = stop_tx.send(true);
     let _ = consumer.await;

@@ -1,0 +1,220 @@
+//! The shipped nginx configuration (`ops/nginx/`) in front of `http_root`:
+//! nginx from Debian's packages (installed by `.ci/run`), its workers running
+//! as `www-data`, the worker under umask 077; the agent's download through
+//! nginx must give exactly the bytes whose MD5 was announced.
+
+mod common;
+
+use common::*;
+use std::os::unix::fs::PermissionsExt;
+use std::process::Stdio;
+use std::time::Duration;
+
+/// nginx running the shipped site file with `listen` and `root` replaced.
+struct Nginx {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl Nginx {
+    fn start(dir: &std::path::Path, http_root: &std::path::Path) -> Nginx {
+        let nginx = ["/usr/sbin/nginx", "/usr/bin/nginx"]
+            .into_iter()
+            .find(|p| std::path::Path::new(p).exists())
+            .expect("nginx is not installed: `apt-get install nginx` (.ci/run does it)");
+        let port = free_port();
+        let shipped = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/ops/nginx/ironic-image-worker.conf"
+        ))
+        .unwrap();
+        let mut replaced = 0;
+        let site: String = shipped
+            .lines()
+            .map(|line| match line.trim_start() {
+                l if l.starts_with("listen ") => {
+                    replaced += 1;
+                    format!("    listen 127.0.0.1:{port};")
+                }
+                l if l.starts_with("root ") => {
+                    replaced += 1;
+                    format!("    root {};", http_root.display())
+                }
+                l if l.starts_with("access_log ") || l.starts_with("error_log ") => {
+                    let (kw, _) = l.split_once(' ').unwrap();
+                    format!("    {kw} {}/{kw}.log;", dir.display())
+                }
+                _ => line.to_string(),
+            })
+            .collect::<Vec<_>>()
+            .join("\n");
+        assert_eq!(replaced, 2, "the shipped file has one listen and one root");
+        std::fs::write(dir.join("site.conf"), site).unwrap();
+        let d = dir.display();
+        std::fs::write(
+            dir.join("nginx.conf"),
+            format!(
+                "user www-data;\nworker_processes 2;\npid {d}/nginx.pid;\nerror_log {d}/main-error.log;\n\
+                 events {{ worker_connections 512; }}\n\
+                 http {{\n  include /etc/nginx/mime.types;\n  client_body_temp_path {d}/body;\n\
+                 proxy_temp_path {d}/proxy;\n  fastcgi_temp_path {d}/fastcgi;\n  uwsgi_temp_path {d}/uwsgi;\n\
+                 scgi_temp_path {d}/scgi;\n  include {d}/site.conf;\n}}\n"
+            ),
+        )
+        .unwrap();
+        let conf = dir.join("nginx.conf");
+        let test = std::process::Command::new(nginx)
+            .arg("-t")
+            .arg("-c")
+            .arg(&conf)
+            .output()
+            .unwrap();
+        assert!(
+            test.status.success(),
+            "nginx -t: {}",
+            String::from_utf8_lossy(&test.stderr)
+        );
+        let child = std::process::Command::new(nginx)
+            .arg("-c")
+            .arg(&conf)
+            .args(["-g", "daemon off;"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        for _ in 0..100 {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return Nginx { child, port };
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("nginx did not start");
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for Nginx {
+    /// SIGTERM to the master, which stops its workers (SIGKILL would
+    /// orphan them, holding the port and the test's output pipes).
+    fn drop(&mut self) {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let _ = self.child.wait();
+    }
+}
+
+fn www_data_can_read(path: &std::path::Path) -> bool {
+    std::process::Command::new("setpriv")
+        .args(["--reuid=www-data", "--regid=www-data", "--clear-groups"])
+        .arg("cat")
+        .arg(path)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .unwrap()
+        .success()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nginx_serves_what_the_worker_prepared() {
+    let env = Env::new("");
+    // The test's own temporary root is private (0700); the worker's
+    // directories below it are its own business.
+    std::fs::set_permissions(env.root(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let http_root = env.root().join("httpboot");
+    let nginx_dir = tempfile::tempdir().unwrap();
+    let nginx = Nginx::start(nginx_dir.path(), &http_root);
+
+    let raw = env.root().join("disk.raw");
+    patchy_raw(&raw, 40 << 20, 8);
+    let img = env.root().join("src/disk.qcow2");
+    qcow2_from(&raw, &img, &[]);
+    let reference = env.root().join("ref.raw");
+    reference_raw(&img, &reference);
+    let server = SourceServer::start(&env.root().join("src")).await;
+
+    let node = node();
+    let via_nginx = format!("deploy.http_url={}", nginx.url());
+    let out = env
+        .run_with_umask(
+            Some("077"),
+            &[
+                "--set",
+                &via_nginx,
+                "prepare",
+                "--node",
+                &node,
+                "--image-source",
+                &server.url("disk.qcow2"),
+            ],
+        )
+        .await;
+    let (ok, ev) = completion_of(&out);
+    assert!(ok, "{ev}");
+    let url = ev["image_url"].as_str().unwrap();
+    assert_eq!(url, format!("{}/agent_images/{node}", nginx.url()));
+    let link = http_root.join("agent_images").join(&node);
+    assert!(www_data_can_read(&link), "www-data reads through the link");
+
+    // The agent's download, through nginx: the announced MD5 and size.
+    let (status, body) = get(url).await;
+    assert_eq!(status, 200);
+    let fetched = env.root().join("fetched");
+    std::fs::write(&fetched, &body).unwrap();
+    assert_eq!(ev["image_checksum"], md5sum(&fetched));
+    assert_eq!(ev["image_size"], body.len() as u64);
+    assert_eq!(md5sum(&fetched), md5sum(&reference));
+
+    // A byte range, as a resuming agent asks for it.
+    let resp = reqwest::Client::new()
+        .get(url)
+        .header("Range", "bytes=1048576-1048585")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 206);
+    assert_eq!(&resp.bytes().await.unwrap()[..], &body[1048576..1048586]);
+
+    // No listing of the nodes, no other methods.
+    let (status, _) = get(&format!("{}/agent_images/", nginx.url())).await;
+    assert_eq!(status, 404);
+    let put = reqwest::Client::new()
+        .put(url)
+        .body("x")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), 403);
+
+    // deployed: nginx answers 404; prepare again, then cleanup: 404 again.
+    let (ok, ev) = env.oneshot(&["deployed", "--node", &node]).await;
+    assert!(ok, "{ev}");
+    assert_eq!(get(url).await.0, 404);
+    let out = env
+        .run_with_umask(
+            Some("077"),
+            &[
+                "--set",
+                &via_nginx,
+                "prepare",
+                "--node",
+                &node,
+                "--image-source",
+                &server.url("disk.qcow2"),
+            ],
+        )
+        .await;
+    assert!(completion_of(&out).0);
+    assert_eq!(get(url).await.0, 200);
+    let (ok, ev) = env.oneshot(&["cleanup", "--node", &node]).await;
+    assert!(ok, "{ev}");
+    assert_eq!(get(url).await.0, 404);
+    assert_eq!(
+        server.count("GET", "disk.qcow2"),
+        1,
+        "the cache served the second prepare"
+    );
+}
