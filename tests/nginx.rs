@@ -83,9 +83,10 @@ impl Nginx {
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
+        let nginx = Nginx { child, port };
         for _ in 0..100 {
             if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                return Nginx { child, port };
+                return nginx;
             }
             std::thread::sleep(Duration::from_millis(50));
         }
