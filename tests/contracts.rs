@@ -162,3 +162,18 @@ fn ironic_conf_gives_the_shared_options_and_our_file_overrides_it() {
     assert_eq!(c.agent.image_download_source, "local");
     assert_eq!(c.amqp.url, "amqp://guest:guest@127.0.0.1:5672/%2f");
 }
+
+#[test]
+fn example_configuration_is_valid_and_shows_the_defaults() {
+    let example = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("ops/worker.example.toml");
+    let c = Config::load_from(&toml_file(&example), &[], &[]).unwrap();
+    let d = Config::load_from(&Files::default(), &[], &[]).unwrap();
+    assert_eq!(format!("{:?}", c.amqp), format!("{:?}", d.amqp));
+    assert_eq!(format!("{:?}", c.convert), format!("{:?}", d.convert));
+    assert_eq!(format!("{:?}", c.glance), format!("{:?}", d.glance));
+    assert_eq!(
+        c.conductor.permitted_image_formats,
+        d.conductor.permitted_image_formats
+    );
+    assert_eq!(c.pxe.image_cache_size, d.pxe.image_cache_size);
+}
