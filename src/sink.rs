@@ -18,8 +18,13 @@ use tokio::task::JoinHandle;
 pub const CHUNK: usize = 1 << 20;
 /// Chunks queued per consumer: bounds memory to a few MiB per stream.
 const DEPTH: usize = 8;
-/// Start write-back every this many bytes so the final fsync is short.
+/// Start write-back every this many bytes so the final fsync is short
+/// (buffered writes).
 const WRITEBACK_WINDOW: u64 = 32 << 20;
+/// Bytes per direct (`O_DIRECT`) write: large writes keep the device busy.
+const DIRECT_WRITE: usize = 4 << 20;
+/// Alignment of direct writes (offsets, lengths and the buffer).
+const DIRECT_ALIGN: usize = 4096;
 
 /// The digests and size of everything written through a [`Sink`].
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -72,7 +77,14 @@ impl Sink {
             .open(path)
             .map_err(|e| Error::io(format!("create {}", path.display()), e))?;
         crate::fsutil::set_mode(&file, 0o644)?;
-        Ok(Sink::new(Some(file), sha512))
+        // A second descriptor bypassing the page cache, where the file
+        // system supports it (not tmpfs): see `write_file`.
+        let direct = std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)
+            .ok();
+        Ok(Sink::new(Some((file, direct)), sha512))
     }
 
     /// Hashes without writing anywhere (for bytes already on disk).
@@ -80,15 +92,15 @@ impl Sink {
         Sink::new(None, sha512)
     }
 
-    fn new(file: Option<File>, sha512: bool) -> Sink {
+    fn new(file: Option<(File, Option<File>)>, sha512: bool) -> Sink {
         let mut sink = Sink {
             senders: Vec::new(),
             tasks: Vec::new(),
             buf: BytesMut::with_capacity(CHUNK),
             size: 0,
         };
-        if let Some(file) = file {
-            sink.spawn(move |rx| write_file(file, rx));
+        if let Some((file, direct)) = file {
+            sink.spawn(move |rx| write_file(file, direct, rx));
         }
         let mut algos = vec![Algo::Md5, Algo::Sha256];
         if sha512 {
@@ -186,26 +198,149 @@ async fn join(task: JoinHandle<Result<Output>>) -> Result<Output> {
         .map_err(|e| Error::new(ErrorCode::Internal, format!("sink thread: {e}")))?
 }
 
-/// The writer thread: zero chunks become holes, write-back starts early, and
-/// the file is synced before the caller may rename it into the cache.
-fn write_file(file: File, mut rx: mpsc::Receiver<Bytes>) -> Result<Output> {
+/// The writer thread: zero chunks become holes, and the file is synced
+/// before the caller may rename it into the cache.
+///
+/// Images that are served as they are (raw, GPT, ISO: detected from the first
+/// chunk) are written with `O_DIRECT` in large aligned writes when `direct`
+/// is open: no page-cache copy, no write-back to wait for at the end (on this
+/// kind of virtual disk, 1.8 GB/s direct vs about 0.3-0.5 GB/s buffered with
+/// the final sync, and less CPU). Images that will be read back at once (a
+/// qcow2 about to be converted) stay in the page cache, with write-back
+/// started early so the final fsync is short.
+fn write_file(file: File, direct: Option<File>, mut rx: mpsc::Receiver<Bytes>) -> Result<Output> {
     let io = |what: &str, e| Error::io(format!("write image: {what}"), e);
     let mut offset = 0u64;
     let mut synced = 0u64;
+    let mut direct = direct.map(|d| (d, AlignedBuf::new(DIRECT_WRITE)));
+    let mut pending_at = 0u64;
+    let mut first = true;
     while let Some(chunk) = rx.blocking_recv() {
-        if !is_zero(&chunk) {
-            file.write_all_at(&chunk, offset)
-                .map_err(|e| io("write", e))?;
+        if first {
+            first = false;
+            let served_as_is = crate::inspect::detect(&chunk).is_raw()
+                || crate::inspect::detect(&chunk) == crate::inspect::Format::Iso;
+            if !served_as_is || crate::inspect::is_zstd(&chunk) {
+                direct = None;
+            }
+        }
+        let Some((dfile, buf)) = direct.as_mut() else {
+            if !is_zero(&chunk) {
+                file.write_all_at(&chunk, offset)
+                    .map_err(|e| io("write", e))?;
+            }
+            offset += chunk.len() as u64;
+            if offset - synced >= WRITEBACK_WINDOW {
+                start_writeback(&file, synced, offset - synced);
+                synced = offset;
+            }
+            continue;
+        };
+        let zero = is_zero(&chunk);
+        if zero || buf.len() + chunk.len() > buf.capacity() {
+            write_direct(&file, dfile, buf, pending_at).map_err(|e| io("write", e))?;
+        }
+        if !zero {
+            if buf.len() == 0 {
+                pending_at = offset;
+            }
+            buf.extend(&chunk);
         }
         offset += chunk.len() as u64;
-        if offset - synced >= WRITEBACK_WINDOW {
-            start_writeback(&file, synced, offset - synced);
-            synced = offset;
-        }
+    }
+    if let Some((dfile, buf)) = direct.as_mut() {
+        write_direct(&file, dfile, buf, pending_at).map_err(|e| io("write", e))?;
     }
     file.set_len(offset).map_err(|e| io("set length", e))?;
     file.sync_data().map_err(|e| io("sync", e))?;
     Ok(Output::Written)
+}
+
+/// Writes `buf` at `at`: the aligned part through `direct`, an unaligned tail
+/// (the end of the image) through the buffered `file`; empties `buf`.
+fn write_direct(file: &File, direct: &File, buf: &mut AlignedBuf, at: u64) -> std::io::Result<()> {
+    let data = buf.as_slice();
+    let aligned = if at.is_multiple_of(DIRECT_ALIGN as u64) {
+        data.len() / DIRECT_ALIGN * DIRECT_ALIGN
+    } else {
+        0
+    };
+    if aligned > 0 {
+        match direct.write_all_at(&data[..aligned], at) {
+            // A file system that accepted O_DIRECT at open but not this write.
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                file.write_all_at(&data[..aligned], at)?
+            }
+            other => other?,
+        }
+    }
+    if aligned < data.len() {
+        file.write_all_at(&data[aligned..], at + aligned as u64)?;
+    }
+    buf.clear();
+    Ok(())
+}
+
+/// A heap buffer aligned for `O_DIRECT`.
+struct AlignedBuf {
+    ptr: std::ptr::NonNull<u8>,
+    cap: usize,
+    len: usize,
+}
+
+// SAFETY: the buffer is exclusively owned, like a Vec<u8>.
+unsafe impl Send for AlignedBuf {}
+
+impl AlignedBuf {
+    fn layout(cap: usize) -> std::alloc::Layout {
+        std::alloc::Layout::from_size_align(cap, DIRECT_ALIGN).expect("valid layout")
+    }
+
+    fn new(cap: usize) -> AlignedBuf {
+        // SAFETY: the layout has a non-zero size.
+        let raw = unsafe { std::alloc::alloc(Self::layout(cap)) };
+        let ptr = std::ptr::NonNull::new(raw)
+            .unwrap_or_else(|| std::alloc::handle_alloc_error(Self::layout(cap)));
+        AlignedBuf { ptr, cap, len: 0 }
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn capacity(&self) -> usize {
+        self.cap
+    }
+
+    fn clear(&mut self) {
+        self.len = 0;
+    }
+
+    /// Appends `data`; the caller keeps `len + data.len() <= capacity`.
+    fn extend(&mut self, data: &[u8]) {
+        assert!(self.len + data.len() <= self.cap, "aligned buffer overflow");
+        // SAFETY: in bounds (checked above); the regions cannot overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr(),
+                self.ptr.as_ptr().add(self.len),
+                data.len(),
+            );
+        }
+        self.len += data.len();
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        // SAFETY: the first `len` bytes were initialised by `extend`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with the same layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.cap)) }
+    }
 }
 
 fn start_writeback(file: &File, offset: u64, len: u64) {
@@ -225,4 +360,45 @@ pub fn is_zero(data: &[u8]) -> bool {
     // SAFETY: u128 has no invalid bit patterns; align_to handles the edges.
     let (head, body, tail) = unsafe { data.align_to::<u128>() };
     head.iter().all(|&b| b == 0) && body.iter().all(|&w| w == 0) && tail.iter().all(|&b| b == 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Data, holes and an unaligned tail, through direct and buffered
+    /// writes: the file holds exactly the bytes, the digests are theirs.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn file_and_digests_match_the_bytes() {
+        let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+        for (name, lead) in [("raw", &b"\x01raw"[..]), ("qcow2", &b"QFI\xfb"[..])] {
+            let mut bytes = Vec::new();
+            for i in 0..23u32 {
+                let len = if i == 11 { 4096 * 3 + 7 } else { 700_001 };
+                let fill = if i % 5 == 2 {
+                    0
+                } else {
+                    (i * 37 % 251) as u8 + 1
+                };
+                bytes.extend(std::iter::repeat_n(fill, len));
+            }
+            bytes.extend(std::iter::repeat_n(0u8, 3 << 20));
+            bytes.extend_from_slice(b"tail");
+            bytes[..lead.len()].copy_from_slice(lead);
+            let path = dir.path().join(name);
+            let mut sink = Sink::create(&path, true).unwrap();
+            for piece in bytes.chunks(300_007) {
+                sink.write(piece).await.unwrap();
+            }
+            let d = sink.finish().await.unwrap();
+            assert_eq!(std::fs::read(&path).unwrap(), bytes, "{name}");
+            assert_eq!(d.size, bytes.len() as u64);
+            let mut md5 = Hasher::new(Algo::Md5);
+            md5.update(&bytes);
+            assert_eq!(d.md5, md5.finalize_hex());
+            let mut sha = Hasher::new(Algo::Sha512);
+            sha.update(&bytes);
+            assert_eq!(d.sha512.unwrap(), sha.finalize_hex());
+        }
+    }
 }
