@@ -1,7 +1,8 @@
-//! The shipped nginx configuration (`ops/nginx/`) in front of `http_root`:
-//! nginx from Debian's packages (installed by `.ci/run`), its workers running
-//! as `www-data`, the worker under umask 077; the agent's download through
-//! nginx must give exactly the bytes whose MD5 was announced.
+//! The shipped web-server configurations (`ops/nginx/`, `ops/apache/`) in
+//! front of `http_root`: nginx and Apache httpd from Debian's packages
+//! (installed by `.ci/run`), their workers running as `www-data`, the worker
+//! under umask 077; the agent's download through them must give exactly the
+//! bytes whose MD5 was announced, and nothing after deployed/cleanup.
 
 mod common;
 
@@ -10,18 +11,25 @@ use std::os::unix::fs::PermissionsExt;
 use std::process::Stdio;
 use std::time::Duration;
 
-/// nginx running the shipped site file with `listen` and `root` replaced.
-struct Nginx {
+/// A web server running a shipped site file (addresses and paths replaced).
+struct WebServer {
     child: std::process::Child,
     port: u16,
 }
 
-impl Nginx {
-    fn start(dir: &std::path::Path, http_root: &std::path::Path) -> Nginx {
-        let nginx = ["/usr/sbin/nginx", "/usr/bin/nginx"]
-            .into_iter()
-            .find(|p| std::path::Path::new(p).exists())
-            .expect("nginx is not installed: `apt-get install nginx` (.ci/run does it)");
+fn installed(candidates: &[&'static str], package: &str) -> &'static str {
+    candidates
+        .iter()
+        .copied()
+        .find(|p| std::path::Path::new(p).exists())
+        .unwrap_or_else(|| {
+            panic!("{package} is not installed: `apt-get install {package}` (.ci/run does it)")
+        })
+}
+
+impl WebServer {
+    fn nginx(dir: &std::path::Path, http_root: &std::path::Path) -> WebServer {
+        let nginx = installed(&["/usr/sbin/nginx", "/usr/bin/nginx"], "nginx");
         let port = free_port();
         let shipped = std::fs::read_to_string(concat!(
             env!("CARGO_MANIFEST_DIR"),
@@ -74,23 +82,74 @@ impl Nginx {
             "nginx -t: {}",
             String::from_utf8_lossy(&test.stderr)
         );
-        let child = std::process::Command::new(nginx)
-            .arg("-c")
+        let mut cmd = std::process::Command::new(nginx);
+        cmd.arg("-c").arg(&conf).args(["-g", "daemon off;"]);
+        WebServer::run(cmd, port)
+    }
+
+    fn apache(dir: &std::path::Path, http_root: &std::path::Path) -> WebServer {
+        let apache = installed(&["/usr/sbin/apache2", "/usr/sbin/httpd"], "apache2");
+        let port = free_port();
+        let shipped = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/ops/apache/ironic-image-worker.conf"
+        ))
+        .unwrap();
+        assert!(shipped.contains("192.0.2.10:8088") && shipped.contains("/httpboot"));
+        let site = shipped
+            .replace("192.0.2.10:8088", &format!("127.0.0.1:{port}"))
+            .replace("/httpboot", &http_root.display().to_string());
+        std::fs::write(dir.join("site.conf"), site).unwrap();
+        let d = dir.display();
+        let modules = "/usr/lib/apache2/modules";
+        // What Debian's apache2.conf sets that matters here, with the
+        // modules the site uses (access control, SetEnv).
+        std::fs::write(
+            dir.join("httpd.conf"),
+            format!(
+                "ServerRoot /etc/apache2\nServerName localhost\nPidFile {d}/httpd.pid\n\
+                 LoadModule mpm_event_module {modules}/mod_mpm_event.so\n\
+                 LoadModule authz_core_module {modules}/mod_authz_core.so\n\
+                 LoadModule env_module {modules}/mod_env.so\n\
+                 User www-data\nGroup www-data\nErrorLog {d}/error.log\n\
+                 Define APACHE_LOG_DIR {d}\n\
+                 <Directory />\n  Options FollowSymLinks\n  AllowOverride None\n  Require all denied\n</Directory>\n\
+                 Include {d}/site.conf\n"
+            ),
+        )
+        .unwrap();
+        let conf = dir.join("httpd.conf");
+        let test = std::process::Command::new(apache)
+            .arg("-t")
+            .arg("-f")
             .arg(&conf)
-            .args(["-g", "daemon off;"])
+            .output()
+            .unwrap();
+        assert!(
+            test.status.success(),
+            "apache2 -t: {}",
+            String::from_utf8_lossy(&test.stderr)
+        );
+        let mut cmd = std::process::Command::new(apache);
+        cmd.arg("-f").arg(&conf).arg("-DFOREGROUND");
+        WebServer::run(cmd, port)
+    }
+
+    fn run(mut cmd: std::process::Command, port: u16) -> WebServer {
+        let child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        let nginx = Nginx { child, port };
+        let server = WebServer { child, port };
         for _ in 0..100 {
             if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                return nginx;
+                return server;
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        panic!("nginx did not start");
+        panic!("the web server did not start");
     }
 
     fn url(&self) -> String {
@@ -98,9 +157,9 @@ impl Nginx {
     }
 }
 
-impl Drop for Nginx {
+impl Drop for WebServer {
     /// SIGTERM to the master, which stops its workers (SIGKILL would
-    /// orphan them, holding the port and the test's output pipes).
+    /// orphan them, holding the port).
     fn drop(&mut self) {
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let _ = self.child.wait();
@@ -121,13 +180,32 @@ fn www_data_can_read(path: &std::path::Path) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nginx_serves_what_the_worker_prepared() {
+    serves_what_the_worker_prepared(WebServer::nginx, &[404]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apache_serves_what_the_worker_prepared() {
+    serves_what_the_worker_prepared(WebServer::apache, &[403, 404]).await;
+}
+
+/// The scenario: prepare under umask 077, download through the server,
+/// ranges, no listing (`listing` are the accepted statuses), no writes,
+/// deployed and cleanup withdraw the image.
+async fn serves_what_the_worker_prepared(
+    start: fn(&std::path::Path, &std::path::Path) -> WebServer,
+    listing: &[u16],
+) {
     let env = Env::new("");
     // The test's own temporary root is private (0700); the worker's
     // directories below it are its own business.
     std::fs::set_permissions(env.root(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let http_root = env.root().join("httpboot");
-    let nginx_dir = tempfile::tempdir().unwrap();
-    let nginx = Nginx::start(nginx_dir.path(), &http_root);
+    // The worker makes its directories (under umask 077) before the web
+    // server starts (Apache checks its DocumentRoot).
+    let out = env.run_with_umask(Some("077"), &["cache", "list"]).await;
+    assert!(out.status.success());
+    let server_dir = tempfile::tempdir().unwrap();
+    let web = start(server_dir.path(), &http_root);
 
     let raw = env.root().join("disk.raw");
     patchy_raw(&raw, 40 << 20, 8);
@@ -138,13 +216,13 @@ async fn nginx_serves_what_the_worker_prepared() {
     let server = SourceServer::start(&env.root().join("src")).await;
 
     let node = node();
-    let via_nginx = format!("deploy.http_url={}", nginx.url());
+    let via_server = format!("deploy.http_url={}", web.url());
     let out = env
         .run_with_umask(
             Some("077"),
             &[
                 "--set",
-                &via_nginx,
+                &via_server,
                 "prepare",
                 "--node",
                 &node,
@@ -156,11 +234,11 @@ async fn nginx_serves_what_the_worker_prepared() {
     let (ok, ev) = completion_of(&out);
     assert!(ok, "{ev}");
     let url = ev["image_url"].as_str().unwrap();
-    assert_eq!(url, format!("{}/agent_images/{node}", nginx.url()));
+    assert_eq!(url, format!("{}/agent_images/{node}", web.url()));
     let link = http_root.join("agent_images").join(&node);
     assert!(www_data_can_read(&link), "www-data reads through the link");
 
-    // The agent's download, through nginx: the announced MD5 and size.
+    // The agent's download, through the web server: the announced MD5 and size.
     let (status, body) = get(url).await;
     assert_eq!(status, 200);
     let fetched = env.root().join("fetched");
@@ -180,17 +258,18 @@ async fn nginx_serves_what_the_worker_prepared() {
     assert_eq!(&resp.bytes().await.unwrap()[..], &body[1048576..1048586]);
 
     // No listing of the nodes, no other methods.
-    let (status, _) = get(&format!("{}/agent_images/", nginx.url())).await;
-    assert_eq!(status, 404);
+    let (status, _) = get(&format!("{}/agent_images/", web.url())).await;
+    assert!(listing.contains(&status), "listing answered {status}");
     let put = reqwest::Client::new()
         .put(url)
         .body("x")
         .send()
         .await
         .unwrap();
-    assert_eq!(put.status(), 403);
+    let refused = [403, 405].contains(&put.status().as_u16());
+    assert!(refused, "PUT answered {}", put.status());
 
-    // deployed: nginx answers 404; prepare again, then cleanup: 404 again.
+    // deployed: the server answers 404; prepare again, then cleanup: 404 again.
     let (ok, ev) = env.oneshot(&["deployed", "--node", &node]).await;
     assert!(ok, "{ev}");
     assert_eq!(get(url).await.0, 404);
@@ -199,7 +278,7 @@ async fn nginx_serves_what_the_worker_prepared() {
             Some("077"),
             &[
                 "--set",
-                &via_nginx,
+                &via_server,
                 "prepare",
                 "--node",
                 &node,
