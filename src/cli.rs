@@ -78,6 +78,9 @@ pub enum Command {
         /// Also compute SHA-512.
         #[arg(long)]
         sha512: bool,
+        /// The source is still being downloaded and will have this size.
+        #[arg(long)]
+        grow_to: Option<u64>,
     },
 }
 
@@ -242,8 +245,14 @@ pub fn init_logging(format: LogFormat) {
 /// Entry point of the binary.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    if let Command::ConvertChild { src, dst, sha512 } = &cli.command {
-        return crate::convert::child_main(src, dst, *sha512);
+    if let Command::ConvertChild {
+        src,
+        dst,
+        sha512,
+        grow_to,
+    } = &cli.command
+    {
+        return crate::convert::child_main(src, dst, *sha512, *grow_to);
     }
     init_logging(cli.log_format);
     let runtime = match tokio::runtime::Runtime::new() {

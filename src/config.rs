@@ -389,6 +389,9 @@ pub struct ConvertSection {
     /// Ironic's `raw_image_growth_factor`: the raw size is estimated as the
     /// image size times this (capped by the virtual size) for space checks.
     pub raw_image_growth_factor: f64,
+    /// Convert a qcow2 from an http(s)/Glance source while it downloads
+    /// (the result is used only once the download is verified).
+    pub stream_while_downloading: bool,
 }
 
 impl Default for ConvertSection {
@@ -399,6 +402,7 @@ impl Default for ConvertSection {
             min_rate_mib: 20,
             max_virtual_size_gib: 4096,
             raw_image_growth_factor: 2.0,
+            stream_while_downloading: true,
         }
     }
 }

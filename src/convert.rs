@@ -71,25 +71,51 @@ pub async fn to_raw(
     let timeout = limits.timeout(found.virtual_size);
     match (found.format, header) {
         (Format::Qcow2, Some(h)) if h.qcow2_rs_can_read() => {
-            run_child(src, dst, sha512, limits.memory, timeout, progress).await
+            run_child(src, dst, sha512, None, limits, timeout, progress).await
         }
         (format, _) => qemu_img(src, dst, format, sha512, timeout).await,
     }
+}
+
+/// Converts the qcow2 `src` while it is still being downloaded: the
+/// converter waits for each byte range it reads until the file has grown
+/// past it (`total` bytes in the end). qemu-img writes metadata before the
+/// data it maps, so conversion follows close behind the download; any other
+/// layout only waits longer. The download must still be verified, and the
+/// complete file checked, before the result is used (see `pipeline`); if the
+/// file is removed or replaced (a failed or retried download), the converter
+/// stops with an error.
+pub async fn qcow2_to_raw_streaming(
+    src: &Path,
+    dst: &Path,
+    total: u64,
+    found: &Inspection,
+    sha512: bool,
+    limits: Limits,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<Digests> {
+    let timeout = limits.timeout(found.virtual_size);
+    run_child(src, dst, sha512, Some(total), limits, timeout, progress).await
 }
 
 async fn run_child(
     src: &Path,
     dst: &Path,
     sha512: bool,
-    memory: u64,
+    grow_to: Option<u64>,
+    limits: Limits,
     timeout: Duration,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<Digests> {
+    let memory = limits.memory;
     let exe = std::env::current_exe().map_err(|e| Error::io("locate own binary", e))?;
     let mut cmd = tokio::process::Command::new(exe);
     cmd.arg("convert-child").arg(src).arg(dst);
     if sha512 {
         cmd.arg("--sha512");
+    }
+    if let Some(total) = grow_to {
+        cmd.arg("--grow-to").arg(total.to_string());
     }
     cmd.env("MALLOC_ARENA_MAX", "2")
         .env("RUST_LOG", "error")
@@ -280,8 +306,13 @@ pub async fn decompress_zstd(
 /// Body of the `convert-child` process: qcow2 -> raw with qcow2-rs, hashed
 /// in the same pass. Prints one JSON report line; any panic or crash is seen
 /// by the parent as a failed conversion.
-pub fn child_main(src: &Path, dst: &Path, sha512: bool) -> std::process::ExitCode {
-    let report = match child_convert(src, dst, sha512) {
+pub fn child_main(
+    src: &Path,
+    dst: &Path,
+    sha512: bool,
+    grow_to: Option<u64>,
+) -> std::process::ExitCode {
+    let report = match child_convert(src, dst, sha512, grow_to) {
         Ok(d) => ChildReport::Done(d),
         Err(e) => {
             let _ = std::fs::remove_file(dst);
@@ -300,18 +331,102 @@ pub fn child_main(src: &Path, dst: &Path, sha512: bool) -> std::process::ExitCod
     }
 }
 
-fn child_convert(src: &Path, dst: &Path, sha512: bool) -> Result<Digests> {
-    use qcow2_rs::dev::Qcow2DevParams;
+fn child_convert(src: &Path, dst: &Path, sha512: bool, grow_to: Option<u64>) -> Result<Digests> {
+    match grow_to {
+        None => {
+            let params = qcow2_rs::dev::Qcow2DevParams::new(9, None, None, true, false);
+            let dev = qcow2_rs::utils::qcow2_setup_dev_sync(src, &params)
+                .map_err(|e| Error::new(ErrorCode::CorruptImage, format!("qcow2: {e}")))?;
+            child_copy(dev, dst, sha512)
+        }
+        Some(total) => {
+            let file = std::fs::File::open(src).map_err(|e| Error::io("open qcow2", e))?;
+            let io = GrowingFile { file, total };
+            let rt = current_thread()?;
+            let params = qcow2_rs::dev::Qcow2DevParams::new(9, None, None, true, false);
+            let dev = rt
+                .block_on(qcow2_rs::utils::qcow2_alloc_dev(src, io, &params))
+                .map_err(|e| Error::new(ErrorCode::CorruptImage, format!("qcow2: {e}")))?
+                .0;
+            child_copy(dev, dst, sha512)
+        }
+    }
+}
+
+fn current_thread() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| Error::io("converter runtime", e))
+}
+
+/// A qcow2 file still being written by the download: reads wait until the
+/// file covers them (or reaches `total`), and fail if the file was unlinked
+/// (the download failed or restarted on a new file).
+struct GrowingFile {
+    file: std::fs::File,
+    total: u64,
+}
+
+impl qcow2_rs::ops::Qcow2IoOps for GrowingFile {
+    async fn read_to(&self, offset: u64, buf: &mut [u8]) -> qcow2_rs::error::Qcow2Result<usize> {
+        use std::os::unix::fs::{FileExt, MetadataExt};
+        let want = (offset + buf.len() as u64).min(self.total);
+        loop {
+            let meta = self.file.metadata()?;
+            if meta.len() >= want {
+                break;
+            }
+            if meta.nlink() == 0 {
+                return Err("the image being downloaded was removed".into());
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let mut done = 0;
+        while done < buf.len() {
+            match self.file.read_at(&mut buf[done..], offset + done as u64)? {
+                0 => break,
+                n => done += n,
+            }
+        }
+        Ok(done)
+    }
+
+    async fn write_from(&self, _offset: u64, _buf: &[u8]) -> qcow2_rs::error::Qcow2Result<()> {
+        Err("read-only".into())
+    }
+
+    async fn fallocate(
+        &self,
+        _offset: u64,
+        _len: usize,
+        _flags: u32,
+    ) -> qcow2_rs::error::Qcow2Result<()> {
+        Err("read-only".into())
+    }
+
+    async fn fsync(
+        &self,
+        _offset: u64,
+        _len: usize,
+        _flags: u32,
+    ) -> qcow2_rs::error::Qcow2Result<()> {
+        Ok(())
+    }
+}
+
+/// Reads the whole virtual disk of `dev` in order into the new raw file
+/// `dst`, hashing it on the way.
+fn child_copy<T: qcow2_rs::ops::Qcow2IoOps>(
+    dev: qcow2_rs::dev::Qcow2Dev<T>,
+    dst: &Path,
+    sha512: bool,
+) -> Result<Digests> {
     const READ: usize = 4 << 20;
     let corrupt =
         |e: qcow2_rs::error::Qcow2Error| Error::new(ErrorCode::CorruptImage, format!("qcow2: {e}"));
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| Error::io("converter runtime", e))?;
+    let rt = current_thread()?;
     rt.block_on(async {
-        let params = Qcow2DevParams::new(9, None, None, true, false);
-        let dev = qcow2_rs::utils::qcow2_setup_dev_sync(src, &params).map_err(corrupt)?;
         dev.qcow2_prep_io().await.map_err(corrupt)?;
         let virtual_size = raw_size(dev.info.virtual_size());
         let mut sink = Sink::create(dst, sha512)?;

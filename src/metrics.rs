@@ -50,6 +50,8 @@ pub struct Metrics {
     pub download_seconds: prometheus::Histogram,
     /// Raw bytes produced by conversions.
     pub convert_bytes: prometheus::IntCounter,
+    /// Conversions by mode: `while_downloading` or `after_download`.
+    pub conversions: IntCounterVec,
     /// Conversion durations.
     pub convert_seconds: prometheus::Histogram,
     /// Time the slowest hasher of a pass spent hashing.
@@ -89,6 +91,11 @@ impl Metrics {
             "messages_consumed_total",
             "Messages consumed from the broker by source, action and outcome.",
             &["source", "action", "outcome"],
+        );
+        let conversions = counter(
+            "conversions_total",
+            "Conversions to raw by mode (while_downloading, after_download).",
+            &["mode"],
         );
         let ignored = counter(
             "ignored_messages_total",
@@ -240,6 +247,7 @@ impl Metrics {
             download_bytes,
             download_seconds,
             convert_bytes,
+            conversions,
             convert_seconds,
             hash_seconds,
         }

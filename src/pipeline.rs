@@ -15,8 +15,10 @@ use crate::lock::Locks;
 use crate::metrics::Metrics;
 use crate::node::NodeUuid;
 use crate::progress::Transfer;
+use crate::sink::Digests;
 use crate::source::{Fetcher, Source};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Instant, SystemTime};
 use tracing::Instrument;
 
@@ -439,11 +441,14 @@ impl Pipeline {
         let temp = TempGuard::new(self.cache.temp_path(name));
         tracing::info!(source = %source.display(), master = name, "downloading");
         let transfer = std::sync::Mutex::new(Transfer::start(&self.metrics, "download", 0));
+        let announced = AtomicU64::new(u64::MAX);
+        let downloaded = AtomicBool::new(false);
         let room = |len: u64| {
             transfer
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .set_expected(len);
+            announced.store(len, Ordering::Release);
             self.make_room(len)
         };
         let progress = |done: u64| {
@@ -453,10 +458,42 @@ impl Pipeline {
                 .set_done(done)
         };
         let started = Instant::now();
-        let (digests, stat) = self
-            .fetcher
-            .download(source, temp.path(), sha512, &room, &progress)
-            .await?;
+        let download = async {
+            let result = self
+                .fetcher
+                .download(source, temp.path(), sha512, &room, &progress)
+                .await;
+            downloaded.store(true, Ordering::Release);
+            result
+        };
+        // A qcow2 to be converted is converted while it downloads when it can
+        // be (see `stream_convert`); the result is only used after the
+        // download is verified and the complete file passes every check.
+        let streamed_out = TempGuard::new(self.cache.temp_path(name));
+        let streaming = async {
+            let wanted = force_raw
+                && self.config.convert.stream_while_downloading
+                && !matches!(source, Source::File(_));
+            if !wanted {
+                return None;
+            }
+            let t = Instant::now();
+            let r = self
+                .stream_convert(
+                    temp.path(),
+                    streamed_out.path(),
+                    &announced,
+                    &downloaded,
+                    sha512,
+                )
+                .await;
+            if let Err(e) = &r {
+                tracing::debug!(error = %e, "no conversion during the download");
+            }
+            r.ok().map(|d| (d, t.elapsed()))
+        };
+        let (downloaded_result, streamed) = tokio::join!(download, streaming);
+        let (digests, stat) = downloaded_result?;
         drop(transfer);
         self.metrics.download_bytes.inc_by(digests.size);
         self.metrics
@@ -497,7 +534,20 @@ impl Pipeline {
             &self.config.conductor.permitted_image_formats,
         )?;
         let qcow2 = inspect::safety_check(temp.path(), &found, self.config.convert.qcow2_limits())?;
-        let (temp, served, converted) = if force_raw && convert::needs_conversion(found.format) {
+        let streamed = streamed.filter(|_| found.format == inspect::Format::Qcow2);
+        let (temp, served, converted) = if let Some((d, took)) = streamed {
+            self.metrics
+                .conversions
+                .with_label_values(&["while_downloading"])
+                .inc();
+            self.metrics.convert_bytes.inc_by(d.size);
+            self.metrics.convert_seconds.observe(took.as_secs_f64());
+            self.metrics
+                .hash_seconds
+                .observe(d.hash_micros as f64 / 1e6);
+            check_converted(streamed_out.path(), &d, &found)?;
+            (streamed_out, d, true)
+        } else if force_raw && convert::needs_conversion(found.format) {
             let growth = self.config.convert.raw_image_growth_factor;
             let estimate = ((found.file_size as f64 * growth) as u64).min(found.virtual_size);
             self.make_room(estimate)?;
@@ -520,6 +570,10 @@ impl Pipeline {
             )
             .await?;
             drop(transfer);
+            self.metrics
+                .conversions
+                .with_label_values(&["after_download"])
+                .inc();
             self.metrics.convert_bytes.inc_by(d.size);
             self.metrics
                 .convert_seconds
@@ -527,20 +581,7 @@ impl Pipeline {
             self.metrics
                 .hash_seconds
                 .observe(d.hash_micros as f64 / 1e6);
-            let now = inspect::inspect_file(out.path())?;
-            let size_ok = found.format != inspect::Format::Qcow2
-                || d.size == convert::raw_size(found.virtual_size);
-            if !now.format.is_raw() || !size_ok {
-                return Err(Error::new(
-                    ErrorCode::CorruptImage,
-                    format!(
-                        "converted to raw, but the result is {} of {} bytes (virtual size {})",
-                        now.format.name(),
-                        d.size,
-                        found.virtual_size
-                    ),
-                ));
-            }
+            check_converted(out.path(), &d, &found)?;
             (out, d, true)
         } else {
             (temp, served, false)
@@ -571,6 +612,76 @@ impl Pipeline {
         Ok(master)
     }
 
+    /// Converts a qcow2 while `temp` is still being downloaded: waits for the
+    /// announced size, the header and the L1 table, validates them against
+    /// the announced size, makes room, then runs the converter on the
+    /// growing file. Any error only means "convert after the download".
+    async fn stream_convert(
+        &self,
+        temp: &std::path::Path,
+        out: &std::path::Path,
+        announced: &AtomicU64,
+        downloaded: &AtomicBool,
+        sha512: bool,
+    ) -> Result<Digests> {
+        let not_now = |why: &str| Error::new(ErrorCode::Internal, why.to_string());
+        let wait_for = |len: u64| async move {
+            loop {
+                let total = announced.load(Ordering::Acquire);
+                if total != u64::MAX
+                    && std::fs::metadata(temp).is_ok_and(|m| m.len() >= len.min(total))
+                {
+                    return Ok(total);
+                }
+                if downloaded.load(Ordering::Acquire) {
+                    return Err(not_now("download over before the range arrived"));
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+        };
+        let total = wait_for(inspect::HEADER_LEN as u64).await?;
+        let (head, _) = inspect::read_header(temp)?;
+        if inspect::detect(&head) != inspect::Format::Qcow2 {
+            return Err(not_now("not a qcow2"));
+        }
+        let limits = self.config.convert.qcow2_limits();
+        let header = crate::qcow2::parse(&head, total, limits)?;
+        if !header.qcow2_rs_can_read() || header.nb_snapshots > 0 {
+            return Err(not_now("qcow2 features that need the whole file"));
+        }
+        let l1_len = header.l1_size as u64 * 8;
+        wait_for(header.l1_table_offset + l1_len).await?;
+        let mut l1 = vec![0u8; l1_len as usize];
+        std::fs::File::open(temp)
+            .and_then(|f| {
+                std::os::unix::fs::FileExt::read_exact_at(&f, &mut l1, header.l1_table_offset)
+            })
+            .map_err(|e| Error::io("read qcow2 L1 table", e))?;
+        crate::qcow2::check_l1_table(&header, &l1, total)?;
+        let found = inspect::Inspection {
+            format: inspect::Format::Qcow2,
+            virtual_size: header.virtual_size,
+            file_size: total,
+        };
+        let growth = self.config.convert.raw_image_growth_factor;
+        self.make_room(((total as f64 * growth) as u64).min(header.virtual_size))?;
+        tracing::info!(
+            virtual_size = header.virtual_size,
+            "converting to raw while downloading"
+        );
+        let transfer = Transfer::start(&self.metrics, "convert", header.virtual_size);
+        convert::qcow2_to_raw_streaming(
+            temp,
+            out,
+            total,
+            &found,
+            sha512,
+            self.config.convert.limits(),
+            &|done| transfer.set_done(done),
+        )
+        .await
+    }
+
     /// After the cache grew: enforce the size limit and TTL (the new master is
     /// protected by its link to the node, made before this runs).
     fn after_growth(&self) {
@@ -578,6 +689,25 @@ impl Pipeline {
             tracing::warn!(error = %e, "cache clean-up failed");
         }
     }
+}
+
+/// The converted file must be raw and, for qcow2, exactly the virtual size.
+fn check_converted(path: &std::path::Path, d: &Digests, found: &inspect::Inspection) -> Result<()> {
+    let now = inspect::inspect_file(path)?;
+    let size_ok =
+        found.format != inspect::Format::Qcow2 || d.size == convert::raw_size(found.virtual_size);
+    if now.format.is_raw() && size_ok {
+        return Ok(());
+    }
+    Err(Error::new(
+        ErrorCode::CorruptImage,
+        format!(
+            "converted to raw, but the result is {} of {} bytes (virtual size {})",
+            now.format.name(),
+            d.size,
+            found.virtual_size
+        ),
+    ))
 }
 
 /// True when the master's recorded source digest equals what Ironic expects

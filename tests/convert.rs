@@ -496,3 +496,81 @@ async fn converter_crash_or_timeout_is_contained() {
     );
     assert!(env.temporaries().is_empty());
 }
+
+/// A qcow2 from an http source is converted while it downloads (throttled
+/// here, so the converter must wait for bytes): the result equals qemu-img's,
+/// a wrong checksum still refuses it, a broken download leaves nothing and
+/// no converter behind, and file:// sources convert after the copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qcow2_converted_while_it_downloads() {
+    let env = Env::new("");
+    let raw = env.root().join("disk.raw");
+    patchy_raw(&raw, 24 << 20, 31);
+    let img = env.root().join("src/disk.qcow2");
+    qcow2_from(&raw, &img, &["-c"]);
+    let reference = env.root().join("ref.raw");
+    reference_raw(&img, &reference);
+    let faults = FaultServer::start(&env.root().join("src"), 2 << 20).await;
+    let worker = env.serve().await;
+    let broker = Broker::connect().await;
+
+    let done = broker
+        .call(
+            &env.host,
+            prepare_cmd(&node(), &faults.url("slow", "disk.qcow2")),
+        )
+        .await;
+    assert_eq!(done["status"], "success", "{done}");
+    assert_eq!(done["converted"], true);
+    assert_eq!(done["image_checksum"], md5sum(&reference));
+    assert_eq!(done["image_os_hash_value"], sha256sum(&reference));
+    let text = worker.metrics_text().await;
+    let mode = |m: &str| {
+        metric(
+            &text,
+            &format!("ironic_image_worker_conversions_total{{mode=\"{m}\"}}"),
+        )
+    };
+    assert_eq!(mode("while_downloading"), Some(1.0), "{text}");
+    assert_eq!(mode("after_download"), None, "{text}");
+
+    // Converted while downloading, but the download does not match.
+    let mut cmd = prepare_cmd(&node(), &faults.url("fast", "disk.qcow2"));
+    cmd["instance_info"]["image_checksum"] = serde_json::json!("0".repeat(32));
+    let bad = broker.call(&env.host, cmd).await;
+    assert_eq!(bad["error"]["code"], "checksum_mismatch", "{bad}");
+
+    // The download breaks off half-way on every attempt.
+    let short = broker
+        .call(
+            &env.host,
+            prepare_cmd(&node(), &faults.url("short", "disk.qcow2")),
+        )
+        .await;
+    assert_eq!(short["error"]["code"], "source_unreachable", "{short}");
+    assert_eq!(env.masters().len(), 1, "{:?}", env.masters());
+    assert!(env.temporaries().is_empty(), "{:?}", env.temporaries());
+    let pid = worker.child.id().unwrap().to_string();
+    let children = tool("sh", &["-c", &format!("pgrep -P {pid} || true")]);
+    assert_eq!(children.trim(), "", "no converter left waiting");
+
+    // A file:// source is converted after it is copied.
+    let allowed = env.root().join("allowed/disk.qcow2");
+    std::fs::copy(&img, &allowed).unwrap();
+    let local = broker
+        .call(
+            &env.host,
+            prepare_cmd(&node(), &format!("file://{}", allowed.display())),
+        )
+        .await;
+    assert_eq!(local["status"], "success", "{local}");
+    assert_eq!(local["image_checksum"], md5sum(&reference));
+    let text = worker.metrics_text().await;
+    assert_eq!(
+        metric(
+            &text,
+            "ironic_image_worker_conversions_total{mode=\"after_download\"}"
+        ),
+        Some(1.0)
+    );
+}
