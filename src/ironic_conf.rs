@@ -29,81 +29,76 @@ enum Kind {
     List,
 }
 
-/// (ironic.conf section, option, worker section, worker option, kind).
-const SHARED: &[(&str, &str, &str, &str, Kind)] = &[
-    ("DEFAULT", "host", "DEFAULT", "host", Kind::Str),
+/// Options with the same section and name in ironic.conf and the worker.
+const SAME: &[(&str, &[(&str, Kind)])] = &[
     (
         "DEFAULT",
-        "force_raw_images",
-        "DEFAULT",
-        "force_raw_images",
-        Kind::Bool,
+        &[("host", Kind::Str), ("force_raw_images", Kind::Bool)],
     ),
+    (
+        "agent",
+        &[
+            ("image_download_source", Kind::Str),
+            ("stream_raw_images", Kind::Bool),
+        ],
+    ),
+    (
+        "deploy",
+        &[
+            ("http_root", Kind::Str),
+            ("http_url", Kind::Str),
+            ("http_image_subdir", Kind::Str),
+        ],
+    ),
+    (
+        "pxe",
+        &[
+            ("instance_master_path", Kind::Str),
+            ("images_path", Kind::Str),
+            ("image_cache_size", Kind::Int),
+            ("image_cache_ttl", Kind::Int),
+        ],
+    ),
+    (
+        "conductor",
+        &[
+            ("permitted_image_formats", Kind::List),
+            ("file_url_allowed_paths", Kind::List),
+        ],
+    ),
+    (
+        "glance",
+        &[
+            ("endpoint_override", Kind::Str),
+            ("auth_type", Kind::Str),
+            ("auth_url", Kind::Str),
+            ("username", Kind::Str),
+            ("password", Kind::Str),
+            ("user_domain_name", Kind::Str),
+            ("user_domain_id", Kind::Str),
+            ("project_name", Kind::Str),
+            ("project_id", Kind::Str),
+            ("project_domain_name", Kind::Str),
+            ("project_domain_id", Kind::Str),
+            ("application_credential_id", Kind::Str),
+            ("application_credential_secret", Kind::Str),
+            ("token", Kind::Str),
+            ("region_name", Kind::Str),
+            ("valid_interfaces", Kind::List),
+            ("insecure", Kind::Bool),
+        ],
+    ),
+];
+
+/// ironic.conf options the worker keeps under another name:
+/// (ironic.conf section, option, worker section, worker option, kind).
+const RENAMED: &[(&str, &str, &str, &str, Kind)] = &[
     (
         "DEFAULT",
         "control_exchange",
         "amqp",
         "notification_exchange",
         Kind::Str,
-    ),
-    (
-        "agent",
-        "image_download_source",
-        "agent",
-        "image_download_source",
-        Kind::Str,
-    ),
-    (
-        "agent",
-        "stream_raw_images",
-        "agent",
-        "stream_raw_images",
-        Kind::Bool,
-    ),
-    ("deploy", "http_root", "deploy", "http_root", Kind::Str),
-    ("deploy", "http_url", "deploy", "http_url", Kind::Str),
-    (
-        "deploy",
-        "http_image_subdir",
-        "deploy",
-        "http_image_subdir",
-        Kind::Str,
-    ),
-    (
-        "pxe",
-        "instance_master_path",
-        "pxe",
-        "instance_master_path",
-        Kind::Str,
-    ),
-    ("pxe", "images_path", "pxe", "images_path", Kind::Str),
-    (
-        "pxe",
-        "image_cache_size",
-        "pxe",
-        "image_cache_size",
-        Kind::Int,
-    ),
-    (
-        "pxe",
-        "image_cache_ttl",
-        "pxe",
-        "image_cache_ttl",
-        Kind::Int,
-    ),
-    (
-        "conductor",
-        "permitted_image_formats",
-        "conductor",
-        "permitted_image_formats",
-        Kind::List,
-    ),
-    (
-        "conductor",
-        "file_url_allowed_paths",
-        "conductor",
-        "file_url_allowed_paths",
-        Kind::List,
     ),
     (
         "oslo_messaging_notifications",
@@ -119,77 +114,6 @@ const SHARED: &[(&str, &str, &str, &str, Kind)] = &[
         "notification_exchange_durable",
         Kind::Bool,
     ),
-    (
-        "glance",
-        "endpoint_override",
-        "glance",
-        "endpoint_override",
-        Kind::Str,
-    ),
-    ("glance", "auth_type", "glance", "auth_type", Kind::Str),
-    ("glance", "auth_url", "glance", "auth_url", Kind::Str),
-    ("glance", "username", "glance", "username", Kind::Str),
-    ("glance", "password", "glance", "password", Kind::Str),
-    (
-        "glance",
-        "user_domain_name",
-        "glance",
-        "user_domain_name",
-        Kind::Str,
-    ),
-    (
-        "glance",
-        "user_domain_id",
-        "glance",
-        "user_domain_id",
-        Kind::Str,
-    ),
-    (
-        "glance",
-        "project_name",
-        "glance",
-        "project_name",
-        Kind::Str,
-    ),
-    ("glance", "project_id", "glance", "project_id", Kind::Str),
-    (
-        "glance",
-        "project_domain_name",
-        "glance",
-        "project_domain_name",
-        Kind::Str,
-    ),
-    (
-        "glance",
-        "project_domain_id",
-        "glance",
-        "project_domain_id",
-        Kind::Str,
-    ),
-    (
-        "glance",
-        "application_credential_id",
-        "glance",
-        "application_credential_id",
-        Kind::Str,
-    ),
-    (
-        "glance",
-        "application_credential_secret",
-        "glance",
-        "application_credential_secret",
-        Kind::Str,
-    ),
-    ("glance", "token", "glance", "token", Kind::Str),
-    ("glance", "region_name", "glance", "region_name", Kind::Str),
-    (
-        "glance",
-        "valid_interfaces",
-        "glance",
-        "valid_interfaces",
-        Kind::List,
-    ),
-    ("glance", "insecure", "glance", "insecure", Kind::Bool),
 ];
 
 /// Ironic's defaults for the path options, used when the ironic.conf does not
@@ -422,7 +346,11 @@ pub fn to_table(ini: &IniFile) -> Result<toml::Table> {
             put(section, key, toml::Value::String((*value).to_string()));
         }
     }
-    for &(isec, ikey, wsec, wkey, kind) in SHARED {
+    let same = SAME.iter().flat_map(|(sec, opts)| {
+        opts.iter()
+            .map(move |&(key, kind)| (*sec, key, *sec, key, kind))
+    });
+    for (isec, ikey, wsec, wkey, kind) in same.chain(RENAMED.iter().copied()) {
         let Some(v) = ini.get(isec, ikey)? else {
             continue;
         };

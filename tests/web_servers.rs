@@ -71,20 +71,12 @@ impl WebServer {
         )
         .unwrap();
         let conf = dir.join("nginx.conf");
-        let test = std::process::Command::new(nginx)
-            .arg("-t")
-            .arg("-c")
-            .arg(&conf)
-            .output()
-            .unwrap();
-        assert!(
-            test.status.success(),
-            "nginx -t: {}",
-            String::from_utf8_lossy(&test.stderr)
-        );
-        let mut cmd = std::process::Command::new(nginx);
-        cmd.arg("-c").arg(&conf).args(["-g", "daemon off;"]);
-        WebServer::run(cmd, port)
+        WebServer::run(
+            nginx,
+            &["-c", conf.to_str().unwrap()],
+            &["-g", "daemon off;"],
+            port,
+        )
     }
 
     fn apache(dir: &std::path::Path, http_root: &std::path::Path) -> WebServer {
@@ -119,24 +111,30 @@ impl WebServer {
         )
         .unwrap();
         let conf = dir.join("httpd.conf");
-        let test = std::process::Command::new(apache)
+        WebServer::run(
+            apache,
+            &["-f", conf.to_str().unwrap()],
+            &["-DFOREGROUND"],
+            port,
+        )
+    }
+
+    /// Checks the configuration (`-t`), then runs the server in the
+    /// foreground until it listens on `port`.
+    fn run(program: &str, conf: &[&str], foreground: &[&str], port: u16) -> WebServer {
+        let test = std::process::Command::new(program)
             .arg("-t")
-            .arg("-f")
-            .arg(&conf)
+            .args(conf)
             .output()
             .unwrap();
         assert!(
             test.status.success(),
-            "apache2 -t: {}",
+            "{program} -t: {}",
             String::from_utf8_lossy(&test.stderr)
         );
-        let mut cmd = std::process::Command::new(apache);
-        cmd.arg("-f").arg(&conf).arg("-DFOREGROUND");
-        WebServer::run(cmd, port)
-    }
-
-    fn run(mut cmd: std::process::Command, port: u16) -> WebServer {
-        let child = cmd
+        let child = std::process::Command::new(program)
+            .args(conf)
+            .args(foreground)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
