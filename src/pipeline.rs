@@ -457,11 +457,16 @@ impl Pipeline {
                 .unwrap_or_else(|p| p.into_inner())
                 .set_done(done)
         };
+        let hashes = crate::sink::Hashes {
+            sha512,
+            lazy_if_converted: force_raw,
+            keep: expected.map(|e| e.algo),
+        };
         let started = Instant::now();
         let download = async {
             let result = self
                 .fetcher
-                .download(source, temp.path(), sha512, &room, &progress)
+                .download(source, temp.path(), hashes, &room, &progress)
                 .await;
             downloaded.store(true, Ordering::Release);
             result

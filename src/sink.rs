@@ -53,6 +53,28 @@ impl Digests {
     }
 }
 
+/// Which digests a [`Sink`] computes.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Hashes {
+    /// Compute SHA-512 too.
+    pub sha512: bool,
+    /// For a download that will be converted when it turns out to be a
+    /// convertible format (seen in its first chunk): skip every digest but
+    /// `keep`, since the served bytes are hashed by the conversion and the
+    /// source is only verified with the algorithm Ironic named. Skipped
+    /// digests are empty strings.
+    pub lazy_if_converted: bool,
+    /// The digest always computed (the expected checksum's algorithm).
+    pub keep: Option<Algo>,
+}
+
+/// True when the first chunk shows bytes that will not be served as they
+/// are (a format converted under force_raw, or zstd).
+fn will_be_converted(first: &[u8]) -> bool {
+    crate::convert::needs_conversion(crate::inspect::detect(first))
+        || crate::inspect::is_zstd(first)
+}
+
 enum Output {
     Written,
     Digest(Algo, String, std::time::Duration),
@@ -70,6 +92,17 @@ impl Sink {
     /// Creates `path` (which must not exist, mode 0644) and starts the writer
     /// and the hashers. SHA-512 is computed too when `sha512` is set.
     pub fn create(path: &Path, sha512: bool) -> Result<Sink> {
+        Self::create_hashing(
+            path,
+            Hashes {
+                sha512,
+                ..Hashes::default()
+            },
+        )
+    }
+
+    /// [`Sink::create`] with the digests chosen by `hashes`.
+    pub fn create_hashing(path: &Path, hashes: Hashes) -> Result<Sink> {
         let file = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
@@ -84,15 +117,21 @@ impl Sink {
             .custom_flags(libc::O_DIRECT)
             .open(path)
             .ok();
-        Ok(Sink::new(Some((file, direct)), sha512))
+        Ok(Sink::new(Some((file, direct)), hashes))
     }
 
     /// Hashes without writing anywhere (for bytes already on disk).
     pub fn hash_only(sha512: bool) -> Sink {
-        Sink::new(None, sha512)
+        Sink::new(
+            None,
+            Hashes {
+                sha512,
+                ..Hashes::default()
+            },
+        )
     }
 
-    fn new(file: Option<(File, Option<File>)>, sha512: bool) -> Sink {
+    fn new(file: Option<(File, Option<File>)>, hashes: Hashes) -> Sink {
         let mut sink = Sink {
             senders: Vec::new(),
             tasks: Vec::new(),
@@ -103,19 +142,29 @@ impl Sink {
             sink.spawn(move |rx| write_file(file, direct, rx));
         }
         let mut algos = vec![Algo::Md5, Algo::Sha256];
-        if sha512 {
+        if hashes.sha512 {
             algos.push(Algo::Sha512);
         }
         for algo in algos {
+            let lazy = hashes.lazy_if_converted && hashes.keep != Some(algo);
             sink.spawn(move |mut rx| {
                 let mut hasher = Hasher::new(algo);
                 let mut busy = std::time::Duration::ZERO;
+                let mut skip = None;
                 while let Some(chunk) = rx.blocking_recv() {
+                    if *skip.get_or_insert_with(|| lazy && will_be_converted(&chunk)) {
+                        continue;
+                    }
                     let t = std::time::Instant::now();
                     hasher.update(&chunk);
                     busy += t.elapsed();
                 }
-                Ok(Output::Digest(algo, hasher.finalize_hex(), busy))
+                let hex = if skip == Some(true) {
+                    String::new()
+                } else {
+                    hasher.finalize_hex()
+                };
+                Ok(Output::Digest(algo, hex, busy))
             });
         }
         sink
@@ -399,6 +448,26 @@ mod tests {
             let mut sha = Hasher::new(Algo::Sha512);
             sha.update(&bytes);
             assert_eq!(d.sha512.unwrap(), sha.finalize_hex());
+        }
+    }
+
+    /// A download that will be converted hashes only the expected algorithm;
+    /// one served as it is hashes everything.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn lazy_hashes_skip_what_conversion_recomputes() {
+        let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+        let hashes = Hashes {
+            sha512: false,
+            lazy_if_converted: true,
+            keep: Some(Algo::Sha256),
+        };
+        for (name, lead, served) in [("q", &b"QFI\xfb"[..], false), ("r", &b"data"[..], true)] {
+            let mut sink = Sink::create_hashing(&dir.path().join(name), hashes).unwrap();
+            sink.write(lead).await.unwrap();
+            sink.write(&[7u8; 5000]).await.unwrap();
+            let d = sink.finish().await.unwrap();
+            assert_eq!(d.sha256.len(), 64, "{name}");
+            assert_eq!(d.md5.is_empty(), !served, "{name}");
         }
     }
 }

@@ -6,7 +6,7 @@
 use crate::config::{Config, redact_url};
 use crate::error::{Error, ErrorCode, Result};
 use crate::glance::Glance;
-use crate::sink::{Digests, Sink};
+use crate::sink::{Digests, Hashes, Sink};
 use backon::{ExponentialBuilder, Retryable};
 use futures_util::StreamExt;
 use std::path::{Path, PathBuf};
@@ -286,7 +286,7 @@ impl Fetcher {
         &self,
         source: &Source,
         dest: &Path,
-        sha512: bool,
+        hashes: Hashes,
         room: &(dyn Fn(u64) -> Result<()> + Sync),
         progress: &(dyn Fn(u64) + Sync),
     ) -> Result<(Digests, SourceStat)> {
@@ -296,16 +296,16 @@ impl Fetcher {
                 progress(0);
                 match source {
                     Source::File(path) => {
-                        Ok(self.copy_file(path, dest, sha512, room, progress).await?)
+                        Ok(self.copy_file(path, dest, hashes, room, progress).await?)
                     }
                     Source::Http(url) => {
                         let req = self.client.get(url.clone());
-                        self.get_http(source, req, dest, sha512, room, progress)
+                        self.get_http(source, req, dest, hashes, room, progress)
                             .await
                     }
                     Source::Glance(id) => {
                         let req = self.glance.data_request(id).await?;
-                        self.get_http(source, req, dest, sha512, room, progress)
+                        self.get_http(source, req, dest, hashes, room, progress)
                             .await
                     }
                 }
@@ -321,7 +321,7 @@ impl Fetcher {
         &self,
         path: &Path,
         dest: &Path,
-        sha512: bool,
+        hashes: Hashes,
         room: &(dyn Fn(u64) -> Result<()> + Sync),
         progress: &(dyn Fn(u64) + Sync),
     ) -> Result<(Digests, SourceStat)> {
@@ -333,7 +333,7 @@ impl Fetcher {
             .await
             .map_err(|e| Error::io(path.display(), e))?;
         room(meta.len())?;
-        let mut sink = Sink::create(dest, sha512)?;
+        let mut sink = Sink::create_hashing(dest, hashes)?;
         let mut buf = vec![0u8; crate::sink::CHUNK];
         loop {
             let n = file
@@ -361,7 +361,7 @@ impl Fetcher {
         source: &Source,
         req: reqwest::RequestBuilder,
         dest: &Path,
-        sha512: bool,
+        hashes: Hashes,
         room: &(dyn Fn(u64) -> Result<()> + Sync),
         progress: &(dyn Fn(u64) + Sync),
     ) -> std::result::Result<(Digests, SourceStat), Failure> {
@@ -389,7 +389,7 @@ impl Fetcher {
         if let Some(len) = stat.size {
             room(len)?;
         }
-        let mut sink = Sink::create(dest, sha512)?;
+        let mut sink = Sink::create_hashing(dest, hashes)?;
         let mut body = resp.bytes_stream();
         while let Some(chunk) = body.next().await {
             let chunk = chunk.map_err(|e| request_failure(source, e))?;
