@@ -215,21 +215,20 @@ async fn serves_what_the_worker_prepared(
 
     let node = node();
     let via_server = format!("deploy.http_url={}", web.url());
-    let out = env
-        .run_with_umask(
-            Some("077"),
-            &[
-                "--set",
-                &via_server,
-                "prepare",
-                "--node",
-                &node,
-                "--image-source",
-                &server.url("disk.qcow2"),
-            ],
-        )
-        .await;
-    let (ok, ev) = completion_of(&out);
+    let source = server.url("disk.qcow2");
+    let prepare = || async {
+        let args = [
+            "--set",
+            &via_server,
+            "prepare",
+            "--node",
+            &node,
+            "--image-source",
+            &source,
+        ];
+        completion_of(&env.run_with_umask(Some("077"), &args).await)
+    };
+    let (ok, ev) = prepare().await;
     assert!(ok, "{ev}");
     let url = ev["image_url"].as_str().unwrap();
     assert_eq!(url, format!("{}/agent_images/{node}", web.url()));
@@ -271,21 +270,7 @@ async fn serves_what_the_worker_prepared(
     let (ok, ev) = env.oneshot(&["deployed", "--node", &node]).await;
     assert!(ok, "{ev}");
     assert_eq!(get(url).await.0, 404);
-    let out = env
-        .run_with_umask(
-            Some("077"),
-            &[
-                "--set",
-                &via_server,
-                "prepare",
-                "--node",
-                &node,
-                "--image-source",
-                &server.url("disk.qcow2"),
-            ],
-        )
-        .await;
-    assert!(completion_of(&out).0);
+    assert!(prepare().await.0);
     assert_eq!(get(url).await.0, 200);
     let (ok, ev) = env.oneshot(&["cleanup", "--node", &node]).await;
     assert!(ok, "{ev}");
