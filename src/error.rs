@@ -17,7 +17,8 @@ pub enum ErrorCode {
     SourceNotFound,
     /// The image source could not be reached or broke off (timeouts, 5xx, resets).
     SourceUnreachable,
-    /// The source refused or is not allowed (file:// outside the allowed paths, swift).
+    /// The source refused or is not allowed (file:// outside the allowed paths, swift,
+    /// 401/403 from the source, Keystone or Glance).
     SourceNotAllowed,
     /// The downloaded bytes do not match the expected checksum.
     ChecksumMismatch,
