@@ -417,6 +417,12 @@ impl ConvertSection {
         }
     }
 
+    /// Ironic's estimate of the raw size of an image of `file_size` bytes
+    /// describing `virtual_size` bytes, for space checks before converting.
+    pub fn raw_size_estimate(&self, file_size: u64, virtual_size: u64) -> u64 {
+        ((file_size as f64 * self.raw_image_growth_factor) as u64).min(virtual_size)
+    }
+
     /// The limits of the qcow2 header check.
     pub fn qcow2_limits(&self) -> crate::qcow2::Limits {
         crate::qcow2::Limits {

@@ -89,12 +89,12 @@ pub async fn qcow2_to_raw_streaming(
     src: &Path,
     dst: &Path,
     total: u64,
-    found: &Inspection,
+    virtual_size: u64,
     sha512: bool,
     limits: Limits,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<Digests> {
-    let timeout = limits.timeout(found.virtual_size);
+    let timeout = limits.timeout(virtual_size);
     run_child(src, dst, sha512, Some(total), limits, timeout, progress).await
 }
 

@@ -159,6 +159,31 @@ pub fn inspect_file(path: &Path) -> Result<Inspection> {
     })
 }
 
+/// Checks the L1 table (and the snapshot table, if any) of the qcow2 at
+/// `path` whose `header` was parsed, against a file of `file_size` bytes
+/// (the announced size while it is still downloading).
+pub fn check_qcow2_tables(path: &Path, header: &qcow2::Header, file_size: u64) -> Result<()> {
+    let read = |len: u64, at: u64, what: &str| {
+        let mut buf = vec![0u8; len as usize];
+        File::open(path)
+            .and_then(|f| f.read_exact_at(&mut buf, at))
+            .map_err(|e| Error::io(format!("read qcow2 {what}"), e))?;
+        Ok::<_, Error>(buf)
+    };
+    let l1 = read(
+        header.l1_size as u64 * 8,
+        header.l1_table_offset,
+        "L1 table",
+    )?;
+    qcow2::check_l1_table(header, &l1, file_size)?;
+    if header.nb_snapshots > 0 {
+        let len = (file_size - header.snapshots_offset).min(64 << 20);
+        let table = read(len, header.snapshots_offset, "snapshot table")?;
+        qcow2::check_snapshot_table(header, &table, file_size)?;
+    }
+    Ok(())
+}
+
 /// The deep safety check of an image of format `found.format`: qcow2
 /// headers and L1 tables are validated, QED is refused, VMDK must be a
 /// self-contained monolithicSparse or streamOptimized disk. Returns the
@@ -172,19 +197,7 @@ pub fn safety_check(
         Format::Qcow2 => {
             let (head, file_size) = read_header(path)?;
             let header = qcow2::parse(&head, file_size, limits)?;
-            let mut l1 = vec![0u8; header.l1_size as usize * 8];
-            File::open(path)
-                .and_then(|f| f.read_exact_at(&mut l1, header.l1_table_offset))
-                .map_err(|e| Error::io("read qcow2 L1 table", e))?;
-            qcow2::check_l1_table(&header, &l1, file_size)?;
-            if header.nb_snapshots > 0 {
-                let len = (file_size - header.snapshots_offset).min(64 << 20);
-                let mut table = vec![0u8; len as usize];
-                File::open(path)
-                    .and_then(|f| f.read_exact_at(&mut table, header.snapshots_offset))
-                    .map_err(|e| Error::io("read qcow2 snapshot table", e))?;
-                qcow2::check_snapshot_table(&header, &table, file_size)?;
-            }
+            check_qcow2_tables(path, &header, file_size)?;
             Ok(Some(header))
         }
         Format::Qed => Err(Error::new(

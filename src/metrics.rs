@@ -253,6 +253,15 @@ impl Metrics {
         }
     }
 
+    /// Records a finished conversion (`mode`: `while_downloading` or
+    /// `after_download`) that produced `d` in `took`.
+    pub fn conversion(&self, mode: &str, d: &crate::sink::Digests, took: std::time::Duration) {
+        self.conversions.with_label_values(&[mode]).inc();
+        self.convert_bytes.inc_by(d.size);
+        self.convert_seconds.observe(took.as_secs_f64());
+        self.hash_seconds.observe(d.hash_micros as f64 / 1e6);
+    }
+
     /// Counts a completion event.
     pub fn record(&self, done: &Completion) {
         let code = done.error.as_ref().map(|e| e.code.as_str()).unwrap_or("");

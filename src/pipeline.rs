@@ -541,21 +541,15 @@ impl Pipeline {
         let qcow2 = inspect::safety_check(temp.path(), &found, self.config.convert.qcow2_limits())?;
         let streamed = streamed.filter(|_| found.format == inspect::Format::Qcow2);
         let (temp, served, converted) = if let Some((d, took)) = streamed {
-            self.metrics
-                .conversions
-                .with_label_values(&["while_downloading"])
-                .inc();
-            self.metrics.convert_bytes.inc_by(d.size);
-            self.metrics.convert_seconds.observe(took.as_secs_f64());
-            self.metrics
-                .hash_seconds
-                .observe(d.hash_micros as f64 / 1e6);
+            self.metrics.conversion("while_downloading", &d, took);
             check_converted(streamed_out.path(), &d, &found)?;
             (streamed_out, d, true)
         } else if force_raw && convert::needs_conversion(found.format) {
-            let growth = self.config.convert.raw_image_growth_factor;
-            let estimate = ((found.file_size as f64 * growth) as u64).min(found.virtual_size);
-            self.make_room(estimate)?;
+            self.make_room(
+                self.config
+                    .convert
+                    .raw_size_estimate(found.file_size, found.virtual_size),
+            )?;
             let out = TempGuard::new(self.cache.temp_path(name));
             tracing::info!(
                 format = found.format.name(),
@@ -576,16 +570,7 @@ impl Pipeline {
             .await?;
             drop(transfer);
             self.metrics
-                .conversions
-                .with_label_values(&["after_download"])
-                .inc();
-            self.metrics.convert_bytes.inc_by(d.size);
-            self.metrics
-                .convert_seconds
-                .observe(started.elapsed().as_secs_f64());
-            self.metrics
-                .hash_seconds
-                .observe(d.hash_micros as f64 / 1e6);
+                .conversion("after_download", &d, started.elapsed());
             check_converted(out.path(), &d, &found)?;
             (out, d, true)
         } else {
@@ -654,22 +639,13 @@ impl Pipeline {
         if !header.qcow2_rs_can_read() || header.nb_snapshots > 0 {
             return Err(not_now("qcow2 features that need the whole file"));
         }
-        let l1_len = header.l1_size as u64 * 8;
-        wait_for(header.l1_table_offset + l1_len).await?;
-        let mut l1 = vec![0u8; l1_len as usize];
-        std::fs::File::open(temp)
-            .and_then(|f| {
-                std::os::unix::fs::FileExt::read_exact_at(&f, &mut l1, header.l1_table_offset)
-            })
-            .map_err(|e| Error::io("read qcow2 L1 table", e))?;
-        crate::qcow2::check_l1_table(&header, &l1, total)?;
-        let found = inspect::Inspection {
-            format: inspect::Format::Qcow2,
-            virtual_size: header.virtual_size,
-            file_size: total,
-        };
-        let growth = self.config.convert.raw_image_growth_factor;
-        self.make_room(((total as f64 * growth) as u64).min(header.virtual_size))?;
+        wait_for(header.l1_table_offset + header.l1_size as u64 * 8).await?;
+        inspect::check_qcow2_tables(temp, &header, total)?;
+        self.make_room(
+            self.config
+                .convert
+                .raw_size_estimate(total, header.virtual_size),
+        )?;
         tracing::info!(
             virtual_size = header.virtual_size,
             "converting to raw while downloading"
@@ -679,7 +655,7 @@ impl Pipeline {
             temp,
             out,
             total,
-            &found,
+            header.virtual_size,
             sha512,
             self.config.convert.limits(),
             &|done| transfer.set_done(done),

@@ -267,9 +267,7 @@ fn write_file(file: File, direct: Option<File>, mut rx: mpsc::Receiver<Bytes>) -
     while let Some(chunk) = rx.blocking_recv() {
         if first {
             first = false;
-            let served_as_is = crate::inspect::detect(&chunk).is_raw()
-                || crate::inspect::detect(&chunk) == crate::inspect::Format::Iso;
-            if !served_as_is || crate::inspect::is_zstd(&chunk) {
+            if will_be_converted(&chunk) {
                 direct = None;
             }
         }

@@ -67,22 +67,11 @@ async fn metrics_appear_and_move() {
     let (status, body) = get(first["image_url"].as_str().unwrap()).await;
     assert_eq!(status, 200);
     // A notification from another conductor: acknowledged and counted only.
-    use lapin::options::BasicPublishOptions;
     let other = json!({"publisher_id": "ironic-conductor.somebody-else", "event_type": "baremetal.node.provision_set.start",
                        "message_id": "x", "payload": {}});
     broker
-        .channel
-        .basic_publish(
-            "ironic".into(),
-            "ironic_versioned_notifications.info".into(),
-            BasicPublishOptions::default(),
-            other.to_string().as_bytes(),
-            Default::default(),
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+        .publish_notification(other.to_string().as_bytes())
+        .await;
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
 
     let text = worker.metrics_text().await;

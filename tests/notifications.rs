@@ -221,7 +221,6 @@ async fn other_conductors_and_malformed_notifications() {
     assert!(!env.link_dir().join(&node).exists());
 
     // Malformed notifications on Ironic's exchange: error event + dead letter.
-    use lapin::options::*;
     let bodies = [
         b"{\"oslo.version\": \"2.0\", \"oslo.message\": \"{not json\"}".to_vec(),
         json!({"oslo.version": "2.0", "oslo.message": json!({"message_id": "m-1",
@@ -232,19 +231,7 @@ async fn other_conductors_and_malformed_notifications() {
             .into_bytes(),
     ];
     for body in &bodies {
-        broker
-            .channel
-            .basic_publish(
-                "ironic".into(),
-                "ironic_versioned_notifications.info".into(),
-                BasicPublishOptions::default(),
-                body,
-                Default::default(),
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
+        broker.publish_notification(body).await;
     }
     let events = tap.collect(&env.host, 2, WAIT).await;
     assert_eq!(events.len(), 2);

@@ -591,6 +591,23 @@ impl Broker {
         );
     }
 
+    /// Publishes raw bytes as a notification on Ironic's exchange
+    /// (`ironic_versioned_notifications.info`), confirmed by the broker.
+    pub async fn publish_notification(&self, body: &[u8]) {
+        self.channel
+            .basic_publish(
+                "ironic".into(),
+                "ironic_versioned_notifications.info".into(),
+                lapin::options::BasicPublishOptions::default(),
+                body,
+                Default::default(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
     /// Publishes a command JSON and returns its correlation id.
     pub async fn command(&self, host: &str, body: Value) -> String {
         let corr = uuid::Uuid::new_v4().to_string();
