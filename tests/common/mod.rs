@@ -697,7 +697,7 @@ pub fn ironic_python() -> PathBuf {
     lock.lock().unwrap();
     let ready = || {
         std::process::Command::new(&python)
-            .args(["-c", "import ironic.conductor.notification_utils"])
+            .args(["-c", IRONIC_VENV_IMPORTS])
             .stderr(Stdio::null())
             .status()
             .is_ok_and(|s| s.success())
@@ -708,6 +708,9 @@ pub fn ironic_python() -> PathBuf {
             venv.join("bin/pip").to_str().unwrap(),
             &["install", "-q", "--disable-pip-version-check", IRONIC_PIP],
         );
+        let mut args = vec!["install", "-q", "--disable-pip-version-check"];
+        args.extend_from_slice(IRONIC_TEST_PIP);
+        tool(venv.join("bin/pip").to_str().unwrap(), &args);
         assert!(ready(), "ironic is importable in {}", venv.display());
     }
     python
@@ -715,6 +718,21 @@ pub fn ironic_python() -> PathBuf {
 
 /// The Ironic release the notification tests emit with.
 pub const IRONIC_PIP: &str = "ironic==39.0.0";
+
+/// Beside Ironic, for the deploy interface tests (tests/ironic_plugin.rs):
+/// the agent whose download code verifies the result, and what runs
+/// Ironic's own test fixtures under pytest.
+pub const IRONIC_TEST_PIP: &[&str] = &[
+    "ironic-python-agent==13.0.0",
+    "pytest==9.2.0",
+    "fixtures==4.3.2",
+    "oslotest==6.1.1",
+    "testtools==2.9.1",
+];
+
+/// What a ready Ironic virtualenv imports.
+const IRONIC_VENV_IMPORTS: &str = "import ironic.conductor.notification_utils, \
+     ironic_python_agent, pytest, fixtures, oslotest";
 
 /// Emits provision_set notifications through Ironic's notifier as conductor
 /// `host`; each spec is one transition (see tests/helpers/emit_notification.py).

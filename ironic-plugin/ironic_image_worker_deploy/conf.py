@@ -1,0 +1,75 @@
+# Licensed under the Apache License, Version 2.0 (the "License"); you may
+# not use this file except in compliance with the License. You may obtain
+# a copy of the License at
+#
+#      http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS, WITHOUT
+# WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied. See the
+# License for the specific language governing permissions and limitations
+# under the License.
+
+"""Options of the ``[image_worker]`` section of ironic.conf."""
+
+from oslo_config import cfg
+
+from ironic.common.i18n import _
+
+CONF = cfg.CONF
+
+GROUP = 'image_worker'
+
+opts = [
+    cfg.StrOpt('exchange',
+               default='ironic-image-worker',
+               help=_('Topic exchange on which ironic-image-worker takes '
+                      'its commands. Must match the worker\'s '
+                      '[amqp]command_exchange.')),
+    cfg.StrOpt('conductor_host',
+               help=_('[DEFAULT]host of the worker that serves this '
+                      'conductor. Commands are routed to '
+                      '<conductor_host>.node.<action>. Defaults to this '
+                      'conductor\'s own [DEFAULT]host, which is what the '
+                      'worker on the same machine uses.')),
+    cfg.StrOpt('transport_url',
+               secret=True,
+               help=_('Broker of the worker, in the form of '
+                      '[DEFAULT]transport_url (several hosts may be given, '
+                      'separated by commas). Defaults to '
+                      '[DEFAULT]transport_url. TLS follows the '
+                      '[oslo_messaging_rabbit] ssl* options.')),
+    cfg.IntOpt('prepare_timeout',
+               default=1800,
+               min=1,
+               help=_('Seconds to wait for the worker to answer a prepare '
+                      'command (download, verification, conversion and '
+                      'hashing of the instance image). The command expires '
+                      'in the broker after this time too, so a worker that '
+                      'comes back later does not act on it.')),
+    cfg.IntOpt('command_timeout',
+               default=30,
+               min=0,
+               help=_('Seconds to wait for the worker to confirm a '
+                      'deployed or cleanup command. A missing or failed '
+                      'confirmation is logged and never fails the '
+                      'operation; 0 sends without waiting.')),
+    cfg.FloatOpt('connect_timeout',
+                 default=10.0,
+                 min=0.1,
+                 help=_('Seconds to wait for a connection to each broker '
+                        'host.')),
+]
+
+
+def register_opts(conf):
+    """Register the ``[image_worker]`` options on ``conf``."""
+    conf.register_opts(opts, group=GROUP)
+
+
+def list_opts():
+    """Options for oslo-config-generator (``oslo.config.opts``)."""
+    return [(GROUP, opts)]
+
+
+register_opts(CONF)

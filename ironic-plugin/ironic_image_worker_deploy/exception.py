@@ -1,0 +1,78 @@
+# Licensed under the Apache License, Version 2.0 (the "License"); you may
+# not use this file except in compliance with the License. You may obtain
+# a copy of the License at
+#
+#      http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS, WITHOUT
+# WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied. See the
+# License for the specific language governing permissions and limitations
+# under the License.
+
+"""Exceptions raised when the image worker cannot prepare an image."""
+
+from ironic.common import exception
+from ironic.common.i18n import _
+
+
+class ImageWorkerError(exception.IronicException):
+    """The image worker did not prepare the node's image.
+
+    ``error_code`` is the worker's error code (one of the closed list of
+    ``schemas/completion.v1.json``), or ``timeout`` / ``no_worker`` /
+    ``broker_unreachable`` for failures on the way to the worker.
+    """
+
+    _msg_fmt = _("Image worker of conductor %(host)s failed for node "
+                 "%(node)s: %(error_code)s: %(reason)s")
+
+    def __init__(self, message=None, **kwargs):
+        super().__init__(message, **kwargs)
+        self.error_code = kwargs.get('error_code')
+
+
+class ImageWorkerPrepareFailed(ImageWorkerError):
+    """The worker answered a prepare command with an error completion."""
+
+    _msg_fmt = _("Image worker of conductor %(host)s could not prepare "
+                 "image %(image_href)s for node %(node)s: %(error_code)s: "
+                 "%(reason)s")
+
+
+class ImageWorkerTimeout(ImageWorkerError):
+    """No completion arrived before the deadline."""
+
+    _msg_fmt = _("Image worker of conductor %(host)s did not answer the "
+                 "%(action)s command for node %(node)s within %(timeout)s "
+                 "seconds (error_code %(error_code)s). Is "
+                 "ironic-image-worker running on that host?")
+
+    def __init__(self, message=None, **kwargs):
+        kwargs.setdefault('error_code', 'timeout')
+        super().__init__(message, **kwargs)
+
+
+class ImageWorkerNotListening(ImageWorkerError):
+    """The broker could not route the command to any worker queue."""
+
+    _msg_fmt = _("No image worker listens for conductor %(host)s: the "
+                 "broker could not route %(routing_key)s on exchange "
+                 "%(exchange)s (error_code %(error_code)s). Start "
+                 "ironic-image-worker with [DEFAULT]host = %(host)s or set "
+                 "[image_worker]conductor_host.")
+
+    def __init__(self, message=None, **kwargs):
+        kwargs.setdefault('error_code', 'no_worker')
+        super().__init__(message, **kwargs)
+
+
+class ImageWorkerBrokerUnreachable(ImageWorkerError):
+    """The broker of the worker could not be reached or refused us."""
+
+    _msg_fmt = _("Cannot reach the image worker's broker for node "
+                 "%(node)s (error_code %(error_code)s): %(reason)s")
+
+    def __init__(self, message=None, **kwargs):
+        kwargs.setdefault('error_code', 'broker_unreachable')
+        super().__init__(message, **kwargs)

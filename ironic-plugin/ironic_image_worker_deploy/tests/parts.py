@@ -1,0 +1,280 @@
+# Licensed under the Apache License, Version 2.0 (the "License"); you may
+# not use this file except in compliance with the License. You may obtain
+# a copy of the License at
+#
+#      http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS, WITHOUT
+# WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied. See the
+# License for the specific language governing permissions and limitations
+# under the License.
+
+"""Real parts for the deploy interface tests: an HTTP image source that
+counts downloads, a Glance Image API v2 server, a spare worker process, and
+reference tools (qemu-img, hashlib)."""
+
+import hashlib
+import http.server
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+
+
+def env(name, default=None):
+    """A parameter passed by the cargo test (tests/ironic_plugin.rs)."""
+    return os.environ.get(name, default)
+
+
+class _Server(object):
+    """An HTTP server on a thread, counting requests per (method, path)."""
+
+    def __init__(self, handler_class, port=0):
+        self.counts = {}
+        outer = self
+
+        class Handler(handler_class):
+            server_owner = outer
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(('127.0.0.1', port),
+                                                     Handler)
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever,
+                                       daemon=True)
+        self.thread.start()
+
+    def count(self, method, path):
+        return self.counts.get((method, path), 0)
+
+    def stop(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class _Counting(http.server.BaseHTTPRequestHandler):
+    protocol_version = 'HTTP/1.1'
+
+    def _count(self):
+        key = (self.command, self.path)
+        owner = self.server_owner
+        owner.counts[key] = owner.counts.get(key, 0) + 1
+
+    def _send_file(self, path, content_type='application/octet-stream',
+                   body=True):
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header('Content-Type', content_type)
+        self.send_header('Content-Length', str(size))
+        self.send_header('Last-Modified',
+                         self.date_time_string(os.path.getmtime(path)))
+        self.end_headers()
+        if body:
+            with open(path, 'rb') as f:
+                shutil.copyfileobj(f, self.wfile, 1 << 20)
+
+    def _send_json(self, doc):
+        data = json.dumps(doc).encode()
+        self.send_response(200)
+        self.send_header('Content-Type', 'application/json')
+        self.send_header('Content-Length', str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+class SourceServer(_Server):
+    """Serves the files of a directory by name; counts GETs."""
+
+    def __init__(self, directory):
+        self.directory = directory
+
+        class Handler(_Counting):
+            def do_GET(self):
+                self._count()
+                self._send_file(os.path.join(directory,
+                                             self.path.lstrip('/')))
+
+            def do_HEAD(self):
+                self._count()
+                self._send_file(os.path.join(directory,
+                                             self.path.lstrip('/')),
+                                body=False)
+
+        super().__init__(Handler)
+
+    def url(self, name):
+        return 'http://127.0.0.1:%d/%s' % (self.port, name)
+
+
+class GlanceServer(_Server):
+    """The part of Glance's Image API v2 that Ironic and the worker call."""
+
+    def __init__(self, port=0):
+        self.images = {}
+        images = self.images
+
+        class Handler(_Counting):
+            def do_GET(self):
+                self._count()
+                path = self.path.rstrip('/')
+                base = 'http://127.0.0.1:%d/image' % self.server_owner.port
+                if path in ('/image', '/image/v2'):
+                    self._send_json({'versions': [{
+                        'id': 'v2.16', 'status': 'CURRENT',
+                        'links': [{'rel': 'self',
+                                   'href': base + '/v2/'}]}]})
+                    return
+                parts = path.split('/')
+                # /image/v2/images/<id>[/file]
+                if len(parts) >= 5 and parts[1:4] == ['image', 'v2',
+                                                      'images']:
+                    found = images.get(parts[4])
+                    if found is None:
+                        self.send_error(404)
+                    elif len(parts) == 5:
+                        self._send_json(found[0])
+                    elif parts[5:] == ['file']:
+                        self._send_file(found[1])
+                    else:
+                        self.send_error(404)
+                    return
+                self.send_error(404)
+
+        super().__init__(Handler, port)
+
+    def add(self, path, disk_format, **properties):
+        """Registers ``path`` as an active public image; returns its id."""
+        image_id = str(uuid.uuid4())
+        doc = {
+            'id': image_id, 'name': 'test-image', 'status': 'active',
+            'disk_format': disk_format, 'container_format': 'bare',
+            'checksum': file_hash(path, 'md5'),
+            'os_hash_algo': 'sha512',
+            'os_hash_value': file_hash(path, 'sha512'),
+            'size': os.path.getsize(path),
+            'created_at': '2026-11-30T05:00:00Z',
+            'updated_at': '2026-11-30T05:00:00Z',
+            'visibility': 'public', 'protected': False,
+            'min_disk': 0, 'min_ram': 0, 'tags': ['tested'],
+            'owner': 'service',
+            'file': '/v2/images/%s/file' % image_id,
+            'self': '/v2/images/%s' % image_id,
+            'schema': '/v2/schemas/image',
+        }
+        doc.update(properties)
+        self.images[image_id] = (doc, path)
+        return image_id
+
+    def data_gets(self, image_id):
+        return self.count('GET', '/image/v2/images/%s/file' % image_id)
+
+
+def file_hash(path, algo):
+    h = hashlib.new(algo)
+    with open(path, 'rb') as f:
+        for chunk in iter(lambda: f.read(1 << 20), b''):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def run(*args):
+    """Runs a reference tool; fails loudly."""
+    subprocess.run(args, check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.PIPE)
+
+
+def patchy_raw(path, size, seed):
+    """A sparse raw disk with random data at a few places, zeros elsewhere
+    (as the Rust tests make them)."""
+    import random
+    rnd = random.Random(seed)
+    chunk = bytes(rnd.getrandbits(8) for _ in range(64 * 1024 + 17))
+    with open(path, 'wb') as f:
+        f.truncate(size)
+        for i, at in enumerate((0, size // 3, size // 2 + 4096,
+                                size - 70000)):
+            f.seek(min(at, size - len(chunk)))
+            f.write(chunk[:len(chunk) - i])
+
+
+def qcow2_from(raw, out):
+    run('qemu-img', 'convert', '-f', 'raw', '-O', 'qcow2', raw, out)
+
+
+def reference_raw(qcow2, out):
+    """``qemu-img convert -O raw``: the reference for conversion results."""
+    run('qemu-img', 'convert', '-f', 'qcow2', '-O', 'raw', qcow2, out)
+
+
+def ipa_download(image_info, workdir):
+    """Downloads with ironic-python-agent's own code (standby extension:
+    ``_validate_image_info`` and ``_download_image``, which verifies
+    ``os_hash_value`` or the checksum), in a process of its own so IPA's
+    configuration stays apart from Ironic's. Returns the file's path."""
+    info_path = os.path.join(workdir, 'image_info-%s.json' % uuid.uuid4())
+    with open(info_path, 'w') as f:
+        json.dump(image_info, f)
+    out = subprocess.run(
+        [sys.executable, '-m',
+         'ironic_image_worker_deploy.tests.ipa_download', info_path,
+         workdir], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        timeout=120)
+    if out.returncode != 0:
+        raise AssertionError('IPA download failed:\n%s'
+                             % out.stdout.decode(errors='replace'))
+    return os.path.join(workdir, image_info['id'])
+
+
+class SpareWorker(object):
+    """A second worker (its own host and directories), started and stopped
+    by a test."""
+
+    def __init__(self, binary, config, metrics_port):
+        self.binary = binary
+        self.config = config
+        self.metrics_port = metrics_port
+        self.proc = None
+
+    def start(self):
+        environ = dict(os.environ, RUST_LOG='warn,lapin=error')
+        environ.pop('IRONIC_IMAGE_WORKER_CONFIG', None)
+        self.proc = subprocess.Popen(
+            [self.binary, '--config', self.config, 'serve'],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            env=environ)
+        url = 'http://127.0.0.1:%d/readyz' % self.metrics_port
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError('spare worker exited with %s'
+                                     % self.proc.returncode)
+            try:
+                with urllib.request.urlopen(url, timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError('spare worker did not become ready')
+
+    def stop(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

@@ -1,0 +1,407 @@
+# Licensed under the Apache License, Version 2.0 (the "License"); you may
+# not use this file except in compliance with the License. You may obtain
+# a copy of the License at
+#
+#      http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS, WITHOUT
+# WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied. See the
+# License for the specific language governing permissions and limitations
+# under the License.
+
+"""The direct-worker deploy interface against real parts.
+
+Ironic 39's own database (sqlite, through its test fixtures), TaskManager and
+deploy steps; the real RabbitMQ; the ironic-image-worker binary under test,
+started by the cargo test (tests/ironic_plugin.rs) which passes its
+parameters in IIW_* environment variables; images made with qemu-img; the
+result downloaded with ironic-python-agent's own code.
+"""
+
+import os
+import shutil
+import tempfile
+import time
+from unittest import mock
+
+import fixtures as fx
+
+from ironic.common import driver_factory
+from ironic.common import states
+from ironic.conductor import task_manager
+from ironic.conductor import utils as conductor_utils
+from ironic.drivers.modules import agent_client
+from ironic.tests.unit.db import base as db_base
+from ironic.tests.unit.objects import utils as obj_utils
+from oslo_utils import uuidutils
+
+from ironic_image_worker_deploy import client as worker_client
+from ironic_image_worker_deploy import deploy
+from ironic_image_worker_deploy import exception
+from ironic_image_worker_deploy.tests import parts
+
+WORKER_HOST = parts.env('IIW_WORKER_HOST')
+
+_WORLD = {}
+
+
+def setUpModule():
+    if not WORKER_HOST:
+        return
+    workdir = tempfile.mkdtemp(prefix='iiw-plugin-')
+    os.makedirs(os.path.join(workdir, 'src'))
+    _WORLD['dir'] = workdir
+    _WORLD['source'] = parts.SourceServer(os.path.join(workdir, 'src'))
+    _WORLD['glance'] = parts.GlanceServer(
+        int(parts.env('IIW_GLANCE_PORT')))
+
+
+def tearDownModule():
+    for name in ('source', 'glance'):
+        if name in _WORLD:
+            _WORLD.pop(name).stop()
+    if 'dir' in _WORLD:
+        shutil.rmtree(_WORLD.pop('dir'), ignore_errors=True)
+
+
+# Everything through which Ironic itself would download, convert or hash an
+# instance image.
+_CONDUCTOR_IMAGE_WORK = (
+    'ironic.common.images.fetch',
+    'ironic.common.images.image_to_raw',
+    'ironic.common.images.converted_size',
+    'ironic.drivers.modules.image_cache.ImageCache.fetch_image',
+    'ironic.drivers.modules.deploy_utils.cache_instance_image',
+    'ironic.drivers.modules.deploy_utils.fetch_images',
+    'ironic.common.checksum_utils.compute_image_checksum',
+    'ironic.common.image_service.HttpImageService.download',
+    'ironic.common.glance_service.image_service.GlanceImageService.download',
+)
+
+
+class TestCase(db_base.DbTestCase):
+    """Ironic's database test case, run by pytest."""
+
+    # The tests run qemu-img and the agent's download code, and loading
+    # Ironic's hardware types runs tools too.
+    block_execute = False
+
+    def _clear_attrs(self):
+        # Ironic's clean-up drops every public attribute, pytest's own
+        # reference to the test method included; keep them.
+        pass
+
+
+class DirectWorkerTestCase(TestCase):
+    """Ironic drives the interface; the worker does the image work."""
+
+    def setUp(self):
+        super().setUp()
+        if not WORKER_HOST:
+            self.skipTest('run through cargo test --test ironic_plugin')
+        self.dir = _WORLD['dir']
+        self.src = os.path.join(self.dir, 'src')
+        self.source = _WORLD['source']
+        self.glance = _WORLD['glance']
+        self.http_root = parts.env('IIW_WORKER_HTTP_ROOT')
+        self.images_path = parts.env('IIW_WORKER_IMAGES_PATH')
+        self.http_url = 'http://127.0.0.1:%s' % parts.env(
+            'IIW_WORKER_HTTP_PORT')
+        self.config(host=WORKER_HOST)
+        self.config(transport_url=parts.env(
+            'IIW_TRANSPORT_URL', 'rabbit://guest:guest@127.0.0.1:5672/'))
+        self.config(enabled_deploy_interfaces=[
+            'fake', 'direct', 'direct-worker'])
+        # Fake management refuses the disk boot device of the last step.
+        self.config(enabled_management_interfaces=['fake', 'noop'])
+        self.config(http_url=self.http_url, http_root=self.http_root,
+                    group='deploy')
+        self.config(images_path=self.images_path,
+                    instance_master_path=os.path.join(self.dir, 'ironic'),
+                    group='pxe')
+        self.config(image_download_source='local', group='agent')
+        # The agent's kernel parameters name Ironic's API.
+        self.config(auth_strategy='noauth')
+        self.config(endpoint_override='http://127.0.0.1:6385',
+                    group='service_catalog')
+        self.config(auth_type='none',
+                    endpoint_override='http://127.0.0.1:%d/image'
+                    % self.glance.port, group='glance')
+        self.config(prepare_timeout=60, command_timeout=10,
+                    group='image_worker')
+        self.image_work = []
+        for target in _CONDUCTOR_IMAGE_WORK:
+            patcher = self.useFixture(fx.MockPatch(
+                target, side_effect=AssertionError('conductor image work')))
+            self.image_work.append((target, patcher.mock))
+
+    def tearDown(self):
+        for target, m in getattr(self, 'image_work', []):
+            self.assertFalse(m.called, '%s was called' % target)
+        super().tearDown()
+
+    # helpers
+
+    def _image(self, name, size=24 << 20, qcow2=True, seed=1):
+        """(served file, reference raw) made with qemu-img."""
+        raw = os.path.join(self.src, name + '.raw')
+        parts.patchy_raw(raw, size, seed)
+        if not qcow2:
+            return raw, raw
+        img = os.path.join(self.src, name + '.qcow2')
+        parts.qcow2_from(raw, img)
+        ref = os.path.join(self.dir, name + '.ref')
+        parts.reference_raw(img, ref)
+        return img, ref
+
+    def _node(self, **instance_info):
+        return obj_utils.create_test_node(
+            self.context, uuid=uuidutils.generate_uuid(),
+            driver='fake-hardware', deploy_interface='direct-worker',
+            boot_interface='fake', power_interface='fake',
+            management_interface='noop', network_interface='noop',
+            provision_state=states.DEPLOYING,
+            target_provision_state=states.ACTIVE,
+            instance_info=instance_info, driver_internal_info={})
+
+    def _prepare(self, node):
+        """What the conductor does for a deploy, up to the image step."""
+        with task_manager.acquire(self.context, node.uuid) as task:
+            conductor_utils.update_image_type(task.context, task.node)
+            task.driver.deploy.validate(task)
+            task.driver.deploy.prepare(task)
+            return task.node.instance_info
+
+    def _agent_image_info(self, node):
+        """The image_info Ironic's write_image step hands the agent."""
+        with mock.patch.object(agent_client.AgentClient,
+                               'execute_deploy_step', autospec=True,
+                               return_value={'command_status': 'RUNNING'}
+                               ) as m, \
+                task_manager.acquire(self.context, node.uuid) as task:
+            self.assertEqual(states.DEPLOYWAIT,
+                             task.driver.deploy.write_image(task))
+        return m.call_args[0][1]['args']['image_info']
+
+    def _node_files(self, node):
+        return [p for p in (
+            os.path.join(self.images_path, node.uuid, 'disk'),
+            os.path.join(self.http_root, 'agent_images', node.uuid))
+            if os.path.lexists(p)]
+
+    def _assert_served(self, node, info, reference, algo='sha256'):
+        self.assertEqual('%s/agent_images/%s' % (self.http_url, node.uuid),
+                         info['image_url'])
+        self.assertEqual(parts.file_hash(reference, 'md5'),
+                         info['image_checksum'])
+        if algo is None:
+            algo = info['image_os_hash_algo']
+            self.assertIn(algo, ('sha256', 'sha512'))
+        self.assertEqual(algo, info['image_os_hash_algo'])
+        self.assertEqual(parts.file_hash(reference, algo),
+                         info['image_os_hash_value'])
+        self.assertEqual(os.path.getsize(reference), info['image_size'])
+        self.assertEqual(2, len(self._node_files(node)))
+        image_info = self._agent_image_info(node)
+        got = parts.ipa_download(image_info, self.dir)
+        self.assertEqual(parts.file_hash(reference, 'md5'),
+                         parts.file_hash(got, 'md5'))
+        os.unlink(got)
+
+    # cases
+
+    def test_http_qcow2_converted_and_verified_by_the_agent(self):
+        img, ref = self._image('conv')
+        node = self._node(image_source=self.source.url('conv.qcow2'),
+                          image_os_hash_algo='sha256',
+                          image_os_hash_value=parts.file_hash(img,
+                                                                 'sha256'),
+                          image_disk_format='qcow2')
+        info = self._prepare(node)
+        self.assertEqual('raw', info['image_disk_format'])
+        self.assertEqual('whole-disk', info['image_type'])
+        self._assert_served(node, info, ref)
+        self.assertEqual(1, self.source.count('GET', '/conv.qcow2'))
+
+    def test_raw_served_as_it_is(self):
+        img, ref = self._image('plain', size=6 << 20, qcow2=False, seed=2)
+        node = self._node(image_source=self.source.url('plain.raw'),
+                          image_checksum=parts.file_hash(img, 'md5'))
+        info = self._prepare(node)
+        self.assertEqual('raw', info['image_disk_format'])
+        self._assert_served(node, info, ref)
+
+    def test_glance_image(self):
+        img, ref = self._image('glance', size=16 << 20, seed=3)
+        image_id = self.glance.add(img, 'qcow2', hw_firmware_type='uefi')
+        node = self._node(image_source=image_id)
+        info = self._prepare(node)
+        self.assertEqual('raw', info['image_disk_format'])
+        self.assertEqual('bare', info['image_container_format'])
+        self.assertEqual(['tested'], info['image_tags'])
+        self.assertEqual('uefi',
+                         info['image_properties'].get('hw_firmware_type'))
+        # The hash is of the converted bytes, with the algorithm Ironic
+        # passes on from Glance's metadata (sha256 when none).
+        self._assert_served(node, info, ref, algo=None)
+        self.assertEqual(1, self.glance.data_gets(image_id))
+
+    def test_checksum_mismatch_is_an_ironic_error_with_the_code(self):
+        img, _ = self._image('liar', size=4 << 20, qcow2=False, seed=4)
+        node = self._node(image_source=self.source.url('liar.raw'),
+                          image_os_hash_algo='sha256',
+                          image_os_hash_value='0' * 64)
+        e = self.assertRaises(exception.ImageWorkerPrepareFailed,
+                              self._prepare, node)
+        self.assertEqual('checksum_mismatch', e.error_code)
+        self.assertIn('checksum_mismatch', str(e))
+        self.assertEqual([], self._node_files(node))
+
+    def test_two_nodes_one_image_one_download(self):
+        img, ref = self._image('shared', size=8 << 20, seed=5)
+        sha = parts.file_hash(img, 'sha256')
+        nodes = [self._node(image_source=self.source.url('shared.qcow2'),
+                            image_os_hash_algo='sha256',
+                            image_os_hash_value=sha)
+                 for _ in range(2)]
+        infos = [self._prepare(n) for n in nodes]
+        self.assertEqual(infos[0]['image_os_hash_value'],
+                         infos[1]['image_os_hash_value'])
+        self.assertNotEqual(infos[0]['image_url'], infos[1]['image_url'])
+        self.assertEqual(1, self.source.count('GET', '/shared.qcow2'))
+        for n in nodes:
+            self.assertEqual(2, len(self._node_files(n)))
+
+    def test_deployed_and_teardown_remove_the_node_files(self):
+        img, _ = self._image('life', size=4 << 20, qcow2=False, seed=6)
+        source = self.source.url('life.raw')
+        md5 = parts.file_hash(img, 'md5')
+        sent = []
+        real_tell = deploy.DirectWorkerDeploy._tell_worker
+
+        def tell(iface, task, action):
+            done = real_tell(iface, task, action)
+            sent.append((action, done))
+            return done
+
+        self.useFixture(fx.MockPatchObject(
+            deploy.DirectWorkerDeploy, '_tell_worker', autospec=True,
+            side_effect=tell))
+        # Deployed: the step after the image is written.
+        node = self._node(image_source=source, image_checksum=md5)
+        self._prepare(node)
+        with mock.patch.object(agent_client.AgentClient,
+                               'get_partition_uuids', autospec=True,
+                               return_value={'command_result': {}}), \
+                mock.patch.object(agent_client.AgentClient,
+                                  'install_bootloader', autospec=True,
+                                  return_value={
+                                      'command_status': 'SUCCEEDED'}), \
+                task_manager.acquire(self.context, node.uuid) as task:
+            task.driver.deploy.prepare_instance_boot(task)
+        self.assertEqual('deployed', sent[-1][0])
+        self.assertEqual('success', sent[-1][1]['status'])
+        self.assertEqual([], self._node_files(node))
+        # Teardown of a node that still has its files (deploy failed).
+        node = self._node(image_source=source, image_checksum=md5)
+        self._prepare(node)
+        self.assertEqual(2, len(self._node_files(node)))
+        with task_manager.acquire(self.context, node.uuid) as task:
+            task.driver.deploy.clean_up(task)
+            task.driver.deploy.tear_down(task)
+        self.assertEqual('cleanup', sent[-1][0])
+        self.assertEqual('success', sent[-1][1]['status'])
+        self.assertEqual([], self._node_files(node))
+
+    def test_no_worker_for_the_host_fails_at_once(self):
+        self.config(conductor_host='nobody-%s' % uuidutils.generate_uuid(),
+                    group='image_worker')
+        node = self._node(image_source=self.source.url('absent.raw'),
+                          image_checksum='0' * 32)
+        started = time.monotonic()
+        e = self.assertRaises(exception.ImageWorkerNotListening,
+                              self._prepare, node)
+        self.assertEqual('no_worker', e.error_code)
+        self.assertLess(time.monotonic() - started, 30)
+
+    def test_stopped_worker_is_a_deadline_error(self):
+        spare = parts.SpareWorker(
+            parts.env('IIW_WORKER_BIN'), parts.env('IIW_SPARE_CONFIG'),
+            int(parts.env('IIW_SPARE_METRICS_PORT')))
+        spare.start()
+        spare.stop()
+        # Its queue stays (durable) with no consumer.
+        self.config(conductor_host=parts.env('IIW_SPARE_HOST'),
+                    prepare_timeout=2, group='image_worker')
+        node = self._node(image_source=self.source.url('absent.raw'),
+                          image_checksum='0' * 32)
+        started = time.monotonic()
+        e = self.assertRaises(exception.ImageWorkerTimeout,
+                              self._prepare, node)
+        self.assertEqual('timeout', e.error_code)
+        self.assertGreaterEqual(time.monotonic() - started, 2)
+        self.assertLess(time.monotonic() - started, 30)
+
+    def test_teardown_survives_an_unreachable_broker(self):
+        node = self._node(image_source=self.source.url('absent.raw'),
+                          image_checksum='0' * 32)
+        self.config(transport_url='rabbit://guest:guest@127.0.0.1:1/',
+                    group='image_worker')
+        with task_manager.acquire(self.context, node.uuid) as task:
+            task.driver.deploy.clean_up(task)
+            e = self.assertRaises(
+                exception.ImageWorkerBrokerUnreachable,
+                task.driver.deploy._build_instance_info, task)
+        self.assertEqual('broker_unreachable', e.error_code)
+
+
+class HardwareTypesTestCase(TestCase):
+    """direct-worker is accepted wherever Ironic accepts direct."""
+
+    def test_generic_hardware_types_accept_it(self):
+        self.config(enabled_hardware_types=['manual-management', 'ipmi',
+                                            'redfish', 'fake-hardware'])
+        self.config(enabled_deploy_interfaces=['fake', 'direct',
+                                               'direct-worker'])
+        for name in ('manual-management', 'ipmi', 'redfish'):
+            hw_type = driver_factory.get_hardware_type(name)
+            self.assertIn('direct-worker',
+                          driver_factory.enabled_supported_interfaces(
+                              hw_type)['deploy'])
+        node = obj_utils.create_test_node(
+            self.context, uuid=uuidutils.generate_uuid(),
+            driver='manual-management', deploy_interface='direct-worker',
+            boot_interface='pxe', power_interface='fake',
+            management_interface='fake', network_interface='noop')
+        with task_manager.acquire(self.context, node.uuid) as task:
+            self.assertIsInstance(task.driver.deploy,
+                                  deploy.DirectWorkerDeploy)
+
+
+class BrokerSettingsTestCase(TestCase):
+    """The worker's broker is ironic.conf's own."""
+
+    def test_every_host_of_the_transport_url(self):
+        self.config(transport_url='rabbit://u%40x:p%2Fw@h1:5671,'
+                                  'u%40x:p%2Fw@[::1]:5672/ironic')
+        urls, _ = worker_client.broker_urls()
+        self.assertEqual(['amqp://u%40x:p%2Fw@h1:5671/ironic',
+                          'amqp://u%40x:p%2Fw@[::1]:5672/ironic'], urls)
+        self.config(transport_url='rabbit://h2:5673,h3:5673/ironic',
+                    group='image_worker')
+        urls, _ = worker_client.broker_urls()
+        self.assertEqual(['amqp://guest:guest@h2:5673/ironic',
+                          'amqp://guest:guest@h3:5673/ironic'], urls)
+
+    def test_tls_from_oslo_messaging_rabbit(self):
+        self.config(transport_url='rabbit://u:p@h1:5671/')
+        _, parsed = worker_client.broker_urls()
+        self.assertFalse(worker_client.ssl_params(parsed_url=parsed))
+        self.config(ssl=True, ssl_ca_file='/etc/ca.pem',
+                    ssl_cert_file='/etc/c.pem', ssl_key_file='/etc/k.pem',
+                    group='oslo_messaging_rabbit')
+        params = worker_client.ssl_params(parsed_url=parsed)
+        self.assertEqual('/etc/ca.pem', params['ca_certs'])
+        self.assertEqual('/etc/c.pem', params['certfile'])
+        self.assertEqual('/etc/k.pem', params['keyfile'])
