@@ -50,9 +50,10 @@ from ironic_image_worker_deploy import deploy
 from ironic_image_worker_deploy.tests import parts
 
 
-def _node(ctx, source, sha256):
+def _node(ctx, source, sha256, deploy_interface):
     return objects.Node(
         ctx, uuid=str(uuid.uuid4()), driver='fake-hardware', properties={},
+        deploy_interface=deploy_interface, boot_interface='fake',
         driver_info={}, driver_internal_info={'is_whole_disk_image': True},
         instance_info={'image_source': source,
                        'image_os_hash_algo': 'sha256',
@@ -139,14 +140,16 @@ def main():
 
         os.sync()
         task = types.SimpleNamespace(context=ctx,
-                                     node=_node(ctx, url, sha256))
+                                     node=_node(ctx, url, sha256,
+                                                'direct'))
         started = time.monotonic()
         ironic_info = deploy_utils.build_instance_info_for_deploy(task)
         ironic_s = time.monotonic() - started
 
         os.sync()
         task = types.SimpleNamespace(context=ctx,
-                                     node=_node(ctx, url, sha256))
+                                     node=_node(ctx, url, sha256,
+                                                'direct-worker'))
         started = time.monotonic()
         worker_info = deploy.DirectWorkerDeploy()._build_instance_info(task)
         worker_s = time.monotonic() - started
