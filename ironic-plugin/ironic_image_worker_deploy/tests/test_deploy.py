@@ -37,6 +37,7 @@ from ironic.tests.unit.objects import utils as obj_utils
 from oslo_utils import uuidutils
 
 from ironic_image_worker_deploy import client as worker_client
+from ironic_image_worker_deploy import conf
 from ironic_image_worker_deploy import deploy
 from ironic_image_worker_deploy import exception
 from ironic_image_worker_deploy.tests import parts
@@ -225,6 +226,10 @@ class DirectWorkerTestCase(TestCase):
         self.assertEqual(1, self.source.count('GET', '/conv.qcow2'))
 
     def test_raw_served_as_it_is(self):
+        # A multi-host transport URL whose first host is down: the next one
+        # is used.
+        self.config(transport_url='rabbit://guest:guest@127.0.0.1:1,'
+                    + parts.env('IIW_TRANSPORT_URL').split('//', 1)[1])
         img, ref = self._image('plain', size=6 << 20, qcow2=False, seed=2)
         node = self._node(image_source=self.source.url('plain.raw'),
                           image_checksum=parts.file_hash(img, 'md5'))
@@ -393,6 +398,13 @@ class BrokerSettingsTestCase(TestCase):
         urls, _ = worker_client.broker_urls()
         self.assertEqual(['amqp://guest:guest@h2:5673/ironic',
                           'amqp://guest:guest@h3:5673/ironic'], urls)
+
+    def test_options_for_the_config_generator(self):
+        [(group, opts)] = conf.list_opts()
+        self.assertEqual('image_worker', group)
+        self.assertEqual({'exchange', 'conductor_host', 'transport_url',
+                          'prepare_timeout', 'command_timeout',
+                          'connect_timeout'}, {o.name for o in opts})
 
     def test_tls_from_oslo_messaging_rabbit(self):
         self.config(transport_url='rabbit://u:p@h1:5671/')
