@@ -318,6 +318,14 @@ class DirectWorkerTestCase(TestCase):
         self.assertEqual('cleanup', sent[-1][0])
         self.assertEqual('success', sent[-1][1]['status'])
         self.assertEqual([], self._node_files(node))
+        # Ironic removes the same files itself; the worker's cleanup alone
+        # removes them too.
+        node = self._node(image_source=source, image_checksum=md5)
+        self._prepare(node)
+        with task_manager.acquire(self.context, node.uuid) as task:
+            done = real_tell(task.driver.deploy, task, 'cleanup')
+        self.assertEqual('success', done['status'])
+        self.assertEqual([], self._node_files(node))
 
     def test_no_worker_for_the_host_fails_at_once(self):
         self.config(conductor_host='nobody-%s' % uuidutils.generate_uuid(),
