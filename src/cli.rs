@@ -228,6 +228,13 @@ fn request(action: Action, node: NodeArgs, image: Option<ImageArgs>) -> Request 
     }
 }
 
+/// Whether log lines get ANSI colours: only on a terminal (not in a file or
+/// the journal), and never when `NO_COLOR` is set to anything non-empty.
+fn colour_logs() -> bool {
+    use std::io::IsTerminal;
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+}
+
 /// Sets up logging on stderr (`RUST_LOG` filters, default `info`).
 pub fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
@@ -235,6 +242,7 @@ pub fn init_logging(format: LogFormat) {
     });
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(colour_logs())
         .with_writer(std::io::stderr);
     let _ = match format {
         LogFormat::Human => builder.try_init(),

@@ -229,6 +229,16 @@ pub struct AmqpSection {
 pub struct HttpSection {
     /// Listen address of the image server.
     pub listen: SocketAddr,
+    /// Seconds a client has to send a complete request header (also the
+    /// longest a keep-alive connection waits for its next request).
+    pub header_timeout: u64,
+    /// Seconds without a byte received or sent (a client that stopped
+    /// reading a download) before a connection is closed.
+    pub idle_timeout: u64,
+    /// Connections the image server keeps open at once; 0 derives it from
+    /// the process file-descriptor limit, keeping descriptors for the
+    /// pipeline, the broker and the metrics listener.
+    pub max_connections: usize,
 }
 
 /// `[metrics]`: the metrics / health listener.
@@ -361,6 +371,9 @@ impl Default for HttpSection {
     fn default() -> Self {
         HttpSection {
             listen: SocketAddr::from(([0, 0, 0, 0], 8080)),
+            header_timeout: 60,
+            idle_timeout: 60,
+            max_connections: 0,
         }
     }
 }

@@ -108,7 +108,7 @@ async fn run_child(
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<Digests> {
     let memory = limits.memory;
-    let exe = std::env::current_exe().map_err(|e| Error::io("locate own binary", e))?;
+    let exe = "/proc/self/exe"; // the running binary, also after it was replaced on disk
     let mut cmd = tokio::process::Command::new(exe);
     cmd.arg("convert-child").arg(src).arg(dst);
     if sha512 {

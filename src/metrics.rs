@@ -3,8 +3,8 @@
 
 use crate::events::Completion;
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// All metrics; cheap to clone handles are kept inside.
@@ -16,12 +16,17 @@ pub struct Metrics {
     pub prepare_seconds: HistogramVec,
     /// Image server requests by HTTP status.
     pub http_requests: IntCounterVec,
-    /// Image server response bytes (Content-Length of answered requests).
+    /// Image server response body bytes sent (as they are handed to the
+    /// connection: nothing for HEAD, the sent part of an aborted download).
     pub http_bytes: IntCounterVec,
+    /// Connections open on the image server.
+    pub http_connections: IntGauge,
+    /// Image server connections closed by its limits, by reason.
+    pub http_connections_dropped: IntCounterVec,
     /// 1 while connected to the broker.
     pub amqp_connected: IntGauge,
     /// Reconnection attempts to the broker.
-    pub amqp_reconnects: prometheus::IntCounter,
+    pub amqp_reconnects: IntCounter,
     /// Messages acknowledged without an answer, by reason.
     pub ignored: IntCounterVec,
     /// Messages consumed, by source (command/notification), action, outcome.
@@ -35,7 +40,7 @@ pub struct Metrics {
     /// Masters linked by at least one node.
     pub cache_linked: IntGauge,
     /// Masters evicted.
-    pub evictions: prometheus::IntCounter,
+    pub evictions: IntCounter,
     /// Published node symlinks.
     pub active_links: IntGauge,
     /// Requests being handled, by action.
@@ -45,212 +50,206 @@ pub struct Metrics {
     /// Bytes expected of in-flight transfers, by stage (0 when unknown).
     pub in_flight_expected: IntGaugeVec,
     /// Bytes downloaded from sources.
-    pub download_bytes: prometheus::IntCounter,
+    pub download_bytes: IntCounter,
     /// Download durations.
-    pub download_seconds: prometheus::Histogram,
+    pub download_seconds: Histogram,
     /// Raw bytes produced by conversions.
-    pub convert_bytes: prometheus::IntCounter,
+    pub convert_bytes: IntCounter,
     /// Conversions by mode: `while_downloading` or `after_download`.
     pub conversions: IntCounterVec,
     /// Conversion durations.
-    pub convert_seconds: prometheus::Histogram,
+    pub convert_seconds: Histogram,
     /// Time the slowest hasher of a pass spent hashing.
-    pub hash_seconds: prometheus::Histogram,
+    pub hash_seconds: Histogram,
 }
 
 const PREFIX: &str = "ironic_image_worker_";
+
+/// Buckets of the transfer and conversion durations, seconds.
+const DURATION_BUCKETS: &[f64] = &[0.01, 0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 1200.0, 3600.0];
+
+/// Buckets of the prepare duration (cache hits take milliseconds), seconds.
+const PREPARE_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.02, 0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 1200.0,
+];
+
+/// Creates metrics named `ironic_image_worker_<name>` and registers them,
+/// so that each metric is declared in one line.
+struct Registrar<'a>(&'a Registry);
+
+impl Registrar<'_> {
+    /// Registers `metric`; names and labels are fixed in this file, so a
+    /// failure is a programming error that every test run would show.
+    fn add<M: prometheus::core::Collector + Clone + 'static>(
+        &self,
+        metric: prometheus::Result<M>,
+    ) -> M {
+        let metric = metric.expect("valid metric");
+        self.0
+            .register(Box::new(metric.clone()))
+            .expect("unique metric");
+        metric
+    }
+
+    fn opts(name: &str, help: &str) -> Opts {
+        Opts::new(format!("{PREFIX}{name}"), help)
+    }
+
+    fn counter(&self, name: &str, help: &str) -> IntCounter {
+        self.add(IntCounter::with_opts(Self::opts(name, help)))
+    }
+
+    fn counter_vec(&self, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+        self.add(IntCounterVec::new(Self::opts(name, help), labels))
+    }
+
+    fn gauge(&self, name: &str, help: &str) -> IntGauge {
+        self.add(IntGauge::with_opts(Self::opts(name, help)))
+    }
+
+    fn gauge_vec(&self, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+        self.add(IntGaugeVec::new(Self::opts(name, help), labels))
+    }
+
+    fn histogram(&self, name: &str, help: &str, buckets: &[f64]) -> Histogram {
+        self.add(Histogram::with_opts(
+            HistogramOpts::from(Self::opts(name, help)).buckets(buckets.to_vec()),
+        ))
+    }
+
+    fn histogram_vec(
+        &self,
+        name: &str,
+        help: &str,
+        labels: &[&str],
+        buckets: &[f64],
+    ) -> HistogramVec {
+        self.add(HistogramVec::new(
+            HistogramOpts::from(Self::opts(name, help)).buckets(buckets.to_vec()),
+            labels,
+        ))
+    }
+}
 
 impl Metrics {
     /// Creates and registers every metric (plus process metrics on Linux).
     pub fn new() -> Metrics {
         let registry = Registry::new();
-        let counter = |name: &str, help: &str, labels: &[&str]| {
-            let c = IntCounterVec::new(Opts::new(format!("{PREFIX}{name}"), help), labels)
-                .expect("valid metric");
-            registry
-                .register(Box::new(c.clone()))
-                .expect("unique metric");
-            c
-        };
-        let completions = counter(
-            "completions_total",
-            "Completion events by action, status and error code.",
-            &["action", "status", "code"],
-        );
-        let http_requests = counter(
-            "http_requests_total",
-            "Image server requests by status code.",
-            &["status"],
-        );
-        let http_bytes = counter(
-            "http_response_bytes_total",
-            "Image server response body bytes announced, by status code.",
-            &["status"],
-        );
-        let messages = counter(
-            "messages_consumed_total",
-            "Messages consumed from the broker by source, action and outcome.",
-            &["source", "action", "outcome"],
-        );
-        let conversions = counter(
-            "conversions_total",
-            "Conversions to raw by mode (while_downloading, after_download).",
-            &["mode"],
-        );
-        let ignored = counter(
-            "ignored_messages_total",
-            "Messages acknowledged without an answer (other conductors, irrelevant notifications), by reason.",
-            &["reason"],
-        );
-        let prepare_seconds = HistogramVec::new(
-            HistogramOpts::new(
-                format!("{PREFIX}prepare_duration_seconds"),
+        let r = Registrar(&registry);
+        let metrics = Metrics {
+            completions: r.counter_vec(
+                "completions_total",
+                "Completion events by action, status and error code.",
+                &["action", "status", "code"],
+            ),
+            prepare_seconds: r.histogram_vec(
+                "prepare_duration_seconds",
                 "Prepare duration by cache outcome.",
-            )
-            .buckets(vec![
-                0.001, 0.005, 0.02, 0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 1200.0,
-            ]),
-            &["cache"],
-        )
-        .expect("valid metric");
-        registry
-            .register(Box::new(prepare_seconds.clone()))
-            .expect("unique metric");
-        let amqp_connected = IntGauge::new(
-            format!("{PREFIX}amqp_connected"),
-            "1 while the worker is connected to the broker.",
-        )
-        .expect("valid metric");
-        registry
-            .register(Box::new(amqp_connected.clone()))
-            .expect("unique metric");
-        let amqp_reconnects = prometheus::IntCounter::new(
-            format!("{PREFIX}amqp_reconnects_total"),
-            "Reconnection attempts to the broker.",
-        )
-        .expect("valid metric");
-        registry
-            .register(Box::new(amqp_reconnects.clone()))
-            .expect("unique metric");
-        let gauge = |name: &str, help: &str| {
-            let g = IntGauge::new(format!("{PREFIX}{name}"), help).expect("valid metric");
-            registry
-                .register(Box::new(g.clone()))
-                .expect("unique metric");
-            g
+                &["cache"],
+                PREPARE_BUCKETS,
+            ),
+            http_requests: r.counter_vec(
+                "http_requests_total",
+                "Image server requests by status code.",
+                &["status"],
+            ),
+            http_bytes: r.counter_vec(
+                "http_response_bytes_total",
+                "Image server response body bytes sent, by status code.",
+                &["status"],
+            ),
+            http_connections: r.gauge(
+                "http_connections_open",
+                "Connections open on the image server.",
+            ),
+            http_connections_dropped: r.counter_vec(
+                "http_connections_dropped_total",
+                "Image server connections closed by the server: header_timeout, idle_timeout, \
+                 evicted (to make room at the cap), refused (at the cap, all busy).",
+                &["reason"],
+            ),
+            amqp_connected: r.gauge(
+                "amqp_connected",
+                "1 while the worker is connected to the broker.",
+            ),
+            amqp_reconnects: r.counter(
+                "amqp_reconnects_total",
+                "Reconnection attempts to the broker.",
+            ),
+            ignored: r.counter_vec(
+                "ignored_messages_total",
+                "Messages acknowledged without an answer (other conductors, irrelevant notifications), by reason.",
+                &["reason"],
+            ),
+            messages: r.counter_vec(
+                "messages_consumed_total",
+                "Messages consumed from the broker by source, action and outcome.",
+                &["source", "action", "outcome"],
+            ),
+            cache_bytes: r.gauge(
+                "cache_size_bytes",
+                "Bytes allocated by the master image cache.",
+            ),
+            cache_limit: r.gauge(
+                "cache_limit_bytes",
+                "The cache size limit ([pxe]image_cache_size).",
+            ),
+            cache_files: r.gauge("cache_files", "Masters in the image cache."),
+            cache_linked: r.gauge(
+                "cache_linked_files",
+                "Masters linked by at least one node (never evicted).",
+            ),
+            evictions: r.counter("cache_evictions_total", "Masters evicted from the cache."),
+            active_links: r.gauge("active_links", "Published node symlinks under http_root."),
+            in_flight: r.gauge_vec(
+                "operations_in_flight",
+                "Requests being handled, by action.",
+                &["action"],
+            ),
+            in_flight_done: r.gauge_vec(
+                "in_flight_bytes_done",
+                "Bytes done of in-flight downloads and conversions, by stage.",
+                &["stage"],
+            ),
+            in_flight_expected: r.gauge_vec(
+                "in_flight_bytes_expected",
+                "Bytes expected of in-flight downloads and conversions, by stage (0 when unknown).",
+                &["stage"],
+            ),
+            download_bytes: r.counter(
+                "download_bytes_total",
+                "Bytes downloaded from image sources.",
+            ),
+            download_seconds: r.histogram(
+                "download_duration_seconds",
+                "Duration of image downloads.",
+                DURATION_BUCKETS,
+            ),
+            convert_bytes: r.counter(
+                "conversion_bytes_total",
+                "Raw bytes produced by conversions.",
+            ),
+            conversions: r.counter_vec(
+                "conversions_total",
+                "Conversions to raw by mode (while_downloading, after_download).",
+                &["mode"],
+            ),
+            convert_seconds: r.histogram(
+                "conversion_duration_seconds",
+                "Duration of conversions to raw.",
+                DURATION_BUCKETS,
+            ),
+            hash_seconds: r.histogram(
+                "hashing_duration_seconds",
+                "Time the slowest hasher of a pass spent hashing (it runs beside the I/O).",
+                DURATION_BUCKETS,
+            ),
+            registry: registry.clone(),
         };
-        let cache_bytes = gauge(
-            "cache_size_bytes",
-            "Bytes allocated by the master image cache.",
-        );
-        let cache_files = gauge("cache_files", "Masters in the image cache.");
-        let cache_limit = gauge(
-            "cache_limit_bytes",
-            "The cache size limit ([pxe]image_cache_size).",
-        );
-        let cache_linked = gauge(
-            "cache_linked_files",
-            "Masters linked by at least one node (never evicted).",
-        );
-        let evictions = prometheus::IntCounter::new(
-            format!("{PREFIX}cache_evictions_total"),
-            "Masters evicted from the cache.",
-        )
-        .expect("valid metric");
-        registry
-            .register(Box::new(evictions.clone()))
-            .expect("unique metric");
-        let gauge_vec = |name: &str, help: &str, labels: &[&str]| {
-            let g = IntGaugeVec::new(Opts::new(format!("{PREFIX}{name}"), help), labels)
-                .expect("valid metric");
-            registry
-                .register(Box::new(g.clone()))
-                .expect("unique metric");
-            g
-        };
-        let active_links = gauge("active_links", "Published node symlinks under http_root.");
-        let in_flight = gauge_vec(
-            "operations_in_flight",
-            "Requests being handled, by action.",
-            &["action"],
-        );
-        let in_flight_done = gauge_vec(
-            "in_flight_bytes_done",
-            "Bytes done of in-flight downloads and conversions, by stage.",
-            &["stage"],
-        );
-        let in_flight_expected = gauge_vec(
-            "in_flight_bytes_expected",
-            "Bytes expected of in-flight downloads and conversions, by stage (0 when unknown).",
-            &["stage"],
-        );
-        let counter1 = |name: &str, help: &str| {
-            let c =
-                prometheus::IntCounter::new(format!("{PREFIX}{name}"), help).expect("valid metric");
-            registry
-                .register(Box::new(c.clone()))
-                .expect("unique metric");
-            c
-        };
-        let download_bytes = counter1(
-            "download_bytes_total",
-            "Bytes downloaded from image sources.",
-        );
-        let convert_bytes = counter1(
-            "conversion_bytes_total",
-            "Raw bytes produced by conversions.",
-        );
-        let histogram = |name: &str, help: &str| {
-            let h = prometheus::Histogram::with_opts(
-                HistogramOpts::new(format!("{PREFIX}{name}"), help).buckets(vec![
-                    0.01, 0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 1200.0, 3600.0,
-                ]),
-            )
-            .expect("valid metric");
-            registry
-                .register(Box::new(h.clone()))
-                .expect("unique metric");
-            h
-        };
-        let download_seconds =
-            histogram("download_duration_seconds", "Duration of image downloads.");
-        let convert_seconds = histogram(
-            "conversion_duration_seconds",
-            "Duration of conversions to raw.",
-        );
-        let hash_seconds = histogram(
-            "hashing_duration_seconds",
-            "Time the slowest hasher of a pass spent hashing (it runs beside the I/O).",
-        );
         let _ = registry.register(Box::new(
             prometheus::process_collector::ProcessCollector::for_self(),
         ));
-        Metrics {
-            registry,
-            completions,
-            prepare_seconds,
-            http_requests,
-            http_bytes,
-            amqp_connected,
-            amqp_reconnects,
-            ignored,
-            messages,
-            cache_bytes,
-            cache_limit,
-            cache_files,
-            cache_linked,
-            evictions,
-            active_links,
-            in_flight,
-            in_flight_done,
-            in_flight_expected,
-            download_bytes,
-            download_seconds,
-            convert_bytes,
-            conversions,
-            convert_seconds,
-            hash_seconds,
-        }
+        metrics
     }
 
     /// Records a finished conversion (`mode`: `while_downloading` or

@@ -20,6 +20,7 @@ pub async fn serve(config: Config) -> Result<()> {
         &[&config.pxe.instance_master_path, &config.pxe.images_path],
     )
     .map_err(|e| Error::io("resolve served directories", e))?;
+    let limits = image_server_limits(&config);
     let image_listener = bind(config.http.listen).await?;
     let ops_listener = bind(config.metrics.listen).await?;
     tracing::info!(
@@ -27,6 +28,7 @@ pub async fn serve(config: Config) -> Result<()> {
         images = %config.http.listen,
         metrics = %config.metrics.listen,
         http_url = %config.http_url(),
+        max_connections = limits.max_connections,
         "ironic-image-worker serving"
     );
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -49,12 +51,14 @@ pub async fn serve(config: Config) -> Result<()> {
         image_listener,
         roots,
         metrics.clone(),
+        limits,
         stopped(stop_rx.clone()),
     ));
     let ops = tokio::spawn(http::serve_ops(
         ops_listener,
         metrics.clone(),
         health,
+        limits,
         stopped(stop_rx.clone()),
     ));
     let consumer = tokio::spawn(crate::amqp::run(
@@ -112,6 +116,23 @@ async fn housekeeping(pipeline: Arc<Pipeline>, mut stop: watch::Receiver<bool>) 
             _ = tokio::time::sleep(GAUGES_EVERY) => {}
             _ = stop.wait_for(|s| *s) => return,
         }
+    }
+}
+
+/// The image server's timeouts and connection cap; the cap stays below the
+/// open-file limit (raised to the hard limit first) with descriptors kept
+/// for the pipeline, the broker and the metrics listener.
+fn image_server_limits(config: &Config) -> http::Limits {
+    let fd_limit = crate::listener::raise_open_file_limit();
+    let headroom = crate::listener::descriptor_headroom(config.amqp.prefetch);
+    http::Limits {
+        header_timeout: std::time::Duration::from_secs(config.http.header_timeout.max(1)),
+        idle_timeout: std::time::Duration::from_secs(config.http.idle_timeout.max(1)),
+        max_connections: crate::listener::connection_cap(
+            config.http.max_connections,
+            fd_limit,
+            headroom,
+        ),
     }
 }
 

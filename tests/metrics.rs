@@ -72,9 +72,24 @@ async fn metrics_appear_and_move() {
     broker
         .publish_notification(other.to_string().as_bytes())
         .await;
-    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-
-    let text = worker.metrics_text().await;
+    // Wait until the notification was counted (a deadline, not a sleep).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let text = loop {
+        let text = worker.metrics_text().await;
+        let counted = value(
+            &scrape(&text),
+            "ironic_image_worker_ignored_messages_total",
+            &[("reason", "other_publisher")],
+        );
+        if counted.is_some_and(|n| n >= 1.0) {
+            break text;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "notification never counted"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
     let m = scrape(&text);
     let v = |name: &str, labels: &[(&str, &str)]| {
         value(&m, &format!("ironic_image_worker_{name}"), labels)
@@ -134,13 +149,22 @@ async fn metrics_appear_and_move() {
     at_least("cache_files", &[], 1.0);
     at_least("cache_linked_files", &[], 1.0);
     at_least("cache_limit_bytes", &[], (20480u64 << 20) as f64);
-    at_least("cache_evictions_total", &[], 0.0);
+    // Nothing was evicted, nothing is in flight, the broker never dropped.
+    let exactly = |name: &str, labels: &[(&str, &str)], want: f64| {
+        let got = v(name, labels).unwrap_or_else(|| panic!("{name} {labels:?} missing:\n{text}"));
+        assert_eq!(got, want, "{name} {labels:?}");
+    };
+    exactly("cache_evictions_total", &[], 0.0);
     at_least("active_links", &[], 1.0);
-    at_least("operations_in_flight", &[], 0.0);
-    at_least("in_flight_bytes_done", &[("stage", "download")], 0.0);
-    at_least("in_flight_bytes_expected", &[("stage", "convert")], 0.0);
-    at_least("amqp_connected", &[], 1.0);
-    at_least("amqp_reconnects_total", &[], 0.0);
+    exactly("operations_in_flight", &[], 0.0);
+    exactly("in_flight_bytes_done", &[("stage", "download")], 0.0);
+    exactly("in_flight_bytes_expected", &[("stage", "convert")], 0.0);
+    exactly("amqp_connected", &[], 1.0);
+    exactly("amqp_reconnects_total", &[], 0.0);
+    assert!(
+        v("http_connections_open", &[]).is_some(),
+        "http_connections_open missing"
+    );
     at_least("http_requests_total", &[("status", "200")], 1.0);
     at_least(
         "http_response_bytes_total",
