@@ -72,9 +72,24 @@ async fn metrics_appear_and_move() {
     broker
         .publish_notification(other.to_string().as_bytes())
         .await;
-    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-
-    let text = worker.metrics_text().await;
+    // Wait (with a deadline) until the worker has counted it.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let text = loop {
+        let text = worker.metrics_text().await;
+        let ignored = value(
+            &scrape(&text),
+            "ironic_image_worker_ignored_messages_total",
+            &[("reason", "other_publisher")],
+        );
+        if ignored.is_some_and(|n| n >= 1.0) {
+            break text;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the other conductor's notification was never counted:\n{text}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
     let m = scrape(&text);
     let v = |name: &str, labels: &[(&str, &str)]| {
         value(&m, &format!("ironic_image_worker_{name}"), labels)
@@ -82,6 +97,12 @@ async fn metrics_appear_and_move() {
     let at_least = |name: &str, labels: &[(&str, &str)], min: f64| {
         let got = v(name, labels).unwrap_or_else(|| panic!("{name} {labels:?} missing:\n{text}"));
         assert!(got >= min, "{name} {labels:?} = {got}, expected >= {min}");
+    };
+    // Present, and back to (or still at) zero: nothing is in flight once
+    // every answer is in, no eviction under the default limit, no reconnect.
+    let zero = |name: &str, labels: &[(&str, &str)]| {
+        let got = v(name, labels).unwrap_or_else(|| panic!("{name} {labels:?} missing:\n{text}"));
+        assert_eq!(got, 0.0, "{name} {labels:?}");
     };
     at_least(
         "messages_consumed_total",
@@ -134,13 +155,13 @@ async fn metrics_appear_and_move() {
     at_least("cache_files", &[], 1.0);
     at_least("cache_linked_files", &[], 1.0);
     at_least("cache_limit_bytes", &[], (20480u64 << 20) as f64);
-    at_least("cache_evictions_total", &[], 0.0);
+    zero("cache_evictions_total", &[]);
     at_least("active_links", &[], 1.0);
-    at_least("operations_in_flight", &[], 0.0);
-    at_least("in_flight_bytes_done", &[("stage", "download")], 0.0);
-    at_least("in_flight_bytes_expected", &[("stage", "convert")], 0.0);
+    zero("operations_in_flight", &[]);
+    zero("in_flight_bytes_done", &[("stage", "download")]);
+    zero("in_flight_bytes_expected", &[("stage", "convert")]);
     at_least("amqp_connected", &[], 1.0);
-    at_least("amqp_reconnects_total", &[], 0.0);
+    zero("amqp_reconnects_total", &[]);
     at_least("http_requests_total", &[("status", "200")], 1.0);
     at_least(
         "http_response_bytes_total",
