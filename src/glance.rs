@@ -13,8 +13,6 @@ use tokio::sync::Mutex;
 /// What Glance says about an image, the fields Ironic uses.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct ImageMeta {
-    /// The image id.
-    pub id: String,
     /// `active` when the image has data that can be downloaded.
     #[serde(default)]
     pub status: String,
