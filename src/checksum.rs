@@ -7,7 +7,7 @@ use std::fmt;
 /// A digest algorithm Ironic may name for an image.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Algo {
-    /// MD5, Ironic's legacy `image_checksum` and the mission's published checksum.
+    /// MD5, Ironic's legacy `image_checksum` and the checksum published with every served image.
     Md5,
     /// SHA-256, Glance's default `os_hash_algo` after a format change.
     Sha256,

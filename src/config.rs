@@ -144,7 +144,7 @@ pub struct DefaultSection {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AgentSection {
-    /// `local`, `http` or `swift` (see DESIGN.md 3.5); the worker defaults to `local`.
+    /// `local`, `http` or `swift` (see docs/contract.md, "Which images are cached"); the worker defaults to `local`.
     pub image_download_source: String,
     /// Ironic's `stream_raw_images` (default true).
     pub stream_raw_images: bool,

@@ -126,12 +126,16 @@ async fn run_child(
     // SAFETY: only async-signal-safe calls between fork and exec.
     unsafe {
         cmd.pre_exec(move || {
-            let lim = libc::rlimit {
-                rlim_cur: memory as libc::rlim_t,
-                rlim_max: memory as libc::rlim_t,
+            // rustix issues the system calls directly: no allocation, no lock.
+            let lim = Some(memory);
+            let lim = rustix::process::Rlimit {
+                current: lim,
+                maximum: lim,
             };
-            libc::setrlimit(libc::RLIMIT_AS, &lim);
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            let _ = rustix::process::setrlimit(rustix::process::Resource::As, lim);
+            let _ = rustix::process::set_parent_process_death_signal(Some(
+                rustix::process::Signal::KILL,
+            ));
             Ok(())
         });
     }

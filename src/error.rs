@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
-/// Machine-readable error codes of DESIGN.md 3.3. Other programs switch on
+/// Machine-readable error codes of the completion event. Other programs switch on
 /// these strings, so the list is closed and mirrored in the JSON schema.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

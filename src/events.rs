@@ -132,7 +132,7 @@ pub struct ErrorBody {
     pub message: String,
 }
 
-/// The completion event of DESIGN.md 3.3: one per handled request.
+/// The completion event (docs/contract.md, "Completion events"): one per handled request.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Completion {
     /// The action answered.

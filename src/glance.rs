@@ -13,8 +13,6 @@ use tokio::sync::Mutex;
 /// What Glance says about an image, the fields Ironic uses.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct ImageMeta {
-    /// The image id.
-    pub id: String,
     /// `active` when the image has data that can be downloaded.
     #[serde(default)]
     pub status: String,
@@ -351,31 +349,17 @@ struct Endpoint {
     region_id: Option<String>,
 }
 
-/// Parses the UTC timestamps of Keystone and Glance
-/// (`2026-11-30T05:00:00Z`, `2026-11-30T05:00:00.000000Z`, `+00:00`).
+/// Parses the RFC 3339 timestamps of Keystone and Glance
+/// (`2026-11-30T05:00:00Z`, `2026-11-30T05:00:00.000000Z`, `...+02:00`),
+/// honouring the offset; a timestamp without one is taken as UTC, as
+/// oslo's `isotime` writes it.
 pub fn parse_iso8601(s: &str) -> Option<SystemTime> {
-    let b = s.as_bytes();
-    if b.len() < 19 || b[4] != b'-' || b[7] != b'-' || b[10] != b'T' {
-        return None;
-    }
-    let num = |r: std::ops::Range<usize>| s.get(r)?.parse::<i64>().ok();
-    let (y, m, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
-    let (hh, mm, ss) = (num(11..13)?, num(14..16)?, num(17..19)?);
-    if !(1..=12).contains(&m) || !(1..=31).contains(&d) || hh > 23 || mm > 59 || ss > 60 {
-        return None;
-    }
-    // Days since 1970-01-01 (Howard Hinnant's days_from_civil).
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (m + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146097 + doe - 719468;
-    let secs = days * 86400 + hh * 3600 + mm * 60 + ss;
-    u64::try_from(secs)
-        .ok()
-        .map(|s| UNIX_EPOCH + Duration::from_secs(s))
+    use time::format_description::well_known::Rfc3339;
+    let parsed = time::OffsetDateTime::parse(s, &Rfc3339)
+        .or_else(|_| time::OffsetDateTime::parse(&format!("{s}Z"), &Rfc3339))
+        .ok()?;
+    let secs = u64::try_from(parsed.unix_timestamp()).ok()?;
+    Some(UNIX_EPOCH + Duration::from_secs(secs) + Duration::from_nanos(parsed.nanosecond().into()))
 }
 
 #[cfg(test)]
@@ -395,5 +379,26 @@ mod tests {
         assert_eq!(t("2026-11-30T05:00:00.000000Z"), 1_796_014_800);
         assert_eq!(t("2000-03-01T00:00:00+00:00"), 951_868_800);
         assert!(parse_iso8601("yesterday").is_none());
+    }
+
+    #[test]
+    fn iso8601_honours_offsets() {
+        let t = |s| {
+            parse_iso8601(s)
+                .unwrap()
+                .duration_since(UNIX_EPOCH)
+                .unwrap()
+        };
+        // The same instant written in UTC and at +02:00.
+        assert_eq!(t("2026-11-30T07:00:00+02:00").as_secs(), 1_796_014_800);
+        assert_eq!(t("2026-11-30T05:00:00Z").as_secs(), 1_796_014_800);
+        assert_eq!(t("2026-11-30T03:00:00-02:00").as_secs(), 1_796_014_800);
+        // Keystone's microseconds are kept, and a missing offset means UTC.
+        assert_eq!(
+            t("2026-11-30T05:00:00.250000Z").as_millis(),
+            1_796_014_800_250
+        );
+        assert_eq!(t("2026-11-30T05:00:00").as_secs(), 1_796_014_800);
+        assert!(parse_iso8601("2026-13-01T00:00:00Z").is_none());
     }
 }

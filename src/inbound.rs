@@ -1,7 +1,7 @@
 //! What arrives on the per-host queue and what it asks for: explicit
 //! commands (`schemas/command.v1.json`) and Ironic's own versioned
 //! notifications (`baremetal.node.provision_set.*` in the oslo.messaging v2
-//! envelope, DESIGN.md 3.1).
+//! envelope; docs/contract.md, "Ironic notifications").
 //! Parsing never fails silently: an unreadable message becomes an error
 //! completion plus a dead-letter, never a dropped message.
 
@@ -140,7 +140,7 @@ pub struct Transition {
     pub event: String,
 }
 
-/// What the worker does for a transition (DESIGN.md 3.1); the flag says the
+/// What the worker does for a transition (docs/contract.md, mapping); the flag says the
 /// cleanup is only wanted when the node was prepared here.
 pub fn action_for(t: &Transition) -> Option<(Action, bool)> {
     match t.state.as_str() {

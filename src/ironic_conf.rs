@@ -7,7 +7,7 @@
 //! `--set` flags. Options the ironic.conf leaves unset get Ironic's defaults
 //! where they differ from the worker's own (paths such as `/httpboot`), except
 //! `[agent]image_download_source`, which only counts when set explicitly
-//! (DESIGN.md 3.5).
+//! (see docs/contract.md, "Which images are cached").
 
 use crate::error::{Error, ErrorCode, Result};
 use std::collections::BTreeMap;

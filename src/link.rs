@@ -63,7 +63,7 @@ impl NodeLinks {
         let temp = fsutil::temp_path(&disk);
         match std::fs::hard_link(master, &temp) {
             Ok(()) => {}
-            Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
+            Err(e) if e.raw_os_error() == Some(rustix::io::Errno::XDEV.raw_os_error()) => {
                 copy_file(master, &temp)?;
             }
             Err(e) => return Err(Error::io(format!("link {}", disk.display()), e)),

@@ -80,12 +80,6 @@ impl Transfer {
             );
         }
     }
-
-    /// Adds `n` bytes done.
-    pub fn advance(&self, n: u64) {
-        let done = self.done.lock().unwrap_or_else(|p| p.into_inner()).0;
-        self.set_done(done + n);
-    }
 }
 
 impl Drop for Transfer {

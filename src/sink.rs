@@ -114,7 +114,7 @@ impl Sink {
         // system supports it (not tmpfs): see `write_file`.
         let direct = std::fs::OpenOptions::new()
             .write(true)
-            .custom_flags(libc::O_DIRECT)
+            .custom_flags(rustix::fs::OFlags::DIRECT.bits() as i32)
             .open(path)
             .ok();
         Ok(Sink::new(Some((file, direct)), hashes))
@@ -315,7 +315,7 @@ fn write_direct(file: &File, direct: &File, buf: &mut AlignedBuf, at: u64) -> st
     if aligned > 0 {
         match direct.write_all_at(&data[..aligned], at) {
             // A file system that accepted O_DIRECT at open but not this write.
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            Err(e) if e.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) => {
                 file.write_all_at(&data[..aligned], at)?
             }
             other => other?,

@@ -185,8 +185,30 @@ async fn bad_input_is_answered_and_dead_lettered() {
         .call(&env.host, prepare_cmd(&node, &server.url("missing.img")))
         .await;
     assert_eq!(missing["error"]["code"], "source_not_found");
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(broker.drain(&dead_queue).await.is_empty());
+    // Proved without a timed wait: an unusable message sent after that answer
+    // is dead-lettered on the same channel, so once it is in the dead-letter
+    // queue the failed prepare was settled before it, and it is the only one.
+    broker
+        .publish_raw(&env.host, "prepare", b"sentinel", "sentinel", None, true)
+        .await;
+    let (got, _) = broker.next_reply(MINUTE).await;
+    assert_eq!(got.as_deref(), Some("sentinel"));
+    let deadline = std::time::Instant::now() + MINUTE;
+    let mut dead = Vec::new();
+    while dead.is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "sentinel never dead-lettered"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        dead = broker.drain(&dead_queue).await;
+    }
+    let bodies: Vec<&[u8]> = dead.iter().map(|m| &m.delivery.data[..]).collect();
+    assert_eq!(
+        bodies,
+        vec![&b"sentinel"[..]],
+        "only the unusable message is dead-lettered"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

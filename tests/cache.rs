@@ -21,6 +21,35 @@ async fn cache_list(env: &Env) -> Vec<Value> {
         .clone()
 }
 
+/// Waits (with a deadline) until the wall clock is in a later second than
+/// the last use of every master in the cache: eviction compares whole
+/// seconds of mtime, atime and ctime, and ctime cannot be set by a test.
+async fn wait_until_clock_passes_last_use(env: &Env) {
+    use std::os::unix::fs::MetadataExt;
+    let last_use = || {
+        env.masters()
+            .iter()
+            .filter_map(|m| std::fs::metadata(env.master_dir().join(m)).ok())
+            .map(|md| md.mtime().max(md.atime()).max(md.ctime()))
+            .max()
+            .unwrap_or(0)
+    };
+    let now = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as i64
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while now() <= last_use() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "clock did not advance"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// `cache clean ARGS`, with `--set SET` when given.
 async fn clean_with(env: &Env, set: Option<&str>, args: &[&str]) -> Value {
     let mut all = match set {
@@ -56,7 +85,7 @@ async fn oldest_unlinked_first_and_linked_never() {
     }
     // a is released first, then b; c stays linked by its node.
     env.oneshot(&["cleanup", "--node", &nodes[0]]).await;
-    tokio::time::sleep(Duration::from_millis(1100)).await;
+    wait_until_clock_passes_last_use(&env).await;
     env.oneshot(&["cleanup", "--node", &nodes[1]]).await;
 
     let listed = cache_list(&env).await;
@@ -112,7 +141,7 @@ async fn ttl_dry_run_and_all_unused() {
     );
     assert!(!orphan.exists());
     // A dry run says what would go and removes nothing.
-    tokio::time::sleep(Duration::from_millis(1100)).await;
+    wait_until_clock_passes_last_use(&env).await;
     let dry = clean_with(&env, Some("pxe.image_cache_ttl=0"), &["--dry-run"]).await;
     assert_eq!(dry["evicted"].as_array().unwrap().len(), 1);
     assert_eq!(env.masters().len(), 2);

@@ -177,3 +177,68 @@ fn example_configuration_is_valid_and_shows_the_defaults() {
     );
     assert_eq!(c.pxe.image_cache_size, d.pxe.image_cache_size);
 }
+
+/// Every option the worker reads, as `section.option`. Asked from the
+/// configuration type itself: it refuses unknown names and lists the known
+/// ones in its error, so a new option can never be left out here.
+fn every_option() -> std::collections::BTreeSet<String> {
+    let known = |toml_text: &str| -> Vec<String> {
+        let err = toml::from_str::<Config>(toml_text)
+            .expect_err("an unknown name is refused")
+            .to_string();
+        let listed = err
+            .split_once("expected one of ")
+            .or_else(|| err.split_once("expected "))
+            .unwrap_or_else(|| panic!("no list of names in: {err}"))
+            .1;
+        listed
+            .split('`')
+            .skip(1)
+            .step_by(2)
+            .map(str::to_string)
+            .collect()
+    };
+    let mut all = std::collections::BTreeSet::new();
+    for section in known("[no_such_section_]\n") {
+        for option in known(&format!("[{section}]\nno_such_option_ = 1\n")) {
+            all.insert(format!("{section}.{option}"));
+        }
+    }
+    all
+}
+
+/// The options `ops/worker.example.toml` shows, set or commented out
+/// (`# option = value` documents one whose default is computed).
+fn example_options(text: &str) -> std::collections::BTreeSet<String> {
+    let mut section = String::new();
+    let mut shown = std::collections::BTreeSet::new();
+    for line in text.lines().map(str::trim) {
+        if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            section = name.to_string();
+        } else if let Some((key, _)) = line.trim_start_matches(['#', ' ']).split_once('=') {
+            let key = key.trim();
+            if !key.is_empty() && key.chars().all(|c| c.is_ascii_lowercase() || c == '_') {
+                shown.insert(format!("{section}.{key}"));
+            }
+        }
+    }
+    shown
+}
+
+#[test]
+fn example_configuration_shows_every_option() {
+    let example = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("ops/worker.example.toml");
+    let shown = example_options(&std::fs::read_to_string(example).unwrap());
+    let all = every_option();
+    assert!(all.len() > 50, "options found: {all:?}");
+    let missing: Vec<_> = all.difference(&shown).collect();
+    let unknown: Vec<_> = shown.difference(&all).collect();
+    assert!(
+        missing.is_empty(),
+        "options missing from ops/worker.example.toml: {missing:?}"
+    );
+    assert!(
+        unknown.is_empty(),
+        "ops/worker.example.toml shows unknown options: {unknown:?}"
+    );
+}

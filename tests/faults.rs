@@ -183,7 +183,12 @@ async fn poison_message_is_dead_lettered_after_bounded_attempts() {
     // Second delivery: crash again.
     let w = env.serve_with(&limit, &[]).await;
     env.wait_for_temporary(MINUTE).await;
+    let deadline = std::time::Instant::now() + MINUTE;
     while faults.count("slow", "disk.img") < 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the second delivery never fetched the source"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     w.kill9().await;

@@ -159,7 +159,9 @@ impl Drop for WebServer {
     /// SIGTERM to the master, which stops its workers (SIGKILL would
     /// orphan them, holding the port).
     fn drop(&mut self) {
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        if let Some(pid) = rustix::process::Pid::from_raw(self.child.id() as i32) {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        }
         let _ = self.child.wait();
     }
 }

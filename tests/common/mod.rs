@@ -72,13 +72,40 @@ pub struct Env {
     pub host: String,
 }
 
-/// A free TCP port on loopback (bound then released).
+/// A TCP port on loopback reserved for this test process until it exits.
+///
+/// The worker under test binds its own listeners, so the port cannot simply
+/// be passed as an open socket. Instead it is taken below the kernel's
+/// ephemeral range (so no `bind(0)` or outgoing connection is ever given it)
+/// and reserved with a lock file that every test process honours; the lock
+/// is released by the kernel when the process ends.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    static HELD: Mutex<Vec<std::fs::File>> = Mutex::new(Vec::new());
+    let ephemeral_low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32768);
+    let (low, high) = (10_000u16, ephemeral_low.max(10_100));
+    let dir = std::env::temp_dir().join("ironic-image-worker-test-ports");
+    std::fs::create_dir_all(&dir).unwrap();
+    let span = u32::from(high - low);
+    let start = uuid::Uuid::new_v4().as_u128() as u32 % span;
+    for i in 0..span {
+        let port = low + ((start + i) % span) as u16;
+        let Ok(lock) = std::fs::File::create(dir.join(port.to_string())) else {
+            continue;
+        };
+        // flock conflicts between open files even within one process, so
+        // this also skips the ports this process holds already.
+        if lock.try_lock().is_err() {
+            continue;
+        }
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            HELD.lock().unwrap().push(lock);
+            return port;
+        }
+    }
+    panic!("no free port below {high}");
 }
 
 impl Env {
@@ -309,8 +336,10 @@ impl Worker {
 
     /// Sends SIGTERM and waits for the exit status.
     pub async fn terminate(mut self) -> std::process::ExitStatus {
-        if let Some(pid) = self.child.id() {
-            unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        if let Some(pid) = self.child.id()
+            && let Some(pid) = rustix::process::Pid::from_raw(pid as i32)
+        {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
         }
         tokio::time::timeout(Duration::from_secs(60), self.child.wait())
             .await
@@ -912,13 +941,17 @@ async fn serve_fault(
             .await?;
         return Ok(());
     };
+    // Last-Modified from the file itself, as a real server would answer.
+    let modified = std::fs::metadata(dir.join(name))
+        .and_then(|m| m.modified())
+        .map(httpdate::fmt_http_date)?;
     let length = if mode == "nolength" {
         String::new()
     } else {
         format!("Content-Length: {}\r\n", data.len())
     };
     let head = format!(
-        "HTTP/1.1 200 OK\r\n{length}Last-Modified: Mon, 30 Nov 2026 00:00:00 GMT\r\nConnection: close\r\n\r\n"
+        "HTTP/1.1 200 OK\r\n{length}Last-Modified: {modified}\r\nConnection: close\r\n\r\n"
     );
     sock.write_all(head.as_bytes()).await?;
     if method == "HEAD" {
