@@ -182,11 +182,13 @@ impl Pipeline {
             &self.config.default.host,
         );
         if req.action == Action::Prepare {
-            // Credentials in the URL never leave in an event.
+            // Credentials in the URL never leave in an event, nor a source
+            // too long to be one.
             done.image_source = req
                 .instance_info
                 .image_source
                 .as_deref()
+                .filter(|s| s.len() <= crate::source::MAX_URL_LEN)
                 .map(crate::config::redact_url);
         }
         let result = match NodeUuid::parse(&req.node_uuid) {

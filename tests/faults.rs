@@ -538,3 +538,28 @@ async fn file_sources_are_opened_once_beneath_the_allowed_paths() {
     assert!(ok, "a symlink within the allowed directory is fine: {ev}");
     assert_eq!(ev["image_checksum"], md5sum(&allowed.join("disk.img")));
 }
+
+/// Glance (and Keystone) answers are read into memory: one streaming for
+/// ever ends at the bound with `source_unreachable`, the process small.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endless_glance_documents_are_bounded() {
+    let env = Env::new("");
+    let faults = FaultServer::start(&env.root().join("src"), 1 << 20).await;
+    let endpoint = format!("glance.endpoint_override=http://{}/endless", faults.addr);
+    let (ok, ev) = env
+        .prepare(
+            &node(),
+            &node(),
+            &["--set", "glance.auth_type=none", "--set", &endpoint],
+        )
+        .await;
+    assert!(!ok);
+    assert_eq!(ev["error"]["code"], "source_unreachable", "{ev}");
+    assert!(
+        ev["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("larger than 8 MiB"),
+        "{ev}"
+    );
+}
