@@ -257,10 +257,24 @@ pub struct SourceSection {
     pub connect_timeout: u64,
     /// Seconds without receiving a byte before a download is abandoned.
     pub read_timeout: u64,
-    /// Attempts per download (connection errors, 5xx, broken streams).
+    /// Retries after a failed attempt (connection errors, 5xx, broken or too
+    /// slow streams): `retries = 2` makes at most 3 attempts.
     pub retries: u32,
     /// Whether TLS certificates of https sources are verified.
     pub verify_tls: bool,
+    /// Slowest acceptable download, bytes per second, averaged over
+    /// `min_rate_window`; a slower attempt fails as "too slow" (0 = no limit).
+    pub min_rate: u64,
+    /// Seconds over which `min_rate` is measured.
+    pub min_rate_window: u64,
+    /// Seconds one download may take in all, every attempt included
+    /// (0 = no limit).
+    pub download_deadline: u64,
+    /// Redirects followed per request.
+    pub max_redirects: u32,
+    /// Whether a redirect may lead to a loopback, link-local or unspecified
+    /// address (this host's own services, such as the metrics port).
+    pub allow_local_redirects: bool,
 }
 
 /// The configuration files to read, lowest precedence first.
@@ -424,9 +438,9 @@ impl ConvertSection {
     /// The converter limits in the units the converter uses.
     pub fn limits(&self) -> crate::convert::Limits {
         crate::convert::Limits {
-            memory: self.memory_limit_mib << 20,
+            memory: self.memory_limit_mib.saturating_mul(1 << 20),
             min_timeout: std::time::Duration::from_secs(self.min_timeout),
-            min_rate: self.min_rate_mib << 20,
+            min_rate: self.min_rate_mib.saturating_mul(1 << 20),
         }
     }
 
@@ -439,7 +453,7 @@ impl ConvertSection {
     /// The limits of the qcow2 header check.
     pub fn qcow2_limits(&self) -> crate::qcow2::Limits {
         crate::qcow2::Limits {
-            max_virtual_size: self.max_virtual_size_gib << 30,
+            max_virtual_size: self.max_virtual_size_gib.saturating_mul(1 << 30),
         }
     }
 }
@@ -449,8 +463,13 @@ impl Default for SourceSection {
         SourceSection {
             connect_timeout: 10,
             read_timeout: 60,
-            retries: 3,
+            retries: 2,
             verify_tls: true,
+            min_rate: 1024,
+            min_rate_window: 60,
+            download_deadline: 6 * 3600,
+            max_redirects: 10,
+            allow_local_redirects: false,
         }
     }
 }
@@ -560,13 +579,63 @@ impl Config {
                 )));
             }
         }
-        if crate::node::is_valid_segment(&self.deploy.http_image_subdir) {
-            Ok(())
-        } else {
-            Err(config_error(
+        if !crate::node::is_valid_segment(&self.deploy.http_image_subdir) {
+            return Err(config_error(
                 "[deploy]http_image_subdir must be one plain directory name".to_string(),
-            ))
+            ));
         }
+        self.validate_limits()
+    }
+
+    /// Limits must be limits: no zero that means "unlimited" to the broker,
+    /// no unit conversion that overflows (and would wrap to a tiny limit).
+    fn validate_limits(&self) -> Result<()> {
+        let fits = |name: &str, value: u64, unit: u64| {
+            value.checked_mul(unit).map(|_| ()).ok_or_else(|| {
+                config_error(format!(
+                    "{name} = {value} is too large (at most {})",
+                    u64::MAX / unit
+                ))
+            })
+        };
+        fits(
+            "[convert]memory_limit_mib",
+            self.convert.memory_limit_mib,
+            1 << 20,
+        )?;
+        fits("[convert]min_rate_mib", self.convert.min_rate_mib, 1 << 20)?;
+        fits(
+            "[convert]max_virtual_size_gib",
+            self.convert.max_virtual_size_gib,
+            1 << 30,
+        )?;
+        fits("[pxe]image_cache_size", self.pxe.image_cache_size, 1 << 20)?;
+        // Minutes to seconds, kept as a signed number of seconds.
+        fits("[pxe]image_cache_ttl", self.pxe.image_cache_ttl, 60 * 2)?;
+        if self.amqp.prefetch == 0 {
+            return Err(config_error(
+                "[amqp]prefetch must be at least 1 (0 means unlimited to the broker)".into(),
+            ));
+        }
+        if i32::try_from(self.amqp.delivery_limit).is_err() {
+            return Err(config_error(format!(
+                "[amqp]delivery_limit = {} is too large (at most {})",
+                self.amqp.delivery_limit,
+                i32::MAX
+            )));
+        }
+        let factor = self.convert.raw_image_growth_factor;
+        if !factor.is_finite() || factor <= 0.0 {
+            return Err(config_error(format!(
+                "[convert]raw_image_growth_factor = {factor} must be a positive number"
+            )));
+        }
+        if self.source.min_rate > 0 && self.source.min_rate_window == 0 {
+            return Err(config_error(
+                "[source]min_rate_window must be at least 1 second".into(),
+            ));
+        }
+        Ok(())
     }
 
     /// The URL prefix published for node images: `http_url` or, when unset,
@@ -589,26 +658,39 @@ impl Config {
     /// The cache policy from `[pxe]image_cache_size` (MiB) and `image_cache_ttl` (minutes).
     pub fn eviction_policy(&self) -> crate::eviction::Policy {
         crate::eviction::Policy {
-            size_limit: self.pxe.image_cache_size << 20,
-            ttl: (self.pxe.image_cache_ttl * 60) as i64,
+            size_limit: self.pxe.image_cache_size.saturating_mul(1 << 20),
+            ttl: i64::try_from(self.pxe.image_cache_ttl.saturating_mul(60)).unwrap_or(i64::MAX),
         }
     }
 
-    /// The AMQP URL with its password masked, for logs.
+    /// The AMQP URL with its password masked, for logs (the user name, from
+    /// the operator's own configuration, stays readable).
     pub fn amqp_url_redacted(&self) -> String {
-        redact_url(&self.amqp.url)
+        match reqwest::Url::parse(&self.amqp.url) {
+            Ok(mut parsed) if parsed.password().is_some() => {
+                let _ = parsed.set_password(Some("***"));
+                parsed.to_string()
+            }
+            Ok(parsed) => parsed.to_string(),
+            Err(_) => "<unparsable url>".to_string(),
+        }
     }
 }
 
-/// Masks the password of a URL (`amqp://user:***@host/`), for logs and errors.
+/// Masks the user-info of a URL (`http://user:password@host/` and
+/// `http://TOKEN@host/` both become `http://***@host/`), for events, logs
+/// and errors. Works on the text, so URLs that do not parse are masked too;
+/// anything without `scheme://...@` is returned as it is (Glance ids).
 pub fn redact_url(url: &str) -> String {
-    match reqwest::Url::parse(url) {
-        Ok(mut parsed) if parsed.password().is_some() => {
-            let _ = parsed.set_password(Some("***"));
-            parsed.to_string()
-        }
-        Ok(parsed) => parsed.to_string(),
-        Err(_) => "<unparsable url>".to_string(),
+    let Some(scheme_end) = url.find("://") else {
+        return url.to_string();
+    };
+    let rest_at = scheme_end + 3;
+    let rest = &url[rest_at..];
+    let authority_len = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    match rest[..authority_len].rfind('@') {
+        Some(at) => format!("{}***{}", &url[..rest_at], &rest[at..]),
+        None => url.to_string(),
     }
 }
 
@@ -616,18 +698,34 @@ fn config_error(message: String) -> Error {
     Error::new(ErrorCode::Internal, format!("configuration: {message}"))
 }
 
-/// Sets `[section] key = value`, parsing `value` as a TOML value when it is one
-/// (numbers, booleans, arrays) and as a string otherwise.
+/// Sets `[section] key = value` from the environment or `--set`: as the
+/// TOML value it spells (numbers, booleans, arrays) when the option takes
+/// that type, otherwise as a string, so `PASSWORD=123456` stays a string.
 fn set_option(table: &mut toml::Table, section: &str, key: &str, value: &str) {
+    let as_string = toml::Value::String(value.to_string());
     let parsed = format!("v = {value}")
         .parse::<toml::Table>()
         .ok()
         .and_then(|mut t| t.remove("v"))
-        .unwrap_or_else(|| toml::Value::String(value.to_string()));
+        .filter(|typed| {
+            typed.is_str()
+                || option_accepts(section, key, typed)
+                || !option_accepts(section, key, &as_string)
+        })
+        .unwrap_or(as_string);
     let entry = table
         .entry(section.to_string())
         .or_insert_with(|| toml::Value::Table(toml::Table::new()));
     if let toml::Value::Table(section_table) = entry {
         section_table.insert(key.to_string(), parsed);
     }
+}
+
+/// Whether `[section] key = value` alone deserializes.
+fn option_accepts(section: &str, key: &str, value: &toml::Value) -> bool {
+    let mut options = toml::Table::new();
+    options.insert(key.to_string(), value.clone());
+    let mut table = toml::Table::new();
+    table.insert(section.to_string(), toml::Value::Table(options));
+    table.try_into::<Config>().is_ok()
 }

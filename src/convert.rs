@@ -35,12 +35,6 @@ impl Limits {
     }
 }
 
-/// Whether a format must be converted when force_raw applies: raw and GPT
-/// disks are raw already, and Ironic never converts an ISO.
-pub fn needs_conversion(format: Format) -> bool {
-    !format.is_raw() && format != Format::Iso
-}
-
 /// Size of the raw disk made from a qcow2 of `virtual_size` bytes: qemu
 /// counts whole 512-byte sectors and drops a partial last one.
 pub fn raw_size(virtual_size: u64) -> u64 {
@@ -71,7 +65,9 @@ pub async fn to_raw(
     let timeout = limits.timeout(found.virtual_size);
     match (found.format, header) {
         (Format::Qcow2, Some(h)) if h.qcow2_rs_can_read() => {
-            run_child(src, dst, sha512, None, limits, timeout, progress).await
+            run_child(src, dst, sha512, None, limits, timeout, progress)
+                .await
+                .map_err(StreamFailure::into_error)
         }
         (format, _) => qemu_img(src, dst, format, sha512, timeout).await,
     }
@@ -93,9 +89,37 @@ pub async fn qcow2_to_raw_streaming(
     sha512: bool,
     limits: Limits,
     progress: &(dyn Fn(u64) + Sync),
-) -> Result<Digests> {
+) -> Result<Digests, StreamFailure> {
     let timeout = limits.timeout(virtual_size);
     run_child(src, dst, sha512, Some(total), limits, timeout, progress).await
+}
+
+/// How a conversion failed, for the caller that could convert again.
+#[derive(Debug)]
+pub enum StreamFailure {
+    /// The converter exceeded its limits (time, memory) or crashed:
+    /// converting the same bytes again would do the same, so the error
+    /// stands at once.
+    Conclusive(Error),
+    /// Anything else (the file it read was replaced by a retried download,
+    /// the layout needs the whole file...): converting the complete file may
+    /// still work.
+    Retryable(Error),
+}
+
+impl StreamFailure {
+    /// The error, whatever kind.
+    pub fn into_error(self) -> Error {
+        match self {
+            StreamFailure::Conclusive(e) | StreamFailure::Retryable(e) => e,
+        }
+    }
+}
+
+impl From<Error> for StreamFailure {
+    fn from(e: Error) -> Self {
+        StreamFailure::Retryable(e)
+    }
 }
 
 async fn run_child(
@@ -106,7 +130,7 @@ async fn run_child(
     limits: Limits,
     timeout: Duration,
     progress: &(dyn Fn(u64) + Sync),
-) -> Result<Digests> {
+) -> Result<Digests, StreamFailure> {
     let memory = limits.memory;
     let exe = "/proc/self/exe"; // the running binary, also after it was replaced on disk
     let mut cmd = tokio::process::Command::new(exe);
@@ -141,7 +165,7 @@ async fn run_child(
     }
     let mut child = cmd.spawn().map_err(|e| Error::io("start converter", e))?;
     let (Some(stdout), Some(mut stderr)) = (child.stdout.take(), child.stderr.take()) else {
-        return Err(Error::new(ErrorCode::Internal, "converter pipes missing"));
+        return Err(Error::new(ErrorCode::Internal, "converter pipes missing").into());
     };
     let stderr_text = tokio::spawn(async move {
         let mut text = String::new();
@@ -164,15 +188,20 @@ async fn run_child(
         Ok((status, report)) => (status.map_err(|e| Error::io("converter", e))?, report),
         Err(_) => {
             let _ = std::fs::remove_file(dst);
-            return Err(Error::new(
+            return Err(StreamFailure::Conclusive(Error::new(
                 ErrorCode::CorruptImage,
-                format!("conversion did not finish within {timeout:?}"),
-            ));
+                format!(
+                    "conversion did not finish within {}s ([convert] min_timeout, min_rate_mib)",
+                    timeout.as_secs()
+                ),
+            )));
         }
     };
     match (status.success(), report) {
         (true, Some(ChildReport::Done(digests))) => Ok(digests),
-        (_, Some(ChildReport::Failed { code, message })) => Err(Error::new(code, message)),
+        (_, Some(ChildReport::Failed { code, message })) => {
+            Err(StreamFailure::Retryable(Error::new(code, message)))
+        }
         _ => {
             use std::os::unix::process::ExitStatusExt;
             let stderr = stderr_text.await.unwrap_or_default();
@@ -181,10 +210,11 @@ async fn run_child(
                 Some(sig) => format!("killed by signal {sig}"),
                 None => format!("exited with {status}"),
             };
-            Err(Error::new(
+            let _ = std::fs::remove_file(dst);
+            Err(StreamFailure::Conclusive(Error::new(
                 ErrorCode::CorruptImage,
                 format!("qcow2 reader {how} on this image: {tail}"),
-            ))
+            )))
         }
     }
 }
@@ -216,9 +246,12 @@ async fn qemu_img(
         }
     };
     if !out.status.success() {
+        // qemu-img exits 1 for every failure; a full disk is told by the
+        // file system itself, measured before the partial output is removed.
+        let full = disk_full_at(dst);
         let _ = std::fs::remove_file(dst);
         let msg = String::from_utf8_lossy(&out.stderr).trim().to_string();
-        let code = if msg.contains("No space left") {
+        let code = if full {
             ErrorCode::InsufficientDiskSpace
         } else {
             ErrorCode::CorruptImage
@@ -232,22 +265,88 @@ async fn qemu_img(
     hash_file(dst, sha512).await
 }
 
-/// Digests of an existing file, read once.
+/// Free space below which a failed write is taken for a full disk: qemu-img
+/// writes in pieces of at most a few MiB.
+const FULL_DISK_SLACK: u64 = 16 << 20;
+
+/// True when the file system holding `path` has (almost) no space left for
+/// this process.
+fn disk_full_at(path: &Path) -> bool {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    crate::fsutil::free_space(dir).is_ok_and(|free| free < FULL_DISK_SLACK)
+}
+
+/// Digests of an existing file, read once: its holes (found with
+/// `SEEK_HOLE`/`SEEK_DATA`) are hashed as zeros without being read, so a
+/// sparse result of qemu-img costs what its data costs to read.
 pub async fn hash_file(path: &Path, sha512: bool) -> Result<Digests> {
+    enum Part {
+        Data(Vec<u8>),
+        Zeros(u64),
+    }
     let mut sink = Sink::hash_only(sha512);
-    let mut file = tokio::fs::File::open(path)
-        .await
-        .map_err(|e| Error::io(path.display(), e))?;
-    let mut buf = vec![0u8; CHUNK];
-    loop {
-        let n = tokio::io::AsyncReadExt::read(&mut file, &mut buf)
-            .await
-            .map_err(|e| Error::io(path.display(), e))?;
-        if n == 0 {
+    let file = std::fs::File::open(path).map_err(|e| Error::io(path.display(), e))?;
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Part>>(4);
+    let shown = path.display().to_string();
+    let reader = tokio::task::spawn_blocking(move || {
+        use rustix::fs::{SeekFrom, seek};
+        use std::os::unix::fs::FileExt;
+        let send = |part| tx.blocking_send(part).is_ok();
+        let fail = |e: std::io::Error| Err(Error::io(&shown, e));
+        let len = match file.metadata() {
+            Ok(m) => m.len(),
+            Err(e) => return send(fail(e)),
+        };
+        let mut pos = 0u64;
+        while pos < len {
+            // Where the next data starts (the end when only a hole is left;
+            // a file system without SEEK_DATA reports all data).
+            let data = match seek(&file, SeekFrom::Data(pos)) {
+                Ok(at) => at.min(len),
+                Err(rustix::io::Errno::NXIO) => len,
+                Err(_) => pos,
+            };
+            if data > pos && !send(Ok(Part::Zeros(data - pos))) {
+                return false;
+            }
+            pos = data;
+            let hole = match seek(&file, SeekFrom::Hole(pos)) {
+                Ok(at) => at.min(len),
+                Err(_) => len,
+            };
+            while pos < hole {
+                let mut buf = vec![0u8; (hole - pos).min(CHUNK as u64) as usize];
+                match file.read_at(&mut buf, pos) {
+                    Ok(0) => return send(fail(std::io::ErrorKind::UnexpectedEof.into())),
+                    Ok(n) => {
+                        buf.truncate(n);
+                        pos += n as u64;
+                        if !send(Ok(Part::Data(buf))) {
+                            return false;
+                        }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => return send(fail(e)),
+                }
+            }
+        }
+        true
+    });
+    let mut result = Ok(());
+    while let Some(part) = rx.recv().await {
+        let step = match part {
+            Ok(Part::Data(buf)) => sink.write(&buf).await,
+            Ok(Part::Zeros(n)) => sink.write_zeros(n).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = step {
+            result = Err(e);
             break;
         }
-        sink.write(&buf[..n]).await?;
     }
+    drop(rx);
+    let _ = reader.await;
+    result?;
     sink.finish().await
 }
 
@@ -336,24 +435,70 @@ pub fn child_main(
 }
 
 fn child_convert(src: &Path, dst: &Path, sha512: bool, grow_to: Option<u64>) -> Result<Digests> {
+    let file = std::fs::File::open(src).map_err(|e| Error::io("open qcow2", e))?;
+    let total = match grow_to {
+        Some(total) => total,
+        None => file
+            .metadata()
+            .map_err(|e| Error::io("stat qcow2", e))?
+            .len(),
+    };
+    let tables = GrowingFile { file, total };
+    let map = Map::read(&tables)?;
+    let params = qcow2_rs::dev::Qcow2DevParams::new(9, None, None, true, false);
+    let corrupt = |e| Error::new(ErrorCode::CorruptImage, format!("qcow2: {e}"));
     match grow_to {
         None => {
-            let params = qcow2_rs::dev::Qcow2DevParams::new(9, None, None, true, false);
-            let dev = qcow2_rs::utils::qcow2_setup_dev_sync(src, &params)
-                .map_err(|e| Error::new(ErrorCode::CorruptImage, format!("qcow2: {e}")))?;
-            child_copy(dev, dst, sha512)
+            let dev = qcow2_rs::utils::qcow2_setup_dev_sync(src, &params).map_err(corrupt)?;
+            child_copy(dev, dst, sha512, &map, &tables)
         }
         Some(total) => {
             let file = std::fs::File::open(src).map_err(|e| Error::io("open qcow2", e))?;
             let io = GrowingFile { file, total };
             let rt = current_thread()?;
-            let params = qcow2_rs::dev::Qcow2DevParams::new(9, None, None, true, false);
             let dev = rt
                 .block_on(qcow2_rs::utils::qcow2_alloc_dev(src, io, &params))
-                .map_err(|e| Error::new(ErrorCode::CorruptImage, format!("qcow2: {e}")))?
+                .map_err(corrupt)?
                 .0;
-            child_copy(dev, dst, sha512)
+            child_copy(dev, dst, sha512, &map, &tables)
         }
+    }
+}
+
+/// The header and L1 table of the image being converted, read by our own
+/// code: they tell which guest ranges can hold data at all, so unallocated
+/// and zero ranges become holes without being read (a 1 TiB disk with a
+/// few MiB of data costs the reading of those MiB, plus hashing zeros).
+struct Map {
+    header: qcow2::Header,
+    l1: Vec<u8>,
+}
+
+impl Map {
+    fn read(file: &GrowingFile) -> Result<Map> {
+        let head_len = (crate::inspect::HEADER_LEN as u64).min(file.total) as usize;
+        let mut head = vec![0u8; head_len];
+        file.read_waiting(0, &mut head)?;
+        let limits = qcow2::Limits {
+            max_virtual_size: u64::MAX,
+        };
+        let header = qcow2::parse(&head, file.total, limits)?;
+        if !header.qcow2_rs_can_read() {
+            return Err(Error::new(
+                ErrorCode::Internal,
+                "qcow2 features this converter does not read",
+            ));
+        }
+        let mut l1 = vec![0u8; header.l1_size as usize * 8];
+        file.read_waiting(header.l1_table_offset, &mut l1)?;
+        qcow2::check_l1_table(&header, &l1, file.total)?;
+        Ok(Map { header, l1 })
+    }
+
+    /// Guest bytes covered by one L1 entry.
+    fn l1_span(&self) -> u64 {
+        let cluster = self.header.cluster_size();
+        cluster * (cluster / 8)
     }
 }
 
@@ -372,17 +517,22 @@ struct GrowingFile {
     total: u64,
 }
 
-impl qcow2_rs::ops::Qcow2IoOps for GrowingFile {
-    async fn read_to(&self, offset: u64, buf: &mut [u8]) -> qcow2_rs::error::Qcow2Result<usize> {
+impl GrowingFile {
+    /// Reads at `offset` once the file covers the range (or reached
+    /// `total`); fails if the file was unlinked meanwhile. Returns the bytes
+    /// read (short only at the end of the file).
+    fn wait_read(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<usize> {
         use std::os::unix::fs::{FileExt, MetadataExt};
-        let want = (offset + buf.len() as u64).min(self.total);
+        let want = offset.saturating_add(buf.len() as u64).min(self.total);
         loop {
             let meta = self.file.metadata()?;
             if meta.len() >= want {
                 break;
             }
             if meta.nlink() == 0 {
-                return Err("the image being downloaded was removed".into());
+                return Err(std::io::Error::other(
+                    "the image being downloaded was removed",
+                ));
             }
             std::thread::sleep(Duration::from_millis(2));
         }
@@ -394,6 +544,24 @@ impl qcow2_rs::ops::Qcow2IoOps for GrowingFile {
             }
         }
         Ok(done)
+    }
+
+    /// [`GrowingFile::wait_read`] of exactly `buf.len()` bytes.
+    fn read_waiting(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        match self.wait_read(offset, buf) {
+            Ok(n) if n == buf.len() => Ok(()),
+            Ok(_) => Err(Error::new(
+                ErrorCode::CorruptImage,
+                "qcow2: a table lies past the end of the file",
+            )),
+            Err(e) => Err(Error::io("read qcow2 table", e)),
+        }
+    }
+}
+
+impl qcow2_rs::ops::Qcow2IoOps for GrowingFile {
+    async fn read_to(&self, offset: u64, buf: &mut [u8]) -> qcow2_rs::error::Qcow2Result<usize> {
+        Ok(self.wait_read(offset, buf)?)
     }
 
     async fn write_from(&self, _offset: u64, _buf: &[u8]) -> qcow2_rs::error::Qcow2Result<()> {
@@ -419,12 +587,16 @@ impl qcow2_rs::ops::Qcow2IoOps for GrowingFile {
     }
 }
 
-/// Reads the whole virtual disk of `dev` in order into the new raw file
-/// `dst`, hashing it on the way.
+/// Writes the virtual disk of `dev` in order into the new raw file `dst`,
+/// hashing it on the way: ranges that `map` shows hold no data become
+/// holes (hashed as zeros) without being read; the others are read through
+/// qcow2-rs.
 fn child_copy<T: qcow2_rs::ops::Qcow2IoOps>(
     dev: qcow2_rs::dev::Qcow2Dev<T>,
     dst: &Path,
     sha512: bool,
+    map: &Map,
+    tables: &GrowingFile,
 ) -> Result<Digests> {
     const READ: usize = 4 << 20;
     let corrupt =
@@ -435,27 +607,48 @@ fn child_copy<T: qcow2_rs::ops::Qcow2IoOps>(
         let virtual_size = raw_size(dev.info.virtual_size());
         let mut sink = Sink::create(dst, sha512)?;
         let mut buf = qcow2_rs::helpers::Qcow2IoBuf::<u8>::new(READ);
+        let mut l2 = vec![0u8; map.header.cluster_size() as usize];
         let mut off = 0u64;
         let mut reported = std::time::Instant::now();
-        while off < virtual_size {
+        for (i, entry) in map.l1.chunks_exact(8).enumerate() {
+            let i = i as u64;
+            if i.saturating_mul(map.l1_span()) >= virtual_size {
+                break;
+            }
             if reported.elapsed() >= Duration::from_secs(1) {
                 reported = std::time::Instant::now();
                 let line = serde_json::to_string(&ChildReport::Progress { progress: off });
                 println!("{}", line.unwrap_or_default());
             }
-            let left = virtual_size - off;
-            let want = (left.min(READ as u64) as usize).div_ceil(512) * 512;
-            let n = dev.read_at(&mut buf[..want], off).await.map_err(corrupt)?;
-            let take = (n as u64).min(left) as usize;
-            if take == 0 {
-                return Err(Error::new(
-                    ErrorCode::CorruptImage,
-                    "qcow2: reader made no progress",
-                ));
+            let l2_at = qcow2::l2_offset(u64::from_be_bytes(entry.try_into().unwrap_or_default()));
+            if l2_at == 0 {
+                continue;
             }
-            sink.write(&buf[..take]).await?;
-            off += take as u64;
+            tables.read_waiting(l2_at, &mut l2)?;
+            for (start, len) in qcow2::data_runs(&map.header, i, &l2) {
+                let end = start.saturating_add(len).min(virtual_size);
+                let start = start.max(off);
+                if start >= end {
+                    continue;
+                }
+                sink.write_zeros(start - off).await?;
+                off = start;
+                while off < end {
+                    let want = ((end - off).min(READ as u64) as usize).div_ceil(512) * 512;
+                    let n = dev.read_at(&mut buf[..want], off).await.map_err(corrupt)?;
+                    let take = (n as u64).min(end - off) as usize;
+                    if take == 0 {
+                        return Err(Error::new(
+                            ErrorCode::CorruptImage,
+                            "qcow2: reader made no progress",
+                        ));
+                    }
+                    sink.write(&buf[..take]).await?;
+                    off += take as u64;
+                }
+            }
         }
+        sink.write_zeros(virtual_size - off).await?;
         sink.finish().await
     })
 }

@@ -118,5 +118,29 @@ impl fmt::Display for Error {
 
 impl std::error::Error for Error {}
 
+/// The error and its causes on one line, for messages: library errors
+/// (reqwest, hyper, I/O) keep the useful part in their sources.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cur = e.source();
+    while let Some(inner) = cur {
+        text.push_str(": ");
+        text.push_str(&inner.to_string());
+        cur = inner.source();
+    }
+    text
+}
+
+/// The code for a failed HTTP status of an image source, Glance or
+/// Keystone: gone is `source_not_found`, refused credentials are
+/// `source_not_allowed`, anything else `source_unreachable`.
+pub fn http_status_code(status: u16) -> ErrorCode {
+    match status {
+        404 | 410 => ErrorCode::SourceNotFound,
+        401 | 403 => ErrorCode::SourceNotAllowed,
+        _ => ErrorCode::SourceUnreachable,
+    }
+}
+
 /// The worker's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

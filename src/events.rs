@@ -68,7 +68,47 @@ pub struct InstanceInfo {
     pub other: BTreeMap<String, serde_json::Value>,
 }
 
+/// Longest `request_id` (or notification `message_id`) accepted; it is
+/// logged with every line of the request and echoed in its event.
+pub const MAX_REQUEST_ID_LEN: usize = 255;
+
+/// Longest short `instance_info` value (formats, algorithm names, modes).
+pub const MAX_NAME_LEN: usize = 64;
+
 impl InstanceInfo {
+    /// Refuses values longer than any real one (see `schemas/command.v1.json`
+    /// `maxLength`): a 10 MB `image_source` would otherwise be logged and
+    /// echoed with every line about the request.
+    pub fn check_lengths(&self) -> Result<(), String> {
+        let url = crate::source::MAX_URL_LEN;
+        let fields = [
+            ("image_source", &self.image_source, url),
+            ("image_checksum", &self.image_checksum, url),
+            ("image_os_hash_value", &self.image_os_hash_value, url),
+            ("kernel", &self.kernel, url),
+            ("ramdisk", &self.ramdisk, url),
+            ("image_os_hash_algo", &self.image_os_hash_algo, MAX_NAME_LEN),
+            ("image_disk_format", &self.image_disk_format, MAX_NAME_LEN),
+            ("image_type", &self.image_type, MAX_NAME_LEN),
+            (
+                "image_download_source",
+                &self.image_download_source,
+                MAX_NAME_LEN,
+            ),
+        ];
+        for (name, value, max) in fields {
+            if let Some(v) = value
+                && v.len() > max
+            {
+                return Err(format!(
+                    "instance_info.{name} is {} bytes long, more than {max}",
+                    v.len()
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Whole-disk unless `image_type` says `partition`, or (without
     /// `image_type`) both `kernel` and `ramdisk` are set, as Ironic decides.
     pub fn is_whole_disk(&self) -> bool {

@@ -53,6 +53,8 @@ struct Token {
 pub struct Glance {
     config: GlanceSection,
     client: reqwest::Client,
+    /// Whole-request limit of metadata and token requests.
+    timeout: Duration,
     token: Mutex<Option<Token>>,
 }
 
@@ -60,11 +62,14 @@ pub struct Glance {
 const RENEW_BEFORE: Duration = Duration::from_secs(120);
 
 impl Glance {
-    /// A client for `[glance]`, sending requests with `client`.
-    pub fn new(config: GlanceSection, client: reqwest::Client) -> Glance {
+    /// A client for `[glance]`, sending requests with `client`; metadata
+    /// and token requests end within `timeout` (image data is bounded by
+    /// the download's own rate and deadline).
+    pub fn new(config: GlanceSection, client: reqwest::Client, timeout: Duration) -> Glance {
         Glance {
             config,
             client,
+            timeout,
             token: Mutex::new(None),
         }
     }
@@ -72,12 +77,8 @@ impl Glance {
     /// Image metadata; a refused token is renewed once.
     pub async fn image(&self, id: &str) -> Result<ImageMeta> {
         let resp = self.get(&format!("v2/images/{id}")).await?;
-        let meta: ImageMeta = resp.json().await.map_err(|e| {
-            Error::new(
-                ErrorCode::SourceUnreachable,
-                format!("Glance image {id}: unreadable metadata: {e}"),
-            )
-        })?;
+        let meta: ImageMeta =
+            crate::http_client::read_json(resp, &format!("Glance image {id}")).await?;
         if meta.status != "active" {
             return Err(Error::new(
                 ErrorCode::SourceNotFound,
@@ -108,7 +109,10 @@ impl Glance {
     async fn get(&self, path: &str) -> Result<reqwest::Response> {
         for attempt in 0..2 {
             let (base, token) = self.endpoint_and_token().await?;
-            let mut req = self.client.get(format!("{base}/{path}"));
+            let mut req = self
+                .client
+                .get(format!("{base}/{path}"))
+                .timeout(self.timeout);
             if let Some(t) = token {
                 req = req.header("X-Auth-Token", t);
             }
@@ -214,6 +218,7 @@ impl Glance {
         let resp = self
             .client
             .post(&url)
+            .timeout(self.timeout)
             .json(&serde_json::json!({ "auth": auth }))
             .send()
             .await
@@ -233,12 +238,7 @@ impl Glance {
                     "Keystone answered without X-Subject-Token",
                 )
             })?;
-        let body: TokenBody = resp.json().await.map_err(|e| {
-            Error::new(
-                ErrorCode::SourceUnreachable,
-                format!("Keystone token body: {e}"),
-            )
-        })?;
+        let body: TokenBody = crate::http_client::read_json(resp, "Keystone token").await?;
         tracing::info!(expires_at = ?body.token.expires_at, "Keystone token issued for Glance");
         Ok(Token {
             value,
@@ -296,20 +296,13 @@ fn need_endpoint(base: String) -> Result<String> {
 fn unreachable(service: &str, e: reqwest::Error) -> Error {
     Error::new(
         ErrorCode::SourceUnreachable,
-        format!(
-            "{service}: {}",
-            crate::source::error_chain(&e.without_url())
-        ),
+        format!("{service}: {}", crate::error::error_chain(&e.without_url())),
     )
 }
 
 /// Maps a failed status of Glance or Keystone to an error code.
 pub fn status_error(service: &str, what: &str, status: u16) -> Error {
-    let code = match status {
-        404 | 410 => ErrorCode::SourceNotFound,
-        401 | 403 => ErrorCode::SourceNotAllowed,
-        _ => ErrorCode::SourceUnreachable,
-    };
+    let code = crate::error::http_status_code(status);
     let hint = match status {
         401 => " (credentials refused: check [glance] auth options)",
         403 => " (not allowed to read this image)",

@@ -6,7 +6,7 @@
 //! completion plus a dead-letter, never a dropped message.
 
 use crate::error::{Error, ErrorCode};
-use crate::events::{Action, Completion, InstanceInfo, Options};
+use crate::events::{Action, Completion, InstanceInfo, MAX_REQUEST_ID_LEN, Options};
 use crate::node::NodeUuid;
 use crate::pipeline::Request;
 use serde::Deserialize;
@@ -37,6 +37,9 @@ pub fn parse(body: &[u8], from_notification_exchange: bool, host: &str) -> Inbou
     }
 }
 
+/// A node id longer than this is not echoed back (a UUID has 36 characters).
+const MAX_NODE_ECHO_LEN: usize = 64;
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct CommandBody {
@@ -66,13 +69,16 @@ pub fn parse_command(body: &[u8], host: &str) -> Inbound {
             );
         }
     };
+    // Echoed in the error event only when of a sane length.
     let request_id = value
         .get("request_id")
         .and_then(|v| v.as_str())
+        .filter(|r| r.len() <= MAX_REQUEST_ID_LEN)
         .map(str::to_string);
     let node = value
         .get("node_uuid")
         .and_then(|v| v.as_str())
+        .filter(|n| n.len() <= MAX_NODE_ECHO_LEN)
         .map(str::to_string);
     let action = match value.get("action").and_then(|v| v.as_str()) {
         Some("prepare") => Action::Prepare,
@@ -105,7 +111,26 @@ pub fn parse_command(body: &[u8], host: &str) -> Inbound {
             Completion::new(action, node, request_id, host).failed(&e),
         ));
     }
+    if let Some(long) = cmd
+        .request_id
+        .as_ref()
+        .filter(|r| r.len() > MAX_REQUEST_ID_LEN)
+    {
+        return invalid(
+            action,
+            node,
+            None,
+            host,
+            format!(
+                "request_id is {} bytes long, more than {MAX_REQUEST_ID_LEN}",
+                long.len()
+            ),
+        );
+    }
     let instance_info = cmd.instance_info.unwrap_or_default();
+    if let Err(why) = instance_info.check_lengths() {
+        return invalid(action, node, request_id, host, why);
+    }
     let has_source = instance_info
         .image_source
         .as_deref()
@@ -231,6 +256,9 @@ pub fn parse_notification(body: &[u8], host: &str) -> Inbound {
             }
         },
     };
+    if let Err(why) = instance_info.check_lengths() {
+        return invalid(action, node, message_id, host, why);
+    }
     if action == Action::Prepare
         && instance_info
             .image_source
@@ -332,6 +360,50 @@ mod tests {
             code(&parse_command(bad_type.as_bytes(), "h")),
             Some(ErrorCode::InvalidMessage)
         );
+    }
+
+    /// Values longer than any real one are refused, and a huge request id
+    /// or node id is not echoed back.
+    #[test]
+    fn overlong_values_are_invalid_and_not_echoed() {
+        let huge = "x".repeat(10 << 20);
+        let long_id =
+            serde_json::json!({"action": "cleanup", "node_uuid": NODE, "request_id": huge});
+        match parse_command(long_id.to_string().as_bytes(), "h") {
+            Inbound::Invalid(c) => {
+                assert_eq!(c.error.as_ref().unwrap().code, ErrorCode::InvalidMessage);
+                assert!(c.request_id.is_none());
+                assert!(serde_json::to_string(&c).unwrap().len() < 4096);
+            }
+            other => panic!("{other:?}"),
+        }
+        let long_node = serde_json::json!({"action": "cleanup", "node_uuid": huge});
+        match parse_command(long_node.to_string().as_bytes(), "h") {
+            Inbound::Invalid(c) => {
+                assert_eq!(c.error.as_ref().unwrap().code, ErrorCode::InvalidNodeUuid);
+                assert!(c.node_uuid.is_none());
+            }
+            other => panic!("{other:?}"),
+        }
+        for (key, len) in [
+            ("image_source", 8193),
+            ("image_checksum", 8193),
+            ("image_disk_format", 65),
+            ("image_os_hash_algo", 65),
+        ] {
+            let mut info = serde_json::json!({"image_source": "http://x/y"});
+            info[key] = "a".repeat(len).into();
+            let body = serde_json::json!({"action": "prepare", "node_uuid": NODE,
+                "request_id": "r", "instance_info": info});
+            let i = parse_command(body.to_string().as_bytes(), "h");
+            assert_eq!(code(&i), Some(ErrorCode::InvalidMessage), "{key}");
+        }
+        let fine = serde_json::json!({"action": "prepare", "node_uuid": NODE,
+            "request_id": "r".repeat(255), "instance_info": {"image_source": "a".repeat(8192)}});
+        assert!(matches!(
+            parse_command(fine.to_string().as_bytes(), "h"),
+            Inbound::Work(_)
+        ));
     }
 
     /// Bodies captured from Ironic 39.0.0's notifier (messagingv2), so the

@@ -79,6 +79,12 @@ impl Format {
         matches!(self, Format::Raw | Format::Gpt)
     }
 
+    /// Whether this format must be converted when force_raw applies: raw and
+    /// GPT disks are raw already, and Ironic never converts an ISO.
+    pub fn needs_conversion(self) -> bool {
+        !self.is_raw() && self != Format::Iso
+    }
+
     /// The `disk_format` announced for served bytes of this format: IPA only
     /// streams images announced as `raw`, which a GPT disk is.
     pub fn served_name(self) -> &'static str {
@@ -182,6 +188,31 @@ pub fn check_qcow2_tables(path: &Path, header: &qcow2::Header, file_size: u64) -
         qcow2::check_snapshot_table(header, &table, file_size)?;
     }
     Ok(())
+}
+
+/// [`check_qcow2_tables`] on a blocking thread: the tables may be tens of
+/// MiB, read while the runtime serves images.
+pub async fn check_qcow2_tables_blocking(
+    path: &Path,
+    header: &qcow2::Header,
+    file_size: u64,
+) -> Result<()> {
+    let (path, header) = (path.to_path_buf(), header.clone());
+    tokio::task::spawn_blocking(move || check_qcow2_tables(&path, &header, file_size))
+        .await
+        .map_err(|e| Error::new(ErrorCode::Internal, format!("table check task: {e}")))?
+}
+
+/// [`safety_check`] on a blocking thread (it reads the image's tables).
+pub async fn safety_check_blocking(
+    path: &Path,
+    found: &Inspection,
+    limits: qcow2::Limits,
+) -> Result<Option<qcow2::Header>> {
+    let (path, found) = (path.to_path_buf(), found.clone());
+    tokio::task::spawn_blocking(move || safety_check(&path, &found, limits))
+        .await
+        .map_err(|e| Error::new(ErrorCode::Internal, format!("safety check task: {e}")))?
 }
 
 /// The deep safety check of an image of format `found.format`: qcow2

@@ -17,6 +17,7 @@ pub mod eviction;
 pub mod fsutil;
 pub mod glance;
 pub mod http;
+pub(crate) mod http_client;
 pub mod inbound;
 pub mod inspect;
 pub mod ironic_conf;

@@ -16,7 +16,7 @@ use crate::metrics::Metrics;
 use crate::node::NodeUuid;
 use crate::progress::Transfer;
 use crate::sink::Digests;
-use crate::source::{Fetcher, Source};
+use crate::source::{Fetcher, Room, Source};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Instant, SystemTime};
@@ -182,7 +182,14 @@ impl Pipeline {
             &self.config.default.host,
         );
         if req.action == Action::Prepare {
-            done.image_source = req.instance_info.image_source.clone();
+            // Credentials in the URL never leave in an event, nor a source
+            // too long to be one.
+            done.image_source = req
+                .instance_info
+                .image_source
+                .as_deref()
+                .filter(|s| s.len() <= crate::source::MAX_URL_LEN)
+                .map(crate::config::redact_url);
         }
         let result = match NodeUuid::parse(&req.node_uuid) {
             Err(e) => Err(e),
@@ -443,15 +450,21 @@ impl Pipeline {
         let transfer = std::sync::Mutex::new(Transfer::start(&self.metrics, "download", 0));
         let announced = AtomicU64::new(u64::MAX);
         let downloaded = AtomicBool::new(false);
-        let room = |len: u64| {
-            transfer
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .set_expected(len);
-            announced.store(len, Ordering::Release);
-            self.make_room(len)
+        let room = |need: Room| match need {
+            Room::Announced(len) => {
+                transfer
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .set_expected(len);
+                announced.store(len, Ordering::Release);
+                self.make_room(len)
+            }
+            Room::Growing(more) => self.make_room(more),
         };
+        // Bytes received, for the conversion that follows the download.
+        let (received, arrivals) = tokio::sync::watch::channel(0u64);
         let progress = |done: u64| {
+            received.send_replace(done);
             transfer
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
@@ -469,6 +482,7 @@ impl Pipeline {
                 .download(source, temp.path(), hashes, &room, &progress)
                 .await;
             downloaded.store(true, Ordering::Release);
+            received.send_modify(|_| ());
             result
         };
         // A qcow2 to be converted is converted while it downloads when it can
@@ -489,13 +503,18 @@ impl Pipeline {
                     streamed_out.path(),
                     &announced,
                     &downloaded,
+                    arrivals.clone(),
                     sha512,
                 )
                 .await;
-            if let Err(e) = &r {
-                tracing::debug!(error = %e, "no conversion during the download");
+            match r {
+                Ok(d) => Some(Ok((d, t.elapsed()))),
+                Err(convert::StreamFailure::Conclusive(e)) => Some(Err(e)),
+                Err(convert::StreamFailure::Retryable(e)) => {
+                    tracing::debug!(error = %e, "no conversion during the download");
+                    None
+                }
             }
-            r.ok().map(|d| (d, t.elapsed()))
         };
         let (downloaded_result, streamed) = tokio::join!(download, streaming);
         let (digests, stat) = downloaded_result?;
@@ -526,7 +545,7 @@ impl Pipeline {
         let (header, _) = inspect::read_header(temp.path())?;
         let (temp, served) = if inspect::is_zstd(&header) {
             let out = TempGuard::new(self.cache.temp_path(name));
-            let max = self.config.convert.max_virtual_size_gib << 30;
+            let max = self.config.convert.qcow2_limits().max_virtual_size;
             let d = convert::decompress_zstd(temp.path(), out.path(), sha512, max).await?;
             (out, d)
         } else {
@@ -538,13 +557,20 @@ impl Pipeline {
             info.image_disk_format.as_deref(),
             &self.config.conductor.permitted_image_formats,
         )?;
-        let qcow2 = inspect::safety_check(temp.path(), &found, self.config.convert.qcow2_limits())?;
-        let streamed = streamed.filter(|_| found.format == inspect::Format::Qcow2);
+        let qcow2 =
+            inspect::safety_check_blocking(temp.path(), &found, self.config.convert.qcow2_limits())
+                .await?;
+        let streamed = match streamed.filter(|_| found.format == inspect::Format::Qcow2) {
+            // The converter hit its limits on these very bytes: no second try.
+            Some(Err(e)) => return Err(e),
+            Some(Ok(done)) => Some(done),
+            None => None,
+        };
         let (temp, served, converted) = if let Some((d, took)) = streamed {
             self.metrics.conversion("while_downloading", &d, took);
             check_converted(streamed_out.path(), &d, &found)?;
             (streamed_out, d, true)
-        } else if force_raw && convert::needs_conversion(found.format) {
+        } else if force_raw && found.format.needs_conversion() {
             self.make_room(
                 self.config
                     .convert
@@ -605,16 +631,19 @@ impl Pipeline {
     /// Converts a qcow2 while `temp` is still being downloaded: waits for the
     /// announced size, the header and the L1 table, validates them against
     /// the announced size, makes room, then runs the converter on the
-    /// growing file. Any error only means "convert after the download".
+    /// growing file. An error means "convert after the download", unless
+    /// the converter hit its limits (then it stands).
     async fn stream_convert(
         &self,
         temp: &std::path::Path,
         out: &std::path::Path,
         announced: &AtomicU64,
         downloaded: &AtomicBool,
+        arrivals: tokio::sync::watch::Receiver<u64>,
         sha512: bool,
-    ) -> Result<Digests> {
+    ) -> Result<Digests, convert::StreamFailure> {
         let not_now = |why: &str| Error::new(ErrorCode::Internal, why.to_string());
+        let arrivals = &tokio::sync::Mutex::new(arrivals);
         let wait_for = |len: u64| async move {
             loop {
                 let total = announced.load(Ordering::Acquire);
@@ -626,21 +655,25 @@ impl Pipeline {
                 if downloaded.load(Ordering::Acquire) {
                     return Err(not_now("download over before the range arrived"));
                 }
-                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                // Woken by the download's progress; the file on disk trails
+                // the bytes received a little, hence the short bound.
+                let mut rx = arrivals.lock().await;
+                let _ =
+                    tokio::time::timeout(std::time::Duration::from_millis(100), rx.changed()).await;
             }
         };
         let total = wait_for(inspect::HEADER_LEN as u64).await?;
         let (head, _) = inspect::read_header(temp)?;
         if inspect::detect(&head) != inspect::Format::Qcow2 {
-            return Err(not_now("not a qcow2"));
+            return Err(not_now("not a qcow2").into());
         }
         let limits = self.config.convert.qcow2_limits();
         let header = crate::qcow2::parse(&head, total, limits)?;
         if !header.qcow2_rs_can_read() || header.nb_snapshots > 0 {
-            return Err(not_now("qcow2 features that need the whole file"));
+            return Err(not_now("qcow2 features that need the whole file").into());
         }
         wait_for(header.l1_table_offset + header.l1_size as u64 * 8).await?;
-        inspect::check_qcow2_tables(temp, &header, total)?;
+        inspect::check_qcow2_tables_blocking(temp, &header, total).await?;
         self.make_room(
             self.config
                 .convert

@@ -295,6 +295,50 @@ pub fn check_l1_table(header: &Header, l1: &[u8], file_size: u64) -> Result<()> 
     Ok(())
 }
 
+/// Host offset of the L2 table an L1 entry points to (0: none, the whole
+/// range it covers reads as zeros).
+pub fn l2_offset(l1_entry: u64) -> u64 {
+    l1_entry & 0x00ff_ffff_ffff_fe00
+}
+
+/// The guest ranges of one L2 table that may hold data, in order and
+/// merged: `(guest offset, length)`, clipped to the virtual size.
+/// Unallocated clusters and (v3) zero clusters read as zeros in an image
+/// without a backing file, so they are left out and never read; compressed
+/// and normal clusters are data. `l1_index` is the entry's place in the L1
+/// table, `l2` the table's bytes (one cluster). Standard (not extended) L2
+/// entries only.
+pub fn data_runs(header: &Header, l1_index: u64, l2: &[u8]) -> Vec<(u64, u64)> {
+    const COMPRESSED: u64 = 1 << 62;
+    const ZERO: u64 = 1;
+    let cluster = header.cluster_size();
+    let entries = cluster / 8;
+    let base = l1_index.saturating_mul(entries).saturating_mul(cluster);
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for (j, raw) in l2.chunks_exact(8).take(entries as usize).enumerate() {
+        let guest = base.saturating_add(j as u64 * cluster);
+        if guest >= header.virtual_size {
+            break;
+        }
+        let entry = u64::from_be_bytes(raw.try_into().unwrap_or_default());
+        let data = if entry & COMPRESSED != 0 {
+            true
+        } else {
+            let zero = header.version >= 3 && entry & ZERO != 0;
+            !zero && l2_offset(entry) != 0
+        };
+        if !data {
+            continue;
+        }
+        let len = cluster.min(header.virtual_size - guest);
+        match runs.last_mut() {
+            Some((start, run)) if *start + *run == guest => *run += len,
+            _ => runs.push((guest, len)),
+        }
+    }
+    runs
+}
+
 /// Checks the internal snapshot table as qemu does when it opens an image:
 /// `table` holds the bytes from `snapshots_offset` (up to 64 MiB or the end
 /// of the file). Snapshots are not converted, but an image qemu would refuse

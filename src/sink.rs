@@ -53,6 +53,19 @@ impl Digests {
     }
 }
 
+/// What travels from a [`Sink`] to its writer and hashers.
+#[derive(Clone)]
+enum Piece {
+    /// Bytes, written (zero chunks as holes) and hashed.
+    Data(Bytes),
+    /// A run of zeros known without reading it (an unallocated range of a
+    /// sparse image): a hole for the writer, zeros for the hashers.
+    Zeros(u64),
+}
+
+/// Zeros fed to the hashers for [`Piece::Zeros`].
+static ZEROS: [u8; 64 * 1024] = [0; 64 * 1024];
+
 /// Which digests a [`Sink`] computes.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Hashes {
@@ -71,8 +84,7 @@ pub struct Hashes {
 /// True when the first chunk shows bytes that will not be served as they
 /// are (a format converted under force_raw, or zstd).
 fn will_be_converted(first: &[u8]) -> bool {
-    crate::convert::needs_conversion(crate::inspect::detect(first))
-        || crate::inspect::is_zstd(first)
+    crate::inspect::detect(first).needs_conversion() || crate::inspect::is_zstd(first)
 }
 
 enum Output {
@@ -82,7 +94,7 @@ enum Output {
 
 /// A file being written plus its hashers; see the module documentation.
 pub struct Sink {
-    senders: Vec<mpsc::Sender<Bytes>>,
+    senders: Vec<mpsc::Sender<Piece>>,
     tasks: Vec<JoinHandle<Result<Output>>>,
     buf: BytesMut,
     size: u64,
@@ -151,12 +163,25 @@ impl Sink {
                 let mut hasher = Hasher::new(algo);
                 let mut busy = std::time::Duration::ZERO;
                 let mut skip = None;
-                while let Some(chunk) = rx.blocking_recv() {
-                    if *skip.get_or_insert_with(|| lazy && will_be_converted(&chunk)) {
+                while let Some(piece) = rx.blocking_recv() {
+                    let first: &[u8] = match &piece {
+                        Piece::Data(chunk) => chunk,
+                        Piece::Zeros(_) => &ZEROS,
+                    };
+                    if *skip.get_or_insert_with(|| lazy && will_be_converted(first)) {
                         continue;
                     }
                     let t = std::time::Instant::now();
-                    hasher.update(&chunk);
+                    match piece {
+                        Piece::Data(chunk) => hasher.update(&chunk),
+                        Piece::Zeros(mut n) => {
+                            while n > 0 {
+                                let take = n.min(ZEROS.len() as u64) as usize;
+                                hasher.update(&ZEROS[..take]);
+                                n -= take as u64;
+                            }
+                        }
+                    }
                     busy += t.elapsed();
                 }
                 let hex = if skip == Some(true) {
@@ -170,7 +195,7 @@ impl Sink {
         sink
     }
 
-    fn spawn(&mut self, f: impl FnOnce(mpsc::Receiver<Bytes>) -> Result<Output> + Send + 'static) {
+    fn spawn(&mut self, f: impl FnOnce(mpsc::Receiver<Piece>) -> Result<Output> + Send + 'static) {
         let (tx, rx) = mpsc::channel(DEPTH);
         self.senders.push(tx);
         self.tasks.push(tokio::task::spawn_blocking(move || f(rx)));
@@ -194,14 +219,30 @@ impl Sink {
         Ok(())
     }
 
+    /// Appends `n` zero bytes without materialising them: the file gets a
+    /// hole and the hashers hash zeros (for ranges known to be empty, such
+    /// as unallocated clusters of a sparse image).
+    pub async fn write_zeros(&mut self, n: u64) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        self.flush().await?;
+        self.size += n;
+        self.send(Piece::Zeros(n)).await
+    }
+
     async fn flush(&mut self) -> Result<()> {
         if self.buf.is_empty() {
             return Ok(());
         }
         let chunk = std::mem::replace(&mut self.buf, BytesMut::with_capacity(CHUNK)).freeze();
         self.size += chunk.len() as u64;
+        self.send(Piece::Data(chunk)).await
+    }
+
+    async fn send(&mut self, piece: Piece) -> Result<()> {
         for tx in &self.senders {
-            if tx.send(chunk.clone()).await.is_err() {
+            if tx.send(piece.clone()).await.is_err() {
                 // A consumer stopped early: its error is reported by finish().
                 return self.fail().await;
             }
@@ -257,14 +298,26 @@ async fn join(task: JoinHandle<Result<Output>>) -> Result<Output> {
 /// the final sync, and less CPU). Images that will be read back at once (a
 /// qcow2 about to be converted) stay in the page cache, with write-back
 /// started early so the final fsync is short.
-fn write_file(file: File, direct: Option<File>, mut rx: mpsc::Receiver<Bytes>) -> Result<Output> {
+fn write_file(file: File, direct: Option<File>, mut rx: mpsc::Receiver<Piece>) -> Result<Output> {
     let io = |what: &str, e| Error::io(format!("write image: {what}"), e);
     let mut offset = 0u64;
     let mut synced = 0u64;
     let mut direct = direct.map(|d| (d, AlignedBuf::new(DIRECT_WRITE)));
     let mut pending_at = 0u64;
     let mut first = true;
-    while let Some(chunk) = rx.blocking_recv() {
+    while let Some(piece) = rx.blocking_recv() {
+        let chunk = match piece {
+            Piece::Data(chunk) => chunk,
+            Piece::Zeros(n) => {
+                // A hole: whatever is pending goes out first.
+                first = false;
+                if let Some((dfile, buf)) = direct.as_mut() {
+                    write_direct(&file, dfile, buf, pending_at).map_err(|e| io("write", e))?;
+                }
+                offset += n;
+                continue;
+            }
+        };
         if first {
             first = false;
             if will_be_converted(&chunk) {

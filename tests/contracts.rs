@@ -242,3 +242,80 @@ fn example_configuration_shows_every_option() {
         "ops/worker.example.toml shows unknown options: {unknown:?}"
     );
 }
+
+/// Options that are strings stay strings when they come from the
+/// environment or `--set`, whatever they look like.
+#[test]
+fn string_options_from_the_environment_stay_strings() {
+    let env = vec![
+        (
+            "IRONIC_IMAGE_WORKER__GLANCE__PASSWORD".to_string(),
+            "123456".to_string(),
+        ),
+        (
+            "IRONIC_IMAGE_WORKER__DEFAULT__HOST".to_string(),
+            "true".to_string(),
+        ),
+    ];
+    let c = Config::load_from(
+        &Files::default(),
+        &env,
+        &["glance.token=1e3".into(), "pxe.image_cache_size=7".into()],
+    )
+    .unwrap();
+    assert_eq!(c.glance.password, "123456");
+    assert_eq!(c.default.host, "true");
+    assert_eq!(c.glance.token, "1e3");
+    assert_eq!(c.pxe.image_cache_size, 7);
+    // A number option still refuses what is not a number.
+    assert!(
+        Config::load_from(
+            &Files::default(),
+            &[],
+            &["pxe.image_cache_size=lots".into()]
+        )
+        .is_err()
+    );
+}
+
+/// Limits must be limits: zero prefetch (unlimited to the broker), unit
+/// conversions that would overflow and out-of-range delivery limits are
+/// refused at start, not wrapped.
+#[test]
+fn limits_that_are_not_limits_are_refused() {
+    let refused = [
+        "amqp.prefetch=0",
+        "convert.max_virtual_size_gib=17179869184",
+        "convert.memory_limit_mib=9223372036854775807",
+        "pxe.image_cache_size=9223372036854775807",
+        "pxe.image_cache_ttl=9223372036854775807",
+        "amqp.delivery_limit=3000000000",
+        "convert.raw_image_growth_factor=-1.0",
+    ];
+    for item in refused {
+        let err = Config::load_from(&Files::default(), &[], &[item.into()]);
+        assert!(err.is_err(), "{item} must be refused");
+    }
+    let c = Config::load_from(
+        &Files::default(),
+        &[],
+        &["convert.max_virtual_size_gib=8192".into()],
+    )
+    .unwrap();
+    assert_eq!(c.convert.qcow2_limits().max_virtual_size, 8192u64 << 30);
+}
+
+/// Credentials in URLs are masked whole: user and password, or a token
+/// standing as the user name.
+#[test]
+fn urls_are_redacted_of_their_user_info() {
+    use ironic_image_worker::config::redact_url;
+    assert_eq!(
+        redact_url("http://user:pw@host:8080/a@b?c=d@e"),
+        "http://***@host:8080/a@b?c=d@e"
+    );
+    assert_eq!(redact_url("https://TOKEN@host/x"), "https://***@host/x");
+    assert_eq!(redact_url("http://host/x"), "http://host/x");
+    assert_eq!(redact_url("not a url at all"), "not a url at all");
+    assert_eq!(redact_url("http://us er:p w@h/"), "http://***@h/");
+}

@@ -574,3 +574,104 @@ async fn qcow2_converted_while_it_downloads() {
         Some(1.0)
     );
 }
+
+/// Writes `commands` into the qcow2 `img` with qemu-io.
+fn qemu_io(img: &Path, commands: &[&str]) {
+    let mut args = vec!["-f", "qcow2"];
+    for c in commands {
+        args.push("-c");
+        args.push(c);
+    }
+    args.push(img.to_str().unwrap());
+    tool("qemu-io", &args);
+}
+
+/// A sparse qcow2 (unallocated L1 ranges, unallocated and zero clusters,
+/// zero clusters over allocated ones, a compressed cluster, data at the
+/// very end) converts exactly like qemu-img, as a sparse file: the
+/// converter reads only the allocated clusters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sparse_qcow2_converts_by_its_allocated_clusters() {
+    let env = Env::new("");
+    let img = env.root().join("allowed/sparse.qcow2");
+    tool(
+        "qemu-img",
+        &["create", "-q", "-f", "qcow2", img.to_str().unwrap(), "6G"],
+    );
+    qemu_io(
+        &img,
+        &[
+            "write -P 0x5a 0 1M",
+            "write -P 0xa5 1G 3M",
+            "write -P 0x77 2G 1M",
+            "write -z 2G 512k",
+            "write -z 3G 2M",
+            "write -c -P 0x33 4G 64k",
+            "write -P 0x11 6143M 1M",
+        ],
+    );
+    let reference = env.root().join("sparse.ref");
+    reference_raw(&img, &reference);
+    let node = node();
+    let (ok, ev) = env.prepare(&node, &file_url(&img), &[]).await;
+    assert!(ok, "{ev}");
+    assert_eq!(ev["image_size"], 6u64 << 30);
+    assert_eq!(ev["image_checksum"], md5sum(&reference));
+    assert_eq!(ev["image_os_hash_value"], sha256sum(&reference));
+    let disk = std::fs::metadata(disk_of(&env, &node)).unwrap();
+    assert!(
+        disk.blocks() * 512 < 32 << 20,
+        "unallocated ranges are holes: {} bytes allocated",
+        disk.blocks() * 512
+    );
+    let status = std::process::Command::new("cmp")
+        .arg(disk_of(&env, &node))
+        .arg(&reference)
+        .status()
+        .unwrap();
+    assert!(status.success(), "served bytes equal qemu-img's");
+}
+
+/// A converter stopped by its limits while the image downloads is not
+/// started a second time on the complete file: the request fails at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn converter_stopped_by_its_limits_is_not_run_again() {
+    let env = Env::new("");
+    let img = env.root().join("src/huge.qcow2");
+    tool(
+        "qemu-img",
+        &["create", "-q", "-f", "qcow2", img.to_str().unwrap(), "1T"],
+    );
+    qemu_io(&img, &["write -P 0x5a 0 1M", "write -P 0xa5 512G 1M"]);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let out = env
+        .run(&[
+            "--set",
+            "convert.min_timeout=1",
+            "--set",
+            "convert.min_rate_mib=100000000",
+            "prepare",
+            "--node",
+            &node(),
+            "--image-source",
+            &server.url("huge.qcow2"),
+        ])
+        .await;
+    let (ok, ev) = completion_of(&out);
+    assert!(!ok);
+    assert_eq!(ev["error"]["code"], "corrupt_image", "{ev}");
+    assert!(
+        ev["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("did not finish"),
+        "{ev}"
+    );
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        log.matches("converting to raw").count(),
+        1,
+        "one conversion attempt: {log}"
+    );
+    assert!(env.temporaries().is_empty());
+}

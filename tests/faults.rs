@@ -23,13 +23,17 @@ async fn stalled_short_and_reset_sources_are_retried_then_unreachable() {
                     "--set",
                     "source.read_timeout=1",
                     "--set",
-                    "source.retries=3",
+                    "source.retries=2",
                 ],
             )
             .await;
         assert!(!ok);
         assert_eq!(ev["error"]["code"], "source_unreachable", "{mode}: {ev}");
-        assert_eq!(faults.count(mode, "disk.img"), 3, "{mode}: bounded retries");
+        assert_eq!(
+            faults.count(mode, "disk.img"),
+            3,
+            "{mode}: one attempt and two retries"
+        );
         assert!(
             started.elapsed() < Duration::from_secs(40),
             "{mode}: never a hang"
@@ -316,4 +320,251 @@ async fn racing_prepare_and_cleanup_stay_consistent() {
         std::fs::read(&src).unwrap()
     );
     assert!(env.temporaries().is_empty());
+}
+
+/// A checksum file is read into memory: one streamed without a length (or
+/// announcing more) stops at 1 MiB with `invalid_message`, not a growing
+/// process and not `checksum_mismatch`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_checksum_files_stop_at_one_mebibyte() {
+    let env = Env::new("");
+    random_file(&env.root().join("src/disk.img"), 1 << 20, 71);
+    random_file(&env.root().join("src/big.sums"), 3 << 20, 72);
+    let faults = FaultServer::start(&env.root().join("src"), 1 << 20).await;
+    let server = SourceServer::start(&env.root().join("src")).await;
+    for sums in [faults.url("endless", "sums"), server.url("big.sums")] {
+        let (ok, ev) = env
+            .prepare(&node(), &server.url("disk.img"), &["--checksum", &sums])
+            .await;
+        assert!(!ok);
+        assert_eq!(ev["error"]["code"], "invalid_message", "{ev}");
+        let msg = ev["error"]["message"].as_str().unwrap();
+        assert!(msg.contains("larger than 1 MiB"), "{msg}");
+    }
+    assert_eq!(server.count("GET", "disk.img"), 0, "nothing downloaded");
+}
+
+/// A source that sends a byte now and then never trips the read timeout;
+/// the minimum rate fails it (each attempt), and the overall deadline
+/// bounds even a steady slow source.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trickling_and_endless_downloads_are_bounded() {
+    let env = Env::new("");
+    random_file(&env.root().join("src/disk.img"), 4 << 20, 73);
+    let faults = FaultServer::start(&env.root().join("src"), 64 << 10).await;
+    let (ok, ev) = env
+        .prepare(
+            &node(),
+            &faults.url("trickle", "disk.img"),
+            &[
+                "--set",
+                "source.min_rate=100",
+                "--set",
+                "source.min_rate_window=2",
+                "--set",
+                "source.retries=1",
+            ],
+        )
+        .await;
+    assert!(!ok);
+    assert_eq!(ev["error"]["code"], "source_unreachable", "{ev}");
+    assert!(
+        ev["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("too slow"),
+        "{ev}"
+    );
+    assert_eq!(faults.count("trickle", "disk.img"), 2, "one retry");
+
+    let (ok, ev) = env
+        .prepare(
+            &node(),
+            &faults.url("slow", "disk.img"),
+            &["--set", "source.download_deadline=2"],
+        )
+        .await;
+    assert!(!ok);
+    assert_eq!(ev["error"]["code"], "source_unreachable", "{ev}");
+    assert!(
+        ev["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("deadline"),
+        "{ev}"
+    );
+    assert!(env.masters().is_empty());
+    assert!(env.temporaries().is_empty());
+}
+
+/// Redirects are bounded: never to this host's loopback (where the metrics
+/// port listens) unless allowed, never to another scheme, never in a loop;
+/// a URL too long for any HTTP stack is an invalid message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redirects_and_urls_are_bounded() {
+    let env = Env::new("");
+    random_file(&env.root().join("src/disk.img"), 1 << 20, 74);
+    let faults = FaultServer::start(&env.root().join("src"), 1 << 20).await;
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let local = faults.url("redirect", &server.url("disk.img"));
+    let (ok, ev) = env.prepare(&node(), &local, &[]).await;
+    assert!(!ok);
+    assert_eq!(ev["error"]["code"], "source_not_allowed", "{ev}");
+    assert_eq!(
+        server.count("GET", "disk.img"),
+        0,
+        "the target was not fetched"
+    );
+    let (ok, ev) = env
+        .prepare(
+            &node(),
+            &local,
+            &["--set", "source.allow_local_redirects=true"],
+        )
+        .await;
+    assert!(ok, "{ev}");
+    assert_eq!(server.count("GET", "disk.img"), 1);
+
+    let to_file = faults.url("redirect", "file:///etc/passwd");
+    let (ok, ev) = env.prepare(&node(), &to_file, &[]).await;
+    assert!(!ok);
+    assert_eq!(ev["error"]["code"], "source_not_allowed", "{ev}");
+
+    // A loop: every hop redirects to the same URL.
+    let looping = format!(
+        "http://{}/redirect/http://{}/redirect/x",
+        faults.addr, faults.addr
+    );
+    let (ok, ev) = env
+        .prepare(
+            &node(),
+            &looping,
+            &[
+                "--set",
+                "source.allow_local_redirects=true",
+                "--set",
+                "source.max_redirects=3",
+            ],
+        )
+        .await;
+    assert!(!ok);
+    assert_eq!(ev["error"]["code"], "source_not_allowed", "{ev}");
+    let hops = faults.count("redirect", "x");
+    assert!((1..=4).contains(&hops), "bounded hops: {hops}");
+
+    let long = format!("{}?{}", server.url("disk.img"), "a".repeat(64 * 1024));
+    let (ok, ev) = env.prepare(&node(), &long, &[]).await;
+    assert!(!ok);
+    assert_eq!(ev["error"]["code"], "invalid_message", "{ev}");
+    assert!(ev.to_string().len() < 4096, "the URL is not echoed back");
+}
+
+/// Credentials in a source URL never appear in the completion event (also
+/// on the events exchange) or in the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credentials_in_source_urls_are_redacted_everywhere() {
+    let env = Env::new("");
+    random_file(&env.root().join("src/disk.img"), 1 << 20, 75);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let with_password = format!("http://user:s3cretpw@{}/disk.img", server.addr);
+    let with_token = format!("http://T0KENVALUE@{}/missing.img", server.addr);
+    for (src, ok_expected) in [(&with_password, true), (&with_token, false)] {
+        let out = env
+            .run(&["prepare", "--node", &node(), "--image-source", src])
+            .await;
+        let (ok, ev) = completion_of(&out);
+        assert_eq!(ok, ok_expected, "{ev}");
+        let all = format!("{ev} {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            !all.contains("s3cretpw") && !all.contains("T0KENVALUE"),
+            "{all}"
+        );
+        assert!(
+            ev["image_source"].as_str().unwrap().contains("***@"),
+            "{ev}"
+        );
+    }
+
+    let broker = Broker::connect().await;
+    let tap = EventTap::new(&broker).await;
+    let _worker = env.serve().await;
+    let mut cmd = prepare_cmd(&node(), &with_password);
+    cmd["request_id"] = "redacted".into();
+    broker
+        .publish_raw(
+            &env.host,
+            "prepare",
+            cmd.to_string().as_bytes(),
+            "c",
+            None,
+            false,
+        )
+        .await;
+    let (_, _, ev) = tap.next(&env.host, MINUTE).await.expect("an event");
+    assert_eq!(ev["status"], "success", "{ev}");
+    assert!(!ev.to_string().contains("s3cretpw"), "{ev}");
+}
+
+/// `file://` sources: the allowed list is checked before the file system
+/// is touched (a missing file outside it answers like `/etc/passwd`), and
+/// the file is opened once beneath the allowed directory: no symlink out,
+/// no FIFO hang, no directory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_sources_are_opened_once_beneath_the_allowed_paths() {
+    let env = Env::new("");
+    let allowed = env.root().join("allowed");
+    random_file(&allowed.join("disk.img"), 1 << 20, 76);
+    std::fs::create_dir(allowed.join("sub")).unwrap();
+    std::os::unix::fs::symlink("../disk.img", allowed.join("sub/inside")).unwrap();
+    std::os::unix::fs::symlink("/etc/passwd", allowed.join("out-abs")).unwrap();
+    std::os::unix::fs::symlink("../../../../../../../etc/passwd", allowed.join("out-rel")).unwrap();
+    tool("mkfifo", &[allowed.join("fifo").to_str().unwrap()]);
+    let url = |p: &str| format!("file://{p}");
+    let inside = |n: &str| url(&allowed.join(n).display().to_string());
+    let cases = [
+        (url("/nonexistent/disk.img"), "source_not_allowed"),
+        (url("/etc/passwd"), "source_not_allowed"),
+        (inside("missing.img"), "source_not_found"),
+        (inside("out-abs"), "source_not_allowed"),
+        (inside("out-rel"), "source_not_allowed"),
+        (inside("fifo"), "source_not_allowed"),
+        (inside("sub"), "source_not_allowed"),
+        (
+            format!("{}/../src/x", url(&allowed.display().to_string())),
+            "source_not_allowed",
+        ),
+    ];
+    for (src, code) in cases {
+        let (ok, ev) = env.prepare(&node(), &src, &[]).await;
+        assert!(!ok, "{src}: {ev}");
+        assert_eq!(ev["error"]["code"], code, "{src}: {ev}");
+    }
+    let (ok, ev) = env.prepare(&node(), &inside("sub/inside"), &[]).await;
+    assert!(ok, "a symlink within the allowed directory is fine: {ev}");
+    assert_eq!(ev["image_checksum"], md5sum(&allowed.join("disk.img")));
+}
+
+/// Glance (and Keystone) answers are read into memory: one streaming for
+/// ever ends at the bound with `source_unreachable`, the process small.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endless_glance_documents_are_bounded() {
+    let env = Env::new("");
+    let faults = FaultServer::start(&env.root().join("src"), 1 << 20).await;
+    let endpoint = format!("glance.endpoint_override=http://{}/endless", faults.addr);
+    let (ok, ev) = env
+        .prepare(
+            &node(),
+            &node(),
+            &["--set", "glance.auth_type=none", "--set", &endpoint],
+        )
+        .await;
+    assert!(!ok);
+    assert_eq!(ev["error"]["code"], "source_unreachable", "{ev}");
+    assert!(
+        ev["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("larger than 8 MiB"),
+        "{ev}"
+    );
 }

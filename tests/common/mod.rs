@@ -873,7 +873,9 @@ pub fn metric(text: &str, line_prefix: &str) -> Option<f64> {
 /// `/slow/NAME` at `rate` bytes/s, `/stall/NAME` stops after half the body
 /// and holds the connection, `/short/NAME` closes after half the body
 /// (Content-Length says more), `/reset/NAME` resets the connection after
-/// half the body, `/nolength/NAME` sends it without a Content-Length.
+/// half the body, `/nolength/NAME` sends it without a Content-Length,
+/// `/trickle/NAME` sends a byte every 100 ms, `/endless/ANY` streams without
+/// a length for ever, `/redirect/TARGET` answers 302 to TARGET.
 /// Counts requests per path.
 pub struct FaultServer {
     pub addr: SocketAddr,
@@ -936,6 +938,26 @@ async fn serve_fault(
     *counts.lock().unwrap().entry(path.clone()).or_default() += 1;
     let mut parts = path.trim_start_matches('/').splitn(2, '/');
     let (mode, name) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    // `/redirect/TARGET` answers 302 to TARGET (taken verbatim).
+    if mode == "redirect" {
+        let head = format!(
+            "HTTP/1.1 302 Found\r\nLocation: {name}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        );
+        sock.write_all(head.as_bytes()).await?;
+        return Ok(());
+    }
+    // `/endless/NAME` streams text without a Content-Length, for ever.
+    if mode == "endless" {
+        sock.write_all(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n")
+            .await?;
+        if method == "HEAD" {
+            return Ok(());
+        }
+        let line = [b'0'; 64 * 1024];
+        loop {
+            sock.write_all(&line).await?;
+        }
+    }
     let Ok(data) = std::fs::read(dir.join(name)) else {
         sock.write_all(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
             .await?;
@@ -968,6 +990,13 @@ async fn serve_fault(
         "stall" => {
             sock.write_all(&data[..half]).await?;
             tokio::time::sleep(Duration::from_secs(3600)).await;
+        }
+        // One byte every 100 ms (Content-Length announced).
+        "trickle" => {
+            for byte in &data {
+                sock.write_all(std::slice::from_ref(byte)).await?;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
         }
         "short" => sock.write_all(&data[..half]).await?,
         "reset" => {
