@@ -22,6 +22,9 @@ pub struct Metrics {
     pub amqp_connected: IntGauge,
     /// Reconnection attempts to the broker.
     pub amqp_reconnects: prometheus::IntCounter,
+    /// Messages waiting in this host's dead-letter queue (read every few
+    /// seconds while connected), for alerting.
+    pub amqp_dead_letters: IntGauge,
     /// Messages acknowledged without an answer, by reason.
     pub ignored: IntCounterVec,
     /// Messages consumed, by source (command/notification), action, outcome.
@@ -144,6 +147,10 @@ impl Metrics {
             "Bytes allocated by the master image cache.",
         );
         let cache_files = gauge("cache_files", "Masters in the image cache.");
+        let amqp_dead_letters = gauge(
+            "amqp_dead_letter_messages",
+            "Messages in this host's dead-letter queue.",
+        );
         let cache_limit = gauge(
             "cache_limit_bytes",
             "The cache size limit ([pxe]image_cache_size).",
@@ -233,6 +240,7 @@ impl Metrics {
             http_bytes,
             amqp_connected,
             amqp_reconnects,
+            amqp_dead_letters,
             ignored,
             messages,
             cache_bytes,

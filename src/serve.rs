@@ -20,6 +20,7 @@ pub async fn serve(config: Config) -> Result<()> {
         &[&config.pxe.instance_master_path, &config.pxe.images_path],
     )
     .map_err(|e| Error::io("resolve served directories", e))?;
+    let brokers = crate::broker::Brokers::new(&config)?;
     let image_listener = bind(config.http.listen).await?;
     let ops_listener = bind(config.metrics.listen).await?;
     tracing::info!(
@@ -57,9 +58,10 @@ pub async fn serve(config: Config) -> Result<()> {
         health,
         stopped(stop_rx.clone()),
     ));
-    let consumer = tokio::spawn(crate::amqp::run(
+    let consumer = tokio::spawn(crate::broker::run(
         pipeline.clone(),
         metrics.clone(),
+        brokers,
         connected,
         stop_rx.clone(),
     ));
