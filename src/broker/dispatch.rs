@@ -75,6 +75,8 @@ struct Tracked {
     answered: AtomicBool,
     /// Acknowledged before the answer (long work, consumer timeout).
     acked_early: AtomicBool,
+    /// Settled by dead-lettering (an unusable message), not by an ack.
+    dead_letter: bool,
     /// When the answer went out, for forgetting it.
     answered_at: Mutex<Option<Instant>>,
 }
@@ -144,6 +146,7 @@ impl Dispatcher {
             acker: Mutex::new(Some((session, delivery.acker.clone()))),
             answered: AtomicBool::new(false),
             acked_early: AtomicBool::new(false),
+            dead_letter: matches!(inbound, Inbound::Invalid(_)),
             answered_at: Mutex::new(None),
         });
         let job = Job {
@@ -254,10 +257,15 @@ impl Dispatcher {
             .with_label_values(&["redelivered_in_progress"])
             .inc();
         if tracked.answered.load(Ordering::Acquire) || tracked.acked_early.load(Ordering::Acquire) {
-            tracing::info!("a redelivered copy of work already answered or accepted: acknowledged");
+            tracing::info!("a redelivered copy of work already answered or accepted: settled");
             let acker = acker.clone();
+            let dead_letter = tracked.dead_letter;
             self.tracker.spawn(async move {
-                let _ = acker.ack(BasicAckOptions::default()).await;
+                let _ = if dead_letter {
+                    acker.reject(BasicRejectOptions { requeue: false }).await
+                } else {
+                    acker.ack(BasicAckOptions::default()).await
+                };
             });
         } else {
             tracing::info!("a redelivered copy of work still running here: adopted");

@@ -31,8 +31,10 @@ const DEAD_LETTER_CENSUS: Duration = Duration::from_secs(15);
 
 /// How a session ended.
 enum Ended {
-    /// Stopped on request.
+    /// Stopped on request; in-flight work drained.
     Stopped,
+    /// Stopped on request while connecting.
+    StoppedConnecting,
     /// The connection was lost after working.
     Lost,
 }
@@ -51,12 +53,18 @@ pub async fn run(
     let mut backoff = reconnect_backoff();
     let mut next = 0usize;
     let mut failed_in_row = 0usize;
+    let mut drained = false;
+    // Once the topology exists, a reconnect only consumes: declaring needs
+    // every cluster node that the broker still believes alive, so with a
+    // node hung it would stall until the cluster gives that node up.
+    let mut declared = false;
     while !*stop.borrow() {
         let index = next % brokers.len();
         next = next.wrapping_add(1);
         let outcome = session(
             &brokers,
             index,
+            !declared,
             &dispatcher,
             &metrics,
             &connected,
@@ -66,8 +74,18 @@ pub async fn run(
         .await;
         connected.store(false, Ordering::Relaxed);
         metrics.amqp_connected.set(0);
+        match &outcome {
+            Ok(_) => declared = true,
+            // The queue is gone (deleted, broker reset): declare it again.
+            Err(e) if e.contains("NOT_FOUND") => declared = false,
+            Err(_) => {}
+        }
         let delay = match outcome {
-            Ok(Ended::Stopped) => break,
+            Ok(Ended::Stopped) => {
+                drained = true;
+                break;
+            }
+            Ok(Ended::StoppedConnecting) => break,
             Ok(Ended::Lost) => {
                 backoff = reconnect_backoff();
                 failed_in_row = 0;
@@ -90,8 +108,12 @@ pub async fn run(
             _ = stop.wait_for(|s| *s) => break,
         }
     }
-    // Jobs still running finish within the grace period; what is still
-    // unacknowledged is requeued by the broker when the connection closes.
+    if drained {
+        return;
+    }
+    // Stopped while disconnected: jobs still running get the grace period
+    // (their answers need a connection; what stays unacknowledged is
+    // redelivered after the restart).
     dispatcher.tracker.close();
     let grace = Duration::from_secs(config.amqp.shutdown_grace);
     if tokio::time::timeout(grace, dispatcher.tracker.wait())
@@ -126,8 +148,14 @@ struct Opened {
     publisher: Publisher,
 }
 
-/// Connects to broker `index`, declares the topology and starts consuming.
-async fn open(brokers: &Brokers, index: usize, config: &Config) -> lapin::Result<Opened> {
+/// Connects to broker `index`, declares the topology (when `declare`) and
+/// starts consuming.
+async fn open(
+    brokers: &Brokers,
+    index: usize,
+    declare: bool,
+    config: &Config,
+) -> lapin::Result<Opened> {
     let props = ConnectionProperties::default()
         .with_connection_name(format!("ironic-image-worker@{}", config.default.host).into());
     let conn = brokers.connect(index, props).await?;
@@ -135,7 +163,9 @@ async fn open(brokers: &Brokers, index: usize, config: &Config) -> lapin::Result
     let publish_channel = conn.create_channel().await?;
     let probe_channel = conn.create_channel().await?;
     let topology = Topology::new(config);
-    topology.declare(&conn, &consume_channel, config).await?;
+    if declare {
+        topology.declare(&conn, &consume_channel, config).await?;
+    }
     consume_channel
         .basic_qos(config.amqp.prefetch, BasicQosOptions::default())
         .await?;
@@ -160,9 +190,11 @@ async fn open(brokers: &Brokers, index: usize, config: &Config) -> lapin::Result
 }
 
 /// One connection's lifetime. Err: could not get going.
+#[allow(clippy::too_many_arguments)]
 async fn session(
     brokers: &Brokers,
     index: usize,
+    declare: bool,
     dispatcher: &Arc<Dispatcher>,
     metrics: &Metrics,
     connected: &AtomicBool,
@@ -171,12 +203,12 @@ async fn session(
 ) -> Result<Ended, String> {
     let limit = Duration::from_secs(config.amqp.connect_timeout.max(1));
     let opened = tokio::select! {
-        opened = tokio::time::timeout(limit, open(brokers, index, config)) => match opened {
+        opened = tokio::time::timeout(limit, open(brokers, index, declare, config)) => match opened {
             Ok(Ok(opened)) => opened,
             Ok(Err(e)) => return Err(super::chain(&e)),
             Err(_) => return Err(format!("no connection within {limit:?} ([amqp]connect_timeout)")),
         },
-        _ = stop.wait_for(|s| *s) => return Ok(Ended::Stopped),
+        _ = stop.wait_for(|s| *s) => return Ok(Ended::StoppedConnecting),
     };
     let Opened {
         conn,
