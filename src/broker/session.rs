@@ -148,21 +148,33 @@ struct Opened {
     publisher: Publisher,
 }
 
+/// The steps of [`open`], named in a timeout's message.
+const STEPS: [&str; 4] = [
+    "connect",
+    "open channels",
+    "declare the topology",
+    "consume",
+];
+
 /// Connects to broker `index`, declares the topology (when `declare`) and
-/// starts consuming.
+/// starts consuming; `step` follows the progress (an index into [`STEPS`]).
 async fn open(
     brokers: &Brokers,
     index: usize,
     declare: bool,
     config: &Config,
+    step: &std::sync::atomic::AtomicUsize,
 ) -> lapin::Result<Opened> {
+    step.store(0, Ordering::Relaxed);
     let props = ConnectionProperties::default()
         .with_connection_name(format!("ironic-image-worker@{}", config.default.host).into());
     let conn = brokers.connect(index, props).await?;
+    step.store(1, Ordering::Relaxed);
     let consume_channel = conn.create_channel().await?;
     let publish_channel = conn.create_channel().await?;
     let probe_channel = conn.create_channel().await?;
     let topology = Topology::new(config);
+    step.store(2, Ordering::Relaxed);
     if declare {
         topology.declare(&conn, &consume_channel, config).await?;
     }
@@ -170,6 +182,7 @@ async fn open(
         .basic_qos(config.amqp.prefetch, BasicQosOptions::default())
         .await?;
     let publisher = Publisher::new(publish_channel, &topology.events_exchange).await?;
+    step.store(3, Ordering::Relaxed);
     let consumer = consume_channel
         .basic_consume(
             topology.queue.as_str().into(),
@@ -202,11 +215,15 @@ async fn session(
     config: &Config,
 ) -> Result<Ended, String> {
     let limit = Duration::from_secs(config.amqp.connect_timeout.max(1));
+    let step = std::sync::atomic::AtomicUsize::new(0);
     let opened = tokio::select! {
-        opened = tokio::time::timeout(limit, open(brokers, index, declare, config)) => match opened {
+        opened = tokio::time::timeout(limit, open(brokers, index, declare, config, &step)) => match opened {
             Ok(Ok(opened)) => opened,
             Ok(Err(e)) => return Err(super::chain(&e)),
-            Err(_) => return Err(format!("no connection within {limit:?} ([amqp]connect_timeout)")),
+            Err(_) => {
+                let at = STEPS[step.load(Ordering::Relaxed).min(STEPS.len() - 1)];
+                return Err(format!("no connection within {limit:?} ([amqp]connect_timeout), stuck at: {at}"));
+            }
         },
         _ = stop.wait_for(|s| *s) => return Ok(Ended::StoppedConnecting),
     };
