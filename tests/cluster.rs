@@ -752,9 +752,12 @@ async fn three_node_cluster_faults() {
             .await;
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success());
+        // TLS 1.3 reports the refused client certificate after the
+        // handshake: an alert naming it, or the listener closing first.
+        let lower = err.to_lowercase();
         assert!(
-            err.to_lowercase().contains("certificate"),
-            "names the missing certificate: {err}"
+            lower.contains("certificate") || lower.contains("reset by peer"),
+            "refused for the missing certificate: {err}"
         );
         assert!(!err.contains("guest:guest"), "no password in errors: {err}");
         // 127.0.0.1 is not in the certificate: refused unless the host-name
