@@ -516,3 +516,20 @@ fn is_transient_io(message: &str) -> bool {
     .iter()
     .any(|code| message.contains(code))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transient_file_system_errors() {
+        assert!(is_transient_io(
+            "remove /httpboot/agent_images/x: Read-only file system (os error 30)"
+        ));
+        assert!(is_transient_io("write: Input/output error (os error 5)"));
+        assert!(!is_transient_io(
+            "remove x: Permission denied (os error 13)"
+        ));
+        assert!(!is_transient_io("unknown action"));
+    }
+}

@@ -306,3 +306,17 @@ async fn session(
     let _ = tokio::time::timeout(Duration::from_secs(5), conn.close(200, "bye".into())).await;
     Ok(ended)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Jitter adds up to the delay itself on top of it: the cap must hold
+    /// after jitter (it once let 45 s through a documented 30 s cap).
+    #[test]
+    fn backoff_stays_within_its_cap() {
+        let delays: Vec<Duration> = reconnect_backoff().take(200).collect();
+        assert!(delays.iter().all(|d| *d <= MAX_DELAY), "{delays:?}");
+        assert!(delays.iter().any(|d| *d > MAX_DELAY / 4), "it does grow");
+    }
+}
