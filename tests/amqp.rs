@@ -321,3 +321,45 @@ async fn cleanup_on_a_read_only_file_system_waits_for_it() {
     assert!(extra.is_err(), "answered once");
     assert!(worker.terminate().await.success());
 }
+
+/// Downloads never hold every delivery slot: with 32 prepares trickling in
+/// (the prefetch), a cleanup for another node is still answered at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cleanups_do_not_wait_behind_trickling_prepares() {
+    let env = Env::new("");
+    random_file(&env.root().join("src/disk.img"), 1 << 20, 26);
+    for i in 0..32 {
+        std::fs::hard_link(
+            env.root().join("src/disk.img"),
+            env.root().join(format!("src/disk{i}.img")),
+        )
+        .unwrap();
+    }
+    // About 1 KiB every 100 ms: each download would take minutes.
+    let faults = FaultServer::start(&env.root().join("src"), 10_000).await;
+    let _worker = env.serve().await;
+    let broker = Broker::connect().await;
+    for i in 0..32 {
+        broker
+            .command(
+                &env.host,
+                prepare_cmd(&node(), &faults.url("slow", &format!("disk{i}.img"))),
+            )
+            .await;
+    }
+    let started = std::time::Instant::now();
+    let corr = broker
+        .command(
+            &env.host,
+            json!({"action": "cleanup", "node_uuid": node(), "request_id": "c-fast"}),
+        )
+        .await;
+    let (got, ev) = broker.next_reply(Duration::from_secs(30)).await;
+    assert_eq!(
+        got.as_deref(),
+        Some(corr.as_str()),
+        "the cleanup is answered first"
+    );
+    assert_eq!(ev["status"], "success", "{ev}");
+    eprintln!("cleanup answered after {:?}", started.elapsed());
+}

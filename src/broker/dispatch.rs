@@ -37,6 +37,10 @@ const ANSWERED_MEMORY: Duration = Duration::from_secs(600);
 /// the error.
 const RELEASE_RETRY_FOR: Duration = Duration::from_secs(600);
 
+/// How long a prepare waits for a free prepare slot before it is put back
+/// at the tail of the queue (so that other actions get the delivery slots).
+const DEFER_AFTER: Duration = Duration::from_secs(2);
+
 /// The current connection, as jobs see it: its id and its publisher.
 #[derive(Clone)]
 pub(super) struct Link {
@@ -65,6 +69,11 @@ pub(super) struct Dispatcher {
     link: watch::Sender<Option<Link>>,
     next_session: AtomicU64,
     pub(super) tracker: TaskTracker,
+    /// Prepares running at once: fewer than the prefetch, so cleanups and
+    /// `deployed` always find a delivery slot free of downloads.
+    prepare_slots: Arc<tokio::sync::Semaphore>,
+    /// This host's queue, where deferred prepares go back.
+    queue: String,
 }
 
 /// The acknowledgement state of one job.
@@ -89,12 +98,24 @@ pub(super) struct Job {
     correlation_id: Option<String>,
     identity: u64,
     tracked: Arc<Tracked>,
+    /// The delivery's bytes and properties, to put a deferred prepare back.
+    body: Vec<u8>,
+    properties: lapin::BasicProperties,
+}
+
+/// Prepare slots for a prefetch: a quarter of the deliveries (at least one)
+/// stays free for other actions.
+fn prepare_slots(prefetch: u16) -> usize {
+    let prefetch = usize::from(prefetch.max(1));
+    prefetch.saturating_sub((prefetch / 4).max(1)).max(1)
 }
 
 impl Dispatcher {
     pub(super) fn new(pipeline: Arc<Pipeline>, metrics: Arc<Metrics>) -> Dispatcher {
         let config = pipeline.config();
         let timeout = config.amqp.consumer_timeout;
+        let slots = prepare_slots(config.amqp.prefetch);
+        let queue = super::Topology::new(config).queue;
         Dispatcher {
             host: config.default.host.clone(),
             notification_exchange: config.amqp.notification_exchange.clone(),
@@ -106,6 +127,8 @@ impl Dispatcher {
             link: watch::Sender::new(None),
             next_session: AtomicU64::new(1),
             tracker: TaskTracker::new(),
+            prepare_slots: Arc::new(tokio::sync::Semaphore::new(slots)),
+            queue,
         }
     }
 
@@ -168,6 +191,8 @@ impl Dispatcher {
             inbound,
             identity,
             tracked,
+            body: delivery.data.clone(),
+            properties: delivery.properties.clone(),
         };
         let node = match &job.inbound {
             Inbound::Work(req) => req.node_uuid.clone(),
@@ -284,6 +309,8 @@ impl Dispatcher {
             correlation_id,
             identity,
             tracked,
+            body,
+            properties,
         } = job;
         let inbound = match inbound {
             Inbound::Work(req)
@@ -295,6 +322,17 @@ impl Dispatcher {
         };
         match inbound {
             Inbound::Work(request) => {
+                let _slot = if request.action == Action::Prepare {
+                    match self.prepare_slot().await {
+                        Some(slot) => Some(slot),
+                        None => {
+                            self.defer(identity, &tracked, &body, properties).await;
+                            return;
+                        }
+                    }
+                } else {
+                    None
+                };
                 let done = self.run(&request, &tracked).await;
                 self.metrics
                     .consumed(source, done.action.as_str(), done.status.as_str());
@@ -333,6 +371,58 @@ impl Dispatcher {
                 self.forget(identity, &tracked);
             }
         }
+    }
+
+    /// A prepare slot, waiting up to [`DEFER_AFTER`] for one.
+    async fn prepare_slot(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        let slots = self.prepare_slots.clone();
+        tokio::time::timeout(DEFER_AFTER, slots.acquire_owned())
+            .await
+            .ok()
+            .and_then(|p| p.ok())
+    }
+
+    /// Every prepare slot is busy (long downloads): the prepare goes back
+    /// to the tail of the queue (a confirmed copy, then this delivery is
+    /// acknowledged), so the delivery slot serves other actions meanwhile.
+    /// If that fails, the prepare simply waits for a slot.
+    async fn defer(
+        &self,
+        identity: u64,
+        tracked: &Arc<Tracked>,
+        body: &[u8],
+        properties: lapin::BasicProperties,
+    ) {
+        let link = self.link.borrow().clone();
+        let acker = tracked
+            .acker
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        let (Some(link), Some((session, acker))) = (link, acker) else {
+            // Disconnected: the delivery comes back as new work.
+            self.forget(identity, tracked);
+            return;
+        };
+        if session == link.session
+            && link
+                .publisher
+                .requeue_copy(&self.queue, body, properties)
+                .await
+                .is_ok()
+            && acker.ack(BasicAckOptions::default()).await.is_ok()
+        {
+            self.metrics
+                .ignored
+                .with_label_values(&["deferred_prepare"])
+                .inc();
+            self.forget(identity, tracked);
+            return;
+        }
+        tracing::warn!("could not defer a prepare; it will be redelivered");
+        link.broken.notify_one();
+        // The redelivered copy is new work, not a copy of running work.
+        self.forget(identity, tracked);
     }
 
     /// Runs the pipeline for `request`. Work still running after

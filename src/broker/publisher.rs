@@ -77,4 +77,44 @@ impl Publisher {
             )),
         }
     }
+
+    /// Puts a copy of a delivery back at the tail of `queue` (through the
+    /// default exchange, so nobody else receives it), persistent, and
+    /// waits for the broker's confirmation.
+    pub async fn requeue_copy(
+        &self,
+        queue: &str,
+        body: &[u8],
+        properties: BasicProperties,
+    ) -> Result<()> {
+        let broker = |e: lapin::Error| {
+            Error::new(
+                ErrorCode::Internal,
+                format!("requeue: {}", super::chain(&e)),
+            )
+        };
+        let confirm = self
+            .channel
+            .basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                body,
+                properties.with_delivery_mode(2),
+            )
+            .await
+            .map_err(broker)?
+            .await
+            .map_err(broker)?;
+        match confirm {
+            Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
+            _ => Err(Error::new(
+                ErrorCode::Internal,
+                "the broker refused the copy",
+            )),
+        }
+    }
 }
