@@ -2,7 +2,7 @@
 //! a worker through the broker, with a temporary reply queue, and can wait
 //! for the completion event.
 
-use crate::amqp::Topology;
+use crate::broker::{Brokers, Topology};
 use crate::config::Config;
 use crate::error::{Error, ErrorCode, Result};
 use crate::events::{Action, Completion};
@@ -10,7 +10,7 @@ use crate::pipeline::Request;
 use futures_util::StreamExt;
 use lapin::options::*;
 use lapin::types::FieldTable;
-use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties, ExchangeKind};
+use lapin::{BasicProperties, Confirmation, ConnectionProperties, ExchangeKind};
 use std::time::Duration;
 
 /// The JSON body of a command (`schemas/command.v1.json`) for `req`.
@@ -37,15 +37,40 @@ pub async fn send(
     req: &Request,
     wait: Option<Duration>,
 ) -> Result<Option<Completion>> {
+    let brokers = Brokers::new(config)?;
+    let mut conn = None;
+    let mut failures = Vec::new();
+    for index in 0..brokers.len() {
+        let attempt = tokio::time::timeout(
+            Duration::from_secs(config.amqp.connect_timeout.max(1)),
+            brokers.connect(index, ConnectionProperties::default()),
+        )
+        .await;
+        match attempt {
+            Ok(Ok(c)) => {
+                conn = Some((c, brokers.name(index).to_string()));
+                break;
+            }
+            Ok(Err(e)) => failures.push(format!(
+                "{}: {}",
+                brokers.name(index),
+                crate::broker::chain(&e)
+            )),
+            Err(_) => failures.push(format!("{}: no connection in time", brokers.name(index))),
+        }
+    }
+    let Some((conn, name)) = conn else {
+        return Err(Error::new(
+            ErrorCode::Internal,
+            format!("no broker reachable: {}", failures.join("; ")),
+        ));
+    };
     let broker = |e: lapin::Error| {
         Error::new(
             ErrorCode::Internal,
-            format!("broker {}: {e}", config.amqp_url_redacted()),
+            format!("broker {name}: {}", crate::broker::chain(&e)),
         )
     };
-    let conn = Connection::connect(&config.amqp.url, ConnectionProperties::default())
-        .await
-        .map_err(broker)?;
     let channel = conn.create_channel().await.map_err(broker)?;
     channel
         .confirm_select(ConfirmSelectOptions::default())

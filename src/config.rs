@@ -192,8 +192,38 @@ pub struct ConductorSection {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AmqpSection {
-    /// Broker URL (`amqp://` or `amqps://`); never logged with its password.
-    pub url: String,
+    /// Broker URLs (`amqp://` or `amqps://`), one per node of a cluster:
+    /// each reconnect tries the next one. A TOML array, or one string with
+    /// comma-separated URLs or hosts as in oslo.messaging's `transport_url`
+    /// (`amqp://u:p@h1:5672,u:p@h2:5672/vhost`). Never logged with a password.
+    #[serde(deserialize_with = "url_list")]
+    pub url: Vec<String>,
+    /// Heartbeat interval asked of the broker, seconds (0 = the broker's
+    /// choice). A connection silent for two intervals is declared dead, so a
+    /// hung or paused broker node is left within about twice this.
+    pub heartbeat: u16,
+    /// Seconds allowed to connect (TCP, TLS, AMQP handshake) and declare the
+    /// topology before the next broker is tried.
+    pub connect_timeout: u64,
+    /// CA certificates (PEM) that sign the brokers' certificates; empty =
+    /// the system trust store (oslo.messaging's `ssl_ca_file`).
+    pub ssl_ca_file: String,
+    /// Client certificate (PEM) for brokers that require one.
+    pub ssl_cert_file: String,
+    /// Private key (PEM, PKCS#8/PKCS#1/SEC1) of `ssl_cert_file`; never logged.
+    pub ssl_key_file: String,
+    /// Whether the broker certificate must name the host of the URL (the
+    /// chain is always verified).
+    pub ssl_verify_hostname: bool,
+    /// oslo.messaging's `ssl_version`: `TLSv1_2` or `TLSv1_3` pins that
+    /// version; empty (or `SSLv23`/`TLS`) allows TLS 1.2 and 1.3. Older
+    /// versions are refused.
+    pub ssl_version: String,
+    /// The broker's `consumer_timeout` in seconds (RabbitMQ's default 1800;
+    /// 0 = none): work still running after three quarters of it is
+    /// acknowledged early, so the broker neither closes the channel nor
+    /// redelivers it, and it is answered when done.
+    pub consumer_timeout: u64,
     /// Command exchange (topic).
     pub command_exchange: String,
     /// Prefix of the per-host command queue (`<prefix>.<host>`).
@@ -364,7 +394,15 @@ impl Default for ConductorSection {
 impl Default for AmqpSection {
     fn default() -> Self {
         AmqpSection {
-            url: "amqp://guest:guest@127.0.0.1:5672/%2f".into(),
+            url: vec!["amqp://guest:guest@127.0.0.1:5672/%2f".into()],
+            heartbeat: 10,
+            connect_timeout: 10,
+            ssl_ca_file: String::new(),
+            ssl_cert_file: String::new(),
+            ssl_key_file: String::new(),
+            ssl_verify_hostname: true,
+            ssl_version: String::new(),
+            consumer_timeout: 1800,
             command_exchange: "ironic-image-worker".into(),
             queue_prefix: "ironic-image-worker".into(),
             dead_letter_exchange: "ironic-image-worker.dlx".into(),
@@ -493,6 +531,91 @@ fn list_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
         .collect())
 }
 
+/// `[amqp]url`: a TOML array of URLs, or one string holding a
+/// comma-separated list (see [`split_broker_urls`]).
+fn url_list<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Either {
+        One(String),
+        Many(Vec<String>),
+    }
+    let mut out = Vec::new();
+    let items = match Either::deserialize(d)? {
+        Either::One(s) => vec![s],
+        Either::Many(v) => v,
+    };
+    for item in items {
+        out.extend(split_broker_urls(&item).map_err(serde::de::Error::custom)?);
+    }
+    Ok(out)
+}
+
+/// Splits one `[amqp]url` string into broker URLs: `URL,URL,...` (each with
+/// its scheme), or oslo.messaging's multi-host form
+/// `scheme://[user:pass@]host[:port],[user:pass@]host[:port]/vhost?query`,
+/// where every host gets the scheme, virtual host and query. Errors never
+/// show a password.
+pub fn split_broker_urls(value: &str) -> std::result::Result<Vec<String>, String> {
+    let value = value.trim();
+    if !value.contains(',') {
+        return Ok(vec![value.to_string()]);
+    }
+    let pieces: Vec<&str> = value.split(',').map(str::trim).collect();
+    if pieces.iter().all(|p| p.contains("://")) {
+        return Ok(pieces.into_iter().map(str::to_string).collect());
+    }
+    let Some((scheme, rest)) = value.split_once("://") else {
+        return Err(format!(
+            "{}: a list must start with a scheme (amqp:// or amqps://)",
+            redact_url_list(value)
+        ));
+    };
+    let (authority, tail) = match rest.find('/') {
+        Some(i) => (&rest[..i], &rest[i..]),
+        None => (rest, ""),
+    };
+    if authority.contains("://") || tail.contains(',') {
+        return Err(format!(
+            "{}: mixes full URLs and bare hosts; write a list of full URLs",
+            redact_url_list(value)
+        ));
+    }
+    authority
+        .split(',')
+        .map(|host| {
+            let host = host.trim();
+            if host.is_empty() {
+                Err(format!("{}: an empty host", redact_url_list(value)))
+            } else {
+                Ok(format!("{scheme}://{host}{tail}"))
+            }
+        })
+        .collect()
+}
+
+/// Masks every `user:password@` in a comma-separated list of URLs or hosts.
+fn redact_url_list(value: &str) -> String {
+    value
+        .split(',')
+        .map(|piece| match piece.rfind('@') {
+            Some(at) => {
+                let (cred, host) = piece.split_at(at);
+                let (prefix, cred) = match cred.find("://") {
+                    Some(i) => (&cred[..i + 3], &cred[i + 3..]),
+                    None => ("", cred),
+                };
+                match cred.split_once(':') {
+                    Some((user, _)) => format!("{prefix}{user}:***{host}"),
+                    None => format!("{prefix}{cred}{host}"),
+                }
+            }
+            None => piece.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 fn path_list_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<PathBuf>, D::Error> {
     Ok(list_opt(d)?.into_iter().map(PathBuf::from).collect())
 }
@@ -571,6 +694,7 @@ impl Config {
                 )));
             }
         }
+        self.validate_amqp()?;
         match self.amqp.queue_type.as_str() {
             "quorum" | "classic" => {}
             other => {
@@ -638,6 +762,55 @@ impl Config {
         Ok(())
     }
 
+    /// `[amqp]`: every broker URL parses, the TLS options name readable
+    /// files, and the TLS version is one this TLS stack speaks.
+    fn validate_amqp(&self) -> Result<()> {
+        let a = &self.amqp;
+        if a.url.is_empty() {
+            return Err(config_error("[amqp]url: no broker URL".into()));
+        }
+        for (i, url) in a.url.iter().enumerate() {
+            if let Err(e) = url.parse::<lapin::uri::AMQPUri>() {
+                return Err(config_error(format!(
+                    "[amqp]url #{} {}: {e}",
+                    i + 1,
+                    redact_url_list(url)
+                )));
+            }
+            if !(url.starts_with("amqp://") || url.starts_with("amqps://")) {
+                return Err(config_error(format!(
+                    "[amqp]url #{} {}: the scheme must be amqp:// or amqps://",
+                    i + 1,
+                    redact_url_list(url)
+                )));
+            }
+        }
+        if a.ssl_cert_file.is_empty() != a.ssl_key_file.is_empty() {
+            return Err(config_error(
+                "[amqp]ssl_cert_file and ssl_key_file go together".into(),
+            ));
+        }
+        for (name, path) in [
+            ("ssl_ca_file", &a.ssl_ca_file),
+            ("ssl_cert_file", &a.ssl_cert_file),
+            ("ssl_key_file", &a.ssl_key_file),
+        ] {
+            if !path.is_empty()
+                && let Err(e) = std::fs::metadata(path)
+            {
+                return Err(config_error(format!("[amqp]{name} {path}: {e}")));
+            }
+        }
+        match a.ssl_version.as_str() {
+            "" | "SSLv23" | "TLS" | "PROTOCOL_TLS" | "TLSv1_2" | "TLSv1.2" | "TLSv1_3"
+            | "TLSv1.3" => Ok(()),
+            other => Err(config_error(format!(
+                "[amqp]ssl_version {other:?}: only TLSv1_2 and TLSv1_3 are supported \
+                 (empty allows both)"
+            ))),
+        }
+    }
+
     /// The URL prefix published for node images: `http_url` or, when unset,
     /// one derived from the image server's listen address.
     pub fn http_url(&self) -> String {
@@ -663,17 +836,14 @@ impl Config {
         }
     }
 
-    /// The AMQP URL with its password masked, for logs (the user name, from
-    /// the operator's own configuration, stays readable).
+    /// The broker URLs with their passwords masked, for logs.
     pub fn amqp_url_redacted(&self) -> String {
-        match reqwest::Url::parse(&self.amqp.url) {
-            Ok(mut parsed) if parsed.password().is_some() => {
-                let _ = parsed.set_password(Some("***"));
-                parsed.to_string()
-            }
-            Ok(parsed) => parsed.to_string(),
-            Err(_) => "<unparsable url>".to_string(),
-        }
+        self.amqp
+            .url
+            .iter()
+            .map(|u| redact_url_list(u))
+            .collect::<Vec<_>>()
+            .join(",")
     }
 }
 

@@ -109,6 +109,34 @@ const RENAMED: &[(&str, &str, &str, &str, Kind)] = &[
     ),
     (
         "oslo_messaging_rabbit",
+        "ssl_ca_file",
+        "amqp",
+        "ssl_ca_file",
+        Kind::Str,
+    ),
+    (
+        "oslo_messaging_rabbit",
+        "ssl_cert_file",
+        "amqp",
+        "ssl_cert_file",
+        Kind::Str,
+    ),
+    (
+        "oslo_messaging_rabbit",
+        "ssl_key_file",
+        "amqp",
+        "ssl_key_file",
+        Kind::Str,
+    ),
+    (
+        "oslo_messaging_rabbit",
+        "ssl_version",
+        "amqp",
+        "ssl_version",
+        Kind::Str,
+    ),
+    (
+        "oslo_messaging_rabbit",
         "amqp_durable_queues",
         "amqp",
         "notification_exchange_durable",
@@ -289,9 +317,10 @@ fn parse_bool(section: &str, key: &str, v: &str) -> Result<bool> {
 
 /// Turns an oslo.messaging `transport_url`
 /// (`rabbit://user:pass@host:port[,user:pass@host2:port]/vhost?ssl=1`) into
-/// the worker's AMQP URL. Only the first host is used; the worker reconnects
-/// to it (list several brokers behind one address for failover).
-pub fn amqp_url_from_transport(transport: &str, ssl: bool) -> Result<String> {
+/// the worker's AMQP URLs: one per host, each with its own credentials, the
+/// virtual host, and `amqps` when `ssl` (or `?ssl=1`) asks for TLS. The
+/// worker tries them in turn, as oslo.messaging fails over between them.
+pub fn amqp_url_from_transport(transport: &str, ssl: bool) -> Result<Vec<String>> {
     let (scheme, rest) = transport
         .split_once("://")
         .ok_or_else(|| conf_error("[DEFAULT]transport_url: not a URL".into()))?;
@@ -312,14 +341,20 @@ pub fn amqp_url_from_transport(transport: &str, ssl: bool) -> Result<String> {
                 Some(("ssl", v)) if parse_bool("DEFAULT", "transport_url", v).unwrap_or(false)
             )
         });
-    let first = authority.split(',').next().unwrap_or_default();
-    if first.is_empty() {
-        return Err(conf_error("[DEFAULT]transport_url: no host".into()));
-    }
     // oslo.messaging: an empty virtual host is the broker's default, "/".
     let vhost = if path.is_empty() { "%2F" } else { path };
     let scheme = if ssl { "amqps" } else { "amqp" };
-    Ok(format!("{scheme}://{first}/{vhost}"))
+    authority
+        .split(',')
+        .map(str::trim)
+        .map(|host| {
+            if host.is_empty() || host.ends_with('@') {
+                Err(conf_error("[DEFAULT]transport_url: an empty host".into()))
+            } else {
+                Ok(format!("{scheme}://{host}/{vhost}"))
+            }
+        })
+        .collect()
 }
 
 /// The worker configuration layer taken from an ironic.conf file: a TOML
@@ -377,10 +412,11 @@ pub fn to_table(ini: &IniFile) -> Result<toml::Table> {
             Some(v) => parse_bool("oslo_messaging_rabbit", "ssl", &v)?,
             None => false,
         };
+        let urls = amqp_url_from_transport(&transport, ssl)?;
         put(
             "amqp",
             "url",
-            toml::Value::String(amqp_url_from_transport(&transport, ssl)?),
+            toml::Value::Array(urls.into_iter().map(toml::Value::String).collect()),
         );
     }
     if let Some(other) = ini.get("oslo_messaging_notifications", "transport_url")?
@@ -431,14 +467,19 @@ mod tests {
         let t = |u, ssl| amqp_url_from_transport(u, ssl).unwrap();
         assert_eq!(
             t("rabbit://ironic:s3cret@10.0.0.5:5672/", false),
-            "amqp://ironic:s3cret@10.0.0.5:5672/%2F"
+            ["amqp://ironic:s3cret@10.0.0.5:5672/%2F"]
         );
         assert_eq!(
-            t("rabbit://u:p@a:5671,u:p@b:5671/ironic?ssl=1", false),
-            "amqps://u:p@a:5671/ironic"
+            t("rabbit://u:p@a:5671,v:q@b:5671,w:r@c/ironic?ssl=1", false),
+            [
+                "amqps://u:p@a:5671/ironic",
+                "amqps://v:q@b:5671/ironic",
+                "amqps://w:r@c/ironic"
+            ]
         );
-        assert_eq!(t("rabbit://u:p@a", true), "amqps://u:p@a/%2F");
+        assert_eq!(t("rabbit://u:p@a", true), ["amqps://u:p@a/%2F"]);
         assert!(amqp_url_from_transport("kafka://x/", false).is_err());
+        assert!(amqp_url_from_transport("rabbit://u:p@a,,u:p@b/", false).is_err());
     }
 
     #[test]

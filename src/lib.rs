@@ -4,7 +4,7 @@
 //! The pipeline (`source` -> `inspect` -> `cache` -> `link`) is independent
 //! of how requests arrive; `cli` and `serve` drive it.
 
-pub mod amqp;
+pub mod broker;
 pub mod cache;
 pub mod checksum;
 pub mod cli;

@@ -27,6 +27,9 @@ pub struct Metrics {
     pub amqp_connected: IntGauge,
     /// Reconnection attempts to the broker.
     pub amqp_reconnects: IntCounter,
+    /// Messages waiting in this host's dead-letter queue (read every few
+    /// seconds while connected), for alerting.
+    pub amqp_dead_letters: IntGauge,
     /// Messages acknowledged without an answer, by reason.
     pub ignored: IntCounterVec,
     /// Messages consumed, by source (command/notification), action, outcome.
@@ -175,6 +178,10 @@ impl Metrics {
             amqp_reconnects: r.counter(
                 "amqp_reconnects_total",
                 "Reconnection attempts to the broker.",
+            ),
+            amqp_dead_letters: r.gauge(
+                "amqp_dead_letter_messages",
+                "Messages in this host's dead-letter queue.",
             ),
             ignored: r.counter_vec(
                 "ignored_messages_total",

@@ -21,6 +21,7 @@ pub async fn serve(config: Config) -> Result<()> {
     )
     .map_err(|e| Error::io("resolve served directories", e))?;
     let limits = image_server_limits(&config);
+    let brokers = crate::broker::Brokers::new(&config)?;
     let image_listener = bind(config.http.listen).await?;
     let ops_listener = bind(config.metrics.listen).await?;
     tracing::info!(
@@ -61,9 +62,10 @@ pub async fn serve(config: Config) -> Result<()> {
         limits,
         stopped(stop_rx.clone()),
     ));
-    let consumer = tokio::spawn(crate::amqp::run(
+    let consumer = tokio::spawn(crate::broker::run(
         pipeline.clone(),
         metrics.clone(),
+        brokers,
         connected,
         stop_rx.clone(),
     ));

@@ -253,3 +253,135 @@ async fn send_subcommand_waits_for_the_answer() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("no queue is bound"));
 }
+
+/// A tmpfs mounted over a test directory, unmounted when dropped.
+struct Tmpfs(std::path::PathBuf);
+
+impl Tmpfs {
+    fn mount(dir: &std::path::Path) -> Tmpfs {
+        std::fs::create_dir_all(dir).unwrap();
+        tool(
+            "mount",
+            &[
+                "-t",
+                "tmpfs",
+                "-o",
+                "size=16m",
+                "tmpfs",
+                dir.to_str().unwrap(),
+            ],
+        );
+        Tmpfs(dir.to_path_buf())
+    }
+
+    fn remount(&self, mode: &str) {
+        tool(
+            "mount",
+            &["-o", &format!("remount,{mode}"), self.0.to_str().unwrap()],
+        );
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+/// A cleanup that meets a read-only file system is retried, not answered
+/// `internal` and forgotten: once the file system is writable again the
+/// node's link is gone and the cleanup is answered once, with success.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cleanup_on_a_read_only_file_system_waits_for_it() {
+    let env = Env::new("");
+    let src = env.root().join("src/disk.img");
+    random_file(&src, 1024 * 1024, 25);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let http_root = Tmpfs::mount(&env.root().join("httpboot"));
+    let worker = env.serve().await;
+    let broker = Broker::connect().await;
+    let node = node();
+    let ok = broker
+        .call(&env.host, prepare_cmd(&node, &server.url("disk.img")))
+        .await;
+    assert_eq!(ok["status"], "success", "{ok}");
+    let link = env.link_dir().join(&node);
+    assert!(link.symlink_metadata().is_ok());
+
+    http_root.remount("ro");
+    let corr = broker
+        .command(
+            &env.host,
+            json!({"action": "cleanup", "node_uuid": node, "request_id": "ro-1"}),
+        )
+        .await;
+    // The first attempt failed (counted), yet no answer went out.
+    let deadline = std::time::Instant::now() + MINUTE;
+    loop {
+        let text = worker.metrics_text().await;
+        let failed = text.lines().any(|l| {
+            l.starts_with("ironic_image_worker_completions_total{")
+                && l.contains("action=\"cleanup\"")
+                && l.contains("status=\"error\"")
+        });
+        if failed {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "cleanup never tried");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(link.symlink_metadata().is_ok(), "read-only: still there");
+    http_root.remount("rw");
+    let (got, ev) = broker.next_reply(MINUTE).await;
+    assert_eq!(got.as_deref(), Some(corr.as_str()));
+    assert_eq!(ev["status"], "success", "{ev}");
+    assert!(link.symlink_metadata().is_err(), "link removed");
+    let extra = tokio::time::timeout(Duration::from_secs(2), broker.next_reply(MINUTE)).await;
+    assert!(extra.is_err(), "answered once");
+    assert!(worker.terminate().await.success());
+}
+
+/// Downloads never hold every delivery slot: with 32 prepares trickling in
+/// (the prefetch), a cleanup for another node is still answered at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cleanups_do_not_wait_behind_trickling_prepares() {
+    let env = Env::new("");
+    random_file(&env.root().join("src/disk.img"), 1 << 20, 26);
+    for i in 0..32 {
+        std::fs::hard_link(
+            env.root().join("src/disk.img"),
+            env.root().join(format!("src/disk{i}.img")),
+        )
+        .unwrap();
+    }
+    // About 1 KiB every 100 ms: each download would take minutes.
+    let faults = FaultServer::start(&env.root().join("src"), 10_000).await;
+    let _worker = env.serve().await;
+    let broker = Broker::connect().await;
+    for i in 0..32 {
+        broker
+            .command(
+                &env.host,
+                prepare_cmd(&node(), &faults.url("slow", &format!("disk{i}.img"))),
+            )
+            .await;
+    }
+    let started = std::time::Instant::now();
+    let corr = broker
+        .command(
+            &env.host,
+            json!({"action": "cleanup", "node_uuid": node(), "request_id": "c-fast"}),
+        )
+        .await;
+    let (got, ev) = broker.next_reply(Duration::from_secs(30)).await;
+    assert_eq!(
+        got.as_deref(),
+        Some(corr.as_str()),
+        "the cleanup is answered first"
+    );
+    assert_eq!(ev["status"], "success", "{ev}");
+    eprintln!("cleanup answered after {:?}", started.elapsed());
+}

@@ -77,7 +77,7 @@ fn defaults_need_no_root() {
         c.pxe.instance_master_path.is_relative()
             || !c.pxe.instance_master_path.starts_with("/var/lib")
     );
-    assert_eq!(c.amqp.url, "amqp://guest:guest@127.0.0.1:5672/%2f");
+    assert_eq!(c.amqp.url, ["amqp://guest:guest@127.0.0.1:5672/%2f"]);
     assert_eq!(c.deploy.http_image_subdir, "agent_images");
     assert_eq!(
         c.conductor.permitted_image_formats,
@@ -113,7 +113,11 @@ fn ironic_conf_gives_the_shared_options_and_our_file_overrides_it() {
     assert!(!c.default.force_raw_images, "--set beats ironic.conf");
     assert_eq!(
         c.amqp.url,
-        "amqp://ironic:Sup3r%2Fsecret@mq-1.example.net:5672/ironic"
+        [
+            "amqp://ironic:Sup3r%2Fsecret@mq-1.example.net:5672/ironic",
+            "amqp://ironic:Sup3r%2Fsecret@mq-2.example.net:5672/ironic"
+        ],
+        "every transport_url host"
     );
     assert_eq!(c.amqp.notification_exchange, "ironic");
     assert_eq!(
@@ -160,7 +164,7 @@ fn ironic_conf_gives_the_shared_options_and_our_file_overrides_it() {
     .unwrap();
     assert_eq!(c.deploy.http_root, std::path::Path::new("/httpboot"));
     assert_eq!(c.agent.image_download_source, "local");
-    assert_eq!(c.amqp.url, "amqp://guest:guest@127.0.0.1:5672/%2f");
+    assert_eq!(c.amqp.url, ["amqp://guest:guest@127.0.0.1:5672/%2f"]);
 }
 
 #[test]
@@ -318,4 +322,107 @@ fn urls_are_redacted_of_their_user_info() {
     assert_eq!(redact_url("http://host/x"), "http://host/x");
     assert_eq!(redact_url("not a url at all"), "not a url at all");
     assert_eq!(redact_url("http://us er:p w@h/"), "http://***@h/");
+}
+
+/// `[amqp]url`: a TOML array, a comma-separated list of URLs, or
+/// oslo.messaging's multi-host form; a malformed list is refused with the
+/// password masked, never read as one URL.
+#[test]
+fn broker_url_lists() {
+    let load =
+        |value: &str| Config::load_from(&Files::default(), &[], &[format!("amqp.url={value}")]);
+    let two = [
+        "amqp://u:p1@h1:5672/%2f".to_string(),
+        "amqp://v:p2@h2:5673/%2f".to_string(),
+    ];
+    assert_eq!(
+        load(r#"["amqp://u:p1@h1:5672/%2f", "amqp://v:p2@h2:5673/%2f"]"#)
+            .unwrap()
+            .amqp
+            .url,
+        two
+    );
+    assert_eq!(
+        load("amqp://u:p1@h1:5672/%2f,amqp://v:p2@h2:5673/%2f")
+            .unwrap()
+            .amqp
+            .url,
+        two
+    );
+    assert_eq!(
+        load("amqp://u:p1@h1:5672,v:p2@h2:5673/%2f")
+            .unwrap()
+            .amqp
+            .url,
+        two
+    );
+    for bad in [
+        "amqp://u:s3cret@h1:5672,,v:s3cret@h2/%2f",
+        "http://u:s3cret@h1/",
+        "amqp://u:s3cret@h1:notaport/%2f",
+        "amqp://u:s3cret@h1/x,v:s3cret@h2",
+    ] {
+        let err = load(bad).unwrap_err().to_string();
+        assert!(!err.contains("s3cret"), "password masked: {err}");
+        assert!(err.contains("[amqp]url") || err.contains("amqp"), "{err}");
+    }
+    let tls = |extra: &str| {
+        Config::load_from(
+            &Files::default(),
+            &[],
+            &extra.split(';').map(String::from).collect::<Vec<_>>(),
+        )
+    };
+    assert!(
+        tls("amqp.ssl_cert_file=/etc/hostname").is_err(),
+        "cert without key"
+    );
+    assert!(tls("amqp.ssl_ca_file=/nonexistent/ca.pem").is_err());
+    assert!(tls("amqp.ssl_version=TLSv1_1").is_err());
+    assert!(tls("amqp.ssl_version=TLSv1_2").is_ok());
+    let d = tls("amqp.heartbeat=10").unwrap();
+    assert_eq!(d.amqp.heartbeat, 10);
+    assert!(d.amqp.ssl_verify_hostname);
+}
+
+/// ironic.conf: every transport_url host with its own credentials, and the
+/// TLS files of [oslo_messaging_rabbit].
+#[test]
+fn ironic_conf_multi_host_transport_and_tls() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("ca.pem");
+    std::fs::write(&ca, "not read at load time").unwrap();
+    let conf = dir.path().join("ironic.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "[DEFAULT]\nhost = c\ntransport_url = rabbit://a:pa@mq1:5671,b:pb@mq2:5672,c:pc@mq3/ironic\n\
+             [oslo_messaging_rabbit]\nssl = true\nssl_ca_file = {}\nssl_version = TLSv1_2\n",
+            ca.display()
+        ),
+    )
+    .unwrap();
+    let c = Config::load_from(
+        &Files {
+            ironic_conf: Some(conf),
+            toml: None,
+        },
+        &[],
+        &[],
+    )
+    .unwrap();
+    assert_eq!(
+        c.amqp.url,
+        [
+            "amqps://a:pa@mq1:5671/ironic",
+            "amqps://b:pb@mq2:5672/ironic",
+            "amqps://c:pc@mq3/ironic"
+        ]
+    );
+    assert_eq!(c.amqp.ssl_ca_file, ca.display().to_string());
+    assert_eq!(c.amqp.ssl_version, "TLSv1_2");
+    assert_eq!(
+        c.amqp_url_redacted(),
+        "amqps://a:***@mq1:5671/ironic,amqps://b:***@mq2:5672/ironic,amqps://c:***@mq3/ironic"
+    );
 }

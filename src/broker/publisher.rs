@@ -1,0 +1,120 @@
+//! Publishing completion events with publisher confirms.
+
+use crate::error::{Error, ErrorCode, Result};
+use crate::events::Completion;
+use lapin::options::*;
+use lapin::{BasicProperties, Channel, Confirmation};
+
+/// Publishes completion events with publisher confirms.
+#[derive(Clone)]
+pub struct Publisher {
+    channel: Channel,
+    events_exchange: String,
+}
+
+impl Publisher {
+    /// Puts `channel` in confirm mode.
+    pub async fn new(channel: Channel, events_exchange: &str) -> lapin::Result<Publisher> {
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        Ok(Publisher {
+            channel,
+            events_exchange: events_exchange.to_string(),
+        })
+    }
+
+    /// Publishes `done` to `reply_to` (default exchange) with `correlation_id`,
+    /// or to the events exchange as `node.<action>.<status>`, persistent, and
+    /// waits for the broker's confirmation.
+    pub async fn publish(
+        &self,
+        done: &Completion,
+        reply_to: Option<&str>,
+        correlation_id: Option<&str>,
+    ) -> Result<()> {
+        let body =
+            serde_json::to_vec(done).map_err(|e| Error::new(ErrorCode::Internal, e.to_string()))?;
+        let mut props = BasicProperties::default()
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2)
+            .with_app_id("ironic-image-worker".into())
+            .with_type(
+                format!("node.{}.{}", done.action.as_str(), done.status.as_str())
+                    .as_str()
+                    .into(),
+            );
+        if let Some(id) = correlation_id {
+            props = props.with_correlation_id(id.into());
+        }
+        let (exchange, key) = match reply_to {
+            Some(queue) => (String::new(), queue.to_string()),
+            None => (
+                self.events_exchange.clone(),
+                format!("node.{}.{}", done.action.as_str(), done.status.as_str()),
+            ),
+        };
+        let broker =
+            |e: lapin::Error| Error::new(ErrorCode::Internal, format!("publish completion: {e}"));
+        let confirm = self
+            .channel
+            .basic_publish(
+                exchange.as_str().into(),
+                key.as_str().into(),
+                BasicPublishOptions::default(),
+                &body,
+                props,
+            )
+            .await
+            .map_err(broker)?
+            .await
+            .map_err(broker)?;
+        match confirm {
+            Confirmation::Ack(_) | Confirmation::NotRequested => Ok(()),
+            Confirmation::Nack(_) => Err(Error::new(
+                ErrorCode::Internal,
+                "broker refused the completion event",
+            )),
+        }
+    }
+
+    /// Puts a copy of a delivery back at the tail of `queue` (through the
+    /// default exchange, so nobody else receives it), persistent, and
+    /// waits for the broker's confirmation.
+    pub async fn requeue_copy(
+        &self,
+        queue: &str,
+        body: &[u8],
+        properties: BasicProperties,
+    ) -> Result<()> {
+        let broker = |e: lapin::Error| {
+            Error::new(
+                ErrorCode::Internal,
+                format!("requeue: {}", super::chain(&e)),
+            )
+        };
+        let confirm = self
+            .channel
+            .basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                body,
+                properties.with_delivery_mode(2),
+            )
+            .await
+            .map_err(broker)?
+            .await
+            .map_err(broker)?;
+        match confirm {
+            Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
+            _ => Err(Error::new(
+                ErrorCode::Internal,
+                "the broker refused the copy",
+            )),
+        }
+    }
+}
