@@ -417,7 +417,8 @@ async fn session(
 /// work goes to its node's FIFO queue.
 fn dispatch(session: &Arc<Session>, delivery: Delivery) {
     let from_ironic = delivery.exchange.as_str() == session.notification_exchange;
-    let inbound = inbound::parse(&delivery.data, from_ironic, &session.host);
+    let interfaces = &session.pipeline.config().notifications.deploy_interfaces;
+    let inbound = inbound::parse(&delivery.data, from_ironic, &session.host, interfaces);
     let source = if from_ironic {
         "notification"
     } else {
@@ -502,17 +503,18 @@ impl Session {
             .correlation_id()
             .as_ref()
             .map(|s| s.as_str().to_string());
-        let inbound = match inbound {
-            Inbound::Work(req)
-                if req.only_if_prepared && !self.pipeline.has_node_files(&req.node_uuid) =>
-            {
-                Inbound::Ignore("not_prepared_here")
-            }
-            other => other,
+        // A stray cleanup (node not prepared here) is decided under the
+        // node lock, inside the pipeline.
+        let (inbound, done) = match inbound {
+            Inbound::Work(req) => match self.pipeline.handle_unless_stray(&req).await {
+                Some(done) => (Inbound::Work(req), Some(done)),
+                None => (Inbound::Ignore("not_prepared_here"), None),
+            },
+            other => (other, None),
         };
         match inbound {
-            Inbound::Work(request) => {
-                let done = self.pipeline.handle(&request).await;
+            Inbound::Work(_) => {
+                let Some(done) = done else { return Ok(()) };
                 self.metrics
                     .consumed(source, done.action.as_str(), done.status.as_str());
                 self.publisher

@@ -104,7 +104,7 @@ async fn crash_during_conversion_is_redelivered_and_answered_once() {
     // The conversion's output is the second temporary (after the download's).
     let deadline = Instant::now() + MINUTE;
     loop {
-        let converting = std::fs::read_dir(env.master_dir())
+        let converting = std::fs::read_dir(env.master_dir().join(".tmp"))
             .unwrap()
             .flatten()
             .filter(|e| e.file_name().to_string_lossy().starts_with(".tmp-"))
