@@ -280,13 +280,17 @@ impl Pipeline {
         if self.links.unpublish(node)? {
             self.metrics.active_links.dec();
         }
-        if whole_dir {
-            self.links.remove_node_dir(node)?;
-        } else {
-            self.links.remove_disk(node)?;
-        }
-        self.refresh_cache_gauges();
-        Ok(Released::Done)
+        // Removing a node's directory and listing the cache touch the disk:
+        // off the async threads.
+        blocking_here(|| {
+            if whole_dir {
+                self.links.remove_node_dir(node)?;
+            } else {
+                self.links.remove_disk(node)?;
+            }
+            self.refresh_cache_gauges();
+            Ok(Released::Done)
+        })
     }
 
     async fn prepare(
@@ -427,7 +431,7 @@ impl Pipeline {
         }
         if outcome == CacheOutcome::Miss {
             self.after_growth();
-            self.refresh_cache_gauges();
+            blocking_here(|| self.refresh_cache_gauges());
         }
         tracing::info!(cache = ?outcome, master = %master.path.display(), "prepared");
 
@@ -579,21 +583,21 @@ impl Pipeline {
         let temp = TempGuard::new(self.cache.temp_path(name)?);
         tracing::info!(source = %source.display(), master = name, "downloading");
         let transfer = std::sync::Mutex::new(Transfer::start(&self.metrics, "download", 0));
-        let announced = AtomicU64::new(u64::MAX);
-        let downloaded = AtomicBool::new(false);
+        let state = DownloadState::new();
         let room = |len: u64| {
             transfer
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .set_expected(len);
-            announced.store(len, Ordering::Release);
+            state.announce(len);
             self.make_room(len)
         };
         let progress = |done: u64| {
             transfer
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .set_done(done)
+                .set_done(done);
+            state.received(done);
         };
         let hashes = crate::sink::Hashes {
             sha512,
@@ -606,7 +610,7 @@ impl Pipeline {
                 .fetcher
                 .download(source, temp.path(), hashes, &room, &progress)
                 .await;
-            downloaded.store(true, Ordering::Release);
+            state.finish();
             result
         };
         // A qcow2 to be converted is converted while it downloads when it can
@@ -622,13 +626,7 @@ impl Pipeline {
             }
             let t = Instant::now();
             let r = self
-                .stream_convert(
-                    temp.path(),
-                    streamed_out.path(),
-                    &announced,
-                    &downloaded,
-                    sha512,
-                )
+                .stream_convert(temp.path(), streamed_out.path(), &state, sha512)
                 .await;
             if let Err(e) = &r {
                 tracing::debug!(error = %e, "no conversion during the download");
@@ -756,25 +754,11 @@ impl Pipeline {
         &self,
         temp: &std::path::Path,
         out: &std::path::Path,
-        announced: &AtomicU64,
-        downloaded: &AtomicBool,
+        state: &DownloadState,
         sha512: bool,
     ) -> Result<Digests> {
         let not_now = |why: &str| Error::new(ErrorCode::Internal, why.to_string());
-        let wait_for = |len: u64| async move {
-            loop {
-                let total = announced.load(Ordering::Acquire);
-                if total != u64::MAX
-                    && std::fs::metadata(temp).is_ok_and(|m| m.len() >= len.min(total))
-                {
-                    return Ok(total);
-                }
-                if downloaded.load(Ordering::Acquire) {
-                    return Err(not_now("download over before the range arrived"));
-                }
-                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-            }
-        };
+        let wait_for = |len: u64| state.wait_for(temp, len);
         let total = wait_for(inspect::HEADER_LEN as u64).await?;
         let (head, _) = inspect::read_header(temp)?;
         if inspect::detect(&head) != inspect::Format::Qcow2 {
@@ -858,6 +842,71 @@ fn set_source_digest(meta: &mut MasterMeta, algo: Algo, hex: String) {
         Algo::Md5 => meta.source_md5 = Some(hex),
         Algo::Sha256 => meta.source_sha256 = Some(hex),
         Algo::Sha512 => meta.source_sha512 = Some(hex),
+    }
+}
+
+/// What a download tells the conversion running beside it: the announced
+/// length, the bytes received, the end; waiters are woken as it advances
+/// instead of polling the file.
+struct DownloadState {
+    announced: AtomicU64,
+    received: AtomicU64,
+    over: AtomicBool,
+    advanced: tokio::sync::Notify,
+}
+
+impl DownloadState {
+    fn new() -> DownloadState {
+        DownloadState {
+            announced: AtomicU64::new(u64::MAX),
+            received: AtomicU64::new(0),
+            over: AtomicBool::new(false),
+            advanced: tokio::sync::Notify::new(),
+        }
+    }
+
+    fn announce(&self, len: u64) {
+        self.announced.store(len, Ordering::Release);
+        self.advanced.notify_waiters();
+    }
+
+    fn received(&self, done: u64) {
+        self.received.store(done, Ordering::Release);
+        self.advanced.notify_waiters();
+    }
+
+    fn finish(&self) {
+        self.over.store(true, Ordering::Release);
+        self.advanced.notify_waiters();
+    }
+
+    /// Waits until the first `len` bytes (at most the announced length) are
+    /// in `temp`; the announced length. Fails when the download ends first.
+    async fn wait_for(&self, temp: &std::path::Path, len: u64) -> Result<u64> {
+        loop {
+            let woken = self.advanced.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
+            let total = self.announced.load(Ordering::Acquire);
+            let want = len.min(total);
+            // The file is looked at only once that many bytes were received
+            // (the writer thread lands them shortly after).
+            if total != u64::MAX
+                && self.received.load(Ordering::Acquire) >= want
+                && std::fs::metadata(temp).is_ok_and(|m| m.len() >= want)
+            {
+                return Ok(total);
+            }
+            if self.over.load(Ordering::Acquire) {
+                return Err(Error::new(
+                    ErrorCode::Internal,
+                    "download over before the range arrived",
+                ));
+            }
+            // Woken by the next chunk; the bound covers the last bytes the
+            // writer lands after the last chunk was announced.
+            let _ = tokio::time::timeout(std::time::Duration::from_millis(50), woken).await;
+        }
     }
 }
 
