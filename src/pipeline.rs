@@ -121,42 +121,22 @@ impl Pipeline {
     }
 
     /// Applies the cache policy (see `eviction`), reclaiming at least
-    /// `amount` bytes if it can.
+    /// `amount` bytes if it can (blocking: file-system work).
     pub fn clean_cache(
         &self,
         amount: u64,
         all_unused: bool,
         dry_run: bool,
     ) -> Result<crate::eviction::Report> {
-        let report = crate::eviction::clean(
-            &self.cache,
-            self.config.eviction_policy(),
-            amount,
-            all_unused,
-            dry_run,
-        )?;
-        if !dry_run {
-            self.metrics.evictions.inc_by(report.evicted.len() as u64);
-        }
-        Ok(report)
+        self.keeper().clean(amount, all_unused, dry_run)
     }
 
-    /// Refreshes the cache and link gauges from the directories.
+    /// Refreshes the cache and link gauges from the directories (blocking).
     pub fn refresh_gauges(&self) {
-        self.refresh_cache_gauges();
+        self.keeper().refresh_cache_gauges();
         self.metrics
             .active_links
             .set(self.links.count_published() as i64);
-    }
-
-    fn refresh_cache_gauges(&self) {
-        let limit = self.config.eviction_policy().size_limit;
-        self.metrics
-            .cache_limit
-            .set(limit.min(i64::MAX as u64) as i64);
-        if let Ok(entries) = self.cache_entries() {
-            self.metrics.cache_state(&entries);
-        }
     }
 
     /// The masters in the cache, oldest-used first.
@@ -164,27 +144,23 @@ impl Pipeline {
         crate::eviction::list(&self.cache)
     }
 
-    /// Makes sure `needed` bytes are free in the cache, evicting unused
-    /// masters first, as Ironic does before a download or conversion
-    /// (file-system work: off the async threads).
-    fn make_room(&self, needed: u64) -> Result<()> {
-        blocking_here(|| self.make_room_now(needed))
+    /// The cache housekeeping, to run on a blocking thread.
+    fn keeper(&self) -> Keeper {
+        Keeper {
+            cache: self.cache.clone(),
+            policy: self.config.eviction_policy(),
+            metrics: self.metrics.clone(),
+        }
     }
 
-    fn make_room_now(&self, needed: u64) -> Result<()> {
-        let dir = self.cache.dir();
-        let free = fsutil::free_space(dir)?;
-        if needed > free {
-            let report = self.clean_cache(needed - free, false, false)?;
-            if !report.evicted.is_empty() {
-                tracing::info!(
-                    evicted = report.evicted.len(),
-                    freed = report.freed,
-                    "evicted to make room"
-                );
-            }
-        }
-        fsutil::check_space(dir, needed)
+    /// Runs cache housekeeping on a blocking thread, so the async threads
+    /// keep serving images and messages (statvfs, listing, unlinks).
+    async fn off_thread<T: Send + 'static>(
+        &self,
+        work: impl FnOnce(&Keeper) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        let keeper = self.keeper();
+        blocking(move || work(&keeper)).await
     }
 
     /// The configuration in force.
@@ -282,15 +258,18 @@ impl Pipeline {
         }
         // Removing a node's directory and listing the cache touch the disk:
         // off the async threads.
-        blocking_here(|| {
+        let (links, owned) = (self.links.clone(), node.clone());
+        blocking(move || {
             if whole_dir {
-                self.links.remove_node_dir(node)?;
+                links.remove_node_dir(&owned)?;
             } else {
-                self.links.remove_disk(node)?;
+                links.remove_disk(&owned)?;
             }
-            self.refresh_cache_gauges();
-            Ok(Released::Done)
+            Ok(())
         })
+        .await?;
+        self.refresh_cache_gauges().await;
+        Ok(Released::Done)
     }
 
     async fn prepare(
@@ -430,8 +409,8 @@ impl Pipeline {
             }
         }
         if outcome == CacheOutcome::Miss {
-            self.after_growth();
-            blocking_here(|| self.refresh_cache_gauges());
+            self.after_growth().await;
+            self.refresh_cache_gauges().await;
         }
         tracing::info!(cache = ?outcome, master = %master.path.display(), "prepared");
 
@@ -590,7 +569,9 @@ impl Pipeline {
                 .unwrap_or_else(|p| p.into_inner())
                 .set_expected(len);
             state.announce(len);
-            self.make_room(len)
+            // Called inside the download, once: a statvfs, and an eviction
+            // only when space is short.
+            self.keeper().make_room(len)
         };
         let progress = |done: u64| {
             transfer
@@ -681,11 +662,11 @@ impl Pipeline {
             check_converted(streamed_out.path(), &d, &found)?;
             (streamed_out, d, true)
         } else if force_raw && convert::needs_conversion(found.format) {
-            self.make_room(
-                self.config
-                    .convert
-                    .raw_size_estimate(found.file_size, found.virtual_size),
-            )?;
+            let needed = self
+                .config
+                .convert
+                .raw_size_estimate(found.file_size, found.virtual_size);
+            self.off_thread(move |k| k.make_room(needed)).await?;
             let out = TempGuard::new(self.cache.temp_path(name)?);
             tracing::info!(
                 format = found.format.name(),
@@ -771,11 +752,11 @@ impl Pipeline {
         }
         wait_for(header.l1_table_offset + header.l1_size as u64 * 8).await?;
         inspect::check_qcow2_tables(temp, &header, total)?;
-        self.make_room(
-            self.config
-                .convert
-                .raw_size_estimate(total, header.virtual_size),
-        )?;
+        let needed = self
+            .config
+            .convert
+            .raw_size_estimate(total, header.virtual_size);
+        self.off_thread(move |k| k.make_room(needed)).await?;
         tracing::info!(
             virtual_size = header.virtual_size,
             "converting to raw while downloading"
@@ -795,10 +776,19 @@ impl Pipeline {
 
     /// After the cache grew: enforce the size limit and TTL (the new master is
     /// protected by its link to the node, made before this runs).
-    fn after_growth(&self) {
-        if let Err(e) = blocking_here(|| self.clean_cache(0, false, false)) {
+    async fn after_growth(&self) {
+        if let Err(e) = self.off_thread(|k| k.clean(0, false, false)).await {
             tracing::warn!(error = %e, "cache clean-up failed");
         }
+    }
+
+    async fn refresh_cache_gauges(&self) {
+        let _ = self
+            .off_thread(|k| {
+                k.refresh_cache_gauges();
+                Ok(())
+            })
+            .await;
     }
 }
 
@@ -842,6 +832,58 @@ fn set_source_digest(meta: &mut MasterMeta, algo: Algo, hex: String) {
         Algo::Md5 => meta.source_md5 = Some(hex),
         Algo::Sha256 => meta.source_sha256 = Some(hex),
         Algo::Sha512 => meta.source_sha512 = Some(hex),
+    }
+}
+
+/// The cache housekeeping (eviction, free space, gauges): cheap to clone,
+/// so it runs on a blocking thread.
+struct Keeper {
+    cache: Cache,
+    policy: crate::eviction::Policy,
+    metrics: Arc<Metrics>,
+}
+
+impl Keeper {
+    /// Applies the cache policy, reclaiming at least `amount` bytes if it can.
+    fn clean(
+        &self,
+        amount: u64,
+        all_unused: bool,
+        dry_run: bool,
+    ) -> Result<crate::eviction::Report> {
+        let report = crate::eviction::clean(&self.cache, self.policy, amount, all_unused, dry_run)?;
+        if !dry_run {
+            self.metrics.evictions.inc_by(report.evicted.len() as u64);
+        }
+        Ok(report)
+    }
+
+    /// Makes sure `needed` bytes are free in the cache, evicting unused
+    /// masters first, as Ironic does before a download or conversion.
+    fn make_room(&self, needed: u64) -> Result<()> {
+        let dir = self.cache.dir();
+        let free = fsutil::free_space(dir)?;
+        if needed > free {
+            let report = self.clean(needed - free, false, false)?;
+            if !report.evicted.is_empty() {
+                tracing::info!(
+                    evicted = report.evicted.len(),
+                    freed = report.freed,
+                    "evicted to make room"
+                );
+            }
+        }
+        fsutil::check_space(dir, needed)
+    }
+
+    /// Refreshes the cache gauges from the directory.
+    fn refresh_cache_gauges(&self) {
+        self.metrics
+            .cache_limit
+            .set(self.policy.size_limit.min(i64::MAX as u64) as i64);
+        if let Ok(entries) = crate::eviction::list(&self.cache) {
+            self.metrics.cache_state(&entries);
+        }
     }
 }
 
@@ -924,16 +966,4 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'sta
     tokio::task::spawn_blocking(f)
         .await
         .map_err(|e| Error::new(ErrorCode::Internal, format!("blocking task: {e}")))?
-}
-
-/// Runs blocking file-system work from code that cannot wait on a task
-/// (a callback inside a download): on a multi-threaded runtime the other
-/// tasks of this thread move elsewhere while it runs.
-fn blocking_here<T>(f: impl FnOnce() -> T) -> T {
-    match tokio::runtime::Handle::try_current() {
-        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
-            tokio::task::block_in_place(f)
-        }
-        _ => f(),
-    }
 }

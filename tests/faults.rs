@@ -105,7 +105,8 @@ async fn crash_during_conversion_is_redelivered_and_answered_once() {
     let deadline = Instant::now() + MINUTE;
     loop {
         let converting = std::fs::read_dir(env.master_dir().join(".tmp"))
-            .unwrap()
+            .into_iter()
+            .flatten()
             .flatten()
             .filter(|e| e.file_name().to_string_lossy().starts_with(".tmp-"))
             .count()
