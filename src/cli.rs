@@ -321,6 +321,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
     };
     let metrics = Arc::new(Metrics::new());
     let pipeline = Pipeline::new(config, metrics.clone())?;
+    pipeline.recover()?;
     let bar = std::io::stderr()
         .is_terminal()
         .then(|| tokio::spawn(progress_bar(metrics)));
@@ -393,6 +394,9 @@ fn cache_command(config: Config, cmd: CacheCommand) -> Result<ExitCode> {
             all_unused,
             dry_run,
         } => {
+            if !dry_run {
+                pipeline.recover()?;
+            }
             let report = pipeline.clean_cache(0, all_unused, dry_run)?;
             println!(
                 "{}",

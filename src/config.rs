@@ -44,7 +44,36 @@ pub struct Config {
     /// `[glance]`: the Image API and its Keystone credentials (Ironic's own
     /// keystoneauth option names), for Glance image UUID sources.
     pub glance: GlanceSection,
+    /// `[notifications]`: which nodes Ironic's notifications may act on.
+    pub notifications: NotificationsSection,
 }
+
+/// `[notifications]`: the worker acts on Ironic's notifications only for
+/// nodes that delegate their image work to it; Ironic fails its own deploy
+/// when the worker links the files of a node Ironic prepares itself.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NotificationsSection {
+    /// Deploy interfaces (the payload's `deploy_interface`) whose nodes are
+    /// acted on; `*` means every node.
+    #[serde(deserialize_with = "list_opt")]
+    pub deploy_interfaces: Vec<String>,
+}
+
+impl Default for NotificationsSection {
+    fn default() -> Self {
+        NotificationsSection {
+            deploy_interfaces: vec!["direct-worker".into()],
+        }
+    }
+}
+
+/// Where the worker keeps its masters when it reads an ironic.conf and its
+/// own file does not say otherwise: a directory of its own, never Ironic's,
+/// on the same file system as Ironic's default `images_path`. (With no
+/// configuration at all the default is a writable directory under the
+/// state directory, so the worker starts without root.)
+pub const SYSTEM_MASTER_PATH: &str = "/var/lib/ironic-image-worker/master_images";
 
 /// `[glance]`: where Glance is and how to authenticate to it. The names are
 /// those of ironic.conf's `[glance]` (keystoneauth) options.
@@ -166,7 +195,7 @@ pub struct DeploySection {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PxeSection {
-    /// The master image cache directory.
+    /// The worker's own master image cache directory (never Ironic's).
     pub instance_master_path: PathBuf,
     /// Per-node image directories (`<images_path>/<node>/disk`).
     pub images_path: PathBuf,
@@ -682,6 +711,10 @@ impl Config {
             .try_into()
             .map_err(|e: toml::de::Error| config_error(e.to_string()))?;
         config.validate()?;
+        if let Some(path) = &files.ironic_conf {
+            let ironic = crate::ironic_conf::ironic_master_path(path)?;
+            config.check_master_not_ironics(&ironic)?;
+        }
         Ok(config)
     }
 
@@ -809,6 +842,21 @@ impl Config {
                  (empty allows both)"
             ))),
         }
+    }
+
+    /// Refuses a master directory that is Ironic's own (`ironic`, its
+    /// `[pxe]instance_master_path`): Ironic's clean-up deletes every unlinked
+    /// file there and its downloads collide with the worker's.
+    pub fn check_master_not_ironics(&self, ironic: &std::path::Path) -> Result<()> {
+        if crate::fsutil::same_path(&self.pxe.instance_master_path, ironic) {
+            return Err(config_error(format!(
+                "[pxe]instance_master_path {} is Ironic's master image directory; the worker \
+                 needs a directory of its own (default {SYSTEM_MASTER_PATH}, on the same file \
+                 system as [pxe]images_path)",
+                self.pxe.instance_master_path.display()
+            )));
+        }
+        Ok(())
     }
 
     /// The URL prefix published for node images: `http_url` or, when unset,

@@ -3,7 +3,7 @@
 //! expire after `[pxe]image_cache_ttl`, and the oldest-used go first while
 //! the cache is over `[pxe]image_cache_size` or space is needed.
 
-use crate::cache::{Cache, META_SUFFIX};
+use crate::cache::{Cache, OLD_META_SUFFIX};
 use crate::error::Result;
 use serde::Serialize;
 use std::os::unix::fs::MetadataExt;
@@ -33,14 +33,15 @@ pub struct Policy {
     pub ttl: i64,
 }
 
-/// Lists the masters (sidecars, locks and temporaries are not masters).
+/// Lists the masters: the plain files at the top of the cache directory
+/// (sidecars, locks and temporaries live in hidden subdirectories).
 pub fn list(cache: &Cache) -> Result<Vec<Entry>> {
     let mut out = Vec::new();
     let dir =
         std::fs::read_dir(cache.dir()).map_err(|e| crate::error::Error::io("list cache", e))?;
     for entry in dir.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        if name.starts_with('.') || name.ends_with(META_SUFFIX) {
+        if name.starts_with('.') || name.ends_with(OLD_META_SUFFIX) {
             continue;
         }
         let Ok(meta) = entry.metadata() else { continue };
@@ -131,7 +132,7 @@ pub fn clean(
             Ok(m) if m.nlink() == 1 => {}
             _ => continue,
         }
-        crate::fsutil::remove_file_if_exists(&cache.meta_path(&name))?;
+        cache.remove_meta(&name)?;
         if crate::fsutil::remove_file_if_exists(&path)? {
             tracing::info!(master = %name, bytes = size, "evicted from the image cache");
             report.freed += size;
@@ -143,16 +144,11 @@ pub fn clean(
 
 /// Removes sidecars whose master is gone (a crash between the two removals).
 fn remove_orphan_sidecars(cache: &Cache) -> Result<()> {
-    let dir =
-        std::fs::read_dir(cache.dir()).map_err(|e| crate::error::Error::io("list cache", e))?;
-    for entry in dir.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if let Some(master) = name.strip_suffix(META_SUFFIX)
-            && !master.starts_with('.')
-            && !cache.master_path(master).exists()
-            && let Some(_guard) = cache.try_lock(master)
+    for master in cache.sidecar_names() {
+        if !cache.master_path(&master).exists()
+            && let Some(_guard) = cache.try_lock(&master)
         {
-            crate::fsutil::remove_file_if_exists(&entry.path())?;
+            cache.remove_meta(&master)?;
         }
     }
     Ok(())

@@ -24,14 +24,20 @@ pub enum Inbound {
 }
 
 /// Parses a delivery: notifications (from Ironic's exchange, or shaped like
-/// one) and commands.
-pub fn parse(body: &[u8], from_notification_exchange: bool, host: &str) -> Inbound {
+/// one) and commands. Notifications act only on nodes whose deploy
+/// interface is one of `deploy_interfaces` (`*`: every node).
+pub fn parse(
+    body: &[u8],
+    from_notification_exchange: bool,
+    host: &str,
+    deploy_interfaces: &[String],
+) -> Inbound {
     let looks_like_notification = || {
         serde_json::from_slice::<serde_json::Value>(body)
             .is_ok_and(|v| v.get("oslo.version").is_some() || v.get("event_type").is_some())
     };
     if from_notification_exchange || looks_like_notification() {
-        parse_notification(body, host)
+        parse_notification(body, host, deploy_interfaces)
     } else {
         parse_command(body, host)
     }
@@ -182,10 +188,21 @@ pub fn action_for(t: &Transition) -> Option<(Action, bool)> {
     }
 }
 
+/// True when a node with deploy interface `interface` (the notification
+/// payload's `deploy_interface`) delegates its image work to the worker.
+pub fn delegates(interface: Option<&str>, deploy_interfaces: &[String]) -> bool {
+    deploy_interfaces
+        .iter()
+        .any(|d| d == "*" || Some(d.as_str()) == interface)
+}
+
 /// Parses an oslo.messaging notification (v2 envelope or unwrapped) for the
-/// worker of conductor `host`. Notifications of other conductors and other
-/// events are ignored; unreadable ones are invalid.
-pub fn parse_notification(body: &[u8], host: &str) -> Inbound {
+/// worker of conductor `host`. Notifications of other conductors, other
+/// events and nodes that do not delegate to the worker (their deploy
+/// interface is not in `deploy_interfaces`: Ironic prepares them itself, and
+/// fails if the worker links their files) are ignored; unreadable ones are
+/// invalid.
+pub fn parse_notification(body: &[u8], host: &str, deploy_interfaces: &[String]) -> Inbound {
     let bad = |request_id: Option<String>, msg: String| {
         invalid(Action::Unknown, None, request_id, host, msg)
     };
@@ -240,6 +257,12 @@ pub fn parse_notification(body: &[u8], host: &str) -> Inbound {
         return Inbound::Invalid(Box::new(
             Completion::new(action, node, message_id, host).failed(&e),
         ));
+    }
+    if !delegates(
+        text(&data, "deploy_interface").as_deref(),
+        deploy_interfaces,
+    ) {
+        return Inbound::Ignore("other_deploy_interface");
     }
     let instance_info: InstanceInfo = match data.get("instance_info") {
         None | Some(serde_json::Value::Null) => InstanceInfo::default(),
@@ -411,6 +434,46 @@ mod tests {
     const START: &str = include_str!("../tests/fixtures/provision_set_start.json");
     const END: &str = include_str!("../tests/fixtures/provision_set_end_active.json");
     const ERROR: &str = include_str!("../tests/fixtures/provision_set_error_deploy_failed.json");
+
+    /// The captured bodies with the node's deploy interface set.
+    fn with_interface(body: &str, interface: &str) -> String {
+        body.replace(
+            r#"\"deploy_interface\": null"#,
+            &format!(r#"\"deploy_interface\": \"{interface}\""#),
+        )
+    }
+
+    fn ours() -> Vec<String> {
+        vec!["direct-worker".into()]
+    }
+
+    fn parse(body: &[u8], from: bool, host: &str) -> Inbound {
+        super::parse(body, from, host, &["*".into()])
+    }
+
+    #[test]
+    fn only_delegating_nodes_are_acted_on() {
+        let start = with_interface(START, "direct-worker");
+        assert_ne!(start, START);
+        let req = work(super::parse(start.as_bytes(), true, "testhost", &ours()));
+        assert_eq!(req.action, Action::Prepare);
+        for other in [with_interface(START, "direct"), START.to_string()] {
+            assert!(matches!(
+                super::parse(other.as_bytes(), true, "testhost", &ours()),
+                Inbound::Ignore("other_deploy_interface")
+            ));
+        }
+        let teardown = with_interface(END, "direct");
+        assert!(matches!(
+            super::parse(teardown.as_bytes(), true, "testhost", &ours()),
+            Inbound::Ignore("other_deploy_interface")
+        ));
+        // `*` takes every node.
+        assert!(matches!(
+            super::parse(START.as_bytes(), true, "testhost", &["*".into()]),
+            Inbound::Work(_)
+        ));
+    }
 
     fn work(i: Inbound) -> Request {
         match i {

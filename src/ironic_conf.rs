@@ -53,7 +53,6 @@ const SAME: &[(&str, &[(&str, Kind)])] = &[
     (
         "pxe",
         &[
-            ("instance_master_path", Kind::Str),
             ("images_path", Kind::Str),
             ("image_cache_size", Kind::Int),
             ("image_cache_ttl", Kind::Int),
@@ -148,11 +147,6 @@ const RENAMED: &[(&str, &str, &str, &str, Kind)] = &[
 /// set them (the worker's own defaults are root-free paths instead).
 const IRONIC_DEFAULTS: &[(&str, &str, &str)] = &[
     ("deploy", "http_root", "/httpboot"),
-    (
-        "pxe",
-        "instance_master_path",
-        "/var/lib/ironic/master_images",
-    ),
     ("pxe", "images_path", "/var/lib/ironic/images/"),
     ("DEFAULT", "state_path", "/var/lib/ironic"),
 ];
@@ -357,6 +351,20 @@ pub fn amqp_url_from_transport(transport: &str, ssl: bool) -> Result<Vec<String>
         .collect()
 }
 
+/// Ironic's own master image directory as the ironic.conf at `path` sets it
+/// (`[pxe]instance_master_path`, default `$state_path/master_images`), so
+/// the worker can refuse to share it.
+pub fn ironic_master_path(path: &Path) -> Result<std::path::PathBuf> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| conf_error(format!("cannot read {}: {e}", path.display())))?;
+    let ini = IniFile::parse(&text)?;
+    let value = match ini.get("pxe", "instance_master_path")? {
+        Some(v) => v,
+        None => ini.substitute("pxe", "$state_path/master_images", 0)?,
+    };
+    Ok(std::path::PathBuf::from(value))
+}
+
 /// The worker configuration layer taken from an ironic.conf file: a TOML
 /// table with the worker's sections and options.
 pub fn load(path: &Path) -> Result<toml::Table> {
@@ -376,6 +384,14 @@ pub fn to_table(ini: &IniFile) -> Result<toml::Table> {
             t.insert(key.to_string(), value);
         }
     };
+    // The worker's masters never live in Ironic's `[pxe]instance_master_path`
+    // (Ironic's clean-up deletes every unlinked file there): that option is
+    // not taken from ironic.conf.
+    put(
+        "pxe",
+        "instance_master_path",
+        toml::Value::String(crate::config::SYSTEM_MASTER_PATH.to_string()),
+    );
     for (section, key, value) in IRONIC_DEFAULTS {
         if *section != "DEFAULT" && ini.raw(section, key).is_none() {
             put(section, key, toml::Value::String((*value).to_string()));

@@ -4,27 +4,37 @@
 //! temporary name and renamed into place, so readers never see a half state.
 
 use crate::error::{Error, Result};
-use crate::fsutil;
+use crate::fsutil::{self, TempOwner};
 use crate::node::NodeUuid;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-/// Where node files live.
-#[derive(Debug, Clone)]
+/// Where node files live. Cheap to clone, so blocking work on it can move
+/// to a blocking thread.
+#[derive(Clone)]
 pub struct NodeLinks {
     images_path: PathBuf,
     link_dir: PathBuf,
+    owner: Arc<TempOwner>,
 }
 
 impl NodeLinks {
-    /// Creates the directories (0755) if needed.
-    pub fn open(images_path: &Path, http_root: &Path, subdir: &str) -> Result<NodeLinks> {
+    /// Creates the directories (0755) if needed; temporaries are named
+    /// after `owner`.
+    pub fn open(
+        images_path: &Path,
+        http_root: &Path,
+        subdir: &str,
+        owner: Arc<TempOwner>,
+    ) -> Result<NodeLinks> {
         let link_dir = http_root.join(subdir);
         fsutil::ensure_dir(images_path)?;
         fsutil::ensure_dir(&link_dir)?;
         Ok(NodeLinks {
             images_path: images_path.to_path_buf(),
             link_dir,
+            owner,
         })
     }
 
@@ -56,26 +66,23 @@ impl NodeLinks {
 
     /// Makes the node's `disk` a hard link to `master` (a copy where the file
     /// systems differ), replacing any previous image atomically.
+    /// (Blocking: a copy may take long; call it on a blocking thread.)
     pub fn link_disk(&self, node: &NodeUuid, master: &Path) -> Result<()> {
         let dir = self.node_dir(node);
         fsutil::ensure_dir(&dir)?;
         let disk = self.disk_path(node);
-        let temp = fsutil::temp_path(&disk);
-        match std::fs::hard_link(master, &temp) {
-            Ok(()) => {}
-            Err(e) if e.raw_os_error() == Some(rustix::io::Errno::XDEV.raw_os_error()) => {
-                copy_file(master, &temp)?;
+        let temp = self.owner.temp_next_to(&disk)?;
+        fsutil::replace_via_temp(&disk, &temp, |temp| {
+            match std::fs::hard_link(master, temp) {
+                Err(e) if e.raw_os_error() == Some(rustix::io::Errno::XDEV.raw_os_error()) => copy_file(master, temp),
+                other => other,
             }
-            Err(e) => return Err(Error::io(format!("link {}", disk.display()), e)),
-        }
-        std::fs::rename(&temp, &disk).map_err(|e| {
-            let _ = std::fs::remove_file(&temp);
-            Error::io(format!("rename {}", disk.display()), e)
         })
     }
 
-    /// Points the node's symlink at its `disk`, replacing it atomically;
-    /// true when the node had no symlink before.
+    /// Points the node's symlink at its `disk`, replacing it atomically
+    /// (the symlink directory is recreated if it was deleted); true when the
+    /// node had no symlink before.
     pub fn publish(&self, node: &NodeUuid) -> Result<bool> {
         let link = self.symlink_path(node);
         let target = std::path::absolute(self.disk_path(node))
@@ -84,12 +91,10 @@ impl NodeLinks {
         if current.as_deref() == Some(target.as_path()) {
             return Ok(false);
         }
-        let temp = fsutil::temp_path(&link);
-        std::os::unix::fs::symlink(&target, &temp)
-            .map_err(|e| Error::io(format!("symlink {}", link.display()), e))?;
-        std::fs::rename(&temp, &link).map_err(|e| {
-            let _ = std::fs::remove_file(&temp);
-            Error::io(format!("rename {}", link.display()), e)
+        fsutil::ensure_dir(&self.link_dir)?;
+        let temp = self.owner.temp_next_to(&link)?;
+        fsutil::replace_via_temp(&link, &temp, |temp| {
+            std::os::unix::fs::symlink(&target, temp)
         })?;
         Ok(current.is_none())
     }
@@ -124,22 +129,30 @@ impl NodeLinks {
         }
     }
 
-    /// Removes temporaries left by a crashed run in the symlink directory and
-    /// the node directories.
+    /// Removes temporaries left in the symlink directory and the node
+    /// directories by processes that are gone (see [`TempOwner`]).
     pub fn remove_stale_temps(&self) -> Result<usize> {
-        let mut removed = fsutil::remove_temps_in(&self.link_dir)?;
+        let mut removed = self.owner.remove_orphans_in(&self.link_dir)?;
         if let Ok(nodes) = std::fs::read_dir(&self.images_path) {
             for node in nodes.flatten() {
-                removed += fsutil::remove_temps_in(&node.path())?;
+                if node.path().is_dir() {
+                    removed += self.owner.remove_orphans_in(&node.path())?;
+                }
             }
         }
         Ok(removed)
     }
+
+    /// The symlink directory.
+    pub fn link_dir(&self) -> &Path {
+        &self.link_dir
+    }
 }
 
-fn copy_file(from: &Path, to: &Path) -> Result<()> {
-    std::fs::copy(from, to).map_err(|e| Error::io(format!("copy to {}", to.display()), e))?;
-    let file = std::fs::File::open(to).map_err(|e| Error::io("reopen copy", e))?;
-    fsutil::set_mode(&file, 0o644)?;
-    file.sync_all().map_err(|e| Error::io("sync copy", e))
+/// A copy where a hard link is impossible (another file system).
+fn copy_file(from: &Path, to: &Path) -> std::io::Result<()> {
+    std::fs::copy(from, to)?;
+    let file = std::fs::File::open(to)?;
+    file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
+    file.sync_all()
 }

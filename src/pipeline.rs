@@ -53,20 +53,18 @@ pub struct Request {
 }
 
 impl Pipeline {
-    /// Opens the directories and removes temporaries left by a crashed run.
-    /// Transfers and evictions are recorded in `metrics`.
+    /// Opens the directories (removing nothing: read-only commands build a
+    /// pipeline too; see [`Pipeline::recover`]). Transfers and evictions are
+    /// recorded in `metrics`.
     pub fn new(config: Config, metrics: Arc<Metrics>) -> Result<Pipeline> {
         let cache = Cache::open(&config.pxe.instance_master_path)?;
         let links = NodeLinks::open(
             &config.pxe.images_path,
             &config.deploy.http_root,
             &config.deploy.http_image_subdir,
+            cache.owner(),
         )?;
         let node_locks = Locks::new(config.pxe.images_path.join(".locks"))?;
-        let removed = cache.remove_stale_temps()? + links.remove_stale_temps()?;
-        if removed > 0 {
-            tracing::info!(removed, "removed temporaries left by an earlier run");
-        }
         Ok(Pipeline {
             http_url: config.http_url(),
             fetcher: Fetcher::new(&config)?,
@@ -78,6 +76,42 @@ impl Pipeline {
         })
     }
 
+    /// Start-up recovery for commands that write (`serve`, one-shot
+    /// prepare, `cache clean`): removes temporaries whose writer is gone
+    /// (never those of a process still running), brings a master directory
+    /// of the earlier layout into the current one, and says clearly when
+    /// the master directory and `images_path` are on different file systems
+    /// (node images are then copies, not hard links).
+    pub fn recover(&self) -> Result<()> {
+        let cache = self.cache.recover()?;
+        let removed = cache.temporaries + self.links.remove_stale_temps()?;
+        if removed > 0 {
+            tracing::info!(
+                removed,
+                "removed temporaries left by processes that are gone"
+            );
+        }
+        if cache.sidecars_moved > 0 {
+            tracing::info!(
+                moved = cache.sidecars_moved,
+                "moved cache sidecars of the earlier layout into .meta/"
+            );
+        }
+        let (master, images) = (
+            &self.config.pxe.instance_master_path,
+            &self.config.pxe.images_path,
+        );
+        if fsutil::device_of(master) != fsutil::device_of(images) {
+            tracing::warn!(
+                master = %master.display(),
+                images = %images.display(),
+                "[pxe]instance_master_path and [pxe]images_path are on different file systems: \
+                 node images cannot be hard links and will be full copies of the masters"
+            );
+        }
+        Ok(())
+    }
+
     /// True when the node has a published link or a cached image here.
     pub fn has_node_files(&self, node: &str) -> bool {
         NodeUuid::parse(node).is_ok_and(|n| {
@@ -87,42 +121,22 @@ impl Pipeline {
     }
 
     /// Applies the cache policy (see `eviction`), reclaiming at least
-    /// `amount` bytes if it can.
+    /// `amount` bytes if it can (blocking: file-system work).
     pub fn clean_cache(
         &self,
         amount: u64,
         all_unused: bool,
         dry_run: bool,
     ) -> Result<crate::eviction::Report> {
-        let report = crate::eviction::clean(
-            &self.cache,
-            self.config.eviction_policy(),
-            amount,
-            all_unused,
-            dry_run,
-        )?;
-        if !dry_run {
-            self.metrics.evictions.inc_by(report.evicted.len() as u64);
-        }
-        Ok(report)
+        self.keeper().clean(amount, all_unused, dry_run)
     }
 
-    /// Refreshes the cache and link gauges from the directories.
+    /// Refreshes the cache and link gauges from the directories (blocking).
     pub fn refresh_gauges(&self) {
-        self.refresh_cache_gauges();
+        self.keeper().refresh_cache_gauges();
         self.metrics
             .active_links
             .set(self.links.count_published() as i64);
-    }
-
-    fn refresh_cache_gauges(&self) {
-        let limit = self.config.eviction_policy().size_limit;
-        self.metrics
-            .cache_limit
-            .set(limit.min(i64::MAX as u64) as i64);
-        if let Ok(entries) = self.cache_entries() {
-            self.metrics.cache_state(&entries);
-        }
     }
 
     /// The masters in the cache, oldest-used first.
@@ -130,22 +144,23 @@ impl Pipeline {
         crate::eviction::list(&self.cache)
     }
 
-    /// Makes sure `needed` bytes are free in the cache, evicting unused
-    /// masters first, as Ironic does before a download or conversion.
-    fn make_room(&self, needed: u64) -> Result<()> {
-        let dir = self.cache.dir();
-        let free = fsutil::free_space(dir)?;
-        if needed > free {
-            let report = self.clean_cache(needed - free, false, false)?;
-            if !report.evicted.is_empty() {
-                tracing::info!(
-                    evicted = report.evicted.len(),
-                    freed = report.freed,
-                    "evicted to make room"
-                );
-            }
+    /// The cache housekeeping, to run on a blocking thread.
+    fn keeper(&self) -> Keeper {
+        Keeper {
+            cache: self.cache.clone(),
+            policy: self.config.eviction_policy(),
+            metrics: self.metrics.clone(),
         }
-        fsutil::check_space(dir, needed)
+    }
+
+    /// Runs cache housekeeping on a blocking thread, so the async threads
+    /// keep serving images and messages (statvfs, listing, unlinks).
+    async fn off_thread<T: Send + 'static>(
+        &self,
+        work: impl FnOnce(&Keeper) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        let keeper = self.keeper();
+        blocking(move || work(&keeper)).await
     }
 
     /// The configuration in force.
@@ -155,7 +170,22 @@ impl Pipeline {
 
     /// Handles one request and always answers with a completion event. Every
     /// log line inside carries the node, request id and action.
+    /// `only_if_prepared` is not looked at: see [`Pipeline::handle_unless_stray`].
     pub async fn handle(&self, req: &Request) -> Completion {
+        let mut req = req.clone();
+        req.only_if_prepared = false;
+        match self.handle_unless_stray(&req).await {
+            Some(done) => done,
+            None => Completion::new(req.action, Some(req.node_uuid.clone()), req.request_id, ""),
+        }
+    }
+
+    /// Handles one request; `None` when it is a cleanup wanted only if the
+    /// node was prepared here (`only_if_prepared`) and the node has no files
+    /// here. That is decided under the node lock, so a prepare of the node
+    /// in progress in any process sharing the directories is waited for
+    /// and then cleaned up, never missed.
+    pub async fn handle_unless_stray(&self, req: &Request) -> Option<Completion> {
         let span = tracing::error_span!(
             "request",
             node = %req.node_uuid,
@@ -169,11 +199,13 @@ impl Pipeline {
         gauge.inc();
         let done = self.handle_inner(req).instrument(span).await;
         gauge.dec();
-        self.metrics.record(&done);
+        if let Some(done) = &done {
+            self.metrics.record(done);
+        }
         done
     }
 
-    async fn handle_inner(&self, req: &Request) -> Completion {
+    async fn handle_inner(&self, req: &Request) -> Option<Completion> {
         let started = Instant::now();
         let mut done = Completion::new(
             req.action,
@@ -197,37 +229,62 @@ impl Pipeline {
                 done.node_uuid = Some(node.to_string());
                 match req.action {
                     Action::Prepare => self.prepare(&node, req, &mut done).await,
-                    Action::Deployed => self.release(&node, false).await,
-                    Action::Cleanup => self.release(&node, true).await,
+                    Action::Deployed => self.release(&node, false, false).await,
+                    Action::Cleanup => self.release(&node, true, req.only_if_prepared).await,
                     Action::Unknown => Err(Error::new(ErrorCode::InvalidMessage, "unknown action")),
                 }
             }
         };
+        if matches!(result, Ok(Released::Stray)) {
+            return None;
+        }
         if let Err(e) = result {
             tracing::warn!(error = %e, "request failed");
             done = done.failed(&e);
         }
         done.duration_ms = started.elapsed().as_millis() as u64;
-        done
+        Some(done)
     }
 
     /// deployed: withdraw the URL and the node's link; cleanup: also remove
-    /// the node's directory. Doing it twice changes nothing.
-    async fn release(&self, node: &NodeUuid, whole_dir: bool) -> Result<()> {
+    /// the node's directory. Doing it twice changes nothing. With
+    /// `only_if_prepared`, a node without files here is left alone (decided
+    /// under the node lock).
+    async fn release(
+        &self,
+        node: &NodeUuid,
+        whole_dir: bool,
+        only_if_prepared: bool,
+    ) -> Result<Released> {
         let _node = self.node_locks.acquire(node.as_str()).await?;
+        if only_if_prepared && !self.has_node_files(node.as_str()) {
+            return Ok(Released::Stray);
+        }
         if self.links.unpublish(node)? {
             self.metrics.active_links.dec();
         }
-        if whole_dir {
-            self.links.remove_node_dir(node)?;
-        } else {
-            self.links.remove_disk(node)?;
-        }
-        self.refresh_cache_gauges();
-        Ok(())
+        // Removing a node's directory and listing the cache touch the disk:
+        // off the async threads.
+        let (links, owned) = (self.links.clone(), node.clone());
+        blocking(move || {
+            if whole_dir {
+                links.remove_node_dir(&owned)?;
+            } else {
+                links.remove_disk(&owned)?;
+            }
+            Ok(())
+        })
+        .await?;
+        self.refresh_cache_gauges().await;
+        Ok(Released::Done)
     }
 
-    async fn prepare(&self, node: &NodeUuid, req: &Request, done: &mut Completion) -> Result<()> {
+    async fn prepare(
+        &self,
+        node: &NodeUuid,
+        req: &Request,
+        done: &mut Completion,
+    ) -> Result<Released> {
         let info = &req.instance_info;
         let href = info
             .image_source
@@ -265,7 +322,12 @@ impl Pipeline {
                     "image_download_source=swift is not handled by this worker",
                 ));
             }
-            ("http", Source::Http(_)) => return self.pass_through(&source, href, spec, done).await,
+            ("http", Source::Http(_)) => {
+                return self
+                    .pass_through(&source, href, spec, done)
+                    .await
+                    .map(|()| Released::Done);
+            }
             ("local" | "http", _) => {}
             (other, _) => {
                 return Err(Error::new(
@@ -292,18 +354,24 @@ impl Pipeline {
 
         let _node = self.node_locks.acquire(node.as_str()).await?;
         let _master = self.cache.lock(&name).await?;
-        let cached = self
-            .cache
-            .load(&name)
-            .filter(|m| m.meta.source == href && matches_expected(&m.meta, expected.as_ref()));
-        let (master, outcome) = match cached {
+        let cached = match self.cache.load(&name).filter(|m| m.meta.source == href) {
+            Some(m) => Some(
+                self.complete_digests(&name, m, expected.as_ref(), want_sha512)
+                    .await?,
+            ),
+            None => None,
+        }
+        .filter(|m| matches_expected(&m.meta, expected.as_ref()));
+        // `_hold` keeps a new master linked (st_nlink > 1) until the node
+        // links it, so no sweeper of unlinked files removes it in between.
+        let (master, outcome, _hold) = match cached {
             // The node already links this verified master: a repeated event.
-            Some(m) if self.links.disk_is(node, &m.path) => (m, CacheOutcome::Hit),
+            Some(m) if self.links.disk_is(node, &m.path) => (m, CacheOutcome::Hit, None),
             Some(m) if expected.is_some() || self.is_fresh(&source, &m.meta).await? => {
-                (m, CacheOutcome::Hit)
+                (m, CacheOutcome::Hit, None)
             }
             _ => {
-                let m = self
+                let (m, hold) = self
                     .fetch_master(
                         &source,
                         href,
@@ -314,7 +382,7 @@ impl Pipeline {
                         info,
                     )
                     .await?;
-                (m, CacheOutcome::Miss)
+                (m, CacheOutcome::Miss, Some(hold))
             }
         };
         if outcome == CacheOutcome::Hit {
@@ -330,15 +398,26 @@ impl Pipeline {
                 &self.config.conductor.permitted_image_formats,
             )?;
         }
-        if !self.links.disk_is(node, &master.path) {
-            self.links.link_disk(node, &master.path)?;
+        let linked_here = !self.links.disk_is(node, &master.path);
+        if linked_here {
+            let (links, node, path) = (self.links.clone(), node.clone(), master.path.clone());
+            blocking(move || links.link_disk(&node, &path)).await?;
         }
-        if self.links.publish(node)? {
-            self.metrics.active_links.inc();
+        match self.links.publish(node) {
+            Ok(true) => self.metrics.active_links.inc(),
+            Ok(false) => {}
+            Err(e) => {
+                // The link made for this prepare would keep its master from
+                // ever being evicted.
+                if linked_here {
+                    let _ = self.links.remove_disk(node);
+                }
+                return Err(e);
+            }
         }
         if outcome == CacheOutcome::Miss {
-            self.after_growth();
-            self.refresh_cache_gauges();
+            self.after_growth().await;
+            self.refresh_cache_gauges().await;
         }
         tracing::info!(cache = ?outcome, master = %master.path.display(), "prepared");
 
@@ -358,7 +437,49 @@ impl Pipeline {
         done.image_size = Some(meta.size);
         done.converted = Some(meta.converted);
         done.cache = Some(outcome);
-        Ok(())
+        Ok(Released::Done)
+    }
+
+    /// Computes from the master the digests its sidecar lacks and this
+    /// request needs (the expected algorithm over the source bytes when the
+    /// master is those very bytes; SHA-512 of the served bytes), instead of
+    /// downloading again, and records them.
+    async fn complete_digests(
+        &self,
+        name: &str,
+        mut master: Master,
+        expected: Option<&Expected>,
+        want_sha512: bool,
+    ) -> Result<Master> {
+        let meta = &master.meta;
+        let source_missing = expected
+            .map(|e| e.algo)
+            .filter(|&algo| source_digest(meta, algo).is_none() && meta.served_as_fetched());
+        let served_missing = (want_sha512 && meta.sha512.is_none()).then_some(Algo::Sha512);
+        let mut learnt = false;
+        let mut missing: Vec<Algo> = [source_missing, served_missing]
+            .into_iter()
+            .flatten()
+            .collect();
+        missing.dedup();
+        for algo in missing {
+            let path = master.path.clone();
+            let hex = blocking(move || cache::hash_file(&path, algo)).await?;
+            tracing::info!(%algo, "computed a missing digest from the cached master");
+            let meta = &mut master.meta;
+            if meta.served_as_fetched() {
+                set_source_digest(meta, algo, hex.clone());
+            }
+            if algo == Algo::Sha512 && (served_missing.is_some() || meta.served_as_fetched()) {
+                meta.sha512 = Some(hex);
+            }
+            learnt = true;
+        }
+        if learnt {
+            let (cache, name, meta) = (self.cache.clone(), name.to_string(), master.meta.clone());
+            blocking(move || cache.write_meta(&name, &meta)).await?;
+        }
+        Ok(master)
     }
 
     /// For a Glance image, what Glance says completes `instance_info`: its
@@ -443,32 +564,31 @@ impl Pipeline {
         sha512: bool,
         force_raw: bool,
         info: &InstanceInfo,
-    ) -> Result<Master> {
+    ) -> Result<(Master, TempGuard)> {
         let fetched_at = cache::unix_secs(SystemTime::now());
-        let temp = TempGuard::new(self.cache.temp_path(name));
+        let temp = TempGuard::new(self.cache.temp_path(name)?);
         tracing::info!(source = %source.display(), master = name, "downloading");
         let transfer = std::sync::Mutex::new(Transfer::start(&self.metrics, "download", 0));
-        let announced = AtomicU64::new(u64::MAX);
-        let downloaded = AtomicBool::new(false);
+        let state = DownloadState::new();
         let room = |need: Room| match need {
             Room::Announced(len) => {
                 transfer
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .set_expected(len);
-                announced.store(len, Ordering::Release);
-                self.make_room(len)
+                state.announce(len);
+                // Called inside the download: a statvfs, and an eviction
+                // only when space is short.
+                self.keeper().make_room(len)
             }
-            Room::Growing(more) => self.make_room(more),
+            Room::Growing(more) => self.keeper().make_room(more),
         };
-        // Bytes received, for the conversion that follows the download.
-        let (received, arrivals) = tokio::sync::watch::channel(0u64);
         let progress = |done: u64| {
-            received.send_replace(done);
             transfer
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .set_done(done)
+                .set_done(done);
+            state.received(done);
         };
         let hashes = crate::sink::Hashes {
             sha512,
@@ -481,14 +601,13 @@ impl Pipeline {
                 .fetcher
                 .download(source, temp.path(), hashes, &room, &progress)
                 .await;
-            downloaded.store(true, Ordering::Release);
-            received.send_modify(|_| ());
+            state.finish();
             result
         };
         // A qcow2 to be converted is converted while it downloads when it can
         // be (see `stream_convert`); the result is only used after the
         // download is verified and the complete file passes every check.
-        let streamed_out = TempGuard::new(self.cache.temp_path(name));
+        let streamed_out = TempGuard::new(self.cache.temp_path(name)?);
         let streaming = async {
             let wanted = force_raw
                 && self.config.convert.stream_while_downloading
@@ -498,14 +617,7 @@ impl Pipeline {
             }
             let t = Instant::now();
             let r = self
-                .stream_convert(
-                    temp.path(),
-                    streamed_out.path(),
-                    &announced,
-                    &downloaded,
-                    arrivals.clone(),
-                    sha512,
-                )
+                .stream_convert(temp.path(), streamed_out.path(), &state, sha512)
                 .await;
             match r {
                 Ok(d) => Some(Ok((d, t.elapsed()))),
@@ -544,7 +656,7 @@ impl Pipeline {
         // the result is what gets inspected and served.
         let (header, _) = inspect::read_header(temp.path())?;
         let (temp, served) = if inspect::is_zstd(&header) {
-            let out = TempGuard::new(self.cache.temp_path(name));
+            let out = TempGuard::new(self.cache.temp_path(name)?);
             let max = self.config.convert.qcow2_limits().max_virtual_size;
             let d = convert::decompress_zstd(temp.path(), out.path(), sha512, max).await?;
             (out, d)
@@ -571,12 +683,12 @@ impl Pipeline {
             check_converted(streamed_out.path(), &d, &found)?;
             (streamed_out, d, true)
         } else if force_raw && found.format.needs_conversion() {
-            self.make_room(
-                self.config
-                    .convert
-                    .raw_size_estimate(found.file_size, found.virtual_size),
-            )?;
-            let out = TempGuard::new(self.cache.temp_path(name));
+            let needed = self
+                .config
+                .convert
+                .raw_size_estimate(found.file_size, found.virtual_size);
+            self.off_thread(move |k| k.make_room(needed)).await?;
+            let out = TempGuard::new(self.cache.temp_path(name)?);
             tracing::info!(
                 format = found.format.name(),
                 virtual_size = found.virtual_size,
@@ -607,9 +719,9 @@ impl Pipeline {
             fetched_at,
             source_last_modified: stat.last_modified.map(cache::unix_secs),
             source_size: digests.size,
-            source_md5: digests.md5,
-            source_sha256: digests.sha256,
-            source_sha512: digests.sha512,
+            source_md5: Some(digests.md5).filter(|d| !d.is_empty()),
+            source_sha256: Some(digests.sha256).filter(|d| !d.is_empty()),
+            source_sha512: digests.sha512.filter(|d| !d.is_empty()),
             source_format: found.format.name().into(),
             converted,
             disk_format: if converted {
@@ -620,12 +732,20 @@ impl Pipeline {
             size: served.size,
             md5: served.md5,
             sha256: served.sha256,
-            sha512: served.sha512,
+            sha512: served.sha512.filter(|d| !d.is_empty()),
             inode: 0,
         };
-        let master = self.cache.commit(temp.path(), name, meta)?;
+        let hold = TempGuard::new(self.cache.temp_path(name)?);
+        std::fs::hard_link(temp.path(), hold.path())
+            .map_err(|e| Error::io("hold the new master", e))?;
+        let (cache, path, owned_name) = (
+            self.cache.clone(),
+            temp.path().to_path_buf(),
+            name.to_string(),
+        );
+        let master = blocking(move || cache.commit(&path, &owned_name, meta)).await?;
         temp.keep();
-        Ok(master)
+        Ok((master, hold))
     }
 
     /// Converts a qcow2 while `temp` is still being downloaded: waits for the
@@ -637,31 +757,11 @@ impl Pipeline {
         &self,
         temp: &std::path::Path,
         out: &std::path::Path,
-        announced: &AtomicU64,
-        downloaded: &AtomicBool,
-        arrivals: tokio::sync::watch::Receiver<u64>,
+        state: &DownloadState,
         sha512: bool,
     ) -> Result<Digests, convert::StreamFailure> {
         let not_now = |why: &str| Error::new(ErrorCode::Internal, why.to_string());
-        let arrivals = &tokio::sync::Mutex::new(arrivals);
-        let wait_for = |len: u64| async move {
-            loop {
-                let total = announced.load(Ordering::Acquire);
-                if total != u64::MAX
-                    && std::fs::metadata(temp).is_ok_and(|m| m.len() >= len.min(total))
-                {
-                    return Ok(total);
-                }
-                if downloaded.load(Ordering::Acquire) {
-                    return Err(not_now("download over before the range arrived"));
-                }
-                // Woken by the download's progress; the file on disk trails
-                // the bytes received a little, hence the short bound.
-                let mut rx = arrivals.lock().await;
-                let _ =
-                    tokio::time::timeout(std::time::Duration::from_millis(100), rx.changed()).await;
-            }
-        };
+        let wait_for = |len: u64| state.wait_for(temp, len);
         let total = wait_for(inspect::HEADER_LEN as u64).await?;
         let (head, _) = inspect::read_header(temp)?;
         if inspect::detect(&head) != inspect::Format::Qcow2 {
@@ -674,11 +774,11 @@ impl Pipeline {
         }
         wait_for(header.l1_table_offset + header.l1_size as u64 * 8).await?;
         inspect::check_qcow2_tables_blocking(temp, &header, total).await?;
-        self.make_room(
-            self.config
-                .convert
-                .raw_size_estimate(total, header.virtual_size),
-        )?;
+        let needed = self
+            .config
+            .convert
+            .raw_size_estimate(total, header.virtual_size);
+        self.off_thread(move |k| k.make_room(needed)).await?;
         tracing::info!(
             virtual_size = header.virtual_size,
             "converting to raw while downloading"
@@ -698,10 +798,19 @@ impl Pipeline {
 
     /// After the cache grew: enforce the size limit and TTL (the new master is
     /// protected by its link to the node, made before this runs).
-    fn after_growth(&self) {
-        if let Err(e) = self.clean_cache(0, false, false) {
+    async fn after_growth(&self) {
+        if let Err(e) = self.off_thread(|k| k.clean(0, false, false)).await {
             tracing::warn!(error = %e, "cache clean-up failed");
         }
+    }
+
+    async fn refresh_cache_gauges(&self) {
+        let _ = self
+            .off_thread(|k| {
+                k.refresh_cache_gauges();
+                Ok(())
+            })
+            .await;
     }
 }
 
@@ -728,10 +837,155 @@ fn check_converted(path: &std::path::Path, d: &Digests, found: &inspect::Inspect
 /// (or nothing is expected).
 fn matches_expected(meta: &MasterMeta, expected: Option<&Expected>) -> bool {
     let Some(e) = expected else { return true };
-    let recorded = match e.algo {
-        Algo::Md5 => Some(&meta.source_md5),
-        Algo::Sha256 => Some(&meta.source_sha256),
-        Algo::Sha512 => meta.source_sha512.as_ref(),
-    };
-    recorded == Some(&e.hex)
+    source_digest(meta, e.algo) == Some(e.hex.as_str())
+}
+
+/// The recorded digest of the source bytes for `algo`, when computed.
+fn source_digest(meta: &MasterMeta, algo: Algo) -> Option<&str> {
+    match algo {
+        Algo::Md5 => meta.source_md5.as_deref(),
+        Algo::Sha256 => meta.source_sha256.as_deref(),
+        Algo::Sha512 => meta.source_sha512.as_deref(),
+    }
+}
+
+fn set_source_digest(meta: &mut MasterMeta, algo: Algo, hex: String) {
+    match algo {
+        Algo::Md5 => meta.source_md5 = Some(hex),
+        Algo::Sha256 => meta.source_sha256 = Some(hex),
+        Algo::Sha512 => meta.source_sha512 = Some(hex),
+    }
+}
+
+/// The cache housekeeping (eviction, free space, gauges): cheap to clone,
+/// so it runs on a blocking thread.
+struct Keeper {
+    cache: Cache,
+    policy: crate::eviction::Policy,
+    metrics: Arc<Metrics>,
+}
+
+impl Keeper {
+    /// Applies the cache policy, reclaiming at least `amount` bytes if it can.
+    fn clean(
+        &self,
+        amount: u64,
+        all_unused: bool,
+        dry_run: bool,
+    ) -> Result<crate::eviction::Report> {
+        let report = crate::eviction::clean(&self.cache, self.policy, amount, all_unused, dry_run)?;
+        if !dry_run {
+            self.metrics.evictions.inc_by(report.evicted.len() as u64);
+        }
+        Ok(report)
+    }
+
+    /// Makes sure `needed` bytes are free in the cache, evicting unused
+    /// masters first, as Ironic does before a download or conversion.
+    fn make_room(&self, needed: u64) -> Result<()> {
+        let dir = self.cache.dir();
+        let free = fsutil::free_space(dir)?;
+        if needed > free {
+            let report = self.clean(needed - free, false, false)?;
+            if !report.evicted.is_empty() {
+                tracing::info!(
+                    evicted = report.evicted.len(),
+                    freed = report.freed,
+                    "evicted to make room"
+                );
+            }
+        }
+        fsutil::check_space(dir, needed)
+    }
+
+    /// Refreshes the cache gauges from the directory.
+    fn refresh_cache_gauges(&self) {
+        self.metrics
+            .cache_limit
+            .set(self.policy.size_limit.min(i64::MAX as u64) as i64);
+        if let Ok(entries) = crate::eviction::list(&self.cache) {
+            self.metrics.cache_state(&entries);
+        }
+    }
+}
+
+/// What a download tells the conversion running beside it: the announced
+/// length, the bytes received, the end; waiters are woken as it advances
+/// instead of polling the file.
+struct DownloadState {
+    announced: AtomicU64,
+    received: AtomicU64,
+    over: AtomicBool,
+    advanced: tokio::sync::Notify,
+}
+
+impl DownloadState {
+    fn new() -> DownloadState {
+        DownloadState {
+            announced: AtomicU64::new(u64::MAX),
+            received: AtomicU64::new(0),
+            over: AtomicBool::new(false),
+            advanced: tokio::sync::Notify::new(),
+        }
+    }
+
+    fn announce(&self, len: u64) {
+        self.announced.store(len, Ordering::Release);
+        self.advanced.notify_waiters();
+    }
+
+    fn received(&self, done: u64) {
+        self.received.store(done, Ordering::Release);
+        self.advanced.notify_waiters();
+    }
+
+    fn finish(&self) {
+        self.over.store(true, Ordering::Release);
+        self.advanced.notify_waiters();
+    }
+
+    /// Waits until the first `len` bytes (at most the announced length) are
+    /// in `temp`; the announced length. Fails when the download ends first.
+    async fn wait_for(&self, temp: &std::path::Path, len: u64) -> Result<u64> {
+        loop {
+            let woken = self.advanced.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
+            let total = self.announced.load(Ordering::Acquire);
+            let want = len.min(total);
+            // The file is looked at only once that many bytes were received
+            // (the writer thread lands them shortly after).
+            if total != u64::MAX
+                && self.received.load(Ordering::Acquire) >= want
+                && std::fs::metadata(temp).is_ok_and(|m| m.len() >= want)
+            {
+                return Ok(total);
+            }
+            if self.over.load(Ordering::Acquire) {
+                return Err(Error::new(
+                    ErrorCode::Internal,
+                    "download over before the range arrived",
+                ));
+            }
+            // Woken by the next chunk; the bound covers the last bytes the
+            // writer lands after the last chunk was announced.
+            let _ = tokio::time::timeout(std::time::Duration::from_millis(50), woken).await;
+        }
+    }
+}
+
+/// What a request did to the node's files.
+enum Released {
+    /// The work was done.
+    Done,
+    /// A cleanup only wanted if the node was prepared here, and it was not.
+    Stray,
+}
+
+/// Runs blocking file-system work (fsync, copies, hashing) on a blocking
+/// thread, so the async threads keep serving images and messages.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::new(ErrorCode::Internal, format!("blocking task: {e}")))?
 }

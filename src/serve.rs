@@ -14,6 +14,7 @@ use tokio::sync::watch;
 pub async fn serve(config: Config) -> Result<()> {
     let metrics = Arc::new(Metrics::new());
     let pipeline = Arc::new(Pipeline::new(config, metrics.clone())?);
+    pipeline.recover()?;
     let config = pipeline.config().clone();
     let roots = ImageRoots::new(
         &config.deploy.http_root,

@@ -134,7 +134,8 @@ fn ironic_conf_gives_the_shared_options_and_our_file_overrides_it() {
     );
     assert_eq!(
         c.pxe.instance_master_path,
-        std::path::Path::new("/var/lib/ironic/master_images")
+        std::path::Path::new("/var/lib/ironic-image-worker/master_images"),
+        "never Ironic's master directory"
     );
     assert_eq!(c.pxe.image_cache_size, 51200);
     assert_eq!(c.pxe.image_cache_ttl, 60, "our file beats ironic.conf");
@@ -165,6 +166,63 @@ fn ironic_conf_gives_the_shared_options_and_our_file_overrides_it() {
     assert_eq!(c.deploy.http_root, std::path::Path::new("/httpboot"));
     assert_eq!(c.agent.image_download_source, "local");
     assert_eq!(c.amqp.url, ["amqp://guest:guest@127.0.0.1:5672/%2f"]);
+}
+
+#[test]
+fn ironic_master_directory_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    std::fs::create_dir_all(state.join("master_images")).unwrap();
+    let conf = dir.path().join("ironic.conf");
+    std::fs::write(
+        &conf,
+        format!("[DEFAULT]\nhost = c\nstate_path = {}\n", state.display()),
+    )
+    .unwrap();
+    let files = |toml: Option<std::path::PathBuf>| Files {
+        ironic_conf: Some(conf.clone()),
+        toml,
+    };
+    let own = |master: &str| {
+        let p = dir.path().join("w.toml");
+        std::fs::write(&p, format!("[pxe]\ninstance_master_path = \"{master}\"\n")).unwrap();
+        Some(p)
+    };
+    // Ironic's default, $state_path/master_images, written another way.
+    let same = format!("{}/./master_images/", state.display());
+    let err = Config::load_from(&files(own(&same)), &[], &[]).unwrap_err();
+    assert!(
+        err.message.contains("Ironic's master image directory"),
+        "{err}"
+    );
+    // Through a symlink too (canonical paths).
+    std::os::unix::fs::symlink(&state, dir.path().join("alias")).unwrap();
+    let alias = format!("{}/alias/master_images", dir.path().display());
+    assert!(Config::load_from(&files(own(&alias)), &[], &[]).is_err());
+    // ironic.conf's explicit setting.
+    std::fs::write(
+        &conf,
+        format!(
+            "[DEFAULT]\nhost = c\n[pxe]\ninstance_master_path = {}/m\n",
+            dir.path().display()
+        ),
+    )
+    .unwrap();
+    let explicit = format!("{}/m", dir.path().display());
+    assert!(Config::load_from(&files(own(&explicit)), &[], &[]).is_err());
+    // A directory of its own is fine, and never taken from ironic.conf.
+    let c = Config::load_from(
+        &files(own(&same.replace("master_images", "worker"))),
+        &[],
+        &[],
+    )
+    .unwrap();
+    assert!(c.pxe.instance_master_path.ends_with("worker"));
+    let c = Config::load_from(&files(None), &[], &[]).unwrap();
+    assert_eq!(
+        c.pxe.instance_master_path,
+        std::path::Path::new("/var/lib/ironic-image-worker/master_images")
+    );
 }
 
 #[test]

@@ -64,8 +64,9 @@ async fn full_disk_fails_cleanly_evicts_first_and_keeps_serving() {
     let broker = Broker::connect().await;
     let master_dir = small.join("master");
     let temps = || {
-        std::fs::read_dir(&master_dir)
-            .unwrap()
+        std::fs::read_dir(master_dir.join(".tmp"))
+            .into_iter()
+            .flatten()
             .flatten()
             .filter(|e| e.file_name().to_string_lossy().starts_with(".tmp-"))
             .count()

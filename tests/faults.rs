@@ -108,8 +108,9 @@ async fn crash_during_conversion_is_redelivered_and_answered_once() {
     // The conversion's output is the second temporary (after the download's).
     let deadline = Instant::now() + MINUTE;
     loop {
-        let converting = std::fs::read_dir(env.master_dir())
-            .unwrap()
+        let converting = std::fs::read_dir(env.master_dir().join(".tmp"))
+            .into_iter()
+            .flatten()
             .flatten()
             .filter(|e| e.file_name().to_string_lossy().starts_with(".tmp-"))
             .count()

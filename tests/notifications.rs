@@ -270,3 +270,174 @@ async fn other_conductors_and_malformed_notifications() {
     );
     assert!(ignored >= Some(1.0), "{metrics}");
 }
+
+/// The next `n` events about `node` (within the usual wait).
+async fn node_events(tap: &EventTap, host: &str, node: &str, n: usize) -> Vec<Value> {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut out = Vec::new();
+    while out.len() < n {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        match tap.next(host, left).await {
+            Some((_, _, v)) if v["node_uuid"] == node => out.push(v),
+            Some(_) => {}
+            None => break,
+        }
+    }
+    out
+}
+
+/// Waits until the worker's metric `sample` reaches `at_least`.
+async fn wait_metric(worker: &Worker, sample: &str, at_least: f64) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let text = worker.metrics_text().await;
+        if metric(&text, sample).is_some_and(|v| v >= at_least) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{sample} never reached {at_least}: {text}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_ironic_prepares_itself_are_never_touched() {
+    let env = Env::new("");
+    let a = env.root().join("src/a.img");
+    random_file(&a, 1 << 20, 35);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let worker = env.serve().await;
+    let broker = Broker::connect().await;
+    let tap = EventTap::new(&broker).await;
+    let node = node();
+    let info = json!({"image_source": server.url("a.img")});
+    let stock = |mut t: Value| {
+        t["deploy_interface"] = json!("direct");
+        t
+    };
+    // A whole deploy and teardown of a stock `direct` node.
+    let mut steps: Vec<Value> = deploy(&node, &info, "available", "deploy")
+        .into_iter()
+        .map(stock)
+        .collect();
+    steps.push(stock(transition(
+        &node, "start", "active", "deleting", "deleted", &info,
+    )));
+    steps.push(stock(transition(
+        &node,
+        "end",
+        "cleaning",
+        "available",
+        "done",
+        &json!({}),
+    )));
+    emit_notifications(&env.host, &steps);
+    let sample = "ironic_image_worker_ignored_messages_total{reason=\"other_deploy_interface\"}";
+    // deploying(start), active(end), deleting, available: each ignored.
+    wait_metric(&worker, sample, 4.0).await;
+    assert!(
+        tap.next(&env.host, Duration::from_millis(200))
+            .await
+            .is_none()
+    );
+    assert_eq!(server.count("GET", "a.img"), 0);
+    assert_eq!(server.count("HEAD", "a.img"), 0);
+    assert!(env.masters().is_empty());
+    assert!(!env.images_dir().join(&node).exists());
+    assert!(env.link_dir().join(&node).symlink_metadata().is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notification_starts_early_and_the_command_is_answered_from_the_cache() {
+    let env = Env::new("");
+    let src = env.root().join("src");
+    random_file(&src.join("a.img"), 4 << 20, 36);
+    let faults = FaultServer::start(&src, 1 << 20).await;
+    let worker = env.serve().await;
+    let broker = Broker::connect().await;
+    let tap = EventTap::new(&broker).await;
+    let node = node();
+    let url = faults.url("slow", "a.img");
+    emit_notifications(
+        &env.host,
+        &[transition(
+            &node,
+            "start",
+            "available",
+            "deploying",
+            "deploy",
+            &json!({"image_source": url}),
+        )],
+    );
+    // The deploy interface's own prepare, right after (the download at
+    // 1 MiB/s is still running, or just over: one download either way).
+    let reply = broker.call(&env.host, prepare_cmd(&node, &url)).await;
+    let early = node_events(&tap, &env.host, &node, 1).await;
+    assert_eq!(early[0]["status"], "success", "{early:?}");
+    assert_eq!(early[0]["cache"], "miss");
+    assert_eq!(reply["status"], "success", "{reply}");
+    assert_eq!(reply["cache"], "hit", "{reply}");
+    assert_eq!(reply["image_checksum"], md5sum(&src.join("a.img")));
+    let metrics = worker.metrics_text().await;
+    assert_eq!(
+        metric(&metrics, "ironic_image_worker_download_bytes_total"),
+        Some((4 << 20) as f64),
+        "one download in all: {metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stray_cleanup_is_decided_under_the_node_lock() {
+    // A one-shot prepare (another process on the same directories) is
+    // running when a cleaning/available notification for the node arrives:
+    // the worker must wait for it and clean up, not call the node a stranger.
+    let env = Env::new("");
+    let src = env.root().join("src");
+    random_file(&src.join("a.img"), 4 << 20, 37);
+    let faults = FaultServer::start(&src, 1 << 20).await;
+    let _worker = env.serve().await;
+    let broker = Broker::connect().await;
+    let tap = EventTap::new(&broker).await;
+    let node = node();
+    let url = faults.url("slow", "a.img");
+    let prepare = {
+        let (config, node, url) = (env.config.clone(), node.clone(), url.clone());
+        tokio::spawn(async move {
+            tokio::process::Command::new(BIN)
+                .arg("--config")
+                .arg(config)
+                .args(["prepare", "--node", &node, "--image-source", &url])
+                .env_remove("IRONIC_IMAGE_WORKER_CONFIG")
+                .output()
+                .await
+                .unwrap()
+        })
+    };
+    env.wait_for_temporary(WAIT).await;
+    emit_notifications(
+        &env.host,
+        &[transition(
+            &node,
+            "end",
+            "cleaning",
+            "available",
+            "done",
+            &json!({}),
+        )],
+    );
+    let out = prepare.await.unwrap();
+    let (ok, ev) = completion_of(&out);
+    assert!(ok, "{ev}");
+    // (Only this node's events: malformed notifications other tests publish
+    // on Ironic's exchange are answered by every worker.)
+    let ev = node_events(&tap, &env.host, &node, 1).await;
+    assert_eq!(ev.len(), 1, "the cleanup was dropped as not prepared here");
+    assert_eq!(
+        (ev[0]["action"].as_str(), ev[0]["status"].as_str()),
+        (Some("cleanup"), Some("success"))
+    );
+    assert!(env.link_dir().join(&node).symlink_metadata().is_err());
+    assert!(!env.images_dir().join(&node).exists());
+}

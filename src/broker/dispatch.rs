@@ -164,7 +164,12 @@ impl Dispatcher {
             return;
         }
         let from_ironic = delivery.exchange.as_str() == self.notification_exchange;
-        let inbound = inbound::parse(&delivery.data, from_ironic, &self.host);
+        let inbound = inbound::parse(
+            &delivery.data,
+            from_ironic,
+            &self.host,
+            &self.pipeline.config().notifications.deploy_interfaces,
+        );
         let tracked = Arc::new(Tracked {
             acker: Mutex::new(Some((session, delivery.acker.clone()))),
             answered: AtomicBool::new(false),
@@ -312,14 +317,6 @@ impl Dispatcher {
             body,
             properties,
         } = job;
-        let inbound = match inbound {
-            Inbound::Work(req)
-                if req.only_if_prepared && !self.pipeline.has_node_files(&req.node_uuid) =>
-            {
-                Inbound::Ignore("not_prepared_here")
-            }
-            other => other,
-        };
         match inbound {
             Inbound::Work(request) => {
                 let _slot = if request.action == Action::Prepare {
@@ -333,7 +330,13 @@ impl Dispatcher {
                 } else {
                     None
                 };
-                let done = self.run(&request, &tracked).await;
+                // A stray cleanup (node not prepared here) is decided under
+                // the node lock, inside the pipeline.
+                let Some(done) = self.run(&request, &tracked).await else {
+                    self.ignore(source, "not_prepared_here", identity, &tracked)
+                        .await;
+                    return;
+                };
                 self.metrics
                     .consumed(source, done.action.as_str(), done.status.as_str());
                 if self
@@ -355,22 +358,31 @@ impl Dispatcher {
                     self.finish(identity, &tracked, false).await;
                 }
             }
-            Inbound::Ignore(why) => {
-                self.metrics.ignored.with_label_values(&[why]).inc();
-                self.metrics.consumed(source, "none", "ignored");
-                // A lost acknowledgement only means the message comes back
-                // and is ignored again.
-                let acker = tracked
-                    .acker
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .take();
-                if let Some((_, acker)) = acker {
-                    let _ = acker.ack(BasicAckOptions::default()).await;
-                }
-                self.forget(identity, &tracked);
-            }
+            Inbound::Ignore(why) => self.ignore(source, why, identity, &tracked).await,
         }
+    }
+
+    /// Acknowledges a message that needs no answer, counted by reason.
+    async fn ignore(
+        &self,
+        source: &'static str,
+        why: &'static str,
+        identity: u64,
+        tracked: &Arc<Tracked>,
+    ) {
+        self.metrics.ignored.with_label_values(&[why]).inc();
+        self.metrics.consumed(source, "none", "ignored");
+        // A lost acknowledgement only means the message comes back and is
+        // ignored again.
+        let acker = tracked
+            .acker
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some((_, acker)) = acker {
+            let _ = acker.ack(BasicAckOptions::default()).await;
+        }
+        self.forget(identity, tracked);
     }
 
     /// A prepare slot, waiting up to [`DEFER_AFTER`] for one.
@@ -427,7 +439,11 @@ impl Dispatcher {
 
     /// Runs the pipeline for `request`. Work still running after
     /// `ack_early_after` is acknowledged then (and answered when done).
-    async fn run(&self, request: &crate::pipeline::Request, tracked: &Tracked) -> Completion {
+    async fn run(
+        &self,
+        request: &crate::pipeline::Request,
+        tracked: &Tracked,
+    ) -> Option<Completion> {
         let work = self.handle_retrying(request);
         tokio::pin!(work);
         match self.ack_early_after {
@@ -446,18 +462,18 @@ impl Dispatcher {
     /// file system is read-only, failing or full is tried again with
     /// backoff for up to [`RELEASE_RETRY_FOR`], so the node is released once
     /// the file system is back instead of being answered and forgotten.
-    async fn handle_retrying(&self, request: &crate::pipeline::Request) -> Completion {
+    async fn handle_retrying(&self, request: &crate::pipeline::Request) -> Option<Completion> {
         let started = Instant::now();
         let mut delay = Duration::from_millis(500);
         loop {
-            let done = self.pipeline.handle(request).await;
+            let done = self.pipeline.handle_unless_stray(request).await?;
             let transient = matches!(request.action, Action::Cleanup | Action::Deployed)
                 && done
                     .error
                     .as_ref()
                     .is_some_and(|e| is_transient_io(&e.message));
             if !transient || started.elapsed() + delay > RELEASE_RETRY_FOR {
-                return done;
+                return Some(done);
             }
             tracing::warn!(
                 node = %request.node_uuid,

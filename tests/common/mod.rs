@@ -222,10 +222,15 @@ read_timeout = 5
             .collect()
     }
 
-    /// Every entry of the master directory that is a temporary.
+    /// Every temporary in the master cache (`.tmp/`, and the earlier
+    /// layout's `.tmp-*` next to the masters) and the symlink directory.
     pub fn temporaries(&self) -> Vec<String> {
         let mut found = Vec::new();
-        for dir in [self.master_dir(), self.link_dir()] {
+        for dir in [
+            self.master_dir(),
+            self.master_dir().join(".tmp"),
+            self.link_dir(),
+        ] {
             if let Ok(rd) = std::fs::read_dir(dir) {
                 for e in rd.flatten() {
                     let n = e.file_name().to_string_lossy().into_owned();

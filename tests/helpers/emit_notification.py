@@ -7,7 +7,7 @@ oslo.messaging's messagingv2 notifier, exactly as ironic-conductor does.
 Usage: emit_notification.py HOST JSON_LINES_FILE
 Each line: {"node": uuid, "state": ..., "target": ..., "prev_state": ...,
             "prev_target": ..., "event": ..., "status": "start|end|success|error",
-            "instance_info": {...}}
+            "instance_info": {...}, "deploy_interface": "direct-worker"}
 """
 import json
 import sys
@@ -43,6 +43,8 @@ def make_node(ctx, spec):
     node.instance_info = spec.get("instance_info", {})
     node.driver_internal_info = spec.get("driver_internal_info", {})
     node.conductor_affinity = 1
+    # Nodes delegate to the worker unless the test says otherwise.
+    node.deploy_interface = spec.get("deploy_interface", "direct-worker")
     # Every other field as a freshly enrolled node has it.
     for name, field in node.fields.items():
         if node.obj_attr_is_set(name):
