@@ -74,7 +74,9 @@ impl NodeLinks {
         let temp = self.owner.temp_next_to(&disk)?;
         fsutil::replace_via_temp(&disk, &temp, |temp| {
             match std::fs::hard_link(master, temp) {
-                Err(e) if e.raw_os_error() == Some(rustix::io::Errno::XDEV.raw_os_error()) => copy_file(master, temp),
+                Err(e) if e.raw_os_error() == Some(rustix::io::Errno::XDEV.raw_os_error()) => {
+                    copy_file(master, temp)
+                }
                 other => other,
             }
         })
