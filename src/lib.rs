@@ -1,36 +1,44 @@
 //! ironic-image-worker: caches, converts, checksums and serves Ironic
 //! instance images for the `direct` deploy interface, driven by RabbitMQ.
 //!
-//! The pipeline (`source` -> `inspect` -> `cache` -> `link`) is independent
-//! of how requests arrive; `cli` and `serve` drive it.
+//! # Layout
+//!
+//! | module | holds |
+//! |---|---|
+//! | [`cli`] | the command line: `serve`, one-shot `prepare`/`deployed`/`cleanup`, `cache`, `inspect`, `send` |
+//! | `service` | the long-running `serve` process and systemd readiness |
+//! | `broker` | AMQP: topology, session and reconnection, dispatch, publishing completions |
+//! | `messages` | request and completion types; parsing commands and Ironic notifications |
+//! | `pipeline` | one request end to end: prepare, deployed, cleanup |
+//! | `sources` | where bytes come from: http(s), `file://`, Glance |
+//! | `image` | format detection, the qcow2 validator, conversion to raw |
+//! | `store` | the master cache, eviction, node links, locks, write-and-hash, checksums |
+//! | `http` | the image server and the operations listener (`/metrics`, `/healthz`, `/readyz`) |
+//! | `metrics` | Prometheus metrics and transfer progress |
+//! | [`config`] | configuration (TOML, environment, `--set`, ironic.conf) |
+//! | `node` | the validated node UUID |
+//! | [`error`] | the one error type and its closed list of codes |
+//!
+//! # How a request flows
+//!
+//! `broker` (or a one-shot command in `cli`) turns a delivery into a
+//! `messages` request and calls the `pipeline`, which knows nothing of AMQP or
+//! HTTP serving: `sources` streams the bytes into `store` (written and hashed
+//! in one pass, verified), `image` inspects and, when asked, converts them,
+//! `store` commits the master to the cache and links it for the node, and the
+//! `http` image server serves the published symlink. The pipeline's
+//! `Completion` goes back the way the request came.
 
-pub mod broker;
-pub mod cache;
-pub mod checksum;
+pub(crate) mod broker;
 pub mod cli;
-pub mod client;
 pub mod config;
-pub mod convert;
 pub mod error;
-pub mod events;
-pub mod eviction;
-pub mod fsutil;
-pub mod glance;
-pub mod http;
-pub(crate) mod http_client;
-pub mod inbound;
-pub mod inspect;
-pub mod ironic_conf;
-pub mod link;
-pub(crate) mod listener;
-pub mod lock;
-pub mod metrics;
-pub mod node;
-pub mod pipeline;
-pub mod progress;
-pub mod qcow2;
-pub(crate) mod ranges;
-pub mod sd_notify;
-pub mod serve;
-pub mod sink;
-pub mod source;
+pub(crate) mod http;
+pub mod image;
+pub(crate) mod messages;
+pub(crate) mod metrics;
+pub(crate) mod node;
+pub(crate) mod pipeline;
+pub(crate) mod service;
+pub(crate) mod sources;
+pub(crate) mod store;

@@ -2,21 +2,21 @@
 //! It knows nothing of AMQP or HTTP serving: the broker layer, the one-shot
 //! CLI and the tests all call [`Pipeline::handle`] and get a [`Completion`].
 
-use crate::cache::{self, Cache, Master, MasterMeta};
-use crate::checksum::{Algo, ChecksumSpec, Expected, parse_checksum_file};
 use crate::config::Config;
-use crate::convert;
 use crate::error::{Error, ErrorCode, Result};
-use crate::events::{Action, CacheOutcome, Completion, InstanceInfo, Options};
-use crate::fsutil::{self, TempGuard};
-use crate::inspect;
-use crate::link::NodeLinks;
-use crate::lock::Locks;
+use crate::image::convert;
+use crate::image::inspect;
+use crate::messages::{Action, CacheOutcome, Completion, InstanceInfo, Options};
 use crate::metrics::Metrics;
+use crate::metrics::progress::Transfer;
 use crate::node::NodeUuid;
-use crate::progress::Transfer;
-use crate::sink::Digests;
-use crate::source::{Fetcher, Room, Source};
+use crate::sources::{Fetcher, Room, Source};
+use crate::store::cache::{self, Cache, Master, MasterMeta};
+use crate::store::checksum::{Algo, ChecksumSpec, Expected, parse_checksum_file};
+use crate::store::fsutil::{self, TempGuard};
+use crate::store::link::NodeLinks;
+use crate::store::lock::Locks;
+use crate::store::sink::Digests;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Instant, SystemTime};
@@ -127,7 +127,7 @@ impl Pipeline {
         amount: u64,
         all_unused: bool,
         dry_run: bool,
-    ) -> Result<crate::eviction::Report> {
+    ) -> Result<crate::store::eviction::Report> {
         self.keeper().clean(amount, all_unused, dry_run)
     }
 
@@ -140,8 +140,8 @@ impl Pipeline {
     }
 
     /// The masters in the cache, oldest-used first.
-    pub fn cache_entries(&self) -> Result<Vec<crate::eviction::Entry>> {
-        crate::eviction::list(&self.cache)
+    pub fn cache_entries(&self) -> Result<Vec<crate::store::eviction::Entry>> {
+        crate::store::eviction::list(&self.cache)
     }
 
     /// The cache housekeeping, to run on a blocking thread.
@@ -220,7 +220,7 @@ impl Pipeline {
                 .instance_info
                 .image_source
                 .as_deref()
-                .filter(|s| s.len() <= crate::source::MAX_URL_LEN)
+                .filter(|s| s.len() <= crate::sources::MAX_URL_LEN)
                 .map(crate::config::redact_url);
         }
         let result = match NodeUuid::parse(&req.node_uuid) {
@@ -590,7 +590,7 @@ impl Pipeline {
                 .set_done(done);
             state.received(done);
         };
-        let hashes = crate::sink::Hashes {
+        let hashes = crate::store::sink::Hashes {
             sha512,
             lazy_if_converted: force_raw,
             keep: expected.map(|e| e.algo),
@@ -768,7 +768,7 @@ impl Pipeline {
             return Err(not_now("not a qcow2").into());
         }
         let limits = self.config.convert.qcow2_limits();
-        let header = crate::qcow2::parse(&head, total, limits)?;
+        let header = crate::image::qcow2::parse(&head, total, limits)?;
         if !header.qcow2_rs_can_read() || header.nb_snapshots > 0 {
             return Err(not_now("qcow2 features that need the whole file").into());
         }
@@ -861,7 +861,7 @@ fn set_source_digest(meta: &mut MasterMeta, algo: Algo, hex: String) {
 /// so it runs on a blocking thread.
 struct Keeper {
     cache: Cache,
-    policy: crate::eviction::Policy,
+    policy: crate::store::eviction::Policy,
     metrics: Arc<Metrics>,
 }
 
@@ -872,8 +872,9 @@ impl Keeper {
         amount: u64,
         all_unused: bool,
         dry_run: bool,
-    ) -> Result<crate::eviction::Report> {
-        let report = crate::eviction::clean(&self.cache, self.policy, amount, all_unused, dry_run)?;
+    ) -> Result<crate::store::eviction::Report> {
+        let report =
+            crate::store::eviction::clean(&self.cache, self.policy, amount, all_unused, dry_run)?;
         if !dry_run {
             self.metrics.evictions.inc_by(report.evicted.len() as u64);
         }
@@ -903,7 +904,7 @@ impl Keeper {
         self.metrics
             .cache_limit
             .set(self.policy.size_limit.min(i64::MAX as u64) as i64);
-        if let Ok(entries) = crate::eviction::list(&self.cache) {
+        if let Ok(entries) = crate::store::eviction::list(&self.cache) {
             self.metrics.cache_state(&entries);
         }
     }

@@ -3,7 +3,7 @@
 //! self-consistent. Run: `cargo +nightly fuzz run qcow2_header` in `fuzz/`.
 #![no_main]
 
-use ironic_image_worker::qcow2;
+use ironic_image_worker::image::qcow2;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -67,11 +67,6 @@ impl Brokers {
         self.uris.len()
     }
 
-    /// Always false: a list has at least one broker.
-    pub fn is_empty(&self) -> bool {
-        self.uris.is_empty()
-    }
-
     /// Broker `index` as logs show it (password masked).
     pub fn name(&self, index: usize) -> &str {
         &self.names[index % self.names.len()]

@@ -13,8 +13,8 @@
 //! too many redeliveries.
 
 use super::publisher::Publisher;
-use crate::events::{Action, Completion};
-use crate::inbound::{self, Inbound};
+use crate::messages::inbound::{self, Inbound};
+use crate::messages::{Action, Completion};
 use crate::metrics::Metrics;
 use crate::pipeline::Pipeline;
 use lapin::Acker;

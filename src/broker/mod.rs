@@ -26,7 +26,7 @@ mod session;
 pub mod topology;
 
 pub use connect::Brokers;
-pub use session::{MAX_DELAY, run};
+pub use session::run;
 pub use topology::Topology;
 
 /// An error with its causes, `outer: inner: innermost`, so that a broker

@@ -1,7 +1,7 @@
 //! Publishing completion events with publisher confirms.
 
 use crate::error::{Error, ErrorCode, Result};
-use crate::events::Completion;
+use crate::messages::Completion;
 use lapin::options::*;
 use lapin::{BasicProperties, Channel, Confirmation};
 

@@ -29,7 +29,7 @@ import uuid
 
 
 def env(name, default=None):
-    """A parameter passed by the cargo test (tests/ironic_plugin.rs)."""
+    """A parameter passed by the cargo test (tests/it/ironic_plugin.rs)."""
     return os.environ.get(name, default)
 
 

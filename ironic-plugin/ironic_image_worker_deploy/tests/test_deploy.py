@@ -14,7 +14,7 @@
 
 Ironic 39's own database (sqlite, through its test fixtures), TaskManager and
 deploy steps; the real RabbitMQ; the ironic-image-worker binary under test,
-started by the cargo test (tests/ironic_plugin.rs) which passes its
+started by the cargo test (tests/it/ironic_plugin.rs) which passes its
 parameters in IIW_* environment variables; images made with qemu-img; the
 result downloaded with ironic-python-agent's own code.
 """
@@ -100,7 +100,7 @@ class DirectWorkerTestCase(TestCase):
     def setUp(self):
         super().setUp()
         if not WORKER_HOST:
-            self.skipTest('run through cargo test --test ironic_plugin')
+            self.skipTest('run through cargo test --test it ironic_plugin::')
         self.dir = _WORLD['dir']
         self.src = os.path.join(self.dir, 'src')
         self.source = _WORLD['source']

@@ -1,0 +1,457 @@
+//! Command line: `serve` (the worker), one-shot `prepare` / `deployed` /
+//! `cleanup` that run the pipeline without a broker and print the completion
+//! event as JSON.
+//!
+//! # This folder
+//!
+//! Holds argument parsing, the one-shot commands (which call the pipeline
+//! directly), `cache list/clean`, `inspect`, and `send` (publish one command
+//! through the broker and wait for its completion). Must not know how the
+//! pipeline does its work.
+
+pub(crate) mod send;
+
+use crate::config::Config;
+use crate::error::Result;
+use crate::messages::{Action, Completion, InstanceInfo, Options, Status};
+use crate::metrics::Metrics;
+use crate::pipeline::{Pipeline, Request};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+/// Top-level arguments.
+#[derive(Debug, Parser)]
+#[command(name = "ironic-image-worker", version, about)]
+pub struct Cli {
+    /// TOML configuration file (Ironic's section and option names).
+    #[arg(long, global = true, env = "IRONIC_IMAGE_WORKER_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// An existing ironic.conf to take the options shared with the conductor
+    /// from (host, transport_url, [deploy], [pxe], [agent], [conductor],
+    /// [glance], notification topics); `--config`, the environment and
+    /// `--set` override it.
+    #[arg(long, global = true, env = "IRONIC_IMAGE_WORKER_IRONIC_CONFIG")]
+    pub ironic_config: Option<PathBuf>,
+    /// Override one option, e.g. `--set DEFAULT.host=cond-1` (repeatable).
+    #[arg(long = "set", global = true, value_name = "SECTION.OPTION=VALUE")]
+    pub set: Vec<String>,
+    /// Log format on stderr.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Human)]
+    pub log_format: LogFormat,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Log output formats.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Human,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the worker: image server, metrics listener and the broker consumer.
+    Serve,
+    /// Cache and publish an image for a node, without a broker.
+    Prepare(PrepareArgs),
+    /// Withdraw a deployed node's image URL and link, without a broker.
+    Deployed(NodeArgs),
+    /// Remove a node's image and URL, without a broker.
+    Cleanup(NodeArgs),
+    /// Publish a command to a running worker through the broker.
+    Send(SendArgs),
+    /// Look at or clean the master image cache.
+    #[command(subcommand)]
+    Cache(CacheCommand),
+    /// Detect an image file's format and virtual size and check its safety.
+    Inspect {
+        /// The image file.
+        file: PathBuf,
+    },
+    /// Internal: convert a checked qcow2 to raw (run by the worker in a
+    /// separate, memory-limited process).
+    #[command(hide = true)]
+    ConvertChild {
+        /// Source qcow2.
+        src: PathBuf,
+        /// New raw file.
+        dst: PathBuf,
+        /// Also compute SHA-512.
+        #[arg(long)]
+        sha512: bool,
+        /// The source is still being downloaded and will have this size.
+        #[arg(long)]
+        grow_to: Option<u64>,
+    },
+}
+
+/// `cache` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum CacheCommand {
+    /// List the masters: image, size, last used, linked nodes, converted.
+    List {
+        /// JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Apply the TTL and size limit now (never touching linked masters).
+    Clean {
+        /// Remove every master no node links, whatever the limits.
+        #[arg(long)]
+        all_unused: bool,
+        /// Only say what would be removed.
+        #[arg(long)]
+        dry_run: bool,
+    },
+}
+
+/// Arguments naming a node.
+#[derive(Debug, Args)]
+pub struct NodeArgs {
+    /// Node UUID.
+    #[arg(long)]
+    pub node: String,
+    /// Request id echoed in the completion event.
+    #[arg(long)]
+    pub request_id: Option<String>,
+}
+
+/// Ironic `instance_info` keys and per-request options of a prepare.
+#[derive(Debug, Args)]
+pub struct ImageArgs {
+    /// `instance_info.image_source`.
+    #[arg(long)]
+    image_source: Option<String>,
+    /// `instance_info.image_checksum` (hex, `algo:hex` or a checksum file URL).
+    #[arg(long)]
+    checksum: Option<String>,
+    /// `instance_info.image_os_hash_algo`.
+    #[arg(long)]
+    os_hash_algo: Option<String>,
+    /// `instance_info.image_os_hash_value`.
+    #[arg(long)]
+    os_hash_value: Option<String>,
+    /// `instance_info.image_disk_format`.
+    #[arg(long)]
+    disk_format: Option<String>,
+    /// `instance_info.image_type` (`whole-disk` or `partition`).
+    #[arg(long)]
+    image_type: Option<String>,
+    /// `instance_info.image_download_source`.
+    #[arg(long)]
+    image_download_source: Option<String>,
+    /// Override `[DEFAULT]force_raw_images` for this request.
+    #[arg(long)]
+    force_raw: Option<bool>,
+    /// Override `[agent]stream_raw_images` for this request.
+    #[arg(long)]
+    stream_raw: Option<bool>,
+}
+
+/// Arguments of a one-shot prepare.
+#[derive(Debug, Args)]
+pub struct PrepareArgs {
+    #[command(flatten)]
+    node: NodeArgs,
+    #[command(flatten)]
+    image: ImageArgs,
+}
+
+/// Arguments of `send`: publish a command to a running worker.
+#[derive(Debug, Args)]
+pub struct SendArgs {
+    /// prepare, deployed or cleanup.
+    #[arg(value_enum)]
+    action: SendAction,
+    #[command(flatten)]
+    node: NodeArgs,
+    #[command(flatten)]
+    image: ImageArgs,
+    /// Conductor host whose worker gets the command (default `[DEFAULT]host`).
+    #[arg(long)]
+    conductor: Option<String>,
+    /// Wait for the completion event and print it.
+    #[arg(long)]
+    wait: bool,
+    /// Seconds to wait with `--wait`.
+    #[arg(long, default_value_t = 3600)]
+    timeout: u64,
+}
+
+/// Actions a command can carry.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum SendAction {
+    /// Cache and publish the image.
+    Prepare,
+    /// Withdraw URL and link after deployment.
+    Deployed,
+    /// Remove everything of the node.
+    Cleanup,
+}
+
+impl SendAction {
+    fn action(self) -> Action {
+        match self {
+            SendAction::Prepare => Action::Prepare,
+            SendAction::Deployed => Action::Deployed,
+            SendAction::Cleanup => Action::Cleanup,
+        }
+    }
+}
+
+fn request(action: Action, node: NodeArgs, image: Option<ImageArgs>) -> Request {
+    let (instance_info, options) = match image {
+        None => (InstanceInfo::default(), Options::default()),
+        Some(i) => (
+            InstanceInfo {
+                image_source: i.image_source,
+                image_checksum: i.checksum,
+                image_os_hash_algo: i.os_hash_algo,
+                image_os_hash_value: i.os_hash_value,
+                image_disk_format: i.disk_format,
+                image_type: i.image_type,
+                image_download_source: i.image_download_source,
+                ..InstanceInfo::default()
+            },
+            Options {
+                force_raw: i.force_raw,
+                stream_raw: i.stream_raw,
+            },
+        ),
+    };
+    Request {
+        action,
+        node_uuid: node.node,
+        request_id: node.request_id,
+        instance_info,
+        options,
+        only_if_prepared: false,
+    }
+}
+
+/// Whether log lines get ANSI colours: only on a terminal (not in a file or
+/// the journal), and never when `NO_COLOR` is set to anything non-empty.
+fn colour_logs() -> bool {
+    use std::io::IsTerminal;
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+}
+
+/// Sets up logging on stderr (`RUST_LOG` filters, default `info`).
+pub fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new("info,lapin=warn,lapin::returned_messages=error")
+    });
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(colour_logs())
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Human => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
+}
+
+/// Entry point of the binary.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Command::ConvertChild {
+        src,
+        dst,
+        sha512,
+        grow_to,
+    } = &cli.command
+    {
+        return crate::image::convert::child_main(src, dst, *sha512, *grow_to);
+    }
+    init_logging(cli.log_format);
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("ironic-image-worker: cannot start runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("ironic-image-worker: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> Result<ExitCode> {
+    let files = crate::config::Files {
+        ironic_conf: cli.ironic_config.clone(),
+        toml: cli.config.clone(),
+    };
+    let config = Config::load(&files, &cli.set)?;
+    let request = match cli.command {
+        Command::Serve => {
+            crate::service::serve(config).await?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        Command::Inspect { file } => return Ok(inspect(&config, &file)),
+        Command::Cache(cmd) => return cache_command(config, cmd),
+        Command::ConvertChild { .. } => return Ok(ExitCode::FAILURE),
+        Command::Prepare(args) => request(Action::Prepare, args.node, Some(args.image)),
+        Command::Deployed(args) => request(Action::Deployed, args, None),
+        Command::Cleanup(args) => request(Action::Cleanup, args, None),
+        Command::Send(args) => {
+            let action = args.action.action();
+            let image = (action == Action::Prepare).then_some(args.image);
+            let mut req = request(action, args.node, image);
+            let request_id = req
+                .request_id
+                .get_or_insert_with(|| uuid::Uuid::new_v4().to_string())
+                .clone();
+            let host = args
+                .conductor
+                .unwrap_or_else(|| config.default.host.clone());
+            let wait = args
+                .wait
+                .then_some(std::time::Duration::from_secs(args.timeout));
+            return match crate::cli::send::send(&config, &host, &req, wait).await? {
+                Some(done) => Ok(print_completion(&done)),
+                None => {
+                    println!("{}", serde_json::json!({"request_id": request_id}));
+                    Ok(ExitCode::SUCCESS)
+                }
+            };
+        }
+    };
+    let metrics = Arc::new(Metrics::new());
+    let pipeline = Pipeline::new(config, metrics.clone())?;
+    pipeline.recover()?;
+    let bar = std::io::stderr()
+        .is_terminal()
+        .then(|| tokio::spawn(progress_bar(metrics)));
+    let done = pipeline.handle(&request).await;
+    if let Some(bar) = bar {
+        bar.abort();
+        eprintln!();
+    }
+    Ok(print_completion(&done))
+}
+
+/// Draws the in-flight transfer gauges as a progress bar on a terminal.
+async fn progress_bar(metrics: Arc<Metrics>) {
+    let bar = indicatif::ProgressBar::new(0).with_style(
+        indicatif::ProgressStyle::with_template(
+            "{msg:>9} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+        .progress_chars("=> "),
+    );
+    loop {
+        for stage in ["download", "convert"] {
+            let expected = metrics.in_flight_expected.with_label_values(&[stage]).get();
+            let done = metrics.in_flight_done.with_label_values(&[stage]).get();
+            if done > 0 || expected > 0 {
+                if bar.message() != stage {
+                    bar.reset();
+                    bar.set_message(stage);
+                }
+                bar.set_length(expected.max(done) as u64);
+                bar.set_position(done as u64);
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+}
+
+/// `cache list` / `cache clean`.
+fn cache_command(config: Config, cmd: CacheCommand) -> Result<ExitCode> {
+    let pipeline = Pipeline::new(config, Arc::new(Metrics::new()))?;
+    match cmd {
+        CacheCommand::List { json } => {
+            let entries = pipeline.cache_entries()?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&entries).unwrap_or_default()
+                );
+            } else {
+                println!(
+                    "{:<48} {:>12} {:<20} {:>6} {:>9}",
+                    "IMAGE", "SIZE", "LAST USED (UTC)", "NODES", "CONVERTED"
+                );
+                for e in entries {
+                    let when = std::time::UNIX_EPOCH
+                        + std::time::Duration::from_secs(e.last_used.max(0) as u64);
+                    let when = httpdate::fmt_http_date(when);
+                    println!(
+                        "{:<48} {:>12} {:<20} {:>6} {:>9}",
+                        e.name,
+                        e.size,
+                        &when[5..25],
+                        e.linked_nodes,
+                        e.converted
+                    );
+                }
+            }
+        }
+        CacheCommand::Clean {
+            all_unused,
+            dry_run,
+        } => {
+            if !dry_run {
+                pipeline.recover()?;
+            }
+            let report = pipeline.clean_cache(0, all_unused, dry_run)?;
+            println!(
+                "{}",
+                serde_json::json!({"dry_run": dry_run, "evicted": report.evicted, "freed_bytes": report.freed})
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `inspect FILE`: format, sizes and the safety verdict as JSON.
+fn inspect(config: &Config, file: &std::path::Path) -> ExitCode {
+    let verdict = crate::image::inspect::inspect_file(file).and_then(|found| {
+        crate::image::inspect::safety_check(file, &found, config.convert.qcow2_limits())?;
+        Ok(found)
+    });
+    let (out, code) = match verdict {
+        Ok(found) => (
+            serde_json::json!({"format": found.format, "virtual_size": found.virtual_size,
+                "file_size": found.file_size, "safe": true}),
+            ExitCode::SUCCESS,
+        ),
+        Err(e) => {
+            let format = crate::image::inspect::inspect_file(file)
+                .ok()
+                .map(|f| f.format);
+            (
+                serde_json::json!({"format": format, "safe": false,
+                    "error": {"code": e.code, "message": e.message}}),
+                ExitCode::FAILURE,
+            )
+        }
+    };
+    println!("{out}");
+    code
+}
+
+/// Prints a completion as one JSON line; the exit code says success or error.
+pub fn print_completion(done: &Completion) -> ExitCode {
+    match serde_json::to_string(done) {
+        Ok(line) => println!("{line}"),
+        Err(e) => eprintln!("ironic-image-worker: cannot encode completion: {e}"),
+    }
+    if done.status == Status::Success {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}

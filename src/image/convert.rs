@@ -1,0 +1,654 @@
+//! Conversion to raw (and zstd decompression), hashed in the same pass.
+//!
+//! qcow2 is read with qcow2-rs in a child process of our own binary
+//! (`convert-child`) under an address-space limit and a timeout: a panic,
+//! crash or runaway on a hostile image becomes `corrupt_image` for that
+//! request while the worker keeps serving. The child writes holes for zero
+//! clusters and computes MD5/SHA-256 of the raw output as it writes it. Other
+//! formats (and qcow2 features qcow2-rs lacks) go through `qemu-img convert`
+//! with the source format always explicit.
+
+use crate::error::{Error, ErrorCode, Result};
+use crate::image::inspect::{Format, Inspection};
+use crate::image::qcow2;
+use crate::store::sink::{CHUNK, Digests, Sink};
+use serde::{Deserialize, Serialize};
+use std::io::Read;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+/// How conversions are run (`[convert]`).
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Address-space limit of the converter process, bytes.
+    pub memory: u64,
+    /// Minimum time allowed for one conversion.
+    pub min_timeout: Duration,
+    /// Slowest acceptable conversion rate, bytes of virtual disk per second.
+    pub min_rate: u64,
+}
+
+impl Limits {
+    fn timeout(&self, virtual_size: u64) -> Duration {
+        self.min_timeout + Duration::from_secs(virtual_size / self.min_rate.max(1))
+    }
+}
+
+/// Size of the raw disk made from a qcow2 of `virtual_size` bytes: qemu
+/// counts whole 512-byte sectors and drops a partial last one.
+pub fn raw_size(virtual_size: u64) -> u64 {
+    virtual_size / 512 * 512
+}
+
+/// What the child reports on stdout, one JSON object per line: progress
+/// now and then, then the result.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(untagged)]
+enum ChildReport {
+    Progress { progress: u64 },
+    Failed { code: ErrorCode, message: String },
+    Done(Digests),
+}
+
+/// Converts `src` (already safety-checked, format `found`) to raw at the new
+/// file `dst`, returning the digests of the raw bytes.
+pub async fn to_raw(
+    src: &Path,
+    dst: &Path,
+    found: &Inspection,
+    header: Option<&qcow2::Header>,
+    sha512: bool,
+    limits: Limits,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<Digests> {
+    let timeout = limits.timeout(found.virtual_size);
+    match (found.format, header) {
+        (Format::Qcow2, Some(h)) if h.qcow2_rs_can_read() => {
+            run_child(src, dst, sha512, None, limits, timeout, progress)
+                .await
+                .map_err(StreamFailure::into_error)
+        }
+        (format, _) => qemu_img(src, dst, format, sha512, timeout).await,
+    }
+}
+
+/// Converts the qcow2 `src` while it is still being downloaded: the
+/// converter waits for each byte range it reads until the file has grown
+/// past it (`total` bytes in the end). qemu-img writes metadata before the
+/// data it maps, so conversion follows close behind the download; any other
+/// layout only waits longer. The download must still be verified, and the
+/// complete file checked, before the result is used (see `pipeline`); if the
+/// file is removed or replaced (a failed or retried download), the converter
+/// stops with an error.
+pub async fn qcow2_to_raw_streaming(
+    src: &Path,
+    dst: &Path,
+    total: u64,
+    virtual_size: u64,
+    sha512: bool,
+    limits: Limits,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<Digests, StreamFailure> {
+    let timeout = limits.timeout(virtual_size);
+    run_child(src, dst, sha512, Some(total), limits, timeout, progress).await
+}
+
+/// How a conversion failed, for the caller that could convert again.
+#[derive(Debug)]
+pub enum StreamFailure {
+    /// The converter exceeded its limits (time, memory) or crashed:
+    /// converting the same bytes again would do the same, so the error
+    /// stands at once.
+    Conclusive(Error),
+    /// Anything else (the file it read was replaced by a retried download,
+    /// the layout needs the whole file...): converting the complete file may
+    /// still work.
+    Retryable(Error),
+}
+
+impl StreamFailure {
+    /// The error, whatever kind.
+    pub fn into_error(self) -> Error {
+        match self {
+            StreamFailure::Conclusive(e) | StreamFailure::Retryable(e) => e,
+        }
+    }
+}
+
+impl From<Error> for StreamFailure {
+    fn from(e: Error) -> Self {
+        StreamFailure::Retryable(e)
+    }
+}
+
+async fn run_child(
+    src: &Path,
+    dst: &Path,
+    sha512: bool,
+    grow_to: Option<u64>,
+    limits: Limits,
+    timeout: Duration,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<Digests, StreamFailure> {
+    let memory = limits.memory;
+    let exe = "/proc/self/exe"; // the running binary, also after it was replaced on disk
+    let mut cmd = tokio::process::Command::new(exe);
+    cmd.arg("convert-child").arg(src).arg(dst);
+    if sha512 {
+        cmd.arg("--sha512");
+    }
+    if let Some(total) = grow_to {
+        cmd.arg("--grow-to").arg(total.to_string());
+    }
+    cmd.env("MALLOC_ARENA_MAX", "2")
+        .env("RUST_LOG", "error")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            // rustix issues the system calls directly: no allocation, no lock.
+            let lim = Some(memory);
+            let lim = rustix::process::Rlimit {
+                current: lim,
+                maximum: lim,
+            };
+            let _ = rustix::process::setrlimit(rustix::process::Resource::As, lim);
+            let _ = rustix::process::set_parent_process_death_signal(Some(
+                rustix::process::Signal::KILL,
+            ));
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().map_err(|e| Error::io("start converter", e))?;
+    let (Some(stdout), Some(mut stderr)) = (child.stdout.take(), child.stderr.take()) else {
+        return Err(Error::new(ErrorCode::Internal, "converter pipes missing").into());
+    };
+    let stderr_text = tokio::spawn(async move {
+        let mut text = String::new();
+        let _ = tokio::io::AsyncReadExt::read_to_string(&mut stderr, &mut text).await;
+        text
+    });
+    let run = async {
+        let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
+        let mut report = None;
+        while let Ok(Some(line)) = lines.next_line().await {
+            match serde_json::from_str::<ChildReport>(&line) {
+                Ok(ChildReport::Progress { progress: done }) => progress(done),
+                Ok(other) => report = Some(other),
+                Err(_) => {}
+            }
+        }
+        (child.wait().await, report)
+    };
+    let (status, report) = match tokio::time::timeout(timeout, run).await {
+        Ok((status, report)) => (status.map_err(|e| Error::io("converter", e))?, report),
+        Err(_) => {
+            let _ = std::fs::remove_file(dst);
+            return Err(StreamFailure::Conclusive(Error::new(
+                ErrorCode::CorruptImage,
+                format!(
+                    "conversion did not finish within {}s ([convert] min_timeout, min_rate_mib)",
+                    timeout.as_secs()
+                ),
+            )));
+        }
+    };
+    match (status.success(), report) {
+        (true, Some(ChildReport::Done(digests))) => Ok(digests),
+        (_, Some(ChildReport::Failed { code, message })) => {
+            Err(StreamFailure::Retryable(Error::new(code, message)))
+        }
+        _ => {
+            use std::os::unix::process::ExitStatusExt;
+            let stderr = stderr_text.await.unwrap_or_default();
+            let tail: String = stderr.lines().rev().take(3).collect::<Vec<_>>().join(" | ");
+            let how = match status.signal() {
+                Some(sig) => format!("killed by signal {sig}"),
+                None => format!("exited with {status}"),
+            };
+            let _ = std::fs::remove_file(dst);
+            Err(StreamFailure::Conclusive(Error::new(
+                ErrorCode::CorruptImage,
+                format!("qcow2 reader {how} on this image: {tail}"),
+            )))
+        }
+    }
+}
+
+async fn qemu_img(
+    src: &Path,
+    dst: &Path,
+    format: Format,
+    sha512: bool,
+    timeout: Duration,
+) -> Result<Digests> {
+    let run = tokio::process::Command::new("qemu-img")
+        .args(["convert", "-q", "-f", format.name(), "-O", "raw"])
+        .arg(src)
+        .arg(dst)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .output();
+    let out = match tokio::time::timeout(timeout, run).await {
+        Ok(out) => out.map_err(|e| Error::io("run qemu-img", e))?,
+        Err(_) => {
+            let _ = std::fs::remove_file(dst);
+            return Err(Error::new(
+                ErrorCode::CorruptImage,
+                format!("qemu-img did not finish within {timeout:?}"),
+            ));
+        }
+    };
+    if !out.status.success() {
+        // qemu-img exits 1 for every failure; a full disk is told by the
+        // file system itself, measured before the partial output is removed.
+        let full = disk_full_at(dst);
+        let _ = std::fs::remove_file(dst);
+        let msg = String::from_utf8_lossy(&out.stderr).trim().to_string();
+        let code = if full {
+            ErrorCode::InsufficientDiskSpace
+        } else {
+            ErrorCode::CorruptImage
+        };
+        return Err(Error::new(code, format!("qemu-img convert: {msg}")));
+    }
+    crate::store::fsutil::set_mode(
+        &std::fs::File::open(dst).map_err(|e| Error::io("open converted image", e))?,
+        0o644,
+    )?;
+    hash_file(dst, sha512).await
+}
+
+/// Free space below which a failed write is taken for a full disk: qemu-img
+/// writes in pieces of at most a few MiB.
+const FULL_DISK_SLACK: u64 = 16 << 20;
+
+/// True when the file system holding `path` has (almost) no space left for
+/// this process.
+fn disk_full_at(path: &Path) -> bool {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    crate::store::fsutil::free_space(dir).is_ok_and(|free| free < FULL_DISK_SLACK)
+}
+
+/// Digests of an existing file, read once: its holes (found with
+/// `SEEK_HOLE`/`SEEK_DATA`) are hashed as zeros without being read, so a
+/// sparse result of qemu-img costs what its data costs to read.
+pub async fn hash_file(path: &Path, sha512: bool) -> Result<Digests> {
+    enum Part {
+        Data(Vec<u8>),
+        Zeros(u64),
+    }
+    let mut sink = Sink::hash_only(sha512);
+    let file = std::fs::File::open(path).map_err(|e| Error::io(path.display(), e))?;
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Part>>(4);
+    let shown = path.display().to_string();
+    let reader = tokio::task::spawn_blocking(move || {
+        use rustix::fs::{SeekFrom, seek};
+        use std::os::unix::fs::FileExt;
+        let send = |part| tx.blocking_send(part).is_ok();
+        let fail = |e: std::io::Error| Err(Error::io(&shown, e));
+        let len = match file.metadata() {
+            Ok(m) => m.len(),
+            Err(e) => return send(fail(e)),
+        };
+        let mut pos = 0u64;
+        while pos < len {
+            // Where the next data starts (the end when only a hole is left;
+            // a file system without SEEK_DATA reports all data).
+            let data = match seek(&file, SeekFrom::Data(pos)) {
+                Ok(at) => at.min(len),
+                Err(rustix::io::Errno::NXIO) => len,
+                Err(_) => pos,
+            };
+            if data > pos && !send(Ok(Part::Zeros(data - pos))) {
+                return false;
+            }
+            pos = data;
+            let hole = match seek(&file, SeekFrom::Hole(pos)) {
+                Ok(at) => at.min(len),
+                Err(_) => len,
+            };
+            while pos < hole {
+                let mut buf = vec![0u8; (hole - pos).min(CHUNK as u64) as usize];
+                match file.read_at(&mut buf, pos) {
+                    Ok(0) => return send(fail(std::io::ErrorKind::UnexpectedEof.into())),
+                    Ok(n) => {
+                        buf.truncate(n);
+                        pos += n as u64;
+                        if !send(Ok(Part::Data(buf))) {
+                            return false;
+                        }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => return send(fail(e)),
+                }
+            }
+        }
+        true
+    });
+    let mut result = Ok(());
+    while let Some(part) = rx.recv().await {
+        let step = match part {
+            Ok(Part::Data(buf)) => sink.write(&buf).await,
+            Ok(Part::Zeros(n)) => sink.write_zeros(n).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = step {
+            result = Err(e);
+            break;
+        }
+    }
+    drop(rx);
+    let _ = reader.await;
+    result?;
+    sink.finish().await
+}
+
+/// Decompresses the zstd file `src` into the new file `dst` (at most
+/// `max_size` bytes), hashing the output in the same pass.
+pub async fn decompress_zstd(
+    src: &Path,
+    dst: &Path,
+    sha512: bool,
+    max_size: u64,
+) -> Result<Digests> {
+    let mut sink = Sink::create(dst, sha512)?;
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>>>(4);
+    let src = src.to_path_buf();
+    let reader = tokio::task::spawn_blocking(move || {
+        let bad = |e: std::io::Error| Error::new(ErrorCode::CorruptImage, format!("zstd: {e}"));
+        let file = std::fs::File::open(&src).map_err(|e| Error::io("open zstd image", e))?;
+        let mut dec = zstd::stream::read::Decoder::new(file).map_err(bad)?;
+        loop {
+            let mut buf = vec![0u8; CHUNK];
+            let mut filled = 0;
+            while filled < buf.len() {
+                match dec.read(&mut buf[filled..]).map_err(bad)? {
+                    0 => break,
+                    n => filled += n,
+                }
+            }
+            if filled == 0 {
+                return Ok(());
+            }
+            buf.truncate(filled);
+            if tx.blocking_send(Ok(buf)).is_err() {
+                return Ok(());
+            }
+        }
+    });
+    let mut result = Ok(());
+    while let Some(chunk) = rx.recv().await {
+        if let Err(e) = async { sink.write(&chunk?).await }.await {
+            result = Err(e);
+            break;
+        }
+        if sink.size() > max_size {
+            result = Err(Error::new(
+                ErrorCode::UnsafeImage,
+                format!("zstd image expands beyond {max_size} bytes"),
+            ));
+            break;
+        }
+    }
+    drop(rx);
+    let read = reader
+        .await
+        .map_err(|e| Error::new(ErrorCode::Internal, format!("zstd task: {e}")))?;
+    result?;
+    read?;
+    sink.finish().await
+}
+
+/// Body of the `convert-child` process: qcow2 -> raw with qcow2-rs, hashed
+/// in the same pass. Prints one JSON report line; any panic or crash is seen
+/// by the parent as a failed conversion.
+pub fn child_main(
+    src: &Path,
+    dst: &Path,
+    sha512: bool,
+    grow_to: Option<u64>,
+) -> std::process::ExitCode {
+    let report = match child_convert(src, dst, sha512, grow_to) {
+        Ok(d) => ChildReport::Done(d),
+        Err(e) => {
+            let _ = std::fs::remove_file(dst);
+            ChildReport::Failed {
+                code: e.code,
+                message: e.message,
+            }
+        }
+    };
+    let failed = matches!(report, ChildReport::Failed { .. });
+    println!("{}", serde_json::to_string(&report).unwrap_or_default());
+    if failed {
+        std::process::ExitCode::FAILURE
+    } else {
+        std::process::ExitCode::SUCCESS
+    }
+}
+
+fn child_convert(src: &Path, dst: &Path, sha512: bool, grow_to: Option<u64>) -> Result<Digests> {
+    let file = std::fs::File::open(src).map_err(|e| Error::io("open qcow2", e))?;
+    let total = match grow_to {
+        Some(total) => total,
+        None => file
+            .metadata()
+            .map_err(|e| Error::io("stat qcow2", e))?
+            .len(),
+    };
+    let tables = GrowingFile { file, total };
+    let map = Map::read(&tables)?;
+    let params = qcow2_rs::dev::Qcow2DevParams::new(9, None, None, true, false);
+    let corrupt = |e| Error::new(ErrorCode::CorruptImage, format!("qcow2: {e}"));
+    match grow_to {
+        None => {
+            let dev = qcow2_rs::utils::qcow2_setup_dev_sync(src, &params).map_err(corrupt)?;
+            child_copy(dev, dst, sha512, &map, &tables)
+        }
+        Some(total) => {
+            let file = std::fs::File::open(src).map_err(|e| Error::io("open qcow2", e))?;
+            let io = GrowingFile { file, total };
+            let rt = current_thread()?;
+            let dev = rt
+                .block_on(qcow2_rs::utils::qcow2_alloc_dev(src, io, &params))
+                .map_err(corrupt)?
+                .0;
+            child_copy(dev, dst, sha512, &map, &tables)
+        }
+    }
+}
+
+/// The header and L1 table of the image being converted, read by our own
+/// code: they tell which guest ranges can hold data at all, so unallocated
+/// and zero ranges become holes without being read (a 1 TiB disk with a
+/// few MiB of data costs the reading of those MiB, plus hashing zeros).
+struct Map {
+    header: qcow2::Header,
+    l1: Vec<u8>,
+}
+
+impl Map {
+    fn read(file: &GrowingFile) -> Result<Map> {
+        let head_len = (crate::image::inspect::HEADER_LEN as u64).min(file.total) as usize;
+        let mut head = vec![0u8; head_len];
+        file.read_waiting(0, &mut head)?;
+        let limits = qcow2::Limits {
+            max_virtual_size: u64::MAX,
+        };
+        let header = qcow2::parse(&head, file.total, limits)?;
+        if !header.qcow2_rs_can_read() {
+            return Err(Error::new(
+                ErrorCode::Internal,
+                "qcow2 features this converter does not read",
+            ));
+        }
+        let mut l1 = vec![0u8; header.l1_size as usize * 8];
+        file.read_waiting(header.l1_table_offset, &mut l1)?;
+        qcow2::check_l1_table(&header, &l1, file.total)?;
+        Ok(Map { header, l1 })
+    }
+
+    /// Guest bytes covered by one L1 entry.
+    fn l1_span(&self) -> u64 {
+        let cluster = self.header.cluster_size();
+        cluster * (cluster / 8)
+    }
+}
+
+fn current_thread() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| Error::io("converter runtime", e))
+}
+
+/// A qcow2 file still being written by the download: reads wait until the
+/// file covers them (or reaches `total`), and fail if the file was unlinked
+/// (the download failed or restarted on a new file).
+struct GrowingFile {
+    file: std::fs::File,
+    total: u64,
+}
+
+impl GrowingFile {
+    /// Reads at `offset` once the file covers the range (or reached
+    /// `total`); fails if the file was unlinked meanwhile. Returns the bytes
+    /// read (short only at the end of the file).
+    fn wait_read(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<usize> {
+        use std::os::unix::fs::{FileExt, MetadataExt};
+        let want = offset.saturating_add(buf.len() as u64).min(self.total);
+        loop {
+            let meta = self.file.metadata()?;
+            if meta.len() >= want {
+                break;
+            }
+            if meta.nlink() == 0 {
+                return Err(std::io::Error::other(
+                    "the image being downloaded was removed",
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let mut done = 0;
+        while done < buf.len() {
+            match self.file.read_at(&mut buf[done..], offset + done as u64)? {
+                0 => break,
+                n => done += n,
+            }
+        }
+        Ok(done)
+    }
+
+    /// [`GrowingFile::wait_read`] of exactly `buf.len()` bytes.
+    fn read_waiting(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        match self.wait_read(offset, buf) {
+            Ok(n) if n == buf.len() => Ok(()),
+            Ok(_) => Err(Error::new(
+                ErrorCode::CorruptImage,
+                "qcow2: a table lies past the end of the file",
+            )),
+            Err(e) => Err(Error::io("read qcow2 table", e)),
+        }
+    }
+}
+
+impl qcow2_rs::ops::Qcow2IoOps for GrowingFile {
+    async fn read_to(&self, offset: u64, buf: &mut [u8]) -> qcow2_rs::error::Qcow2Result<usize> {
+        Ok(self.wait_read(offset, buf)?)
+    }
+
+    async fn write_from(&self, _offset: u64, _buf: &[u8]) -> qcow2_rs::error::Qcow2Result<()> {
+        Err("read-only".into())
+    }
+
+    async fn fallocate(
+        &self,
+        _offset: u64,
+        _len: usize,
+        _flags: u32,
+    ) -> qcow2_rs::error::Qcow2Result<()> {
+        Err("read-only".into())
+    }
+
+    async fn fsync(
+        &self,
+        _offset: u64,
+        _len: usize,
+        _flags: u32,
+    ) -> qcow2_rs::error::Qcow2Result<()> {
+        Ok(())
+    }
+}
+
+/// Writes the virtual disk of `dev` in order into the new raw file `dst`,
+/// hashing it on the way: ranges that `map` shows hold no data become
+/// holes (hashed as zeros) without being read; the others are read through
+/// qcow2-rs.
+fn child_copy<T: qcow2_rs::ops::Qcow2IoOps>(
+    dev: qcow2_rs::dev::Qcow2Dev<T>,
+    dst: &Path,
+    sha512: bool,
+    map: &Map,
+    tables: &GrowingFile,
+) -> Result<Digests> {
+    const READ: usize = 4 << 20;
+    let corrupt =
+        |e: qcow2_rs::error::Qcow2Error| Error::new(ErrorCode::CorruptImage, format!("qcow2: {e}"));
+    let rt = current_thread()?;
+    rt.block_on(async {
+        dev.qcow2_prep_io().await.map_err(corrupt)?;
+        let virtual_size = raw_size(dev.info.virtual_size());
+        let mut sink = Sink::create(dst, sha512)?;
+        let mut buf = qcow2_rs::helpers::Qcow2IoBuf::<u8>::new(READ);
+        let mut l2 = vec![0u8; map.header.cluster_size() as usize];
+        let mut off = 0u64;
+        let mut reported = std::time::Instant::now();
+        for (i, entry) in map.l1.chunks_exact(8).enumerate() {
+            let i = i as u64;
+            if i.saturating_mul(map.l1_span()) >= virtual_size {
+                break;
+            }
+            if reported.elapsed() >= Duration::from_secs(1) {
+                reported = std::time::Instant::now();
+                let line = serde_json::to_string(&ChildReport::Progress { progress: off });
+                println!("{}", line.unwrap_or_default());
+            }
+            let l2_at = qcow2::l2_offset(u64::from_be_bytes(entry.try_into().unwrap_or_default()));
+            if l2_at == 0 {
+                continue;
+            }
+            tables.read_waiting(l2_at, &mut l2)?;
+            for (start, len) in qcow2::data_runs(&map.header, i, &l2) {
+                let end = start.saturating_add(len).min(virtual_size);
+                let start = start.max(off);
+                if start >= end {
+                    continue;
+                }
+                sink.write_zeros(start - off).await?;
+                off = start;
+                while off < end {
+                    let want = ((end - off).min(READ as u64) as usize).div_ceil(512) * 512;
+                    let n = dev.read_at(&mut buf[..want], off).await.map_err(corrupt)?;
+                    let take = (n as u64).min(end - off) as usize;
+                    if take == 0 {
+                        return Err(Error::new(
+                            ErrorCode::CorruptImage,
+                            "qcow2: reader made no progress",
+                        ));
+                    }
+                    sink.write(&buf[..take]).await?;
+                    off += take as u64;
+                }
+            }
+        }
+        sink.write_zeros(virtual_size - off).await?;
+        sink.finish().await
+    })
+}

@@ -1,0 +1,9 @@
+//! Image formats.
+//!
+//! Holds format detection from the bytes (`inspect`), our own qcow2 header
+//! validator (`qcow2`) and conversion to raw (`convert`). Inspection always
+//! stands before conversion. Must not know where the bytes came from or go.
+
+pub(crate) mod convert;
+pub(crate) mod inspect;
+pub mod qcow2;

@@ -1,0 +1,276 @@
+//! The messages the worker exchanges: what a request asks for (`Command`,
+//! `schemas/command.v1.json`) and what it answers (`Completion`,
+//! `schemas/completion.v1.json`).
+//!
+//! # This folder
+//!
+//! Holds the request and completion types and the parsing of commands and
+//! Ironic notifications into requests (`inbound`). Must not know AMQP
+//! channels or files.
+
+pub(crate) mod inbound;
+
+use crate::error::{Error, ErrorCode};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// What is asked for a node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Action {
+    /// Cache the image, link it for the node and publish its URL.
+    Prepare,
+    /// The node is deployed: withdraw the URL and the node's link.
+    Deployed,
+    /// The node is torn down: withdraw the URL and remove the node's image.
+    Cleanup,
+    /// The message could not be read far enough to know (error events only).
+    Unknown,
+}
+
+impl Action {
+    /// The wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Prepare => "prepare",
+            Action::Deployed => "deployed",
+            Action::Cleanup => "cleanup",
+            Action::Unknown => "unknown",
+        }
+    }
+}
+
+/// The `instance_info` keys the worker reads (Ironic's names); other keys are
+/// kept so nothing is lost when a command is logged or dead-lettered.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct InstanceInfo {
+    /// Image href: http(s) URL, file URL or Glance image id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_source: Option<String>,
+    /// Legacy checksum (hex, `algo:hex`, or a checksum file URL).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_checksum: Option<String>,
+    /// Algorithm of `image_os_hash_value`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_os_hash_algo: Option<String>,
+    /// Checksum (or checksum file URL) in `image_os_hash_algo`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_os_hash_value: Option<String>,
+    /// Declared format of the source (`raw`, `qcow2`, ...).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_disk_format: Option<String>,
+    /// `whole-disk` or `partition`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_type: Option<String>,
+    /// Kernel of a partition image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel: Option<String>,
+    /// Ramdisk of a partition image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ramdisk: Option<String>,
+    /// Per-node override of `[agent]image_download_source`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_download_source: Option<String>,
+    /// Every other key, kept as is.
+    #[serde(flatten)]
+    pub other: BTreeMap<String, serde_json::Value>,
+}
+
+/// Longest `request_id` (or notification `message_id`) accepted; it is
+/// logged with every line of the request and echoed in its event.
+pub const MAX_REQUEST_ID_LEN: usize = 255;
+
+/// Longest short `instance_info` value (formats, algorithm names, modes).
+pub const MAX_NAME_LEN: usize = 64;
+
+impl InstanceInfo {
+    /// Refuses values longer than any real one (see `schemas/command.v1.json`
+    /// `maxLength`): a 10 MB `image_source` would otherwise be logged and
+    /// echoed with every line about the request.
+    pub fn check_lengths(&self) -> Result<(), String> {
+        let url = crate::sources::MAX_URL_LEN;
+        let fields = [
+            ("image_source", &self.image_source, url),
+            ("image_checksum", &self.image_checksum, url),
+            ("image_os_hash_value", &self.image_os_hash_value, url),
+            ("kernel", &self.kernel, url),
+            ("ramdisk", &self.ramdisk, url),
+            ("image_os_hash_algo", &self.image_os_hash_algo, MAX_NAME_LEN),
+            ("image_disk_format", &self.image_disk_format, MAX_NAME_LEN),
+            ("image_type", &self.image_type, MAX_NAME_LEN),
+            (
+                "image_download_source",
+                &self.image_download_source,
+                MAX_NAME_LEN,
+            ),
+        ];
+        for (name, value, max) in fields {
+            if let Some(v) = value
+                && v.len() > max
+            {
+                return Err(format!(
+                    "instance_info.{name} is {} bytes long, more than {max}",
+                    v.len()
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whole-disk unless `image_type` says `partition`, or (without
+    /// `image_type`) both `kernel` and `ramdisk` are set, as Ironic decides.
+    pub fn is_whole_disk(&self) -> bool {
+        let set = |v: &Option<String>| v.as_deref().is_some_and(|s| !s.trim().is_empty());
+        match self.image_type.as_deref().map(str::trim) {
+            Some("partition") => false,
+            Some(t) if !t.is_empty() => true,
+            _ => !(set(&self.kernel) && set(&self.ramdisk)),
+        }
+    }
+}
+
+/// Per-request overrides of the worker's configuration.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Options {
+    /// Overrides `[DEFAULT]force_raw_images`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub force_raw: Option<bool>,
+    /// Overrides `[agent]stream_raw_images`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream_raw: Option<bool>,
+}
+
+/// Outcome of an action.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    /// Done.
+    Success,
+    /// Failed; see `error`.
+    Error,
+}
+
+impl Status {
+    /// The wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Success => "success",
+            Status::Error => "error",
+        }
+    }
+}
+
+/// Whether a prepare found its image in the cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CacheOutcome {
+    /// Served from an existing verified master.
+    Hit,
+    /// Downloaded (and converted) now.
+    Miss,
+}
+
+/// The `error` member of a failed completion.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// Closed-list code.
+    pub code: ErrorCode,
+    /// Human message.
+    pub message: String,
+}
+
+/// The completion event (docs/contract.md, "Completion events"): one per handled request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Completion {
+    /// The action answered.
+    pub action: Action,
+    /// success or error.
+    pub status: Status,
+    /// The node, when the request named a readable one.
+    pub node_uuid: Option<String>,
+    /// Command `request_id` or notification `message_id`.
+    pub request_id: Option<String>,
+    /// The conductor host of the worker that answered.
+    pub conductor_host: String,
+    /// The `image_source` of a prepare.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_source: Option<String>,
+    /// URL the agent downloads from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_url: Option<String>,
+    /// MD5 of exactly the bytes `image_url` serves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_checksum: Option<String>,
+    /// Algorithm of `image_os_hash_value`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_os_hash_algo: Option<String>,
+    /// Digest of the served bytes in `image_os_hash_algo`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_os_hash_value: Option<String>,
+    /// Format of the served bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_disk_format: Option<String>,
+    /// Size of the served bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_size: Option<u64>,
+    /// Whether the served bytes are a conversion of the source.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub converted: Option<bool>,
+    /// Cache hit or miss (prepare only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache: Option<CacheOutcome>,
+    /// Handling time.
+    pub duration_ms: u64,
+    /// Present only on error.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorBody>,
+}
+
+impl Completion {
+    /// A bare completion for `action`; fields are filled by the caller.
+    pub fn new(
+        action: Action,
+        node_uuid: Option<String>,
+        request_id: Option<String>,
+        conductor_host: &str,
+    ) -> Completion {
+        Completion {
+            action,
+            status: Status::Success,
+            node_uuid,
+            request_id,
+            conductor_host: conductor_host.to_string(),
+            image_source: None,
+            image_url: None,
+            image_checksum: None,
+            image_os_hash_algo: None,
+            image_os_hash_value: None,
+            image_disk_format: None,
+            image_size: None,
+            converted: None,
+            cache: None,
+            duration_ms: 0,
+            error: None,
+        }
+    }
+
+    /// Turns this completion into an error answer, dropping image fields that
+    /// would otherwise suggest a usable image.
+    pub fn failed(mut self, err: &Error) -> Completion {
+        self.status = Status::Error;
+        self.image_url = None;
+        self.image_checksum = None;
+        self.image_os_hash_algo = None;
+        self.image_os_hash_value = None;
+        self.image_disk_format = None;
+        self.image_size = None;
+        self.converted = None;
+        self.cache = None;
+        self.error = Some(ErrorBody {
+            code: err.code,
+            message: err.message.clone(),
+        });
+        self
+    }
+}

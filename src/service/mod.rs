@@ -1,0 +1,167 @@
+//! `serve`: the long-running worker. Starts the image server, the metrics
+//! listener and the broker consumer, and runs until SIGTERM/SIGINT.
+//!
+//! # This folder
+//!
+//! Holds `serve` (starts the image server, the operations listener, the
+//! broker consumer and housekeeping; stops them on SIGTERM) and systemd
+//! readiness. Must not know the pipeline's internals.
+
+pub(crate) mod sd_notify;
+
+use crate::config::Config;
+use crate::error::{Error, ErrorCode, Result};
+use crate::http::{self, Health, ImageRoots};
+use crate::metrics::Metrics;
+use crate::pipeline::Pipeline;
+use std::sync::Arc;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+/// Runs the worker until a termination signal.
+pub async fn serve(config: Config) -> Result<()> {
+    let metrics = Arc::new(Metrics::new());
+    let pipeline = Arc::new(Pipeline::new(config, metrics.clone())?);
+    pipeline.recover()?;
+    let config = pipeline.config().clone();
+    let roots = ImageRoots::new(
+        &config.deploy.http_root,
+        &[&config.pxe.instance_master_path, &config.pxe.images_path],
+    )
+    .map_err(|e| Error::io("resolve served directories", e))?;
+    let limits = image_server_limits(&config);
+    let brokers = crate::broker::Brokers::new(&config)?;
+    let image_listener = bind(config.http.listen).await?;
+    let ops_listener = bind(config.metrics.listen).await?;
+    tracing::info!(
+        host = %config.default.host,
+        images = %config.http.listen,
+        metrics = %config.metrics.listen,
+        http_url = %config.http_url(),
+        max_connections = limits.max_connections,
+        "ironic-image-worker serving"
+    );
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let connected = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let health = Health {
+        dirs: vec![
+            config.pxe.instance_master_path.clone(),
+            config.pxe.images_path.clone(),
+            config
+                .deploy
+                .http_root
+                .join(&config.deploy.http_image_subdir),
+        ],
+        broker: Some(connected.clone()),
+    };
+    let images = tokio::spawn(http::serve_images(
+        image_listener,
+        roots,
+        metrics.clone(),
+        limits,
+        stopped(stop_rx.clone()),
+    ));
+    let ops = tokio::spawn(http::serve_ops(
+        ops_listener,
+        metrics.clone(),
+        health,
+        limits,
+        stopped(stop_rx.clone()),
+    ));
+    let consumer = tokio::spawn(crate::broker::run(
+        pipeline.clone(),
+        metrics.clone(),
+        brokers,
+        connected,
+        stop_rx.clone(),
+    ));
+    let housekeeping = tokio::spawn(housekeeping(pipeline.clone(), stop_rx.clone()));
+    // Images are served from here on; the broker connection (which may come
+    // later, with retries) is reported by /readyz, not by systemd.
+    crate::service::sd_notify::notify("READY=1\nSTATUS=serving images; broker state on /readyz");
+    shutdown_signal().await;
+    crate::service::sd_notify::notify("STOPPING=1");
+    tracing::info!("shutting down: finishing in-flight work");
+    let _ = stop_tx.send(true);
+    let _ = consumer.await;
+    let _ = housekeeping.await;
+    // Downloads by nodes may last long; give them a moment, then stop.
+    let servers = async {
+        let _ = images.await;
+        let _ = ops.await;
+    };
+    if tokio::time::timeout(std::time::Duration::from_secs(5), servers)
+        .await
+        .is_err()
+    {
+        tracing::info!("closing remaining image downloads");
+    }
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Applies the cache policy every `[cache]clean_interval` seconds (not only
+/// when an image is used) and refreshes the cache gauges every few seconds.
+async fn housekeeping(pipeline: Arc<Pipeline>, mut stop: watch::Receiver<bool>) {
+    const GAUGES_EVERY: std::time::Duration = std::time::Duration::from_secs(15);
+    let every = pipeline.config().cache.clean_interval;
+    let mut last_clean: Option<std::time::Instant> = None;
+    loop {
+        let due = every > 0
+            && last_clean.is_none_or(|t| t.elapsed() >= std::time::Duration::from_secs(every));
+        if due {
+            last_clean = Some(std::time::Instant::now());
+        }
+        let p = pipeline.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            if due && let Err(e) = p.clean_cache(0, false, false) {
+                tracing::warn!(error = %e, "periodic cache clean-up failed");
+            }
+            p.refresh_gauges();
+        })
+        .await;
+        tokio::select! {
+            _ = tokio::time::sleep(GAUGES_EVERY) => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+    }
+}
+
+/// The image server's timeouts and connection cap; the cap stays below the
+/// open-file limit (raised to the hard limit first) with descriptors kept
+/// for the pipeline, the broker and the metrics listener.
+fn image_server_limits(config: &Config) -> http::Limits {
+    let fd_limit = crate::http::listener::raise_open_file_limit();
+    let headroom = crate::http::listener::descriptor_headroom(config.amqp.prefetch);
+    http::Limits {
+        header_timeout: std::time::Duration::from_secs(config.http.header_timeout.max(1)),
+        idle_timeout: std::time::Duration::from_secs(config.http.idle_timeout.max(1)),
+        max_connections: crate::http::listener::connection_cap(
+            config.http.max_connections,
+            fd_limit,
+            headroom,
+        ),
+    }
+}
+
+async fn bind(addr: std::net::SocketAddr) -> Result<TcpListener> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|e| Error::new(ErrorCode::Internal, format!("cannot listen on {addr}: {e}")))
+}
+
+/// Completes on SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}

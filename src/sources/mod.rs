@@ -1,0 +1,716 @@
+//! Image sources: where the bytes of an image come from (`http(s)://` with
+//! reqwest, streamed; `file://` under the allowed paths, opened once; Glance
+//! image ids through the Image API, see `glance`), with bounded retries, a
+//! minimum rate and a deadline per download, and the metadata Ironic uses to
+//! revalidate a cached copy.
+//!
+//! # This folder
+//!
+//! Holds `http(s)://` and `file://` sources (this module), the shared HTTP
+//! client with its redirect policy and bounded body reads (`http_client`) and
+//! Glance with its Keystone token (`glance`). Must not know the cache layout
+//! or conversion.
+
+pub(crate) mod glance;
+pub(crate) mod http_client;
+
+use crate::config::{Config, redact_url};
+use crate::error::{Error, ErrorCode, Result, error_chain};
+use crate::sources::glance::Glance;
+use crate::store::sink::{Digests, Hashes, Sink};
+use backon::{ExponentialBuilder, Retryable};
+use futures_util::StreamExt;
+use http_client::BodyError;
+use std::os::unix::fs::FileExt;
+use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+/// Longest `image_source` (or checksum URL) accepted: longer ones are not
+/// URLs any HTTP stack takes, and would only fill logs.
+pub const MAX_URL_LEN: usize = 8192;
+
+/// A parsed `image_source`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// An `http://` or `https://` URL.
+    Http(reqwest::Url),
+    /// A local regular file under `[conductor]file_url_allowed_paths`,
+    /// already open: it is read from this descriptor, never opened again by
+    /// path (a symlink swapped in later changes nothing).
+    File(FileSource),
+    /// A Glance image id, fetched through the Image API.
+    Glance(String),
+}
+
+/// An open `file://` source.
+#[derive(Debug, Clone)]
+pub struct FileSource {
+    /// The path as requested (for messages).
+    pub path: PathBuf,
+    file: Arc<std::fs::File>,
+}
+
+impl PartialEq for FileSource {
+    fn eq(&self, other: &Self) -> bool {
+        self.path == other.path
+    }
+}
+
+impl Eq for FileSource {}
+
+/// What a source says about its image without sending it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SourceStat {
+    /// Last modification time, when the source tells it.
+    pub last_modified: Option<SystemTime>,
+    /// Size in bytes, when the source tells it.
+    pub size: Option<u64>,
+}
+
+/// Why a download asks for disk space.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Room {
+    /// The source announced the image's size: asked once, before any byte.
+    Announced(u64),
+    /// No size was announced: this many more bytes are about to be written
+    /// (asked before the first byte and again every [`GROWTH_STEP`]).
+    Growing(u64),
+}
+
+/// How much free space a download of unknown size makes sure of ahead.
+pub const GROWTH_STEP: u64 = 256 << 20;
+
+/// HTTP client and policy for fetching sources, shared by all requests.
+#[derive(Clone)]
+pub struct Fetcher {
+    client: reqwest::Client,
+    retries: u32,
+    min_rate: u64,
+    min_rate_window: Duration,
+    deadline: Option<Duration>,
+    /// Whole-request limit for small documents (checksum files, HEAD).
+    small_timeout: Duration,
+    glance: Arc<Glance>,
+}
+
+enum Failure {
+    Retry(Error),
+    Fatal(Error),
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Self {
+        Failure::Fatal(e)
+    }
+}
+
+impl Source {
+    /// Parses `href`, refusing schemes the worker cannot fetch and `file://`
+    /// paths outside the allowed directories or that are not regular files.
+    pub fn parse(href: &str, config: &Config) -> Result<Source> {
+        if href.len() > MAX_URL_LEN {
+            return Err(Error::new(
+                ErrorCode::InvalidMessage,
+                format!(
+                    "image_source is {} bytes long, more than {MAX_URL_LEN}",
+                    href.len()
+                ),
+            ));
+        }
+        if let Some(id) = crate::store::cache::glance_id(href) {
+            return Ok(Source::Glance(id));
+        }
+        let url = reqwest::Url::parse(href).map_err(|e| {
+            Error::new(
+                ErrorCode::InvalidMessage,
+                format!("image_source {:?} is not a URL: {e}", redact_url(href)),
+            )
+        })?;
+        match url.scheme() {
+            "http" | "https" => Ok(Source::Http(url)),
+            "file" => {
+                let path = url.to_file_path().map_err(|()| {
+                    Error::new(
+                        ErrorCode::InvalidMessage,
+                        format!("bad file URL {:?}", redact_url(href)),
+                    )
+                })?;
+                Ok(Source::File(open_allowed(
+                    &path,
+                    &config.conductor.file_url_allowed_paths,
+                )?))
+            }
+            other => Err(Error::new(
+                ErrorCode::SourceNotAllowed,
+                format!("image_source scheme {other:?} is not supported (http, https, file)"),
+            )),
+        }
+    }
+
+    /// The last path component, used to find the image in a checksum file.
+    pub fn file_name(&self) -> String {
+        match self {
+            Source::Http(url) => url
+                .path_segments()
+                .and_then(|mut s| s.next_back())
+                .unwrap_or_default()
+                .to_string(),
+            Source::File(f) => f
+                .path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            Source::Glance(id) => id.clone(),
+        }
+    }
+
+    /// The source for log and error messages (credentials masked).
+    pub fn display(&self) -> String {
+        match self {
+            Source::Http(url) => redact_url(url.as_str()),
+            Source::File(f) => format!("file://{}", f.path.display()),
+            Source::Glance(id) => format!("glance://{id}"),
+        }
+    }
+}
+
+/// Opens the `file://` source `path` for reading, race-free: the allowed
+/// list is checked on the path as written before the file system is
+/// touched (so a missing file outside it is `source_not_allowed`, like any
+/// other, and nothing leaks whether it exists); then the file is opened
+/// relative to the allowed directory with `openat2(RESOLVE_BENEATH)`, so no
+/// `..` or symlink (even one swapped in meanwhile) leads outside it;
+/// `O_NONBLOCK` keeps a FIFO from blocking the open, and the open
+/// descriptor must be a regular file.
+fn open_allowed(path: &Path, allowed: &[PathBuf]) -> Result<FileSource> {
+    use rustix::fs::{Mode, OFlags, ResolveFlags};
+    let not_allowed = |why: &str| {
+        Error::new(
+            ErrorCode::SourceNotAllowed,
+            format!("{}: {why}", path.display()),
+        )
+    };
+    let outside = || not_allowed("not under [conductor]file_url_allowed_paths");
+    if !path.is_absolute()
+        || path
+            .components()
+            .any(|c| matches!(c, Component::ParentDir | Component::CurDir))
+    {
+        return Err(outside());
+    }
+    // The configured directory as written, or resolved (it may itself be a
+    // symlink, and requests may name either form).
+    let (dir, rel) = allowed
+        .iter()
+        .flat_map(|d| [Some(d.clone()), std::fs::canonicalize(d).ok()])
+        .flatten()
+        .find_map(|d| {
+            let rel = path.strip_prefix(&d).ok()?.to_path_buf();
+            (!rel.as_os_str().is_empty()).then_some((d, rel))
+        })
+        .ok_or_else(outside)?;
+    let io_error = |e: rustix::io::Errno| {
+        let code = match e {
+            rustix::io::Errno::NOENT | rustix::io::Errno::NOTDIR => ErrorCode::SourceNotFound,
+            rustix::io::Errno::XDEV | rustix::io::Errno::LOOP => ErrorCode::SourceNotAllowed,
+            rustix::io::Errno::ACCESS | rustix::io::Errno::PERM => ErrorCode::SourceNotAllowed,
+            _ => ErrorCode::SourceUnreachable,
+        };
+        let why = match e {
+            rustix::io::Errno::XDEV | rustix::io::Errno::LOOP => {
+                "leads outside [conductor]file_url_allowed_paths".to_string()
+            }
+            other => std::io::Error::from(other).to_string(),
+        };
+        Error::new(code, format!("{}: {why}", path.display()))
+    };
+    let dirfd = rustix::fs::open(
+        &dir,
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(io_error)?;
+    let flags = OFlags::RDONLY | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY;
+    let fd = match rustix::fs::openat2(
+        &dirfd,
+        &rel,
+        flags,
+        Mode::empty(),
+        ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS,
+    ) {
+        Err(rustix::io::Errno::NOSYS) => open_beneath_nofollow(&dirfd, &rel, flags),
+        other => other,
+    }
+    .map_err(io_error)?;
+    let st = rustix::fs::fstat(&fd).map_err(io_error)?;
+    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
+        return Err(not_allowed("not a regular file"));
+    }
+    Ok(FileSource {
+        path: path.to_path_buf(),
+        file: Arc::new(std::fs::File::from(fd)),
+    })
+}
+
+/// For kernels without `openat2` (before 5.6): walks `rel` one component at
+/// a time below `dir` with `O_NOFOLLOW`, so no symlink is followed at all.
+fn open_beneath_nofollow(
+    dir: &rustix::fd::OwnedFd,
+    rel: &Path,
+    flags: rustix::fs::OFlags,
+) -> rustix::io::Result<rustix::fd::OwnedFd> {
+    use rustix::fs::{Mode, OFlags};
+    let parts: Vec<_> = rel.components().collect();
+    let mut cur: Option<rustix::fd::OwnedFd> = None;
+    for (i, part) in parts.iter().enumerate() {
+        let Component::Normal(name) = part else {
+            return Err(rustix::io::Errno::XDEV);
+        };
+        let last = i + 1 == parts.len();
+        let oflags = if last {
+            flags | OFlags::NOFOLLOW
+        } else {
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC
+        };
+        let at = match &cur {
+            Some(fd) => rustix::fs::openat(fd, *name, oflags, Mode::empty()),
+            None => rustix::fs::openat(dir, *name, oflags, Mode::empty()),
+        }?;
+        cur = Some(at);
+    }
+    cur.ok_or(rustix::io::Errno::NOENT)
+}
+
+impl Fetcher {
+    /// Builds the shared client from `[source]`.
+    pub fn new(config: &Config) -> Result<Fetcher> {
+        let s = &config.source;
+        let client = http_client::build(s, !s.verify_tls)?;
+        let small_timeout = Duration::from_secs(s.connect_timeout.saturating_add(s.read_timeout));
+        let glance = Arc::new(Glance::new(
+            config.glance.clone(),
+            if config.glance.insecure {
+                http_client::build(s, true)?
+            } else {
+                client.clone()
+            },
+            small_timeout,
+        ));
+        let secs = |n: u64| (n > 0).then(|| Duration::from_secs(n));
+        Ok(Fetcher {
+            client,
+            retries: s.retries,
+            min_rate: s.min_rate,
+            min_rate_window: Duration::from_secs(s.min_rate_window.max(1)),
+            deadline: secs(s.download_deadline),
+            small_timeout,
+            glance,
+        })
+    }
+
+    /// The Glance client, for image metadata.
+    pub fn glance(&self) -> &Glance {
+        &self.glance
+    }
+
+    fn backoff(&self) -> ExponentialBuilder {
+        ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(200))
+            .with_max_delay(Duration::from_secs(10))
+            .with_jitter()
+            .with_max_times(self.retries as usize)
+    }
+
+    async fn retrying<T, F, Fut>(&self, op: F) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = std::result::Result<T, Failure>>,
+    {
+        op.retry(self.backoff())
+            .when(|f| matches!(f, Failure::Retry(_)))
+            .notify(|f, delay| {
+                if let Failure::Retry(e) = f {
+                    tracing::warn!(error = %e, ?delay, "source attempt failed, retrying");
+                }
+            })
+            .await
+            .map_err(|f| match f {
+                Failure::Retry(e) | Failure::Fatal(e) => e,
+            })
+    }
+
+    /// Asks the source for its metadata (HTTP `HEAD`, file `stat`).
+    pub async fn stat(&self, source: &Source) -> Result<SourceStat> {
+        match source {
+            Source::Glance(id) => {
+                let meta = self.glance.image(id).await?;
+                Ok(SourceStat {
+                    last_modified: meta.updated(),
+                    size: meta.size,
+                })
+            }
+            Source::File(f) => {
+                let meta = f
+                    .file
+                    .metadata()
+                    .map_err(|e| Error::io(f.path.display(), e))?;
+                Ok(SourceStat {
+                    last_modified: meta.modified().ok(),
+                    size: Some(meta.len()),
+                })
+            }
+            Source::Http(url) => {
+                self.retrying(|| async {
+                    let resp = self
+                        .client
+                        .head(url.clone())
+                        .timeout(self.small_timeout)
+                        .send()
+                        .await
+                        .map_err(|e| request_failure(source, e))?;
+                    check_status(source, resp.status())?;
+                    let header = |name| {
+                        resp.headers()
+                            .get(name)
+                            .and_then(|v| v.to_str().ok())
+                            .map(str::to_string)
+                    };
+                    Ok(SourceStat {
+                        last_modified: header(reqwest::header::LAST_MODIFIED)
+                            .and_then(|v| httpdate::parse_http_date(&v).ok()),
+                        size: header(reqwest::header::CONTENT_LENGTH).and_then(|v| v.parse().ok()),
+                    })
+                })
+                .await
+            }
+        }
+    }
+
+    /// Fetches a checksum file: at most [`http_client::MAX_CHECKSUM_FILE`]
+    /// bytes, whether announced or streamed without a length (a larger
+    /// document is no checksum file: `invalid_message`, the request's
+    /// checksum reference is wrong).
+    pub async fn fetch_text(&self, url: &str) -> Result<String> {
+        if url.len() > MAX_URL_LEN {
+            return Err(Error::new(
+                ErrorCode::InvalidMessage,
+                format!("checksum URL is longer than {MAX_URL_LEN} bytes"),
+            ));
+        }
+        let parsed = reqwest::Url::parse(url)
+            .map_err(|e| Error::new(ErrorCode::InvalidMessage, format!("checksum URL: {e}")))?;
+        let source = Source::Http(parsed.clone());
+        self.retrying(|| async {
+            let resp = self
+                .client
+                .get(parsed.clone())
+                .timeout(self.small_timeout)
+                .send()
+                .await
+                .map_err(|e| request_failure(&source, e))?;
+            check_status(&source, resp.status())?;
+            let limit = http_client::MAX_CHECKSUM_FILE;
+            match http_client::read_limited(resp, limit).await {
+                Ok(body) => Ok(String::from_utf8_lossy(&body).into_owned()),
+                Err(BodyError::TooLarge) => Err(Failure::Fatal(Error::new(
+                    ErrorCode::InvalidMessage,
+                    format!(
+                        "checksum file {} is larger than {} MiB: not a checksum file",
+                        source.display(),
+                        limit >> 20
+                    ),
+                ))),
+                Err(BodyError::Transport(e)) => Err(request_failure(&source, e)),
+            }
+        })
+        .await
+    }
+
+    /// Downloads `source` into the new file `dest`, hashing in the same pass.
+    /// `room` is asked for disk space before bytes are written (see
+    /// [`Room`]), `progress` told the bytes received so far (0 when an
+    /// attempt starts). Every attempt must keep `[source]min_rate`, and all
+    /// attempts together end within `[source]download_deadline`. On any
+    /// failure `dest` is removed.
+    pub async fn download(
+        &self,
+        source: &Source,
+        dest: &Path,
+        hashes: Hashes,
+        room: &(dyn Fn(Room) -> Result<()> + Sync),
+        progress: &(dyn Fn(u64) + Sync),
+    ) -> Result<(Digests, SourceStat)> {
+        let attempts = self.retrying(|| async {
+            let _ = crate::store::fsutil::remove_file_if_exists(dest);
+            progress(0);
+            match source {
+                Source::File(f) => Ok(self.copy_file(f, dest, hashes, room, progress).await?),
+                Source::Http(url) => {
+                    let req = self.client.get(url.clone());
+                    self.get_http(source, req, dest, hashes, room, progress)
+                        .await
+                }
+                Source::Glance(id) => {
+                    let req = self.glance.data_request(id).await?;
+                    self.get_http(source, req, dest, hashes, room, progress)
+                        .await
+                }
+            }
+        });
+        let result = match self.deadline {
+            None => attempts.await,
+            Some(limit) => match tokio::time::timeout(limit, attempts).await {
+                Ok(r) => r,
+                Err(_) => Err(Error::new(
+                    ErrorCode::SourceUnreachable,
+                    format!(
+                        "{}: download deadline of {}s passed ([source]download_deadline)",
+                        source.display(),
+                        limit.as_secs()
+                    ),
+                )),
+            },
+        };
+        if result.is_err() {
+            let _ = crate::store::fsutil::remove_file_if_exists(dest);
+        }
+        result
+    }
+
+    /// Copies the open file source (from offset 0, so a retry starts over)
+    /// on a blocking thread.
+    async fn copy_file(
+        &self,
+        f: &FileSource,
+        dest: &Path,
+        hashes: Hashes,
+        room: &(dyn Fn(Room) -> Result<()> + Sync),
+        progress: &(dyn Fn(u64) + Sync),
+    ) -> Result<(Digests, SourceStat)> {
+        let meta = f
+            .file
+            .metadata()
+            .map_err(|e| Error::io(f.path.display(), e))?;
+        room(Room::Announced(meta.len()))?;
+        let mut sink = Sink::create_hashing(dest, hashes)?;
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>>>(4);
+        let (file, path) = (f.file.clone(), f.path.clone());
+        let reader = tokio::task::spawn_blocking(move || {
+            let mut offset = 0u64;
+            loop {
+                let mut buf = vec![0u8; crate::store::sink::CHUNK];
+                let n = match file.read_at(&mut buf, offset) {
+                    Ok(n) => n,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(e) => {
+                        let _ = tx.blocking_send(Err(Error::io(path.display(), e)));
+                        return;
+                    }
+                };
+                if n == 0 {
+                    return;
+                }
+                buf.truncate(n);
+                offset += n as u64;
+                if tx.blocking_send(Ok(buf)).is_err() {
+                    return;
+                }
+            }
+        });
+        let mut result = Ok(());
+        while let Some(chunk) = rx.recv().await {
+            if let Err(e) = async { sink.write(&chunk?).await }.await {
+                result = Err(e);
+                break;
+            }
+            progress(sink.size());
+        }
+        drop(rx);
+        let _ = reader.await;
+        result?;
+        let digests = sink.finish().await?;
+        Ok((
+            digests,
+            SourceStat {
+                last_modified: meta.modified().ok(),
+                size: Some(meta.len()),
+            },
+        ))
+    }
+
+    async fn get_http(
+        &self,
+        source: &Source,
+        req: reqwest::RequestBuilder,
+        dest: &Path,
+        hashes: Hashes,
+        room: &(dyn Fn(Room) -> Result<()> + Sync),
+        progress: &(dyn Fn(u64) + Sync),
+    ) -> std::result::Result<(Digests, SourceStat), Failure> {
+        let resp = req.send().await.map_err(|e| request_failure(source, e))?;
+        if let Source::Glance(_) = source
+            && resp.status() == reqwest::StatusCode::UNAUTHORIZED
+        {
+            // The cached token was revoked or expired early: renew, retry.
+            self.glance.forget_token().await;
+            return Err(Failure::Retry(crate::sources::glance::status_error(
+                "Glance",
+                "image data",
+                401,
+            )));
+        }
+        check_status(source, resp.status())?;
+        let stat = SourceStat {
+            last_modified: resp
+                .headers()
+                .get(reqwest::header::LAST_MODIFIED)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| httpdate::parse_http_date(v).ok()),
+            size: resp.content_length(),
+        };
+        let mut room_until = match stat.size {
+            Some(len) => {
+                room(Room::Announced(len))?;
+                u64::MAX
+            }
+            None => {
+                room(Room::Growing(GROWTH_STEP))?;
+                GROWTH_STEP
+            }
+        };
+        let mut sink = Sink::create_hashing(dest, hashes)?;
+        let mut body = resp.bytes_stream();
+        let mut rate = RateCheck::new(self.min_rate, self.min_rate_window);
+        loop {
+            let next = tokio::time::timeout_at(rate.window_end(), body.next()).await;
+            let chunk = match next {
+                Err(_) => None,
+                Ok(None) => break,
+                Ok(Some(chunk)) => Some(chunk.map_err(|e| request_failure(source, e))?),
+            };
+            if let Some(chunk) = chunk {
+                rate.add(chunk.len() as u64);
+                sink.write(&chunk).await?;
+                progress(sink.size());
+                if sink.size() > room_until {
+                    room(Room::Growing(GROWTH_STEP))?;
+                    room_until = sink.size().saturating_add(GROWTH_STEP);
+                }
+            }
+            if let Some(got) = rate.too_slow() {
+                return Err(Failure::Retry(Error::new(
+                    ErrorCode::SourceUnreachable,
+                    format!(
+                        "{}: too slow: {got} bytes in the last {}s, [source]min_rate is {} bytes/s",
+                        source.display(),
+                        self.min_rate_window.as_secs(),
+                        self.min_rate
+                    ),
+                )));
+            }
+        }
+        if let Some(len) = stat.size
+            && sink.size() != len
+        {
+            return Err(Failure::Retry(Error::new(
+                ErrorCode::SourceUnreachable,
+                format!("{}: got {} of {len} bytes", source.display(), sink.size()),
+            )));
+        }
+        let digests = sink.finish().await?;
+        Ok((digests, stat))
+    }
+}
+
+/// The minimum-rate rule of a download: in every window of
+/// `[source]min_rate_window` seconds at least `min_rate` bytes per second
+/// must arrive (a source trickling a byte now and then never trips the
+/// read timeout, but would hold a worker slot for ever).
+struct RateCheck {
+    min_bytes: u64,
+    window: Duration,
+    started: tokio::time::Instant,
+    got: u64,
+}
+
+impl RateCheck {
+    fn new(min_rate: u64, window: Duration) -> RateCheck {
+        RateCheck {
+            min_bytes: min_rate.saturating_mul(window.as_secs()),
+            window,
+            started: tokio::time::Instant::now(),
+            got: 0,
+        }
+    }
+
+    /// When the current window ends (far away without a limit).
+    fn window_end(&self) -> tokio::time::Instant {
+        if self.min_bytes == 0 {
+            self.started + Duration::from_secs(86400 * 365)
+        } else {
+            self.started + self.window
+        }
+    }
+
+    fn add(&mut self, n: u64) {
+        self.got = self.got.saturating_add(n);
+    }
+
+    /// At the end of a window: the bytes it got if too few; then a new
+    /// window starts.
+    fn too_slow(&mut self) -> Option<u64> {
+        if self.min_bytes == 0 || tokio::time::Instant::now() < self.window_end() {
+            return None;
+        }
+        let got = self.got;
+        self.started = tokio::time::Instant::now();
+        self.got = 0;
+        (got < self.min_bytes).then_some(got)
+    }
+}
+
+fn request_failure(source: &Source, e: reqwest::Error) -> Failure {
+    if let Some(why) = http_client::redirect_refusal(&e) {
+        return Failure::Fatal(Error::new(
+            ErrorCode::SourceNotAllowed,
+            format!("{}: {why}", source.display()),
+        ));
+    }
+    if e.is_builder() {
+        return Failure::Fatal(Error::new(
+            ErrorCode::InvalidMessage,
+            format!("{}: not a usable URL", source.display()),
+        ));
+    }
+    let e = e.without_url();
+    Failure::Retry(Error::new(
+        ErrorCode::SourceUnreachable,
+        format!("{}: {}", source.display(), error_chain(&e)),
+    ))
+}
+
+fn check_status(source: &Source, status: reqwest::StatusCode) -> std::result::Result<(), Failure> {
+    if status.is_success() {
+        return Ok(());
+    }
+    if status.is_redirection() {
+        // A redirect reqwest could not follow (a Location that is no http(s)
+        // URL, such as file://).
+        return Err(Failure::Fatal(Error::new(
+            ErrorCode::SourceNotAllowed,
+            format!(
+                "{} answered {status} with a redirect that is not followed (only http and https)",
+                source.display()
+            ),
+        )));
+    }
+    let err = Error::new(
+        crate::error::http_status_code(status.as_u16()),
+        format!("{} answered {status}", source.display()),
+    );
+    Err(match status.as_u16() {
+        408 | 429 | 500..=599 => Failure::Retry(err),
+        _ => Failure::Fatal(err),
+    })
+}

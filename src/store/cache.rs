@@ -1,0 +1,362 @@
+//! The master image cache: one verified file per image variant, named as
+//! Ironic names it, with a sidecar recording the checksums of exactly its
+//! bytes so that a cache hit never reads the image again.
+//!
+//! Layout of the cache directory (the worker's own, never Ironic's):
+//! masters as plain files at the top; everything else in hidden
+//! subdirectories, so that a sweeper of plain files (Ironic's image-cache
+//! clean-up, which skips directories) cannot remove a sidecar or a file
+//! being written: `.meta/<name>.json` sidecars, `.tmp/` temporaries (named
+//! after their owner process, see [`fsutil::TempOwner`]), `.locks/` and
+//! `.owners/` lock files.
+
+use crate::error::{Error, ErrorCode, Result};
+use crate::store::fsutil::{self, TempOwner};
+use crate::store::lock::{LockGuard, Locks};
+use serde::{Deserialize, Deserializer, Serialize};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Suffix of a sidecar in the layout of earlier versions (next to the
+/// master); such sidecars are moved into `.meta/` on start.
+pub const OLD_META_SUFFIX: &str = ".meta.json";
+/// Suffix Ironic gives a master that went through the raw-conversion logic.
+pub const CONVERTED_SUFFIX: &str = ".converted";
+/// Subdirectory of the sidecars.
+const META_DIR: &str = ".meta";
+/// Subdirectory of the temporaries.
+const TEMP_DIR: &str = ".tmp";
+
+/// What the sidecar records about a master. A digest that was not computed
+/// is absent (never an empty string), so it can be computed later.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MasterMeta {
+    /// The `image_source` the master was made from.
+    pub source: String,
+    /// Unix time (s) at which the download started: the source must not be
+    /// newer than this for the master to be fresh.
+    pub fetched_at: u64,
+    /// Source `Last-Modified` / mtime (unix s), when known.
+    pub source_last_modified: Option<u64>,
+    /// Size of the source bytes.
+    pub source_size: u64,
+    /// MD5 of the source bytes, when computed.
+    #[serde(default, deserialize_with = "digest_opt")]
+    pub source_md5: Option<String>,
+    /// SHA-256 of the source bytes, when computed.
+    #[serde(default, deserialize_with = "digest_opt")]
+    pub source_sha256: Option<String>,
+    /// SHA-512 of the source bytes, when computed.
+    #[serde(default, deserialize_with = "digest_opt")]
+    pub source_sha512: Option<String>,
+    /// Format detected in the source bytes.
+    pub source_format: String,
+    /// Whether the master is a conversion of the source.
+    pub converted: bool,
+    /// `disk_format` of the master's bytes as announced to the agent.
+    pub disk_format: String,
+    /// Size of the master's bytes.
+    pub size: u64,
+    /// MD5 of the master's bytes.
+    pub md5: String,
+    /// SHA-256 of the master's bytes.
+    pub sha256: String,
+    /// SHA-512 of the master's bytes, when computed.
+    #[serde(default, deserialize_with = "digest_opt")]
+    pub sha512: Option<String>,
+    /// Inode of the master the sidecar describes: a replaced master never
+    /// inherits an older sidecar.
+    pub inode: u64,
+}
+
+/// Sidecars of earlier versions wrote an empty string for a digest that
+/// was not computed: read it as absent.
+fn digest_opt<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Option<String>, D::Error> {
+    Ok(Option::<String>::deserialize(d)?.filter(|s| !s.is_empty()))
+}
+
+impl MasterMeta {
+    /// True when the source bytes are exactly the master's bytes, so a
+    /// missing source digest can be computed from the master.
+    pub fn served_as_fetched(&self) -> bool {
+        !self.converted && self.source_size == self.size
+    }
+
+    /// Takes every digest `other` knows and `self` does not (both describe
+    /// the same bytes).
+    fn merge_digests(&mut self, other: &MasterMeta) {
+        for (mine, theirs) in [
+            (&mut self.source_md5, &other.source_md5),
+            (&mut self.source_sha256, &other.source_sha256),
+            (&mut self.source_sha512, &other.source_sha512),
+            (&mut self.sha512, &other.sha512),
+        ] {
+            if mine.is_none() {
+                mine.clone_from(theirs);
+            }
+        }
+    }
+
+    /// True when both describe the same served bytes.
+    fn same_bytes(&self, other: &MasterMeta) -> bool {
+        self.size == other.size && self.md5 == other.md5 && self.sha256 == other.sha256
+    }
+}
+
+/// A master that passed validation, with its path.
+#[derive(Debug, Clone)]
+pub struct Master {
+    /// Path of the master file.
+    pub path: PathBuf,
+    /// Its sidecar.
+    pub meta: MasterMeta,
+}
+
+/// The master cache directory and its locks. Cheap to clone, so blocking
+/// work on it can move to a blocking thread.
+#[derive(Clone)]
+pub struct Cache {
+    dir: PathBuf,
+    locks: Arc<Locks>,
+    owner: Arc<TempOwner>,
+}
+
+/// The master file name Ironic uses: the Glance image id, or
+/// `uuid5(NAMESPACE_URL, href)`, plus `.converted` when force_raw applies.
+pub fn master_name(href: &str, force_raw: bool) -> String {
+    let base = glance_id(href).unwrap_or_else(|| {
+        uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_URL, href.as_bytes()).to_string()
+    });
+    if force_raw {
+        base + CONVERTED_SUFFIX
+    } else {
+        base
+    }
+}
+
+/// The image id when `href` names a Glance image (`<uuid>` or `glance://<uuid>`).
+pub fn glance_id(href: &str) -> Option<String> {
+    let id = href.strip_prefix("glance://").unwrap_or(href);
+    uuid::Uuid::try_parse(id)
+        .ok()
+        .filter(|_| id.len() == 36)
+        .map(|u| u.to_string())
+}
+
+/// Unix seconds of `t`.
+pub fn unix_secs(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// The hex digest `algo` of the file at `path` (blocking: for a digest a
+/// sidecar lacks, computed from the master instead of downloading again).
+pub fn hash_file(path: &Path, algo: crate::store::checksum::Algo) -> Result<String> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path).map_err(|e| Error::io("open master", e))?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut hasher = crate::store::checksum::Hasher::new(algo);
+    loop {
+        let n = file
+            .read(&mut buf)
+            .map_err(|e| Error::io("read master", e))?;
+        if n == 0 {
+            return Ok(hasher.finalize_hex());
+        }
+        hasher.update(&buf[..n]);
+    }
+}
+
+/// What start-up recovery did.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Recovered {
+    /// Temporaries of processes that are gone, removed.
+    pub temporaries: usize,
+    /// Sidecars of the earlier layout moved into `.meta/`.
+    pub sidecars_moved: usize,
+}
+
+impl Cache {
+    /// Opens (creating) the cache directory.
+    pub fn open(dir: &Path) -> Result<Cache> {
+        fsutil::ensure_dir(dir)?;
+        Ok(Cache {
+            dir: dir.to_path_buf(),
+            locks: Arc::new(Locks::new(dir.join(".locks"))?),
+            owner: Arc::new(TempOwner::new(dir.join(".owners"))),
+        })
+    }
+
+    /// The cache directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The owner of this process's temporaries (shared with the node links).
+    pub fn owner(&self) -> Arc<TempOwner> {
+        self.owner.clone()
+    }
+
+    /// Path of the master called `name`.
+    pub fn master_path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// Path of the sidecar of master `name`.
+    pub fn meta_path(&self, name: &str) -> PathBuf {
+        self.dir.join(META_DIR).join(format!("{name}.json"))
+    }
+
+    /// A fresh temporary path in `.tmp/` for building `name` (the directory
+    /// is recreated if it was deleted).
+    pub fn temp_path(&self, name: &str) -> Result<PathBuf> {
+        let dir = self.dir.join(TEMP_DIR);
+        fsutil::ensure_dir(&dir)?;
+        self.owner.temp_next_to(&dir.join(name))
+    }
+
+    /// Serialises all work on the master `name`, in this process and others.
+    pub async fn lock(&self, name: &str) -> Result<LockGuard> {
+        self.locks.acquire(name).await
+    }
+
+    /// The lock on master `name` if it is free right now (for eviction,
+    /// which skips masters in use rather than waiting).
+    pub fn try_lock(&self, name: &str) -> Option<LockGuard> {
+        self.locks.try_acquire(name)
+    }
+
+    /// The master `name` if it exists with a sidecar that describes exactly it.
+    pub fn load(&self, name: &str) -> Option<Master> {
+        let path = self.master_path(name);
+        let stat = std::fs::metadata(&path).ok()?;
+        let text = std::fs::read(self.meta_path(name)).ok()?;
+        let meta: MasterMeta = serde_json::from_slice(&text).ok()?;
+        (stat.is_file() && meta.inode == stat.ino() && meta.size == stat.len())
+            .then_some(Master { path, meta })
+    }
+
+    /// Moves the finished file `temp` into place as master `name` and writes
+    /// its sidecar. The master is renamed first: a crash in between leaves a
+    /// master without a valid sidecar, which is never a hit. When the master
+    /// in place already holds exactly these bytes, it is kept (nodes may
+    /// hard-link it: replacing it would double the disk used) and only the
+    /// sidecar learns the digests it lacked; `temp` is then removed.
+    pub fn commit(&self, temp: &Path, name: &str, mut meta: MasterMeta) -> Result<Master> {
+        let path = self.master_path(name);
+        if let Some(mut current) = self.load(name)
+            && current.meta.same_bytes(&meta)
+        {
+            current.meta.merge_digests(&meta);
+            if current.meta.source != meta.source {
+                current.meta.source = meta.source;
+            }
+            current.meta.fetched_at = current.meta.fetched_at.max(meta.fetched_at);
+            self.write_meta(name, &current.meta)?;
+            fsutil::remove_file_if_exists(temp)?;
+            return Ok(current);
+        }
+        let stat = std::fs::metadata(temp).map_err(|e| Error::io("stat new master", e))?;
+        meta.inode = stat.ino();
+        std::fs::rename(temp, &path)
+            .map_err(|e| Error::io(format!("rename into {}", path.display()), e))?;
+        self.write_meta(name, &meta)?;
+        Ok(Master { path, meta })
+    }
+
+    /// Replaces the sidecar of master `name` (after learning a digest).
+    pub fn write_meta(&self, name: &str, meta: &MasterMeta) -> Result<()> {
+        let meta_path = self.meta_path(name);
+        let dir = self.dir.join(META_DIR);
+        fsutil::ensure_dir(&dir)?;
+        let temp = self.owner.temp_next_to(&meta_path)?;
+        let body = serde_json::to_vec_pretty(meta)
+            .map_err(|e| Error::new(ErrorCode::Internal, e.to_string()))?;
+        fsutil::write_file_atomically(&meta_path, &temp, &body)
+    }
+
+    /// Removes the sidecar of master `name`, if any.
+    pub fn remove_meta(&self, name: &str) -> Result<bool> {
+        fsutil::remove_file_if_exists(&self.meta_path(name))
+    }
+
+    /// The sidecars present, by master name.
+    pub fn sidecar_names(&self) -> Vec<String> {
+        let Ok(entries) = std::fs::read_dir(self.dir.join(META_DIR)) else {
+            return Vec::new();
+        };
+        entries
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                name.strip_suffix(".json")
+                    .filter(|m| !m.starts_with('.'))
+                    .map(str::to_string)
+            })
+            .collect()
+    }
+
+    /// Start-up recovery, for commands that write (never for read-only
+    /// ones): removes the temporaries of processes that are gone and the lock
+    /// files of those processes, and brings a directory of the earlier
+    /// layout (sidecars `<name>.meta.json` and temporaries `.tmp-*` next to
+    /// the masters) into this one.
+    pub fn recover(&self) -> Result<Recovered> {
+        let mut done = Recovered {
+            temporaries: self.owner.remove_orphans_in(&self.dir.join(TEMP_DIR))?,
+            ..Recovered::default()
+        };
+        // Sidecar temporaries live next to the sidecars.
+        done.temporaries += self.owner.remove_orphans_in(&self.dir.join(META_DIR))?;
+        self.owner.remove_dead_owners();
+        let entries = std::fs::read_dir(&self.dir).map_err(|e| Error::io("list cache", e))?;
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with(fsutil::TEMP_PREFIX) && entry.path().is_file() {
+                // The earlier layout's temporaries carry no owner: the
+                // process that wrote them is an earlier version, stopped
+                // before this one started.
+                if fsutil::remove_file_if_exists(&entry.path())? {
+                    done.temporaries += 1;
+                }
+            } else if let Some(master) = name.strip_suffix(OLD_META_SUFFIX)
+                && !master.starts_with('.')
+            {
+                let Some(_guard) = self.try_lock(master) else {
+                    continue;
+                };
+                let target = self.meta_path(master);
+                if target.exists() {
+                    fsutil::remove_file_if_exists(&entry.path())?;
+                } else {
+                    fsutil::ensure_dir(&self.dir.join(META_DIR))?;
+                    std::fs::rename(entry.path(), &target)
+                        .map_err(|e| Error::io("move sidecar into .meta", e))?;
+                    done.sidecars_moved += 1;
+                }
+            }
+        }
+        Ok(done)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_match_ironic() {
+        // python3 -c "import uuid; print(uuid.uuid5(uuid.NAMESPACE_URL, 'http://example.com/disk.img'))"
+        assert_eq!(
+            master_name("http://example.com/disk.img", false),
+            "ba594cc3-f78b-5c7d-b9b7-b04f6357922e"
+        );
+        assert_eq!(
+            master_name("2c2e2c7e-08a4-4f0a-8f8a-6a8f3c9f3a11", true),
+            "2c2e2c7e-08a4-4f0a-8f8a-6a8f3c9f3a11.converted"
+        );
+    }
+}

@@ -1,0 +1,312 @@
+//! Small file-system helpers shared by the cache and the node links: explicit
+//! permissions whatever the umask, atomic replacement, free space.
+
+use crate::error::{Error, ErrorCode, Result};
+use std::fs::{File, Permissions};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+/// Sets `mode` on an open file: the umask must not make cached images
+/// unreadable to nginx/Apache running as another user.
+pub fn set_mode(file: &File, mode: u32) -> Result<()> {
+    file.set_permissions(Permissions::from_mode(mode))
+        .map_err(|e| Error::io("chmod", e))
+}
+
+/// Creates `dir` and its missing parents with mode 0755 whatever the umask.
+pub fn ensure_dir(dir: &Path) -> Result<()> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        ensure_dir(parent)?;
+    }
+    match std::fs::create_dir(dir) {
+        Ok(()) => std::fs::set_permissions(dir, Permissions::from_mode(0o755))
+            .map_err(|e| Error::io(format!("chmod {}", dir.display()), e)),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => Ok(()),
+        Err(e) => Err(Error::io(format!("create directory {}", dir.display()), e)),
+    }
+}
+
+/// A unique hidden temporary name next to `target`, so a rename over
+/// `target` is atomic and start-up recovery can find leftovers by prefix.
+pub fn temp_path(target: &Path) -> PathBuf {
+    let name = target
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    target.with_file_name(format!(
+        "{TEMP_PREFIX}{name}.{}",
+        uuid::Uuid::new_v4().simple()
+    ))
+}
+
+/// Prefix of every temporary file the worker creates.
+pub const TEMP_PREFIX: &str = ".tmp-";
+
+/// Removes a file, treating "already gone" as success.
+pub fn remove_file_if_exists(path: &Path) -> Result<bool> {
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(Error::io(format!("remove {}", path.display()), e)),
+    }
+}
+
+/// Free bytes available to this process on the file system holding `path`.
+pub fn free_space(path: &Path) -> Result<u64> {
+    let st = rustix::fs::statvfs(path).map_err(|e| {
+        Error::new(
+            ErrorCode::Internal,
+            format!("statvfs {}: {e}", path.display()),
+        )
+    })?;
+    Ok(st.f_bavail.saturating_mul(st.f_frsize))
+}
+
+/// Fails with `insufficient_disk_space` when `needed` bytes do not fit in `dir`.
+pub fn check_space(dir: &Path, needed: u64) -> Result<()> {
+    let free = free_space(dir)?;
+    if needed > free {
+        return Err(Error::new(
+            ErrorCode::InsufficientDiskSpace,
+            format!(
+                "{} needs {} MiB but only {} MiB are free",
+                dir.display(),
+                needed.div_ceil(1 << 20),
+                free >> 20
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// True when `a` and `b` name the same directory, comparing canonical paths
+/// (a part that does not exist yet is compared as written, below the
+/// canonical form of its deepest existing ancestor).
+pub fn same_path(a: &Path, b: &Path) -> bool {
+    resolve(a) == resolve(b)
+}
+
+fn resolve(path: &Path) -> PathBuf {
+    let mut existing = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut rest = Vec::new();
+    while !existing.exists() {
+        match (existing.file_name(), existing.parent()) {
+            (Some(name), Some(parent)) => {
+                rest.push(name.to_os_string());
+                existing = parent.to_path_buf();
+            }
+            _ => break,
+        }
+    }
+    let mut out = existing.canonicalize().unwrap_or(existing);
+    out.extend(rest.iter().rev());
+    out
+}
+
+/// The device of the file system holding `path` (or, when it does not exist
+/// yet, its deepest existing ancestor).
+pub fn device_of(path: &Path) -> Option<u64> {
+    use std::os::unix::fs::MetadataExt;
+    let resolved = resolve(path);
+    resolved
+        .ancestors()
+        .find_map(|p| std::fs::metadata(p).ok())
+        .map(|m| m.dev())
+}
+
+/// Makes `target` by building it under the temporary name `temp` with
+/// `make` and renaming it into place: readers see the old object or the new
+/// one, never a half-made one, and a failure leaves no temporary behind.
+pub fn replace_via_temp(
+    target: &Path,
+    temp: &Path,
+    make: impl FnOnce(&Path) -> std::io::Result<()>,
+) -> Result<()> {
+    let done = make(temp).and_then(|()| std::fs::rename(temp, target));
+    done.map_err(|e| {
+        let _ = std::fs::remove_file(temp);
+        Error::io(format!("replace {}", target.display()), e)
+    })
+}
+
+/// Writes `body` to `target` (mode 0644, synced) through a temporary name.
+pub fn write_file_atomically(target: &Path, temp: &Path, body: &[u8]) -> Result<()> {
+    replace_via_temp(target, temp, |temp| {
+        let mut file = File::create(temp)?;
+        std::io::Write::write_all(&mut file, body)?;
+        file.set_permissions(Permissions::from_mode(0o644))?;
+        file.sync_all()
+    })
+}
+
+/// True when `path` names the very file `file` is open on.
+pub fn names_inode(path: &Path, file: &File) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::symlink_metadata(path), file.metadata()) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    }
+}
+
+/// The owner of a process's temporaries: a token that every temporary name
+/// carries, and an `flock` on `<owners>/<token>` held for the life of the
+/// process. Start-up clean-up removes only temporaries whose owner's lock
+/// is free, so a process never deletes the files another one is writing.
+pub struct TempOwner {
+    owners: PathBuf,
+    token: String,
+    held: std::sync::Mutex<Option<File>>,
+}
+
+impl TempOwner {
+    /// An owner registering itself in `owners` when it makes its first
+    /// temporary (read-only commands never write there).
+    pub fn new(owners: PathBuf) -> TempOwner {
+        TempOwner {
+            owners,
+            token: uuid::Uuid::new_v4().simple().to_string(),
+            held: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// Holds the owner lock, (re)creating the lock file if it is missing
+    /// (for example after the directory was deleted).
+    pub fn register(&self) -> Result<()> {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let path = self.owners.join(&self.token);
+        if held.as_ref().is_some_and(|f| names_inode(&path, f)) {
+            return Ok(());
+        }
+        ensure_dir(&self.owners)?;
+        let file = File::create(&path).map_err(|e| Error::io("create owner lock", e))?;
+        file.try_lock()
+            .map_err(|e| Error::new(ErrorCode::Internal, format!("owner lock: {e}")))?;
+        *held = Some(file);
+        Ok(())
+    }
+
+    /// True when the owner `token` may still be writing: it is this owner,
+    /// or its lock file exists and somebody holds its lock.
+    pub fn is_alive(&self, token: &str) -> bool {
+        if token == self.token {
+            return true;
+        }
+        let Ok(file) = File::open(self.owners.join(token)) else {
+            return false;
+        };
+        match file.try_lock() {
+            Ok(()) => false,
+            Err(std::fs::TryLockError::WouldBlock) => true,
+            Err(std::fs::TryLockError::Error(_)) => true,
+        }
+    }
+
+    /// Removes the lock files of owners that are gone (each under its own
+    /// lock, and only while the path still names the locked file).
+    pub fn remove_dead_owners(&self) -> usize {
+        let Ok(entries) = std::fs::read_dir(&self.owners) else {
+            return 0;
+        };
+        let mut removed = 0;
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name == self.token {
+                continue;
+            }
+            let Ok(file) = File::open(entry.path()) else {
+                continue;
+            };
+            if file.try_lock().is_ok()
+                && names_inode(&entry.path(), &file)
+                && std::fs::remove_file(entry.path()).is_ok()
+            {
+                removed += 1;
+            }
+        }
+        removed
+    }
+
+    /// A temporary name next to `target` carrying this owner's token.
+    pub fn temp_next_to(&self, target: &Path) -> Result<PathBuf> {
+        self.register()?;
+        let name = target
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        Ok(target.with_file_name(format!(
+            "{TEMP_PREFIX}{}.{name}.{}",
+            self.token,
+            uuid::Uuid::new_v4().simple()
+        )))
+    }
+
+    /// Removes the temporaries (see [`TempOwner::temp_next_to`]) directly in
+    /// `dir` whose owner is gone. Names without a token (older versions,
+    /// short-lived probes) count as gone once unchanged for an hour.
+    pub fn remove_orphans_in(&self, dir: &Path) -> Result<usize> {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return Ok(0);
+        };
+        let mut removed = 0;
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(rest) = name.strip_prefix(TEMP_PREFIX) else {
+                continue;
+            };
+            if self.orphaned(rest, &entry) && remove_file_if_exists(&entry.path())? {
+                removed += 1;
+            }
+        }
+        Ok(removed)
+    }
+
+    /// Whether the temporary `entry`, whose name (after any prefix) is
+    /// `rest`, has no living owner.
+    pub fn orphaned(&self, rest: &str, entry: &std::fs::DirEntry) -> bool {
+        match rest.split_once('.') {
+            Some((token, _))
+                if token.len() == 32 && token.bytes().all(|b| b.is_ascii_hexdigit()) =>
+            {
+                !self.is_alive(token)
+            }
+            _ => entry
+                .metadata()
+                .ok()
+                .and_then(|m| m.modified().ok())
+                .and_then(|t| t.elapsed().ok())
+                .is_some_and(|age| age > std::time::Duration::from_secs(3600)),
+        }
+    }
+}
+
+/// Removes a temporary file when dropped unless [`TempGuard::keep`] was
+/// called: a failed step never leaves a partial file behind.
+pub struct TempGuard(Option<PathBuf>);
+
+impl TempGuard {
+    /// Guards `path`.
+    pub fn new(path: PathBuf) -> TempGuard {
+        TempGuard(Some(path))
+    }
+
+    /// The guarded path.
+    pub fn path(&self) -> &Path {
+        self.0.as_deref().unwrap_or(Path::new(""))
+    }
+
+    /// Stops guarding (the file was renamed into place).
+    pub fn keep(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for TempGuard {
+    fn drop(&mut self) {
+        if let Some(path) = self.0.take() {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}

@@ -1,0 +1,155 @@
+//! Per-node files: the node's hard link to its master
+//! (`<images_path>/<node>/disk`) and the published symlink
+//! (`<http_root>/<http_image_subdir>/<node>`). Every change is made on a
+//! temporary name and renamed into place, so readers never see a half state.
+
+use crate::error::{Error, Result};
+use crate::node::NodeUuid;
+use crate::store::fsutil::{self, TempOwner};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Where node files live. Cheap to clone, so blocking work on it can move
+/// to a blocking thread.
+#[derive(Clone)]
+pub struct NodeLinks {
+    images_path: PathBuf,
+    link_dir: PathBuf,
+    owner: Arc<TempOwner>,
+}
+
+impl NodeLinks {
+    /// Creates the directories (0755) if needed; temporaries are named
+    /// after `owner`.
+    pub fn open(
+        images_path: &Path,
+        http_root: &Path,
+        subdir: &str,
+        owner: Arc<TempOwner>,
+    ) -> Result<NodeLinks> {
+        let link_dir = http_root.join(subdir);
+        fsutil::ensure_dir(images_path)?;
+        fsutil::ensure_dir(&link_dir)?;
+        Ok(NodeLinks {
+            images_path: images_path.to_path_buf(),
+            link_dir,
+            owner,
+        })
+    }
+
+    /// Directory of a node's cached image.
+    pub fn node_dir(&self, node: &NodeUuid) -> PathBuf {
+        self.images_path.join(node.as_str())
+    }
+
+    /// The node's cached image (a hard link to its master).
+    pub fn disk_path(&self, node: &NodeUuid) -> PathBuf {
+        self.node_dir(node).join("disk")
+    }
+
+    /// The published symlink.
+    pub fn symlink_path(&self, node: &NodeUuid) -> PathBuf {
+        self.link_dir.join(node.as_str())
+    }
+
+    /// True when the node's `disk` is the very file `master` (same inode).
+    pub fn disk_is(&self, node: &NodeUuid, master: &Path) -> bool {
+        match (
+            std::fs::metadata(self.disk_path(node)),
+            std::fs::metadata(master),
+        ) {
+            (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+            _ => false,
+        }
+    }
+
+    /// Makes the node's `disk` a hard link to `master` (a copy where the file
+    /// systems differ), replacing any previous image atomically.
+    /// (Blocking: a copy may take long; call it on a blocking thread.)
+    pub fn link_disk(&self, node: &NodeUuid, master: &Path) -> Result<()> {
+        let dir = self.node_dir(node);
+        fsutil::ensure_dir(&dir)?;
+        let disk = self.disk_path(node);
+        let temp = self.owner.temp_next_to(&disk)?;
+        fsutil::replace_via_temp(&disk, &temp, |temp| {
+            match std::fs::hard_link(master, temp) {
+                Err(e) if e.raw_os_error() == Some(rustix::io::Errno::XDEV.raw_os_error()) => {
+                    copy_file(master, temp)
+                }
+                other => other,
+            }
+        })
+    }
+
+    /// Points the node's symlink at its `disk`, replacing it atomically
+    /// (the symlink directory is recreated if it was deleted); true when the
+    /// node had no symlink before.
+    pub fn publish(&self, node: &NodeUuid) -> Result<bool> {
+        let link = self.symlink_path(node);
+        let target = std::path::absolute(self.disk_path(node))
+            .map_err(|e| Error::io("resolve images_path", e))?;
+        let current = std::fs::read_link(&link).ok();
+        if current.as_deref() == Some(target.as_path()) {
+            return Ok(false);
+        }
+        fsutil::ensure_dir(&self.link_dir)?;
+        let temp = self.owner.temp_next_to(&link)?;
+        fsutil::replace_via_temp(&link, &temp, |temp| {
+            std::os::unix::fs::symlink(&target, temp)
+        })?;
+        Ok(current.is_none())
+    }
+
+    /// Published node symlinks (temporaries excluded).
+    pub fn count_published(&self) -> usize {
+        std::fs::read_dir(&self.link_dir)
+            .map(|rd| {
+                rd.flatten()
+                    .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
+                    .count()
+            })
+            .unwrap_or(0)
+    }
+
+    /// Removes the node's symlink; true if there was one.
+    pub fn unpublish(&self, node: &NodeUuid) -> Result<bool> {
+        fsutil::remove_file_if_exists(&self.symlink_path(node))
+    }
+
+    /// Removes the node's hard link; true if there was one.
+    pub fn remove_disk(&self, node: &NodeUuid) -> Result<bool> {
+        fsutil::remove_file_if_exists(&self.disk_path(node))
+    }
+
+    /// Removes the node's whole image directory; true if there was one.
+    pub fn remove_node_dir(&self, node: &NodeUuid) -> Result<bool> {
+        match std::fs::remove_dir_all(self.node_dir(node)) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(Error::io("remove node directory", e)),
+        }
+    }
+
+    /// Removes temporaries left in the symlink directory and the node
+    /// directories by processes that are gone (see [`TempOwner`]).
+    pub fn remove_stale_temps(&self) -> Result<usize> {
+        let mut removed = self.owner.remove_orphans_in(&self.link_dir)?;
+        if let Ok(nodes) = std::fs::read_dir(&self.images_path) {
+            for node in nodes.flatten() {
+                if node.path().is_dir() {
+                    removed += self.owner.remove_orphans_in(&node.path())?;
+                }
+            }
+        }
+        Ok(removed)
+    }
+}
+
+/// A copy where a hard link is impossible (another file system).
+fn copy_file(from: &Path, to: &Path) -> std::io::Result<()> {
+    std::fs::copy(from, to)?;
+    let file = std::fs::File::open(to)?;
+    file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
+    file.sync_all()
+}

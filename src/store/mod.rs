@@ -1,0 +1,14 @@
+//! What is on disk.
+//!
+//! Holds the master cache and its sidecars (`cache`), Ironic's eviction
+//! policy (`eviction`), per-node links (`link`), named locks (`lock`), write-
+//! and-hash (`sink`), checksums (`checksum`) and file-system helpers
+//! (`fsutil`). Must not know any transport (AMQP, HTTP).
+
+pub(crate) mod cache;
+pub(crate) mod checksum;
+pub(crate) mod eviction;
+pub(crate) mod fsutil;
+pub(crate) mod link;
+pub(crate) mod lock;
+pub(crate) mod sink;

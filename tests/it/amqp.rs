@@ -1,0 +1,387 @@
+//! The worker on the real RabbitMQ: commands in, completion events out,
+//! images served over HTTP, bad input dead-lettered.
+
+use crate::common;
+
+use common::*;
+use serde_json::json;
+use std::time::Duration;
+
+const MINUTE: Duration = Duration::from_secs(60);
+
+fn same_answer(a: &serde_json::Value, b: &serde_json::Value) {
+    for key in [
+        "status",
+        "node_uuid",
+        "image_url",
+        "image_checksum",
+        "image_os_hash_algo",
+        "image_os_hash_value",
+        "image_size",
+        "image_disk_format",
+        "converted",
+    ] {
+        assert_eq!(a[key], b[key], "{key}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prepare_deployed_cleanup_through_the_broker() {
+    let env = Env::new("");
+    let src = env.root().join("src/disk.img");
+    random_file(&src, 4 * 1024 * 1024 + 5, 21);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let worker = env.serve().await;
+    let broker = Broker::connect().await;
+    let node = node();
+
+    let cmd = prepare_cmd(&node, &server.url("disk.img"));
+    let first = broker.call(&env.host, cmd.clone()).await;
+    assert_eq!(first["status"], "success", "{first}");
+    assert_eq!(first["request_id"], cmd["request_id"]);
+    assert_eq!(first["conductor_host"], env.host);
+    let (status, body) = get(first["image_url"].as_str().unwrap()).await;
+    assert_eq!(status, 200);
+    let served = env.root().join("served");
+    std::fs::write(&served, body).unwrap();
+    assert_eq!(first["image_checksum"], md5sum(&served));
+    assert_eq!(first["image_os_hash_value"], sha256sum(&served));
+    assert_eq!(md5sum(&served), md5sum(&src));
+
+    // The same command again: the same answer, no second download.
+    let again = broker.call(&env.host, cmd).await;
+    same_answer(&first, &again);
+    assert_eq!(again["request_id"], first["request_id"]);
+    assert_eq!(server.count("GET", "disk.img"), 1);
+
+    let done = broker
+        .call(
+            &env.host,
+            json!({"action": "deployed", "node_uuid": node, "request_id": "d1"}),
+        )
+        .await;
+    assert_eq!(done["status"], "success", "{done}");
+    assert_eq!(get(first["image_url"].as_str().unwrap()).await.0, 404);
+    let done = broker
+        .call(
+            &env.host,
+            json!({"action": "cleanup", "node_uuid": node, "request_id": "c1"}),
+        )
+        .await;
+    assert_eq!(done["status"], "success");
+    assert!(!env.images_dir().join(&node).exists());
+
+    // Without reply_to the event goes to the events exchange as node.<action>.<status>.
+    let tap = EventTap::new(&broker).await;
+    let body =
+        json!({"action": "cleanup", "node_uuid": node, "request_id": "no-reply"}).to_string();
+    broker
+        .publish_raw(&env.host, "cleanup", body.as_bytes(), "x", None, false)
+        .await;
+    let (key, mode, ev) = tap
+        .next(&env.host, MINUTE)
+        .await
+        .expect("event on the events exchange");
+    assert_eq!(key, "node.cleanup.success");
+    assert_eq!(mode, Some(2), "persistent");
+    assert_eq!(ev["request_id"], "no-reply");
+
+    let readyz = reqwest::get(worker.metrics_url("/readyz")).await.unwrap();
+    assert_eq!(readyz.status(), 200);
+    assert!(worker.terminate().await.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hundred_nodes_one_image_one_download() {
+    let env = Env::new("");
+    let src = env.root().join("src/disk.img");
+    random_file(&src, 8 * 1024 * 1024, 22);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let _worker = env.serve().await;
+    let broker = Broker::connect().await;
+    let checksum = md5sum(&src);
+
+    let mut sent = std::collections::HashMap::new();
+    for _ in 0..100 {
+        let node = node();
+        let mut cmd = prepare_cmd(&node, &server.url("disk.img"));
+        cmd["instance_info"]["image_checksum"] = checksum.clone().into();
+        sent.insert(broker.command(&env.host, cmd).await, node);
+    }
+    let replies = broker.replies(100, 2 * MINUTE).await;
+    for (corr, node) in &sent {
+        let r = &replies[corr];
+        assert_eq!(r["status"], "success", "{r}");
+        assert_eq!(r["node_uuid"], node.as_str());
+        assert_eq!(r["image_checksum"], checksum);
+    }
+    assert_eq!(server.count("GET", "disk.img"), 1);
+    assert_eq!(std::fs::read_dir(env.link_dir()).unwrap().count(), 100);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_is_answered_and_dead_lettered() {
+    let env = Env::new("");
+    let src = env.root().join("src/disk.img");
+    random_file(&src, 1024 * 1024, 23);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let _worker = env.serve().await;
+    let broker = Broker::connect().await;
+    let node = node();
+
+    let cases: Vec<(&str, Vec<u8>, &str, Option<&str>)> = vec![
+        ("prepare", b"{not json".to_vec(), "invalid_message", None),
+        ("prepare", json!({"action": "prepare", "node_uuid": node, "request_id": "r-schema", "instance_info": {}}).to_string().into_bytes(), "invalid_message", Some("r-schema")),
+        ("prepare", json!({"action": "explode", "node_uuid": node, "request_id": "r-action"}).to_string().into_bytes(), "invalid_message", Some("r-action")),
+        ("cleanup", json!({"action": "cleanup", "node_uuid": "../../etc", "request_id": "r-uuid"}).to_string().into_bytes(), "invalid_node_uuid", Some("r-uuid")),
+        ("prepare", json!({"action": "prepare", "node_uuid": node, "request_id": "r-type", "instance_info": {"image_source": 42}}).to_string().into_bytes(), "invalid_message", Some("r-type")),
+    ];
+    for (i, (action, body, code, request_id)) in cases.iter().enumerate() {
+        let mut headers = lapin::types::FieldTable::default();
+        headers.insert(
+            "x-test-case".into(),
+            lapin::types::AMQPValue::LongInt(i as i32),
+        );
+        let corr = format!("bad-{i}");
+        broker
+            .publish_raw(&env.host, action, body, &corr, Some(headers), true)
+            .await;
+        let (got, ev) = broker.next_reply(MINUTE).await;
+        assert_eq!(got.as_deref(), Some(corr.as_str()));
+        assert_eq!(ev["status"], "error");
+        assert_eq!(ev["error"]["code"], *code, "case {i}: {ev}");
+        assert_eq!(ev["request_id"].as_str(), *request_id, "case {i}");
+    }
+    // Each original is in the dead-letter queue, bytes and headers intact.
+    let dead_queue = format!("ironic-image-worker.{}.dead", env.host);
+    let mut dead = Vec::new();
+    for _ in 0..100 {
+        dead.extend(broker.drain(&dead_queue).await);
+        if dead.len() >= cases.len() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(dead.len(), cases.len());
+    for m in &dead {
+        let headers = m.delivery.properties.headers().as_ref().unwrap();
+        let case = match headers.inner().get("x-test-case") {
+            Some(lapin::types::AMQPValue::LongInt(i)) => *i as usize,
+            other => panic!("header lost: {other:?}"),
+        };
+        assert_eq!(m.delivery.data, cases[case].1, "case {case} body intact");
+        assert!(
+            headers.inner().contains_key("x-death"),
+            "dead-lettered by the broker"
+        );
+    }
+    // And the worker still answers a good command.
+    let ok = broker
+        .call(&env.host, prepare_cmd(&node, &server.url("disk.img")))
+        .await;
+    assert_eq!(ok["status"], "success", "{ok}");
+    // A failed prepare is answered and acknowledged, not dead-lettered.
+    let missing = broker
+        .call(&env.host, prepare_cmd(&node, &server.url("missing.img")))
+        .await;
+    assert_eq!(missing["error"]["code"], "source_not_found");
+    // Proved without a timed wait: an unusable message sent after that answer
+    // is dead-lettered on the same channel, so once it is in the dead-letter
+    // queue the failed prepare was settled before it, and it is the only one.
+    broker
+        .publish_raw(&env.host, "prepare", b"sentinel", "sentinel", None, true)
+        .await;
+    let (got, _) = broker.next_reply(MINUTE).await;
+    assert_eq!(got.as_deref(), Some("sentinel"));
+    let deadline = std::time::Instant::now() + MINUTE;
+    let mut dead = Vec::new();
+    while dead.is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "sentinel never dead-lettered"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        dead = broker.drain(&dead_queue).await;
+    }
+    let bodies: Vec<&[u8]> = dead.iter().map(|m| &m.delivery.data[..]).collect();
+    assert_eq!(
+        bodies,
+        vec![&b"sentinel"[..]],
+        "only the unusable message is dead-lettered"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn send_subcommand_waits_for_the_answer() {
+    let env = Env::new("");
+    let src = env.root().join("src/disk.img");
+    random_file(&src, 1024 * 1024, 24);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let _worker = env.serve().await;
+    let node = node();
+    let url = server.url("disk.img");
+    let out = env
+        .run(&[
+            "send",
+            "prepare",
+            "--node",
+            &node,
+            "--image-source",
+            &url,
+            "--request-id",
+            "cli-1",
+            "--wait",
+            "--timeout",
+            "60",
+        ])
+        .await;
+    let (ok, ev) = completion_of(&out);
+    assert!(ok, "{ev}");
+    assert_eq!(ev["request_id"], "cli-1");
+    assert_eq!(ev["image_checksum"], md5sum(&src));
+    // No worker for that host: a clear failure, not a silent loss.
+    let out = env
+        .run(&[
+            "send",
+            "cleanup",
+            "--node",
+            &node,
+            "--conductor",
+            "no-such-host-xyz",
+        ])
+        .await;
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no queue is bound"));
+}
+
+/// A tmpfs mounted over a test directory, unmounted when dropped.
+struct Tmpfs(std::path::PathBuf);
+
+impl Tmpfs {
+    fn mount(dir: &std::path::Path) -> Tmpfs {
+        std::fs::create_dir_all(dir).unwrap();
+        tool(
+            "mount",
+            &[
+                "-t",
+                "tmpfs",
+                "-o",
+                "size=16m",
+                "tmpfs",
+                dir.to_str().unwrap(),
+            ],
+        );
+        Tmpfs(dir.to_path_buf())
+    }
+
+    fn remount(&self, mode: &str) {
+        tool(
+            "mount",
+            &["-o", &format!("remount,{mode}"), self.0.to_str().unwrap()],
+        );
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+/// A cleanup that meets a read-only file system is retried, not answered
+/// `internal` and forgotten: once the file system is writable again the
+/// node's link is gone and the cleanup is answered once, with success.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cleanup_on_a_read_only_file_system_waits_for_it() {
+    let env = Env::new("");
+    let src = env.root().join("src/disk.img");
+    random_file(&src, 1024 * 1024, 25);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let http_root = Tmpfs::mount(&env.root().join("httpboot"));
+    let worker = env.serve().await;
+    let broker = Broker::connect().await;
+    let node = node();
+    let ok = broker
+        .call(&env.host, prepare_cmd(&node, &server.url("disk.img")))
+        .await;
+    assert_eq!(ok["status"], "success", "{ok}");
+    let link = env.link_dir().join(&node);
+    assert!(link.symlink_metadata().is_ok());
+
+    http_root.remount("ro");
+    let corr = broker
+        .command(
+            &env.host,
+            json!({"action": "cleanup", "node_uuid": node, "request_id": "ro-1"}),
+        )
+        .await;
+    // The first attempt failed (counted), yet no answer went out.
+    let deadline = std::time::Instant::now() + MINUTE;
+    loop {
+        let text = worker.metrics_text().await;
+        let failed = text.lines().any(|l| {
+            l.starts_with("ironic_image_worker_completions_total{")
+                && l.contains("action=\"cleanup\"")
+                && l.contains("status=\"error\"")
+        });
+        if failed {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "cleanup never tried");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(link.symlink_metadata().is_ok(), "read-only: still there");
+    http_root.remount("rw");
+    let (got, ev) = broker.next_reply(MINUTE).await;
+    assert_eq!(got.as_deref(), Some(corr.as_str()));
+    assert_eq!(ev["status"], "success", "{ev}");
+    assert!(link.symlink_metadata().is_err(), "link removed");
+    let extra = tokio::time::timeout(Duration::from_secs(2), broker.next_reply(MINUTE)).await;
+    assert!(extra.is_err(), "answered once");
+    assert!(worker.terminate().await.success());
+}
+
+/// Downloads never hold every delivery slot: with 32 prepares trickling in
+/// (the prefetch), a cleanup for another node is still answered at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cleanups_do_not_wait_behind_trickling_prepares() {
+    let env = Env::new("");
+    random_file(&env.root().join("src/disk.img"), 1 << 20, 26);
+    for i in 0..32 {
+        std::fs::hard_link(
+            env.root().join("src/disk.img"),
+            env.root().join(format!("src/disk{i}.img")),
+        )
+        .unwrap();
+    }
+    // About 1 KiB every 100 ms: each download would take minutes.
+    let faults = FaultServer::start(&env.root().join("src"), 10_000).await;
+    let _worker = env.serve().await;
+    let broker = Broker::connect().await;
+    for i in 0..32 {
+        broker
+            .command(
+                &env.host,
+                prepare_cmd(&node(), &faults.url("slow", &format!("disk{i}.img"))),
+            )
+            .await;
+    }
+    let started = std::time::Instant::now();
+    let corr = broker
+        .command(
+            &env.host,
+            json!({"action": "cleanup", "node_uuid": node(), "request_id": "c-fast"}),
+        )
+        .await;
+    let (got, ev) = broker.next_reply(Duration::from_secs(30)).await;
+    assert_eq!(
+        got.as_deref(),
+        Some(corr.as_str()),
+        "the cleanup is answered first"
+    );
+    assert_eq!(ev["status"], "success", "{ev}");
+    eprintln!("cleanup answered after {:?}", started.elapsed());
+}

@@ -1,0 +1,1070 @@
+//! Test support: a real HTTP source server that counts requests, a worker
+//! environment in a temporary directory, images made with `qemu-img`, and
+//! validation of every completion event against the JSON schema.
+#![allow(dead_code)]
+
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::response::{IntoResponse, Response};
+use serde_json::Value;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Output, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tower::ServiceExt;
+
+/// The worker binary under test.
+pub const BIN: &str = env!("CARGO_BIN_EXE_ironic-image-worker");
+
+/// A local HTTP server serving a directory, counting requests per
+/// `(method, path)`.
+pub struct SourceServer {
+    pub addr: SocketAddr,
+    pub dir: PathBuf,
+    counts: Arc<Mutex<HashMap<(String, String), usize>>>,
+}
+
+impl SourceServer {
+    pub async fn start(dir: &Path) -> SourceServer {
+        let counts: Arc<Mutex<HashMap<(String, String), usize>>> = Arc::default();
+        let state = (dir.to_path_buf(), counts.clone());
+        let app = Router::new().fallback(serve_counted).with_state(state);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        SourceServer {
+            addr,
+            dir: dir.to_path_buf(),
+            counts,
+        }
+    }
+
+    pub fn url(&self, name: &str) -> String {
+        format!("http://{}/{name}", self.addr)
+    }
+
+    /// Requests seen for `path` with `method`.
+    pub fn count(&self, method: &str, name: &str) -> usize {
+        let key = (method.to_string(), format!("/{name}"));
+        *self.counts.lock().unwrap().get(&key).unwrap_or(&0)
+    }
+}
+
+type CountState = (PathBuf, Arc<Mutex<HashMap<(String, String), usize>>>);
+
+async fn serve_counted(State((dir, counts)): State<CountState>, req: Request) -> Response {
+    let key = (req.method().to_string(), req.uri().path().to_string());
+    *counts.lock().unwrap().entry(key).or_default() += 1;
+    match tower_http::services::ServeDir::new(dir).oneshot(req).await {
+        Ok(r) => r.into_response(),
+        Err(never) => match never {},
+    }
+}
+
+/// A worker configuration rooted in a temporary directory.
+pub struct Env {
+    pub tmp: tempfile::TempDir,
+    pub config: PathBuf,
+    pub http_port: u16,
+    pub metrics_port: u16,
+    pub host: String,
+}
+
+/// A TCP port on loopback reserved for this test process until it exits.
+///
+/// The worker under test binds its own listeners, so the port cannot simply
+/// be passed as an open socket. Instead it is taken below the kernel's
+/// ephemeral range (so no `bind(0)` or outgoing connection is ever given it)
+/// and reserved with a lock file that every test process honours; the lock
+/// is released by the kernel when the process ends.
+pub fn free_port() -> u16 {
+    static HELD: Mutex<Vec<std::fs::File>> = Mutex::new(Vec::new());
+    let ephemeral_low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32768);
+    let (low, high) = (10_000u16, ephemeral_low.max(10_100));
+    let dir = std::env::temp_dir().join("ironic-image-worker-test-ports");
+    std::fs::create_dir_all(&dir).unwrap();
+    let span = u32::from(high - low);
+    let start = uuid::Uuid::new_v4().as_u128() as u32 % span;
+    for i in 0..span {
+        let port = low + ((start + i) % span) as u16;
+        let Ok(lock) = std::fs::File::create(dir.join(port.to_string())) else {
+            continue;
+        };
+        // flock conflicts between open files even within one process, so
+        // this also skips the ports this process holds already.
+        if lock.try_lock().is_err() {
+            continue;
+        }
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            HELD.lock().unwrap().push(lock);
+            return port;
+        }
+    }
+    panic!("no free port below {high}");
+}
+
+impl Env {
+    /// A new environment; `extra` is appended to the TOML file.
+    pub fn new(extra: &str) -> Env {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        for d in ["src", "allowed"] {
+            std::fs::create_dir_all(root.join(d)).unwrap();
+        }
+        let http_port = free_port();
+        let metrics_port = free_port();
+        let host = format!("test-{}", uuid::Uuid::new_v4().simple());
+        let config = root.join("worker.toml");
+        let text = format!(
+            r#"
+[DEFAULT]
+host = "{host}"
+
+[deploy]
+http_root = "{root}/httpboot"
+http_url = "http://127.0.0.1:{http_port}"
+
+[pxe]
+instance_master_path = "{root}/master_images"
+images_path = "{root}/images"
+
+[conductor]
+file_url_allowed_paths = "{root}/allowed"
+
+[http]
+listen = "127.0.0.1:{http_port}"
+
+[metrics]
+listen = "127.0.0.1:{metrics_port}"
+
+[source]
+retries = 2
+connect_timeout = 2
+read_timeout = 5
+{extra}
+"#,
+            root = root.display()
+        );
+        std::fs::write(&config, text).unwrap();
+        Env {
+            tmp,
+            config,
+            http_port,
+            metrics_port,
+            host,
+        }
+    }
+
+    pub fn root(&self) -> &Path {
+        self.tmp.path()
+    }
+
+    pub fn master_dir(&self) -> PathBuf {
+        self.root().join("master_images")
+    }
+
+    pub fn images_dir(&self) -> PathBuf {
+        self.root().join("images")
+    }
+
+    pub fn link_dir(&self) -> PathBuf {
+        self.root().join("httpboot/agent_images")
+    }
+
+    /// Runs the binary with this configuration and `args`.
+    pub async fn run(&self, args: &[&str]) -> Output {
+        self.run_with_umask(None, args).await
+    }
+
+    /// Runs the binary under `umask` (via sh) with `args`.
+    pub async fn run_with_umask(&self, umask: Option<&str>, args: &[&str]) -> Output {
+        let mut cmd = match umask {
+            None => tokio::process::Command::new(BIN),
+            Some(mask) => {
+                let mut c = tokio::process::Command::new("sh");
+                c.arg("-c")
+                    .arg(format!("umask {mask}; exec \"$0\" \"$@\""))
+                    .arg(BIN);
+                c
+            }
+        };
+        cmd.arg("--config").arg(&self.config).args(args);
+        cmd.env_remove("IRONIC_IMAGE_WORKER_CONFIG");
+        tokio::time::timeout(Duration::from_secs(120), cmd.output())
+            .await
+            .expect("worker command timed out")
+            .unwrap()
+    }
+
+    /// Runs a one-shot command and returns its completion event (validated).
+    pub async fn oneshot(&self, args: &[&str]) -> (bool, Value) {
+        let out = self.run(args).await;
+        completion_of(&out)
+    }
+
+    /// `prepare --node NODE --image-source SRC` plus `extra`.
+    pub async fn prepare(&self, node: &str, source: &str, extra: &[&str]) -> (bool, Value) {
+        let mut args = vec!["prepare", "--node", node, "--image-source", source];
+        args.extend_from_slice(extra);
+        self.oneshot(&args).await
+    }
+
+    /// Files in the master cache that are not sidecars, locks or hidden.
+    pub fn masters(&self) -> Vec<String> {
+        list_visible(&self.master_dir())
+            .into_iter()
+            .filter(|n| !n.ends_with(".meta.json"))
+            .collect()
+    }
+
+    /// Every temporary in the master cache (`.tmp/`, and the earlier
+    /// layout's `.tmp-*` next to the masters) and the symlink directory.
+    pub fn temporaries(&self) -> Vec<String> {
+        let mut found = Vec::new();
+        for dir in [
+            self.master_dir(),
+            self.master_dir().join(".tmp"),
+            self.link_dir(),
+        ] {
+            if let Ok(rd) = std::fs::read_dir(dir) {
+                for e in rd.flatten() {
+                    let n = e.file_name().to_string_lossy().into_owned();
+                    if n.starts_with(".tmp-") {
+                        found.push(n);
+                    }
+                }
+            }
+        }
+        found
+    }
+
+    /// Starts `serve` and waits until `/healthz` answers.
+    pub async fn serve(&self) -> Worker {
+        self.serve_with(&[], &[]).await
+    }
+
+    /// Starts `serve` with extra arguments and environment variables.
+    pub async fn serve_with(&self, args: &[&str], envs: &[(&str, &str)]) -> Worker {
+        let mut cmd = tokio::process::Command::new(BIN);
+        cmd.arg("--config")
+            .arg(&self.config)
+            .args(args)
+            .arg("serve")
+            .env_remove("IRONIC_IMAGE_WORKER_CONFIG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .env("RUST_LOG", "warn,lapin=error")
+            .kill_on_drop(true);
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().unwrap();
+        let worker = Worker {
+            child,
+            http_port: self.http_port,
+            metrics_port: self.metrics_port,
+        };
+        worker.wait_healthy().await;
+        worker
+    }
+}
+
+impl Drop for Env {
+    /// Deletes this environment's queues (they are bound to Ironic's
+    /// exchange and would collect notifications forever).
+    fn drop(&mut self) {
+        let host = self.host.clone();
+        let _ = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async {
+                use lapin::options::QueueDeleteOptions;
+                let Ok(conn) = lapin::Connection::connect(AMQP_URL, Default::default()).await
+                else {
+                    return;
+                };
+                if let Ok(ch) = conn.create_channel().await {
+                    for q in [
+                        format!("ironic-image-worker.{host}"),
+                        format!("ironic-image-worker.{host}.dead"),
+                    ] {
+                        let _ = ch
+                            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                            .await;
+                    }
+                }
+                let _ = conn.close(200, "bye".into()).await;
+            });
+        })
+        .join();
+    }
+}
+
+/// A running `serve` process.
+pub struct Worker {
+    pub child: tokio::process::Child,
+    pub http_port: u16,
+    pub metrics_port: u16,
+}
+
+impl Worker {
+    pub async fn wait_healthy(&self) {
+        let url = format!("http://127.0.0.1:{}/readyz", self.metrics_port);
+        for _ in 0..200 {
+            if let Ok(r) = reqwest::get(&url).await
+                && r.status().is_success()
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("worker did not become ready");
+    }
+
+    pub fn image_url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.http_port)
+    }
+
+    pub fn metrics_url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.metrics_port)
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    pub async fn terminate(mut self) -> std::process::ExitStatus {
+        if let Some(pid) = self.child.id()
+            && let Some(pid) = rustix::process::Pid::from_raw(pid as i32)
+        {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        }
+        tokio::time::timeout(Duration::from_secs(60), self.child.wait())
+            .await
+            .expect("worker did not stop")
+            .unwrap()
+    }
+}
+
+pub fn list_visible(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| !n.starts_with('.'))
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// Parses and schema-validates the completion printed by a one-shot command;
+/// returns (exit success, event).
+pub fn completion_of(out: &Output) -> (bool, Value) {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.lines().last().unwrap_or_else(|| {
+        panic!(
+            "no completion on stdout; stderr:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    let event: Value = serde_json::from_str(line).expect("completion is JSON");
+    assert_valid_completion(&event);
+    let ok = out.status.success();
+    assert_eq!(
+        ok,
+        event["status"] == "success",
+        "exit status agrees with event: {event}"
+    );
+    (ok, event)
+}
+
+/// Validates `event` against `schemas/completion.v1.json`.
+pub fn assert_valid_completion(event: &Value) {
+    static SCHEMA: std::sync::OnceLock<jsonschema::Validator> = std::sync::OnceLock::new();
+    let validator = SCHEMA.get_or_init(|| {
+        let text = std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("schemas/completion.v1.json"),
+        )
+        .unwrap();
+        jsonschema::validator_for(&serde_json::from_str(&text).unwrap()).unwrap()
+    });
+    let errors: Vec<String> = validator
+        .iter_errors(event)
+        .map(|e| e.to_string())
+        .collect();
+    assert!(
+        errors.is_empty(),
+        "event {event} violates the schema: {errors:?}"
+    );
+}
+
+/// Runs a reference tool and returns its stdout, panicking on failure.
+pub fn tool(cmd: &str, args: &[&str]) -> String {
+    let out = std::process::Command::new(cmd).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `md5sum` of a file (hex).
+pub fn md5sum(path: &Path) -> String {
+    tool("md5sum", &[path.to_str().unwrap()])
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+/// `sha256sum` of a file (hex).
+pub fn sha256sum(path: &Path) -> String {
+    tool("sha256sum", &[path.to_str().unwrap()])
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+/// Writes `len` pseudo-random bytes (seeded, so failures reproduce).
+pub fn random_file(path: &Path, len: usize, seed: u64) {
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    let mut data = Vec::with_capacity(len + 8);
+    while data.len() < len {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        data.extend_from_slice(&state.to_le_bytes());
+    }
+    data.truncate(len);
+    std::fs::write(path, data).unwrap();
+}
+
+/// Writes a sparse raw disk of `size` bytes with random data at a few
+/// places (start, a third, the middle, the end) and zeros elsewhere.
+pub fn patchy_raw(path: &Path, size: u64, seed: u64) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::create(path).unwrap();
+    f.set_len(size).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let chunk_path = dir.path().join("chunk");
+    random_file(&chunk_path, 64 * 1024 + 17, seed);
+    let chunk = std::fs::read(chunk_path).unwrap();
+    for (i, at) in [0, size / 3, size / 2 + 4096, size.saturating_sub(70_000)]
+        .iter()
+        .enumerate()
+    {
+        let at = (*at).min(size.saturating_sub(chunk.len() as u64));
+        f.write_all_at(&chunk[..chunk.len() - i], at).unwrap();
+    }
+}
+
+/// `qemu-img convert -O raw` of the qcow2 `img` into `out`: the reference.
+pub fn reference_raw(img: &Path, out: &Path) {
+    tool(
+        "qemu-img",
+        &[
+            "convert",
+            "-f",
+            "qcow2",
+            "-O",
+            "raw",
+            img.to_str().unwrap(),
+            out.to_str().unwrap(),
+        ],
+    );
+}
+
+/// Makes a qcow2 from a raw file with `qemu-img convert` (options in `opts`).
+pub fn qcow2_from(raw: &Path, out: &Path, opts: &[&str]) {
+    let mut args = vec!["convert", "-f", "raw", "-O", "qcow2"];
+    args.extend_from_slice(opts);
+    args.push(raw.to_str().unwrap());
+    args.push(out.to_str().unwrap());
+    tool("qemu-img", &args);
+}
+
+/// A random canonical node UUID.
+pub fn node() -> String {
+    uuid::Uuid::new_v4().to_string()
+}
+
+/// GETs `url` and returns (status, body bytes).
+pub async fn get(url: &str) -> (u16, Vec<u8>) {
+    let r = reqwest::get(url).await.unwrap();
+    let status = r.status().as_u16();
+    (status, r.bytes().await.unwrap().to_vec())
+}
+
+/// A test client of the real broker: publishes commands and collects the
+/// completion events that come back on its temporary reply queue.
+pub struct Broker {
+    pub conn: lapin::Connection,
+    pub channel: lapin::Channel,
+    pub reply_queue: String,
+    replies: tokio::sync::Mutex<tokio::sync::mpsc::UnboundedReceiver<(Option<String>, Value)>>,
+}
+
+pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+impl Broker {
+    pub async fn connect() -> Broker {
+        use futures_util::StreamExt;
+        use lapin::options::*;
+        let conn = lapin::Connection::connect(AMQP_URL, lapin::ConnectionProperties::default())
+            .await
+            .expect("RabbitMQ on 127.0.0.1:5672");
+        let channel = conn.create_channel().await.unwrap();
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        let q = channel
+            .queue_declare(
+                "".into(),
+                QueueDeclareOptions {
+                    exclusive: true,
+                    auto_delete: true,
+                    ..Default::default()
+                },
+                lapin::types::FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let reply_queue = q.name().as_str().to_string();
+        let consume = conn.create_channel().await.unwrap();
+        let mut consumer = consume
+            .basic_consume(
+                reply_queue.as_str().into(),
+                "".into(),
+                BasicConsumeOptions {
+                    no_ack: true,
+                    ..Default::default()
+                },
+                lapin::types::FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let _keep = consume;
+            while let Some(Ok(d)) = consumer.next().await {
+                let corr = d
+                    .properties
+                    .correlation_id()
+                    .as_ref()
+                    .map(|c| c.as_str().to_string());
+                let v: Value = serde_json::from_slice(&d.data).expect("completion is JSON");
+                assert_valid_completion(&v);
+                if tx.send((corr, v)).is_err() {
+                    break;
+                }
+            }
+        });
+        Broker {
+            conn,
+            channel,
+            reply_queue,
+            replies: tokio::sync::Mutex::new(rx),
+        }
+    }
+
+    /// Publishes raw `body` for `host` with routing key `<host>.node.<action>`.
+    pub async fn publish_raw(
+        &self,
+        host: &str,
+        action: &str,
+        body: &[u8],
+        correlation_id: &str,
+        headers: Option<lapin::types::FieldTable>,
+        reply: bool,
+    ) {
+        use lapin::options::*;
+        let mut props = lapin::BasicProperties::default()
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2)
+            .with_correlation_id(correlation_id.into());
+        if reply {
+            props = props.with_reply_to(self.reply_queue.as_str().into());
+        }
+        if let Some(h) = headers {
+            props = props.with_headers(h);
+        }
+        let confirm = self
+            .channel
+            .basic_publish(
+                "ironic-image-worker".into(),
+                format!("{host}.node.{action}").as_str().into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..Default::default()
+                },
+                body,
+                props,
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert_eq!(
+            confirm,
+            lapin::Confirmation::Ack(None),
+            "command was routed"
+        );
+    }
+
+    /// Publishes raw bytes as a notification on Ironic's exchange
+    /// (`ironic_versioned_notifications.info`), confirmed by the broker.
+    pub async fn publish_notification(&self, body: &[u8]) {
+        self.channel
+            .basic_publish(
+                "ironic".into(),
+                "ironic_versioned_notifications.info".into(),
+                lapin::options::BasicPublishOptions::default(),
+                body,
+                Default::default(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
+    /// Publishes a command JSON and returns its correlation id.
+    pub async fn command(&self, host: &str, body: Value) -> String {
+        let corr = uuid::Uuid::new_v4().to_string();
+        let action = body["action"].as_str().unwrap_or("prepare").to_string();
+        self.publish_raw(
+            host,
+            &action,
+            body.to_string().as_bytes(),
+            &corr,
+            None,
+            true,
+        )
+        .await;
+        corr
+    }
+
+    /// The next completion event (with its correlation id).
+    pub async fn next_reply(&self, within: Duration) -> (Option<String>, Value) {
+        let mut rx = self.replies.lock().await;
+        tokio::time::timeout(within, rx.recv())
+            .await
+            .expect("a completion event in time")
+            .expect("reply consumer alive")
+    }
+
+    /// Waits for `n` replies, keyed by correlation id.
+    pub async fn replies(&self, n: usize, within: Duration) -> HashMap<String, Value> {
+        let deadline = tokio::time::Instant::now() + within;
+        let mut out = HashMap::new();
+        while out.len() < n {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let (corr, v) = self.next_reply(left).await;
+            out.insert(corr.unwrap_or_default(), v);
+        }
+        out
+    }
+
+    /// Sends one command and waits for its answer.
+    pub async fn call(&self, host: &str, body: Value) -> Value {
+        let corr = self.command(host, body).await;
+        let (got, v) = self.next_reply(Duration::from_secs(60)).await;
+        assert_eq!(
+            got.as_deref(),
+            Some(corr.as_str()),
+            "correlation_id honoured"
+        );
+        v
+    }
+
+    /// Takes every message from `queue` (acknowledging them).
+    pub async fn drain(&self, queue: &str) -> Vec<lapin::message::BasicGetMessage> {
+        use lapin::options::*;
+        let mut out = Vec::new();
+        while let Some(m) = self
+            .channel
+            .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap()
+        {
+            out.push(m);
+        }
+        out
+    }
+}
+
+/// A prepare command body.
+pub fn prepare_cmd(node: &str, source: &str) -> Value {
+    serde_json::json!({
+        "action": "prepare",
+        "node_uuid": node,
+        "request_id": uuid::Uuid::new_v4().to_string(),
+        "instance_info": {"image_source": source},
+    })
+}
+
+/// Python with Ironic installed (a virtualenv at `$IIW_IRONIC_VENV`, default
+/// `target/ironic-venv`, created on first use from PyPI), to emit
+/// notifications with Ironic's own code.
+pub fn ironic_python() -> PathBuf {
+    let venv = std::env::var_os("IIW_IRONIC_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target/ironic-venv"));
+    let parent = venv.parent().unwrap().to_path_buf();
+    std::fs::create_dir_all(&parent).unwrap();
+    let python = venv.join("bin/python");
+    let lock = std::fs::File::create(parent.join("ironic-venv.lock")).unwrap();
+    lock.lock().unwrap();
+    let ready = || {
+        std::process::Command::new(&python)
+            .args(["-c", IRONIC_VENV_IMPORTS])
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !ready() {
+        tool("python3", &["-m", "venv", venv.to_str().unwrap()]);
+        tool(
+            venv.join("bin/pip").to_str().unwrap(),
+            &["install", "-q", "--disable-pip-version-check", IRONIC_PIP],
+        );
+        let mut args = vec!["install", "-q", "--disable-pip-version-check"];
+        args.extend_from_slice(IRONIC_TEST_PIP);
+        tool(venv.join("bin/pip").to_str().unwrap(), &args);
+        assert!(ready(), "ironic is importable in {}", venv.display());
+    }
+    python
+}
+
+/// The Ironic release the notification tests emit with.
+pub const IRONIC_PIP: &str = "ironic==39.0.0";
+
+/// Beside Ironic, for the deploy interface tests (tests/it/ironic_plugin.rs):
+/// the agent whose download code verifies the result, and what runs
+/// Ironic's own test fixtures under pytest.
+pub const IRONIC_TEST_PIP: &[&str] = &[
+    "ironic-python-agent==13.0.0",
+    "pytest==9.2.0",
+    "fixtures==4.3.2",
+    "oslotest==6.1.1",
+    "testtools==2.9.1",
+];
+
+/// What a ready Ironic virtualenv imports.
+const IRONIC_VENV_IMPORTS: &str = "import ironic.conductor.notification_utils, \
+     ironic_python_agent, pytest, fixtures, oslotest";
+
+/// Emits provision_set notifications through Ironic's notifier as conductor
+/// `host`; each spec is one transition (see tests/helpers/emit_notification.py).
+pub fn emit_notifications(host: &str, specs: &[Value]) {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("specs.jsonl");
+    let lines: Vec<String> = specs.iter().map(|s| s.to_string()).collect();
+    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/helpers/emit_notification.py");
+    let out = std::process::Command::new(ironic_python())
+        .arg(script)
+        .arg(host)
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "emit failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A queue receiving the completion events published without reply_to.
+pub struct EventTap {
+    channel: lapin::Channel,
+    queue: String,
+}
+
+impl EventTap {
+    pub async fn new(broker: &Broker) -> EventTap {
+        use lapin::options::*;
+        let channel = broker.conn.create_channel().await.unwrap();
+        let q = channel
+            .queue_declare(
+                "".into(),
+                QueueDeclareOptions {
+                    exclusive: true,
+                    ..Default::default()
+                },
+                Default::default(),
+            )
+            .await
+            .unwrap();
+        channel
+            .queue_bind(
+                q.name().clone(),
+                "ironic-image-worker.events".into(),
+                "node.#".into(),
+                Default::default(),
+                Default::default(),
+            )
+            .await
+            .unwrap();
+        EventTap {
+            channel,
+            queue: q.name().as_str().to_string(),
+        }
+    }
+
+    /// The next event of conductor `host` within `wait`, with its routing key
+    /// and delivery mode.
+    pub async fn next(&self, host: &str, wait: Duration) -> Option<(String, Option<u8>, Value)> {
+        use lapin::options::*;
+        let deadline = tokio::time::Instant::now() + wait;
+        while tokio::time::Instant::now() < deadline {
+            let got = self
+                .channel
+                .basic_get(self.queue.as_str().into(), BasicGetOptions { no_ack: true })
+                .await
+                .unwrap();
+            match got {
+                Some(m) => {
+                    let v: Value = serde_json::from_slice(&m.delivery.data).unwrap();
+                    assert_valid_completion(&v);
+                    if v["conductor_host"] == host {
+                        let mode = *m.delivery.properties.delivery_mode();
+                        return Some((m.delivery.routing_key.as_str().to_string(), mode, v));
+                    }
+                }
+                None => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+        None
+    }
+
+    /// Events of conductor `host` seen within `wait` (stops early at `n`).
+    pub async fn collect(&self, host: &str, n: usize, wait: Duration) -> Vec<Value> {
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut out = Vec::new();
+        while out.len() < n {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            match self.next(host, left).await {
+                Some((_, _, v)) => out.push(v),
+                None => break,
+            }
+        }
+        out
+    }
+}
+
+/// The value of the sample `line_prefix` (metric name with labels) in a
+/// Prometheus text exposition, if present.
+pub fn metric(text: &str, line_prefix: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(line_prefix)?.strip_prefix(' ')?.parse().ok())
+}
+
+/// A raw HTTP server for fault injection, serving files of `dir` by name:
+/// `/slow/NAME` at `rate` bytes/s, `/stall/NAME` stops after half the body
+/// and holds the connection, `/short/NAME` closes after half the body
+/// (Content-Length says more), `/reset/NAME` resets the connection after
+/// half the body, `/nolength/NAME` sends it without a Content-Length,
+/// `/trickle/NAME` sends a byte every 100 ms, `/endless/ANY` streams without
+/// a length for ever, `/redirect/TARGET` answers 302 to TARGET.
+/// Counts requests per path.
+pub struct FaultServer {
+    pub addr: SocketAddr,
+    counts: Arc<Mutex<HashMap<String, usize>>>,
+}
+
+impl FaultServer {
+    pub async fn start(dir: &Path, rate: usize) -> FaultServer {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let counts: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+        let (dir, c) = (dir.to_path_buf(), counts.clone());
+        tokio::spawn(async move {
+            while let Ok((sock, _)) = listener.accept().await {
+                let (dir, c) = (dir.clone(), c.clone());
+                tokio::spawn(async move {
+                    let _ = serve_fault(sock, &dir, rate, &c).await;
+                });
+            }
+        });
+        FaultServer { addr, counts }
+    }
+
+    pub fn url(&self, mode: &str, name: &str) -> String {
+        format!("http://{}/{mode}/{name}", self.addr)
+    }
+
+    pub fn count(&self, mode: &str, name: &str) -> usize {
+        *self
+            .counts
+            .lock()
+            .unwrap()
+            .get(&format!("/{mode}/{name}"))
+            .unwrap_or(&0)
+    }
+}
+
+async fn serve_fault(
+    mut sock: tokio::net::TcpStream,
+    dir: &Path,
+    rate: usize,
+    counts: &Mutex<HashMap<String, usize>>,
+) -> std::io::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut req = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = sock.read(&mut buf).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        req.extend_from_slice(&buf[..n]);
+    }
+    let text = String::from_utf8_lossy(&req).to_string();
+    let mut words = text.split_whitespace();
+    let (method, path) = (
+        words.next().unwrap_or(""),
+        words.next().unwrap_or("").to_string(),
+    );
+    *counts.lock().unwrap().entry(path.clone()).or_default() += 1;
+    let mut parts = path.trim_start_matches('/').splitn(2, '/');
+    let (mode, name) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    // `/redirect/TARGET` answers 302 to TARGET (taken verbatim).
+    if mode == "redirect" {
+        let head = format!(
+            "HTTP/1.1 302 Found\r\nLocation: {name}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        );
+        sock.write_all(head.as_bytes()).await?;
+        return Ok(());
+    }
+    // `/endless/NAME` streams text without a Content-Length, for ever.
+    if mode == "endless" {
+        sock.write_all(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n")
+            .await?;
+        if method == "HEAD" {
+            return Ok(());
+        }
+        let line = [b'0'; 64 * 1024];
+        loop {
+            sock.write_all(&line).await?;
+        }
+    }
+    let Ok(data) = std::fs::read(dir.join(name)) else {
+        sock.write_all(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            .await?;
+        return Ok(());
+    };
+    // Last-Modified from the file itself, as a real server would answer.
+    let modified = std::fs::metadata(dir.join(name))
+        .and_then(|m| m.modified())
+        .map(httpdate::fmt_http_date)?;
+    let length = if mode == "nolength" {
+        String::new()
+    } else {
+        format!("Content-Length: {}\r\n", data.len())
+    };
+    let head = format!(
+        "HTTP/1.1 200 OK\r\n{length}Last-Modified: {modified}\r\nConnection: close\r\n\r\n"
+    );
+    sock.write_all(head.as_bytes()).await?;
+    if method == "HEAD" {
+        return Ok(());
+    }
+    let half = data.len() / 2;
+    match mode {
+        "slow" => {
+            for chunk in data.chunks(rate.max(1) / 10 + 1) {
+                sock.write_all(chunk).await?;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        "stall" => {
+            sock.write_all(&data[..half]).await?;
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+        }
+        // One byte every 100 ms (Content-Length announced).
+        "trickle" => {
+            for byte in &data {
+                sock.write_all(std::slice::from_ref(byte)).await?;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        "short" => sock.write_all(&data[..half]).await?,
+        "reset" => {
+            sock.write_all(&data[..half]).await?;
+            sock.set_zero_linger()?;
+        }
+        _ => sock.write_all(&data).await?,
+    }
+    Ok(())
+}
+
+impl Env {
+    /// Starts a second `serve` sharing this environment's queue and
+    /// directories, on its own HTTP and metrics ports.
+    pub async fn serve_another(&self, extra: &[&str]) -> Worker {
+        let (http, metrics) = (free_port(), free_port());
+        let h = format!("http.listen=127.0.0.1:{http}");
+        let m = format!("metrics.listen=127.0.0.1:{metrics}");
+        let mut args = vec!["--set", &h, "--set", &m];
+        args.extend_from_slice(extra);
+        let mut cmd = tokio::process::Command::new(BIN);
+        cmd.arg("--config")
+            .arg(&self.config)
+            .args(&args)
+            .arg("serve")
+            .env_remove("IRONIC_IMAGE_WORKER_CONFIG")
+            .env("RUST_LOG", "warn,lapin=error")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true);
+        let worker = Worker {
+            child: cmd.spawn().unwrap(),
+            http_port: http,
+            metrics_port: metrics,
+        };
+        worker.wait_healthy().await;
+        worker
+    }
+
+    /// Waits until a temporary file appears in the master cache.
+    pub async fn wait_for_temporary(&self, within: Duration) {
+        let deadline = tokio::time::Instant::now() + within;
+        while self.temporaries().is_empty() {
+            assert!(tokio::time::Instant::now() < deadline, "no work started");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Worker {
+    /// The `/metrics` page.
+    pub async fn metrics_text(&self) -> String {
+        reqwest::get(self.metrics_url("/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
+    /// SIGKILL, as a crash would.
+    pub async fn kill9(mut self) {
+        let _ = self.child.kill().await;
+    }
+}

@@ -1,0 +1,677 @@
+//! qcow2 -> raw conversion and hostile images: results compared with
+//! `qemu-img convert -O raw`, checksums with md5sum/sha256sum.
+
+use crate::common;
+
+use common::*;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+fn disk_of(env: &Env, node: &str) -> PathBuf {
+    env.images_dir().join(node).join("disk")
+}
+
+fn file_url(p: &Path) -> String {
+    format!("file://{}", p.display())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qcow2_variants_convert_exactly_like_qemu_img() {
+    let env = Env::new("");
+    let dir = env.root().join("allowed");
+    let cases: Vec<(&str, u64, Vec<&str>)> = vec![
+        ("v2", 24 << 20, vec!["-o", "compat=0.10"]),
+        ("v3", 24 << 20, vec!["-o", "compat=1.1"]),
+        ("zlib", 24 << 20, vec!["-c"]),
+        ("4k-clusters", 12 << 20, vec!["-o", "cluster_size=4096"]),
+        ("2m-clusters", 40 << 20, vec!["-o", "cluster_size=2097152"]),
+        ("odd-size", (13 << 20) + 3 * 512, vec![]),
+        ("refcount-1bit", 8 << 20, vec!["-o", "refcount_bits=1"]),
+    ];
+    for (i, (name, size, opts)) in cases.iter().enumerate() {
+        let raw = env.root().join(format!("{name}.raw"));
+        patchy_raw(&raw, *size, i as u64);
+        let img = dir.join(format!("{name}.qcow2"));
+        qcow2_from(&raw, &img, opts);
+        let reference = env.root().join(format!("{name}.ref"));
+        reference_raw(&img, &reference);
+
+        let node = node();
+        let (ok, ev) = env.prepare(&node, &file_url(&img), &[]).await;
+        assert!(ok, "{name}: {ev}");
+        assert_eq!(ev["converted"], true, "{name}");
+        assert_eq!(ev["image_disk_format"], "raw");
+        assert_eq!(
+            ev["image_size"],
+            std::fs::metadata(&reference).unwrap().len(),
+            "{name}"
+        );
+        assert_eq!(ev["image_checksum"], md5sum(&reference), "{name}");
+        assert_eq!(ev["image_os_hash_value"], sha256sum(&reference), "{name}");
+        assert_eq!(
+            std::fs::read(disk_of(&env, &node)).unwrap(),
+            std::fs::read(&reference).unwrap(),
+            "{name}"
+        );
+        let master = env.master_dir().join(format!(
+            "{}.converted",
+            ev["image_source"]
+                .as_str()
+                .map(|s| uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_URL, s.as_bytes()))
+                .unwrap()
+        ));
+        assert!(
+            master.exists(),
+            "{name}: converted master named <id>.converted"
+        );
+    }
+    assert!(env.temporaries().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mostly_empty_8g_image_writes_holes() {
+    let env = Env::new("");
+    let raw = env.root().join("big.raw");
+    patchy_raw(&raw, 8 << 30, 99);
+    let img = env.root().join("allowed/big.qcow2");
+    qcow2_from(&raw, &img, &[]);
+    std::fs::remove_file(&raw).unwrap();
+    let reference = env.root().join("big.ref");
+    reference_raw(&img, &reference);
+
+    let node = node();
+    let (ok, ev) = env.prepare(&node, &file_url(&img), &[]).await;
+    assert!(ok, "{ev}");
+    assert_eq!(ev["image_size"], 8u64 << 30);
+    assert_eq!(ev["image_checksum"], md5sum(&reference));
+    let disk = std::fs::metadata(disk_of(&env, &node)).unwrap();
+    assert!(
+        disk.blocks() * 512 < 64 << 20,
+        "zero clusters became holes: {} bytes allocated",
+        disk.blocks() * 512
+    );
+    let status = std::process::Command::new("cmp")
+        .arg(disk_of(&env, &node))
+        .arg(&reference)
+        .status()
+        .unwrap();
+    assert!(status.success(), "served bytes equal qemu-img's");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unconverted_variants_coexist_with_converted_ones() {
+    let env = Env::new("");
+    let raw = env.root().join("d.raw");
+    patchy_raw(&raw, 4 << 20, 5);
+    let img = env.root().join("allowed/d.qcow2");
+    qcow2_from(&raw, &img, &[]);
+    let url = file_url(&img);
+    let (ok, conv) = env.prepare(&node(), &url, &[]).await;
+    assert!(ok && conv["converted"] == true, "{conv}");
+    let (ok, part) = env
+        .prepare(&node(), &url, &["--image-type", "partition"])
+        .await;
+    assert!(ok && part["converted"] == false, "{part}");
+    assert_eq!(part["image_disk_format"], "qcow2");
+    assert_eq!(part["image_checksum"], md5sum(&img));
+    let (ok, again) = env.prepare(&node(), &url, &[]).await;
+    assert!(ok);
+    assert_eq!(again["cache"], "hit");
+    assert_eq!(again["image_checksum"], conv["image_checksum"]);
+    let masters = env.masters();
+    assert_eq!(masters.len(), 2, "{masters:?}");
+    assert!(masters.iter().any(|m| m.ends_with(".converted")));
+    assert!(masters.iter().any(|m| !m.contains('.')));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zstd_compressed_sources_are_decompressed() {
+    let env = Env::new("");
+    let raw = env.root().join("z.raw");
+    patchy_raw(&raw, 6 << 20, 6);
+    let img = env.root().join("z.qcow2");
+    qcow2_from(&raw, &img, &[]);
+    let compressed = env.root().join("allowed/z.qcow2.zst");
+    let data = std::fs::read(&img).unwrap();
+    std::fs::write(&compressed, zstd::encode_all(&data[..], 3).unwrap()).unwrap();
+    let reference = env.root().join("z.ref");
+    reference_raw(&img, &reference);
+    let (ok, ev) = env
+        .prepare(
+            &node(),
+            &file_url(&compressed),
+            &["--checksum", &md5sum(&compressed)],
+        )
+        .await;
+    assert!(ok, "{ev}");
+    assert_eq!(ev["converted"], true);
+    assert_eq!(ev["image_checksum"], md5sum(&reference));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_images_are_refused_with_clear_errors() {
+    let env = Env::new("");
+    let dir = env.root().join("allowed");
+    let p = |n: &str| dir.join(n).to_str().unwrap().to_string();
+    let raw = env.root().join("base.raw");
+    patchy_raw(&raw, 4 << 20, 7);
+    std::fs::copy(&raw, dir.join("base.raw")).unwrap();
+    // Backing file (created with -u: qemu-img must not open anything).
+    tool(
+        "qemu-img",
+        &[
+            "create",
+            "-f",
+            "qcow2",
+            "-u",
+            "-b",
+            &p("base.raw"),
+            "-F",
+            "raw",
+            &p("backing.qcow2"),
+            "4M",
+        ],
+    );
+    // External data file, inside the test directory.
+    tool(
+        "qemu-img",
+        &[
+            "create",
+            "-f",
+            "qcow2",
+            "-o",
+            &format!("data_file={}", p("data.bin")),
+            &p("datafile.qcow2"),
+            "4M",
+        ],
+    );
+    std::fs::write(dir.join("data.bin"), b"data file contents").unwrap();
+    // LUKS-encrypted qcow2.
+    tool(
+        "qemu-img",
+        &[
+            "create",
+            "-f",
+            "qcow2",
+            "--object",
+            "secret,id=sec0,data=hunter2",
+            "-o",
+            "encrypt.format=luks,encrypt.key-secret=sec0",
+            &p("luks.qcow2"),
+            "4M",
+        ],
+    );
+    // Truncated: cut in the middle of its tables.
+    qcow2_from(&raw, &dir.join("full.qcow2"), &[]);
+    let full = std::fs::read(dir.join("full.qcow2")).unwrap();
+    std::fs::write(dir.join("truncated.qcow2"), &full[..70_000]).unwrap();
+    // Other formats.
+    tool(
+        "qemu-img",
+        &[
+            "convert",
+            "-f",
+            "raw",
+            "-O",
+            "vmdk",
+            raw.to_str().unwrap(),
+            &p("disk.vmdk"),
+        ],
+    );
+    tool(
+        "qemu-img",
+        &[
+            "convert",
+            "-f",
+            "raw",
+            "-O",
+            "qed",
+            raw.to_str().unwrap(),
+            &p("disk.qed"),
+        ],
+    );
+
+    let cases: Vec<(&str, Vec<&str>, &[&str])> = vec![
+        ("backing.qcow2", vec![], &["unsafe_image"]),
+        ("datafile.qcow2", vec![], &["unsafe_image"]),
+        ("luks.qcow2", vec![], &["unsafe_image"]),
+        ("truncated.qcow2", vec![], &["corrupt_image"]),
+        (
+            "full.qcow2",
+            vec!["--disk-format", "raw"],
+            &["format_mismatch"],
+        ),
+        ("disk.vmdk", vec![], &["format_not_permitted"]),
+        ("disk.qed", vec![], &["format_not_permitted"]),
+    ];
+    for (file, extra, codes) in cases {
+        let (ok, ev) = env
+            .prepare(&node(), &file_url(&dir.join(file)), &extra)
+            .await;
+        assert!(!ok, "{file}: {ev}");
+        let code = ev["error"]["code"].as_str().unwrap();
+        assert!(codes.contains(&code), "{file}: {ev}");
+    }
+    // Even where vmdk/qed are permitted, the deep checks apply.
+    let set = "conductor.permitted_image_formats=raw,qcow2,vmdk,qed";
+    let (_, ev) = env
+        .prepare(&node(), &file_url(&dir.join("disk.qed")), &["--set", set])
+        .await;
+    assert_eq!(ev["error"]["code"], "unsafe_image");
+    let (ok, ev) = env
+        .prepare(&node(), &file_url(&dir.join("disk.vmdk")), &["--set", set])
+        .await;
+    assert!(ok, "monolithicSparse vmdk is converted with qemu-img: {ev}");
+    assert_eq!(ev["image_checksum"], md5sum(&raw));
+
+    assert!(env.masters().iter().all(|m| !m.starts_with('.')));
+    assert_eq!(
+        env.masters().len(),
+        1,
+        "only the permitted vmdk was cached: {:?}",
+        env.masters()
+    );
+    assert!(env.temporaries().is_empty());
+    assert_eq!(
+        std::fs::read(dir.join("data.bin")).unwrap(),
+        b"data file contents",
+        "data file untouched"
+    );
+
+    // `inspect` gives the verdict as JSON.
+    let out = env.run(&["inspect", &p("backing.qcow2")]).await;
+    assert!(!out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["format"], "qcow2");
+    assert_eq!(v["safe"], false);
+    assert_eq!(v["error"]["code"], "unsafe_image");
+    let out = env.run(&["inspect", &p("full.qcow2")]).await;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["safe"], true);
+    assert_eq!(v["virtual_size"], 4 << 20);
+}
+
+/// Flips random bytes of a valid qcow2's header and tables; every result is
+/// either a clear error or exactly qemu-img's conversion, and the worker
+/// serving them through the broker never goes down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupted_headers_never_crash_the_worker() {
+    // More cases and other seeds locally: IIW_CORRUPT_CASES, IIW_CORRUPT_SEED.
+    let count: usize = std::env::var("IIW_CORRUPT_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(220);
+    let seed_value: u64 = std::env::var("IIW_CORRUPT_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0x2545_f491_4f6c_dd1d);
+    let env = Env::new("");
+    let dir = env.root().join("allowed");
+    let raw = env.root().join("seed.raw");
+    patchy_raw(&raw, 2 << 20, 8);
+    let seed_img = env.root().join("seed.qcow2");
+    qcow2_from(&raw, &seed_img, &["-o", "cluster_size=4096"]);
+    let seed = std::fs::read(&seed_img).unwrap();
+    let mut rng = seed_value;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let mut files = Vec::new();
+    let mut mutations = Vec::new();
+    for i in 0..count {
+        let mut img = seed.clone();
+        let span = if i % 3 == 0 { 3 * 4096 } else { 112 };
+        let mut changed = Vec::new();
+        for _ in 0..1 + next() % 4 {
+            let at = (next() as usize) % span;
+            img[at] = next() as u8;
+            changed.push((at, img[at]));
+        }
+        mutations.push(changed);
+        let path = dir.join(format!("c{i}.qcow2"));
+        std::fs::write(&path, img).unwrap();
+        files.push(path);
+    }
+    let worker = env
+        .serve_with(&["--set", "convert.min_timeout=20"], &[])
+        .await;
+    let broker = Broker::connect().await;
+    let mut sent = std::collections::HashMap::new();
+    for (i, f) in files.iter().enumerate() {
+        let node = node();
+        let corr = broker
+            .command(&env.host, prepare_cmd(&node, &file_url(f)))
+            .await;
+        sent.insert(corr, (i, node));
+    }
+    let replies = broker.replies(count, Duration::from_secs(600)).await;
+    let (mut errors, mut converted, mut crashed) = (0, 0, 0);
+    for (corr, (i, node)) in &sent {
+        let ev = &replies[corr];
+        if ev["status"] == "error" {
+            errors += 1;
+            let code = ev["error"]["code"].as_str().unwrap();
+            if ev["error"]["message"]
+                .as_str()
+                .unwrap_or("")
+                .starts_with("qcow2 reader")
+            {
+                crashed += 1;
+            }
+            assert!(
+                [
+                    "corrupt_image",
+                    "unsafe_image",
+                    "format_mismatch",
+                    "format_not_permitted"
+                ]
+                .contains(&code),
+                "case {i}: {ev}"
+            );
+            continue;
+        }
+        converted += 1;
+        // Accepted: the bytes must be exactly what qemu-img makes of it.
+        let reference = env.root().join(format!("c{i}.ref"));
+        let qemu = std::process::Command::new("qemu-img")
+            .args([
+                "convert",
+                "-f",
+                ev["image_disk_format"].as_str().map(|_| "qcow2").unwrap(),
+                "-O",
+                "raw",
+            ])
+            .arg(&files[*i])
+            .arg(&reference)
+            .output()
+            .unwrap();
+        if ev["converted"] == true {
+            assert!(
+                qemu.status.success(),
+                "case {i} (bytes {:?}): we converted what qemu-img refuses ({}): {ev}",
+                mutations[*i],
+                String::from_utf8_lossy(&qemu.stderr)
+            );
+            assert_eq!(
+                ev["image_checksum"],
+                md5sum(&reference),
+                "case {i} (bytes {:?})",
+                mutations[*i]
+            );
+            assert_eq!(
+                std::fs::read(disk_of(&env, node)).unwrap(),
+                std::fs::read(&reference).unwrap(),
+                "case {i}"
+            );
+        }
+    }
+    eprintln!(
+        "{count} corrupted images: {errors} refused ({crashed} by a crash of the isolated reader), {converted} accepted"
+    );
+    assert!(errors > count / 2, "most corruptions are caught");
+    assert!(env.temporaries().is_empty());
+    // Still serving.
+    assert_eq!(
+        reqwest::get(worker.metrics_url("/healthz"))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let ok = broker
+        .call(
+            &env.host,
+            prepare_cmd(&node(), &file_url(&seed_img_copy(&env, &seed))),
+        )
+        .await;
+    assert_eq!(ok["status"], "success", "{ok}");
+}
+
+fn seed_img_copy(env: &Env, seed: &[u8]) -> PathBuf {
+    let p = env.root().join("allowed/fine.qcow2");
+    std::fs::write(&p, seed).unwrap();
+    p
+}
+
+/// The converter runs in its own process: when it dies (here: starved by a
+/// tiny address-space limit) or overruns its time, the request gets
+/// `corrupt_image` and the worker keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn converter_crash_or_timeout_is_contained() {
+    let env = Env::new("");
+    let raw = env.root().join("c.raw");
+    patchy_raw(&raw, 8 << 20, 9);
+    let img = env.root().join("allowed/c.qcow2");
+    qcow2_from(&raw, &img, &[]);
+    let worker = env
+        .serve_with(&["--set", "convert.memory_limit_mib=8"], &[])
+        .await;
+    let broker = Broker::connect().await;
+    let ev = broker
+        .call(&env.host, prepare_cmd(&node(), &file_url(&img)))
+        .await;
+    assert_eq!(ev["error"]["code"], "corrupt_image", "{ev}");
+    assert!(
+        ev["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("qcow2 reader"),
+        "{ev}"
+    );
+    assert!(env.temporaries().is_empty());
+    // Still serving: a raw image needs no converter.
+    std::fs::copy(&raw, env.root().join("allowed/c.raw")).unwrap();
+    let ok = broker
+        .call(
+            &env.host,
+            prepare_cmd(&node(), &file_url(&env.root().join("allowed/c.raw"))),
+        )
+        .await;
+    assert_eq!(ok["status"], "success", "{ok}");
+    worker.terminate().await;
+
+    let (_, ev) = env
+        .prepare(
+            &node(),
+            &file_url(&img),
+            &[
+                "--set",
+                "convert.min_timeout=0",
+                "--set",
+                "convert.min_rate_mib=100000000",
+            ],
+        )
+        .await;
+    assert_eq!(ev["error"]["code"], "corrupt_image");
+    assert!(
+        ev["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("did not finish"),
+        "{ev}"
+    );
+    assert!(env.temporaries().is_empty());
+}
+
+/// A qcow2 from an http source is converted while it downloads (throttled
+/// here, so the converter must wait for bytes): the result equals qemu-img's,
+/// a wrong checksum still refuses it, a broken download leaves nothing and
+/// no converter behind, and file:// sources convert after the copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qcow2_converted_while_it_downloads() {
+    let env = Env::new("");
+    let raw = env.root().join("disk.raw");
+    patchy_raw(&raw, 24 << 20, 31);
+    let img = env.root().join("src/disk.qcow2");
+    qcow2_from(&raw, &img, &["-c"]);
+    let reference = env.root().join("ref.raw");
+    reference_raw(&img, &reference);
+    let faults = FaultServer::start(&env.root().join("src"), 2 << 20).await;
+    let worker = env.serve().await;
+    let broker = Broker::connect().await;
+
+    let done = broker
+        .call(
+            &env.host,
+            prepare_cmd(&node(), &faults.url("slow", "disk.qcow2")),
+        )
+        .await;
+    assert_eq!(done["status"], "success", "{done}");
+    assert_eq!(done["converted"], true);
+    assert_eq!(done["image_checksum"], md5sum(&reference));
+    assert_eq!(done["image_os_hash_value"], sha256sum(&reference));
+    let text = worker.metrics_text().await;
+    let mode = |m: &str| {
+        metric(
+            &text,
+            &format!("ironic_image_worker_conversions_total{{mode=\"{m}\"}}"),
+        )
+    };
+    assert_eq!(mode("while_downloading"), Some(1.0), "{text}");
+    assert_eq!(mode("after_download"), None, "{text}");
+
+    // Converted while downloading, but the download does not match.
+    let mut cmd = prepare_cmd(&node(), &faults.url("fast", "disk.qcow2"));
+    cmd["instance_info"]["image_checksum"] = serde_json::json!("0".repeat(32));
+    let bad = broker.call(&env.host, cmd).await;
+    assert_eq!(bad["error"]["code"], "checksum_mismatch", "{bad}");
+
+    // The download breaks off half-way on every attempt.
+    let short = broker
+        .call(
+            &env.host,
+            prepare_cmd(&node(), &faults.url("short", "disk.qcow2")),
+        )
+        .await;
+    assert_eq!(short["error"]["code"], "source_unreachable", "{short}");
+    assert_eq!(env.masters().len(), 1, "{:?}", env.masters());
+    assert!(env.temporaries().is_empty(), "{:?}", env.temporaries());
+    let pid = worker.child.id().unwrap().to_string();
+    let children = tool("sh", &["-c", &format!("pgrep -P {pid} || true")]);
+    assert_eq!(children.trim(), "", "no converter left waiting");
+
+    // A file:// source is converted after it is copied.
+    let allowed = env.root().join("allowed/disk.qcow2");
+    std::fs::copy(&img, &allowed).unwrap();
+    let local = broker
+        .call(
+            &env.host,
+            prepare_cmd(&node(), &format!("file://{}", allowed.display())),
+        )
+        .await;
+    assert_eq!(local["status"], "success", "{local}");
+    assert_eq!(local["image_checksum"], md5sum(&reference));
+    let text = worker.metrics_text().await;
+    assert_eq!(
+        metric(
+            &text,
+            "ironic_image_worker_conversions_total{mode=\"after_download\"}"
+        ),
+        Some(1.0)
+    );
+}
+
+/// Writes `commands` into the qcow2 `img` with qemu-io.
+fn qemu_io(img: &Path, commands: &[&str]) {
+    let mut args = vec!["-f", "qcow2"];
+    for c in commands {
+        args.push("-c");
+        args.push(c);
+    }
+    args.push(img.to_str().unwrap());
+    tool("qemu-io", &args);
+}
+
+/// A sparse qcow2 (unallocated L1 ranges, unallocated and zero clusters,
+/// zero clusters over allocated ones, a compressed cluster, data at the
+/// very end) converts exactly like qemu-img, as a sparse file: the
+/// converter reads only the allocated clusters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sparse_qcow2_converts_by_its_allocated_clusters() {
+    let env = Env::new("");
+    let img = env.root().join("allowed/sparse.qcow2");
+    tool(
+        "qemu-img",
+        &["create", "-q", "-f", "qcow2", img.to_str().unwrap(), "6G"],
+    );
+    qemu_io(
+        &img,
+        &[
+            "write -P 0x5a 0 1M",
+            "write -P 0xa5 1G 3M",
+            "write -P 0x77 2G 1M",
+            "write -z 2G 512k",
+            "write -z 3G 2M",
+            "write -c -P 0x33 4G 64k",
+            "write -P 0x11 6143M 1M",
+        ],
+    );
+    let reference = env.root().join("sparse.ref");
+    reference_raw(&img, &reference);
+    let node = node();
+    let (ok, ev) = env.prepare(&node, &file_url(&img), &[]).await;
+    assert!(ok, "{ev}");
+    assert_eq!(ev["image_size"], 6u64 << 30);
+    assert_eq!(ev["image_checksum"], md5sum(&reference));
+    assert_eq!(ev["image_os_hash_value"], sha256sum(&reference));
+    let disk = std::fs::metadata(disk_of(&env, &node)).unwrap();
+    assert!(
+        disk.blocks() * 512 < 32 << 20,
+        "unallocated ranges are holes: {} bytes allocated",
+        disk.blocks() * 512
+    );
+    let status = std::process::Command::new("cmp")
+        .arg(disk_of(&env, &node))
+        .arg(&reference)
+        .status()
+        .unwrap();
+    assert!(status.success(), "served bytes equal qemu-img's");
+}
+
+/// A converter stopped by its limits while the image downloads is not
+/// started a second time on the complete file: the request fails at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn converter_stopped_by_its_limits_is_not_run_again() {
+    let env = Env::new("");
+    let img = env.root().join("src/huge.qcow2");
+    tool(
+        "qemu-img",
+        &["create", "-q", "-f", "qcow2", img.to_str().unwrap(), "1T"],
+    );
+    qemu_io(&img, &["write -P 0x5a 0 1M", "write -P 0xa5 512G 1M"]);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let out = env
+        .run(&[
+            "--set",
+            "convert.min_timeout=1",
+            "--set",
+            "convert.min_rate_mib=100000000",
+            "prepare",
+            "--node",
+            &node(),
+            "--image-source",
+            &server.url("huge.qcow2"),
+        ])
+        .await;
+    let (ok, ev) = completion_of(&out);
+    assert!(!ok);
+    assert_eq!(ev["error"]["code"], "corrupt_image", "{ev}");
+    assert!(
+        ev["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("did not finish"),
+        "{ev}"
+    );
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        log.matches("converting to raw").count(),
+        1,
+        "one conversion attempt: {log}"
+    );
+    assert!(env.temporaries().is_empty());
+}

@@ -1,0 +1,571 @@
+//! Faults injected into the real broker, the worker process and the image
+//! sources: nothing is lost, nothing wrong or partial is ever served.
+
+use crate::common;
+
+use common::*;
+use std::time::{Duration, Instant};
+
+const MINUTE: Duration = Duration::from_secs(60);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_short_and_reset_sources_are_retried_then_unreachable() {
+    let env = Env::new("");
+    random_file(&env.root().join("src/disk.img"), 4 << 20, 61);
+    let faults = FaultServer::start(&env.root().join("src"), 1 << 20).await;
+    for mode in ["stall", "short", "reset"] {
+        let started = Instant::now();
+        let (ok, ev) = env
+            .prepare(
+                &node(),
+                &faults.url(mode, "disk.img"),
+                &[
+                    "--set",
+                    "source.read_timeout=1",
+                    "--set",
+                    "source.retries=2",
+                ],
+            )
+            .await;
+        assert!(!ok);
+        assert_eq!(ev["error"]["code"], "source_unreachable", "{mode}: {ev}");
+        assert_eq!(
+            faults.count(mode, "disk.img"),
+            3,
+            "{mode}: one attempt and two retries"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(40),
+            "{mode}: never a hang"
+        );
+    }
+    assert!(env.masters().is_empty());
+    assert!(env.temporaries().is_empty());
+}
+
+/// kill -9 during a download: the unacknowledged command is redelivered to
+/// the restarted worker and answered exactly once, with the right bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_during_download_is_redelivered_and_answered_once() {
+    let env = Env::new("");
+    let src = env.root().join("src/disk.img");
+    random_file(&src, 6 << 20, 62);
+    let faults = FaultServer::start(&env.root().join("src"), 2 << 20).await;
+    let broker = Broker::connect().await;
+    let worker = env.serve().await;
+    let node = node();
+    let corr = broker
+        .command(
+            &env.host,
+            prepare_cmd(&node, &faults.url("slow", "disk.img")),
+        )
+        .await;
+    env.wait_for_temporary(MINUTE).await;
+    worker.kill9().await;
+    assert!(
+        !env.temporaries().is_empty(),
+        "the crash left a partial file"
+    );
+    let _again = env.serve().await;
+    let (got, ev) = broker.next_reply(MINUTE).await;
+    assert_eq!(got.as_deref(), Some(corr.as_str()));
+    assert_eq!(ev["status"], "success", "{ev}");
+    assert_eq!(ev["image_checksum"], md5sum(&src));
+    assert_eq!(
+        get(ev["image_url"].as_str().unwrap()).await.1,
+        std::fs::read(&src).unwrap()
+    );
+    assert!(
+        env.temporaries().is_empty(),
+        "start-up recovery removed the partial file"
+    );
+    let extra = tokio::time::timeout(Duration::from_secs(3), broker.next_reply(MINUTE)).await;
+    assert!(extra.is_err(), "answered exactly once");
+    assert_eq!(faults.count("slow", "disk.img"), 2);
+}
+
+/// kill -9 during a conversion: the isolated converter dies with the worker;
+/// the restarted worker converts again and answers once, as qemu-img would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_during_conversion_is_redelivered_and_answered_once() {
+    let env = Env::new("");
+    let raw = env.root().join("big.raw");
+    patchy_raw(&raw, 3 << 30, 63);
+    let img = env.root().join("allowed/big.qcow2");
+    qcow2_from(&raw, &img, &[]);
+    std::fs::remove_file(&raw).unwrap();
+    let reference = env.root().join("big.ref");
+    reference_raw(&img, &reference);
+
+    let broker = Broker::connect().await;
+    let worker = env.serve().await;
+    let corr = broker
+        .command(
+            &env.host,
+            prepare_cmd(&node(), &format!("file://{}", img.display())),
+        )
+        .await;
+    // The conversion's output is the second temporary (after the download's).
+    let deadline = Instant::now() + MINUTE;
+    loop {
+        let converting = std::fs::read_dir(env.master_dir().join(".tmp"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with(".tmp-"))
+            .count()
+            >= 2;
+        if converting {
+            break;
+        }
+        assert!(Instant::now() < deadline, "conversion never started");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    worker.kill9().await;
+    let _again = env.serve().await;
+    let (got, ev) = broker.next_reply(Duration::from_secs(300)).await;
+    assert_eq!(got.as_deref(), Some(corr.as_str()));
+    assert_eq!(ev["status"], "success", "{ev}");
+    assert_eq!(ev["image_checksum"], md5sum(&reference));
+    assert!(env.temporaries().is_empty());
+    let extra = tokio::time::timeout(Duration::from_secs(3), broker.next_reply(MINUTE)).await;
+    assert!(extra.is_err(), "answered exactly once");
+}
+
+/// SIGTERM during work: the worker stops within its grace period and the
+/// unfinished command goes back to the queue for the next worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_requeues_unfinished_work_within_the_grace_period() {
+    let env = Env::new("");
+    let src = env.root().join("src/disk.img");
+    random_file(&src, 8 << 20, 64);
+    let faults = FaultServer::start(&env.root().join("src"), 1 << 20).await;
+    let broker = Broker::connect().await;
+    let worker = env
+        .serve_with(&["--set", "amqp.shutdown_grace=1"], &[])
+        .await;
+    let corr = broker
+        .command(
+            &env.host,
+            prepare_cmd(&node(), &faults.url("slow", "disk.img")),
+        )
+        .await;
+    env.wait_for_temporary(MINUTE).await;
+    let started = Instant::now();
+    let status = worker.terminate().await;
+    assert!(status.success(), "clean exit: {status}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "stopped within the grace period"
+    );
+    let _next = env.serve().await;
+    let (got, ev) = broker.next_reply(MINUTE).await;
+    assert_eq!(got.as_deref(), Some(corr.as_str()));
+    assert_eq!(ev["image_checksum"], md5sum(&src), "{ev}");
+}
+
+/// A command whose handling keeps killing the worker is dead-lettered by the
+/// quorum queue's delivery limit instead of looping forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_message_is_dead_lettered_after_bounded_attempts() {
+    let env = Env::new("");
+    random_file(&env.root().join("src/disk.img"), 8 << 20, 65);
+    let faults = FaultServer::start(&env.root().join("src"), 1 << 20).await;
+    let broker = Broker::connect().await;
+    let limit = ["--set", "amqp.delivery_limit=1"];
+    let corr = {
+        let w = env.serve_with(&limit, &[]).await;
+        let corr = broker
+            .command(
+                &env.host,
+                prepare_cmd(&node(), &faults.url("slow", "disk.img")),
+            )
+            .await;
+        env.wait_for_temporary(MINUTE).await;
+        w.kill9().await;
+        corr
+    };
+    // Second delivery: crash again.
+    let w = env.serve_with(&limit, &[]).await;
+    env.wait_for_temporary(MINUTE).await;
+    let deadline = std::time::Instant::now() + MINUTE;
+    while faults.count("slow", "disk.img") < 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the second delivery never fetched the source"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    w.kill9().await;
+    // The limit is exceeded: the broker dead-letters instead of a third try.
+    let worker = env.serve_with(&limit, &[]).await;
+    let dead = format!("ironic-image-worker.{}.dead", env.host);
+    let mut got = Vec::new();
+    for _ in 0..200 {
+        got.extend(broker.drain(&dead).await);
+        if !got.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(got.len(), 1, "dead-lettered");
+    assert_eq!(
+        got[0]
+            .delivery
+            .properties
+            .correlation_id()
+            .as_ref()
+            .map(|c| c.as_str()),
+        Some(corr.as_str())
+    );
+    assert_eq!(faults.count("slow", "disk.img"), 2, "no third attempt");
+    // The worker is fine and answers the next command.
+    random_file(&env.root().join("src/ok.img"), 1 << 20, 66);
+    let src = SourceServer::start(&env.root().join("src")).await;
+    let ev = broker
+        .call(&env.host, prepare_cmd(&node(), &src.url("ok.img")))
+        .await;
+    assert_eq!(ev["status"], "success", "{ev}");
+    drop(worker);
+}
+
+/// Two workers share one queue and one cache: 50 nodes of one image make
+/// one download and one conversion, and every reply has the same checksums.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_workers_one_download_one_conversion() {
+    let env = Env::new("");
+    let raw = env.root().join("d.raw");
+    random_file(&raw, 6 << 20, 67);
+    qcow2_from(&raw, &env.root().join("src/d.qcow2"), &[]);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let a = env.serve().await;
+    let b = env.serve_another(&[]).await;
+    let broker = Broker::connect().await;
+    for _ in 0..50 {
+        broker
+            .command(&env.host, prepare_cmd(&node(), &server.url("d.qcow2")))
+            .await;
+    }
+    let replies = broker.replies(50, Duration::from_secs(120)).await;
+    let sums: std::collections::HashSet<String> = replies
+        .values()
+        .map(|r| {
+            assert_eq!(r["status"], "success", "{r}");
+            r["image_checksum"].as_str().unwrap().to_string()
+        })
+        .collect();
+    assert_eq!(sums.len(), 1);
+    assert_eq!(sums.into_iter().next().unwrap(), md5sum(&raw));
+    assert_eq!(server.count("GET", "d.qcow2"), 1, "one download");
+    let mut conversions = 0.0;
+    let mut served_by = Vec::new();
+    for w in [&a, &b] {
+        let text = w.metrics_text().await;
+        for line in text.lines() {
+            if let Some(v) =
+                line.strip_prefix("ironic_image_worker_conversion_duration_seconds_count ")
+            {
+                conversions += v.parse::<f64>().unwrap();
+            }
+            if let Some(v) = line.strip_prefix("ironic_image_worker_messages_consumed_total{action=\"prepare\",outcome=\"success\",source=\"command\"} ") {
+                served_by.push(v.parse::<f64>().unwrap());
+            }
+        }
+    }
+    assert_eq!(conversions, 1.0, "one conversion across both workers");
+    assert_eq!(
+        served_by.len(),
+        2,
+        "both workers took commands: {served_by:?}"
+    );
+}
+
+/// Prepare and cleanup of one node racing on two workers (cross-process node
+/// locks): whatever order wins, the node's link and image agree, and a final
+/// prepare serves the right bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_prepare_and_cleanup_stay_consistent() {
+    let env = Env::new("");
+    let src = env.root().join("src/disk.img");
+    random_file(&src, 2 << 20, 68);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let _a = env.serve().await;
+    let _b = env.serve_another(&[]).await;
+    let broker = Broker::connect().await;
+    let node = node();
+    for i in 0..40 {
+        let cmd = if i % 2 == 0 {
+            prepare_cmd(&node, &server.url("disk.img"))
+        } else {
+            serde_json::json!({"action": "cleanup", "node_uuid": node})
+        };
+        broker.command(&env.host, cmd).await;
+    }
+    let replies = broker.replies(40, MINUTE).await;
+    assert!(
+        replies.values().all(|r| r["status"] == "success"),
+        "{replies:?}"
+    );
+    let link = env.link_dir().join(&node);
+    let disk = env.images_dir().join(&node).join("disk");
+    assert_eq!(
+        link.symlink_metadata().is_ok(),
+        disk.exists(),
+        "link and image agree"
+    );
+    let last = broker
+        .call(&env.host, prepare_cmd(&node, &server.url("disk.img")))
+        .await;
+    assert_eq!(
+        get(last["image_url"].as_str().unwrap()).await.1,
+        std::fs::read(&src).unwrap()
+    );
+    assert!(env.temporaries().is_empty());
+}
+
+/// A checksum file is read into memory: one streamed without a length (or
+/// announcing more) stops at 1 MiB with `invalid_message`, not a growing
+/// process and not `checksum_mismatch`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_checksum_files_stop_at_one_mebibyte() {
+    let env = Env::new("");
+    random_file(&env.root().join("src/disk.img"), 1 << 20, 71);
+    random_file(&env.root().join("src/big.sums"), 3 << 20, 72);
+    let faults = FaultServer::start(&env.root().join("src"), 1 << 20).await;
+    let server = SourceServer::start(&env.root().join("src")).await;
+    for sums in [faults.url("endless", "sums"), server.url("big.sums")] {
+        let (ok, ev) = env
+            .prepare(&node(), &server.url("disk.img"), &["--checksum", &sums])
+            .await;
+        assert!(!ok);
+        assert_eq!(ev["error"]["code"], "invalid_message", "{ev}");
+        let msg = ev["error"]["message"].as_str().unwrap();
+        assert!(msg.contains("larger than 1 MiB"), "{msg}");
+    }
+    assert_eq!(server.count("GET", "disk.img"), 0, "nothing downloaded");
+}
+
+/// A source that sends a byte now and then never trips the read timeout;
+/// the minimum rate fails it (each attempt), and the overall deadline
+/// bounds even a steady slow source.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trickling_and_endless_downloads_are_bounded() {
+    let env = Env::new("");
+    random_file(&env.root().join("src/disk.img"), 4 << 20, 73);
+    let faults = FaultServer::start(&env.root().join("src"), 64 << 10).await;
+    let (ok, ev) = env
+        .prepare(
+            &node(),
+            &faults.url("trickle", "disk.img"),
+            &[
+                "--set",
+                "source.min_rate=100",
+                "--set",
+                "source.min_rate_window=2",
+                "--set",
+                "source.retries=1",
+            ],
+        )
+        .await;
+    assert!(!ok);
+    assert_eq!(ev["error"]["code"], "source_unreachable", "{ev}");
+    assert!(
+        ev["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("too slow"),
+        "{ev}"
+    );
+    assert_eq!(faults.count("trickle", "disk.img"), 2, "one retry");
+
+    let (ok, ev) = env
+        .prepare(
+            &node(),
+            &faults.url("slow", "disk.img"),
+            &["--set", "source.download_deadline=2"],
+        )
+        .await;
+    assert!(!ok);
+    assert_eq!(ev["error"]["code"], "source_unreachable", "{ev}");
+    assert!(
+        ev["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("deadline"),
+        "{ev}"
+    );
+    assert!(env.masters().is_empty());
+    assert!(env.temporaries().is_empty());
+}
+
+/// Redirects are bounded: never to this host's loopback (where the metrics
+/// port listens) unless allowed, never to another scheme, never in a loop;
+/// a URL too long for any HTTP stack is an invalid message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redirects_and_urls_are_bounded() {
+    let env = Env::new("");
+    random_file(&env.root().join("src/disk.img"), 1 << 20, 74);
+    let faults = FaultServer::start(&env.root().join("src"), 1 << 20).await;
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let local = faults.url("redirect", &server.url("disk.img"));
+    let (ok, ev) = env.prepare(&node(), &local, &[]).await;
+    assert!(!ok);
+    assert_eq!(ev["error"]["code"], "source_not_allowed", "{ev}");
+    assert_eq!(
+        server.count("GET", "disk.img"),
+        0,
+        "the target was not fetched"
+    );
+    let (ok, ev) = env
+        .prepare(
+            &node(),
+            &local,
+            &["--set", "source.allow_local_redirects=true"],
+        )
+        .await;
+    assert!(ok, "{ev}");
+    assert_eq!(server.count("GET", "disk.img"), 1);
+
+    let to_file = faults.url("redirect", "file:///etc/passwd");
+    let (ok, ev) = env.prepare(&node(), &to_file, &[]).await;
+    assert!(!ok);
+    assert_eq!(ev["error"]["code"], "source_not_allowed", "{ev}");
+
+    // A loop: every hop redirects to the same URL.
+    let looping = format!(
+        "http://{}/redirect/http://{}/redirect/x",
+        faults.addr, faults.addr
+    );
+    let (ok, ev) = env
+        .prepare(
+            &node(),
+            &looping,
+            &[
+                "--set",
+                "source.allow_local_redirects=true",
+                "--set",
+                "source.max_redirects=3",
+            ],
+        )
+        .await;
+    assert!(!ok);
+    assert_eq!(ev["error"]["code"], "source_not_allowed", "{ev}");
+    let hops = faults.count("redirect", "x");
+    assert!((1..=4).contains(&hops), "bounded hops: {hops}");
+
+    let long = format!("{}?{}", server.url("disk.img"), "a".repeat(64 * 1024));
+    let (ok, ev) = env.prepare(&node(), &long, &[]).await;
+    assert!(!ok);
+    assert_eq!(ev["error"]["code"], "invalid_message", "{ev}");
+    assert!(ev.to_string().len() < 4096, "the URL is not echoed back");
+}
+
+/// Credentials in a source URL never appear in the completion event (also
+/// on the events exchange) or in the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credentials_in_source_urls_are_redacted_everywhere() {
+    let env = Env::new("");
+    random_file(&env.root().join("src/disk.img"), 1 << 20, 75);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let with_password = format!("http://user:s3cretpw@{}/disk.img", server.addr);
+    let with_token = format!("http://T0KENVALUE@{}/missing.img", server.addr);
+    for (src, ok_expected) in [(&with_password, true), (&with_token, false)] {
+        let out = env
+            .run(&["prepare", "--node", &node(), "--image-source", src])
+            .await;
+        let (ok, ev) = completion_of(&out);
+        assert_eq!(ok, ok_expected, "{ev}");
+        let all = format!("{ev} {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            !all.contains("s3cretpw") && !all.contains("T0KENVALUE"),
+            "{all}"
+        );
+        assert!(
+            ev["image_source"].as_str().unwrap().contains("***@"),
+            "{ev}"
+        );
+    }
+
+    let broker = Broker::connect().await;
+    let tap = EventTap::new(&broker).await;
+    let _worker = env.serve().await;
+    let mut cmd = prepare_cmd(&node(), &with_password);
+    cmd["request_id"] = "redacted".into();
+    broker
+        .publish_raw(
+            &env.host,
+            "prepare",
+            cmd.to_string().as_bytes(),
+            "c",
+            None,
+            false,
+        )
+        .await;
+    let (_, _, ev) = tap.next(&env.host, MINUTE).await.expect("an event");
+    assert_eq!(ev["status"], "success", "{ev}");
+    assert!(!ev.to_string().contains("s3cretpw"), "{ev}");
+}
+
+/// `file://` sources: the allowed list is checked before the file system
+/// is touched (a missing file outside it answers like `/etc/passwd`), and
+/// the file is opened once beneath the allowed directory: no symlink out,
+/// no FIFO hang, no directory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_sources_are_opened_once_beneath_the_allowed_paths() {
+    let env = Env::new("");
+    let allowed = env.root().join("allowed");
+    random_file(&allowed.join("disk.img"), 1 << 20, 76);
+    std::fs::create_dir(allowed.join("sub")).unwrap();
+    std::os::unix::fs::symlink("../disk.img", allowed.join("sub/inside")).unwrap();
+    std::os::unix::fs::symlink("/etc/passwd", allowed.join("out-abs")).unwrap();
+    std::os::unix::fs::symlink("../../../../../../../etc/passwd", allowed.join("out-rel")).unwrap();
+    tool("mkfifo", &[allowed.join("fifo").to_str().unwrap()]);
+    let url = |p: &str| format!("file://{p}");
+    let inside = |n: &str| url(&allowed.join(n).display().to_string());
+    let cases = [
+        (url("/nonexistent/disk.img"), "source_not_allowed"),
+        (url("/etc/passwd"), "source_not_allowed"),
+        (inside("missing.img"), "source_not_found"),
+        (inside("out-abs"), "source_not_allowed"),
+        (inside("out-rel"), "source_not_allowed"),
+        (inside("fifo"), "source_not_allowed"),
+        (inside("sub"), "source_not_allowed"),
+        (
+            format!("{}/../src/x", url(&allowed.display().to_string())),
+            "source_not_allowed",
+        ),
+    ];
+    for (src, code) in cases {
+        let (ok, ev) = env.prepare(&node(), &src, &[]).await;
+        assert!(!ok, "{src}: {ev}");
+        assert_eq!(ev["error"]["code"], code, "{src}: {ev}");
+    }
+    let (ok, ev) = env.prepare(&node(), &inside("sub/inside"), &[]).await;
+    assert!(ok, "a symlink within the allowed directory is fine: {ev}");
+    assert_eq!(ev["image_checksum"], md5sum(&allowed.join("disk.img")));
+}
+
+/// Glance (and Keystone) answers are read into memory: one streaming for
+/// ever ends at the bound with `source_unreachable`, the process small.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endless_glance_documents_are_bounded() {
+    let env = Env::new("");
+    let faults = FaultServer::start(&env.root().join("src"), 1 << 20).await;
+    let endpoint = format!("glance.endpoint_override=http://{}/endless", faults.addr);
+    let (ok, ev) = env
+        .prepare(
+            &node(),
+            &node(),
+            &["--set", "glance.auth_type=none", "--set", &endpoint],
+        )
+        .await;
+    assert!(!ok);
+    assert_eq!(ev["error"]["code"], "source_unreachable", "{ev}");
+    assert!(
+        ev["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("larger than 8 MiB"),
+        "{ev}"
+    );
+}

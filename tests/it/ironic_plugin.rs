@@ -1,0 +1,116 @@
+//! The `direct-worker` Ironic deploy interface (`ironic-plugin/`) against
+//! real parts: Ironic 39 from PyPI with its own test database and
+//! TaskManager, the real RabbitMQ, this worker binary, images made with
+//! qemu-img, and ironic-python-agent's download code verifying the result.
+//! The cases live in `ironic-plugin/ironic_image_worker_deploy/tests/`
+//! (pytest); this test installs the plugin into the Ironic virtualenv,
+//! starts the worker and passes its parameters in `IIW_*` variables.
+
+use crate::common;
+
+use common::*;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// The plugin's source directory in this checkout.
+fn plugin_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("ironic-plugin")
+}
+
+/// Ironic's Python with this checkout's plugin installed (editable, so the
+/// tests run the code of this checkout); reinstalled only when the venv's
+/// copy points elsewhere, under the venv's lock.
+fn plugin_python() -> PathBuf {
+    let python = ironic_python();
+    let venv = python.parent().unwrap().parent().unwrap().to_path_buf();
+    let lock = std::fs::File::create(venv.parent().unwrap().join("ironic-venv.lock")).unwrap();
+    lock.lock().unwrap();
+    let package = plugin_dir().join("ironic_image_worker_deploy");
+    let installed = std::process::Command::new(&python)
+        .args([
+            "-c",
+            "import importlib.metadata as m, os, ironic_image_worker_deploy as p\n\
+             assert any(e.name == 'direct-worker' for e in \
+             m.entry_points(group='ironic.hardware.interfaces.deploy'))\n\
+             print(os.path.dirname(p.__file__))",
+        ])
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    if installed.as_deref() != Some(package.to_str().unwrap()) {
+        tool(
+            venv.join("bin/pip").to_str().unwrap(),
+            &[
+                "install",
+                "-q",
+                "--disable-pip-version-check",
+                "--no-deps",
+                "-e",
+                plugin_dir().to_str().unwrap(),
+            ],
+        );
+    }
+    python
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_worker_deploy_interface_in_ironic() {
+    let python = tokio::task::spawn_blocking(plugin_python).await.unwrap();
+    // The test's Glance (Python, inside the pytest run) listens here.
+    let glance_port = free_port();
+    let env = Env::new(&format!(
+        "[glance]\nauth_type = \"admin_token\"\ntoken = \"test-token\"\n\
+         endpoint_override = \"http://127.0.0.1:{glance_port}/image\"\n"
+    ));
+    // A worker the tests start and stop (its queue outlives it).
+    let spare = Env::new("");
+    let worker = env.serve().await;
+
+    let mut cmd = tokio::process::Command::new(python);
+    cmd.args([
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-W",
+        "ignore::DeprecationWarning",
+        "ironic_image_worker_deploy/tests",
+    ])
+    .current_dir(plugin_dir())
+    .env("IIW_WORKER_BIN", BIN)
+    .env("IIW_WORKER_HOST", &env.host)
+    .env("IIW_WORKER_HTTP_PORT", env.http_port.to_string())
+    .env("IIW_WORKER_HTTP_ROOT", env.link_dir().parent().unwrap())
+    .env("IIW_WORKER_IMAGES_PATH", env.images_dir())
+    .env("IIW_GLANCE_PORT", glance_port.to_string())
+    .env("IIW_SPARE_CONFIG", &spare.config)
+    .env("IIW_SPARE_HOST", &spare.host)
+    .env("IIW_SPARE_METRICS_PORT", spare.metrics_port.to_string())
+    .env(
+        "IIW_TRANSPORT_URL",
+        AMQP_URL
+            .replacen("amqp://", "rabbit://", 1)
+            .replace("%2f", ""),
+    )
+    .env_remove("IRONIC_IMAGE_WORKER_CONFIG")
+    .kill_on_drop(true);
+    let out = tokio::time::timeout(Duration::from_secs(300), cmd.output())
+        .await
+        .expect("pytest finished in time")
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("{text}");
+    assert!(out.status.success(), "pytest failed (its output is above)");
+    assert!(
+        !text.contains(" skipped"),
+        "no case may be skipped:\n{text}"
+    );
+    drop(worker);
+}

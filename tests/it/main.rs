@@ -1,0 +1,25 @@
+//! The integration tests, built as one binary (one link of the whole
+//! dependency tree instead of one per file). Each module is one area;
+//! `common` holds the shared fixtures. Run one area with
+//! `cargo test --test it <module>::`.
+
+mod common;
+
+mod amqp;
+mod broker_restart;
+mod cache;
+mod cluster;
+mod contracts;
+mod convert;
+mod disk_full;
+mod faults;
+mod glance;
+mod http_hostile;
+mod ironic_cache;
+mod ironic_plugin;
+mod metrics;
+mod notifications;
+mod pipeline;
+mod rabbitmq_definitions;
+mod systemd;
+mod web_servers;

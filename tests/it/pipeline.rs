@@ -1,0 +1,490 @@
+//! The core pipeline through the one-shot CLI and the embedded image server:
+//! real HTTP and file sources, real images, md5sum/sha256sum as references.
+
+use crate::common;
+
+use common::*;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_image_is_cached_hashed_linked_and_served() {
+    let env = Env::new("");
+    let src = env.root().join("src/disk.img");
+    random_file(&src, 5 * 1024 * 1024 + 123, 1);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let worker = env.serve().await;
+    let node = node();
+
+    let (ok, ev) = env
+        .prepare(
+            &node,
+            &server.url("disk.img"),
+            &["--checksum", &md5sum(&src)],
+        )
+        .await;
+    assert!(ok, "{ev}");
+    assert_eq!(ev["image_checksum"], md5sum(&src));
+    assert_eq!(ev["image_os_hash_algo"], "sha256");
+    assert_eq!(ev["image_os_hash_value"], sha256sum(&src));
+    assert_eq!(ev["image_size"], 5 * 1024 * 1024 + 123);
+    assert_eq!(ev["image_disk_format"], "raw");
+    assert_eq!(ev["cache"], "miss");
+    let url = format!("http://127.0.0.1:{}/agent_images/{node}", env.http_port);
+    assert_eq!(ev["image_url"], url);
+
+    let (status, body) = get(&url).await;
+    assert_eq!(status, 200);
+    let served = env.root().join("served");
+    std::fs::write(&served, &body).unwrap();
+    assert_eq!(md5sum(&served), md5sum(&src));
+    assert_eq!(sha256sum(&served), sha256sum(&src));
+
+    // Ironic's layout: symlink -> <images>/<node>/disk, a hard link of the master.
+    let disk = env.images_dir().join(&node).join("disk");
+    assert_eq!(
+        std::fs::read_link(env.link_dir().join(&node)).unwrap(),
+        disk
+    );
+    let masters = env.masters();
+    assert_eq!(masters.len(), 1, "{masters:?}");
+    assert!(
+        masters[0].ends_with(".converted"),
+        "force_raw applies to a whole-disk image"
+    );
+    let master = env.master_dir().join(&masters[0]);
+    assert_eq!(
+        std::fs::metadata(&master).unwrap().ino(),
+        std::fs::metadata(&disk).unwrap().ino()
+    );
+
+    // The same event again: same answer, no second request of any kind.
+    let (ok, again) = env.prepare(&node, &server.url("disk.img"), &[]).await;
+    assert!(ok);
+    assert_eq!(again["cache"], "hit");
+    for key in [
+        "image_url",
+        "image_checksum",
+        "image_os_hash_value",
+        "image_size",
+    ] {
+        assert_eq!(again[key], ev[key], "{key}");
+    }
+    assert_eq!(server.count("GET", "disk.img"), 1);
+    assert_eq!(server.count("HEAD", "disk.img"), 0);
+
+    // Another node, no checksum: Ironic's revalidation (HEAD) but no download.
+    let other = common::node();
+    let (ok, third) = env.prepare(&other, &server.url("disk.img"), &[]).await;
+    assert!(ok, "{third}");
+    assert_eq!(third["cache"], "hit");
+    assert_eq!(third["image_checksum"], ev["image_checksum"]);
+    assert_eq!(server.count("GET", "disk.img"), 1);
+    assert_eq!(server.count("HEAD", "disk.img"), 1);
+
+    // The source changes (newer Last-Modified): the next prepare downloads again.
+    random_file(&src, 1024 * 1024, 2);
+    let later = std::time::SystemTime::now() + std::time::Duration::from_secs(5);
+    std::fs::File::options()
+        .write(true)
+        .open(&src)
+        .unwrap()
+        .set_modified(later)
+        .unwrap();
+    let (ok, fresh) = env
+        .prepare(&common::node(), &server.url("disk.img"), &[])
+        .await;
+    assert!(ok, "{fresh}");
+    assert_eq!(fresh["cache"], "miss");
+    assert_eq!(fresh["image_checksum"], md5sum(&src));
+    assert_eq!(server.count("GET", "disk.img"), 2);
+    // The first node still gets the bytes announced to it.
+    let (_, body) = get(&url).await;
+    std::fs::write(&served, &body).unwrap();
+    assert_eq!(md5sum(&served), ev["image_checksum"].as_str().unwrap());
+    assert!(env.temporaries().is_empty());
+    worker.terminate().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn image_server_ranges_head_and_path_safety() {
+    let env = Env::new("");
+    let src = env.root().join("src/disk.img");
+    random_file(&src, 1024 * 1024, 3);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let worker = env.serve().await;
+    let node = node();
+    let (ok, _) = env.prepare(&node, &server.url("disk.img"), &[]).await;
+    assert!(ok);
+    let data = std::fs::read(&src).unwrap();
+    let client = reqwest::Client::new();
+    let url = worker.image_url(&format!("/agent_images/{node}"));
+
+    let r = client
+        .get(&url)
+        .header("Range", "bytes=100-199")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 206);
+    assert_eq!(
+        r.headers()["content-range"],
+        format!("bytes 100-199/{}", data.len())
+    );
+    assert_eq!(r.bytes().await.unwrap().as_ref(), &data[100..200]);
+
+    let r = client.head(&url).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["content-length"], data.len().to_string());
+    assert!(r.headers().contains_key("last-modified"));
+
+    let r = client.post(&url).send().await.unwrap();
+    assert_eq!(r.status(), 405);
+
+    // A symlink planted in http_root pointing outside the worker's directories.
+    let secret = env.root().join("secret.txt");
+    std::fs::write(&secret, "secret").unwrap();
+    std::os::unix::fs::symlink(&secret, env.link_dir().join("evil")).unwrap();
+    assert_eq!(get(&worker.image_url("/agent_images/evil")).await.0, 403);
+    // Escapes, plain and encoded, and directory listings.
+    for path in [
+        "/agent_images/../../secret.txt",
+        "/agent_images/%2e%2e/%2e%2e/secret.txt",
+        "/agent_images/..%2f..%2fsecret.txt",
+        "/agent_images/%00",
+    ] {
+        let status = get(&worker.image_url(path)).await.0;
+        assert!(status == 404 || status == 400, "{path}: {status}");
+    }
+    assert_eq!(get(&worker.image_url("/agent_images/")).await.0, 404);
+    assert_eq!(get(&worker.image_url("/agent_images")).await.0, 403);
+    assert_eq!(get(&worker.image_url("/")).await.0, 404);
+    worker.terminate().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_leave_nothing_in_the_cache() {
+    let env = Env::new("");
+    let src = env.root().join("src/disk.img");
+    random_file(&src, 2 * 1024 * 1024, 4);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let node = node();
+
+    let wrong = "0".repeat(64);
+    let (ok, ev) = env
+        .prepare(
+            &node,
+            &server.url("disk.img"),
+            &["--os-hash-algo", "sha256", "--os-hash-value", &wrong],
+        )
+        .await;
+    assert!(!ok);
+    assert_eq!(ev["error"]["code"], "checksum_mismatch");
+    assert!(ev.get("image_url").is_none());
+
+    let (_, ev) = env.prepare(&node, &server.url("missing.img"), &[]).await;
+    assert_eq!(ev["error"]["code"], "source_not_found");
+
+    let refused = format!("http://127.0.0.1:{}/disk.img", free_port());
+    let (_, ev) = env.prepare(&node, &refused, &[]).await;
+    assert_eq!(ev["error"]["code"], "source_unreachable", "{ev}");
+
+    let (_, ev) = env.prepare("../../etc", &server.url("disk.img"), &[]).await;
+    assert_eq!(ev["error"]["code"], "invalid_node_uuid");
+
+    assert!(env.masters().is_empty(), "{:?}", env.masters());
+    assert!(env.temporaries().is_empty());
+    assert!(!env.link_dir().join(&node).exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_sources_only_regular_files_under_allowed_paths() {
+    let env = Env::new("");
+    let allowed = env.root().join("allowed");
+    let img = allowed.join("disk.img");
+    random_file(&img, 1024 * 1024 + 7, 5);
+    let node = node();
+
+    let (ok, ev) = env
+        .prepare(&node, &format!("file://{}", img.display()), &[])
+        .await;
+    assert!(ok, "{ev}");
+    assert_eq!(ev["image_checksum"], md5sum(&img));
+
+    let outside = env.root().join("src/outside.img");
+    random_file(&outside, 1024, 6);
+    let (_, ev) = env
+        .prepare(&node, &format!("file://{}", outside.display()), &[])
+        .await;
+    assert_eq!(ev["error"]["code"], "source_not_allowed");
+
+    // `..` and symlinks are resolved before the check.
+    let sneaky = format!("file://{}/../src/outside.img", allowed.display());
+    let (_, ev) = env.prepare(&node, &sneaky, &[]).await;
+    assert_eq!(ev["error"]["code"], "source_not_allowed");
+    std::os::unix::fs::symlink(&outside, allowed.join("link.img")).unwrap();
+    let (_, ev) = env
+        .prepare(
+            &node,
+            &format!("file://{}/link.img", allowed.display()),
+            &[],
+        )
+        .await;
+    assert_eq!(ev["error"]["code"], "source_not_allowed");
+
+    let (_, ev) = env.prepare(&node, "file:///dev/zero", &[]).await;
+    assert_eq!(ev["error"]["code"], "source_not_allowed");
+    // Even where /dev is allowed, a device, a FIFO or a directory is refused.
+    let fifo = allowed.join("fifo");
+    tool("mkfifo", &[fifo.to_str().unwrap()]);
+    let all = format!(
+        "conductor.file_url_allowed_paths=/dev,{}",
+        allowed.display()
+    );
+    for src in [
+        "file:///dev/zero".to_string(),
+        format!("file://{}", fifo.display()),
+        format!("file://{}", allowed.display()),
+    ] {
+        let (ok, ev) = env.prepare(&node, &src, &["--set", &all]).await;
+        assert!(!ok);
+        assert_eq!(ev["error"]["code"], "source_not_allowed", "{src}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checksum_forms_and_checksum_files() {
+    let env = Env::new("");
+    let src = env.root().join("src/disk.img");
+    random_file(&src, 3 * 1024 * 1024, 7);
+    let sha = sha256sum(&src);
+    std::fs::write(
+        env.root().join("src/SHA256SUMS"),
+        format!("{}  other.img\n{sha}  disk.img\n", "1".repeat(64)),
+    )
+    .unwrap();
+    let server = SourceServer::start(&env.root().join("src")).await;
+
+    let sha512 = tool("sha512sum", &[src.to_str().unwrap()]);
+    let sha512 = sha512.split_whitespace().next().unwrap();
+    let cases: Vec<Vec<String>> = vec![
+        vec!["--checksum".into(), format!("sha256:{sha}")],
+        vec!["--checksum".into(), server.url("SHA256SUMS")],
+        vec![
+            "--os-hash-algo".into(),
+            "sha512".into(),
+            "--os-hash-value".into(),
+            sha512.into(),
+        ],
+        // os_hash wins over a wrong legacy checksum.
+        vec![
+            "--checksum".into(),
+            "0".repeat(32),
+            "--os-hash-algo".into(),
+            "sha256".into(),
+            "--os-hash-value".into(),
+            sha.clone(),
+        ],
+    ];
+    for args in cases {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (ok, ev) = env.prepare(&node(), &server.url("disk.img"), &args).await;
+        assert!(ok, "{args:?}: {ev}");
+        assert_eq!(ev["image_checksum"], md5sum(&src));
+    }
+    let (ok, ev) = env
+        .prepare(
+            &node(),
+            &server.url("disk.img"),
+            &["--os-hash-algo", "sha512", "--os-hash-value", sha512],
+        )
+        .await;
+    assert!(ok);
+    assert_eq!(ev["image_os_hash_algo"], "sha512");
+    assert_eq!(ev["image_os_hash_value"], sha512);
+
+    std::fs::write(
+        env.root().join("src/BAD"),
+        format!("{}  disk.img\n", "2".repeat(64)),
+    )
+    .unwrap();
+    let (ok, ev) = env
+        .prepare(
+            &node(),
+            &server.url("disk.img"),
+            &["--checksum", &server.url("BAD")],
+        )
+        .await;
+    assert!(!ok);
+    assert_eq!(ev["error"]["code"], "checksum_mismatch");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deployed_cleanup_and_relinking_are_idempotent() {
+    let env = Env::new("");
+    let a = env.root().join("src/a.img");
+    let b = env.root().join("src/b.img");
+    random_file(&a, 1024 * 1024, 8);
+    random_file(&b, 1024 * 1024, 9);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let worker = env.serve().await;
+    let node = node();
+    let url = worker.image_url(&format!("/agent_images/{node}"));
+
+    // Nothing prepared yet: both succeed and change nothing.
+    for action in ["deployed", "cleanup"] {
+        let (ok, ev) = env.oneshot(&[action, "--node", &node]).await;
+        assert!(ok, "{ev}");
+        assert!(!env.images_dir().join(&node).exists());
+    }
+
+    let (ok, _) = env.prepare(&node, &server.url("a.img"), &[]).await;
+    assert!(ok);
+    // A rebuild with another image replaces the node's link.
+    let (ok, ev) = env.prepare(&node, &server.url("b.img"), &[]).await;
+    assert!(ok);
+    assert_eq!(ev["image_checksum"], md5sum(&b));
+    let (_, body) = get(&url).await;
+    assert_eq!(body, std::fs::read(&b).unwrap());
+
+    let (ok, _) = env.oneshot(&["deployed", "--node", &node]).await;
+    assert!(ok);
+    assert_eq!(get(&url).await.0, 404);
+    assert!(!env.images_dir().join(&node).join("disk").exists());
+    let (ok, _) = env.oneshot(&["deployed", "--node", &node]).await;
+    assert!(ok);
+
+    let (ok, _) = env.prepare(&node, &server.url("a.img"), &[]).await;
+    assert!(ok);
+    assert_eq!(get(&url).await.0, 200);
+    let (ok, _) = env.oneshot(&["cleanup", "--node", &node]).await;
+    assert!(ok);
+    assert_eq!(get(&url).await.0, 404);
+    assert!(!env.images_dir().join(&node).exists());
+    // Masters stay cached for other nodes.
+    assert_eq!(env.masters().len(), 2);
+    worker.terminate().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_are_world_readable_under_umask_077() {
+    let env = Env::new("");
+    let src = env.root().join("src/disk.img");
+    random_file(&src, 1024 * 1024, 10);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let node = node();
+    let out = env
+        .run_with_umask(
+            Some("077"),
+            &[
+                "prepare",
+                "--node",
+                &node,
+                "--image-source",
+                &server.url("disk.img"),
+            ],
+        )
+        .await;
+    let (ok, ev) = completion_of(&out);
+    assert!(ok, "{ev}");
+    let mode = |p: std::path::PathBuf| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    let master = env.master_dir().join(&env.masters()[0]);
+    assert_eq!(mode(master), 0o644);
+    assert_eq!(mode(env.images_dir().join(&node).join("disk")), 0o644);
+    for dir in [
+        env.master_dir(),
+        env.images_dir(),
+        env.images_dir().join(&node),
+        env.link_dir(),
+    ] {
+        assert_eq!(mode(dir.clone()), 0o755, "{}", dir.display());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qcow2_kept_when_force_raw_does_not_apply() {
+    let env = Env::new("");
+    let raw = env.root().join("raw.img");
+    random_file(&raw, 2 * 1024 * 1024, 11);
+    let qcow = env.root().join("src/disk.qcow2");
+    qcow2_from(&raw, &qcow, &[]);
+    let server = SourceServer::start(&env.root().join("src")).await;
+
+    for extra in [
+        vec!["--force-raw", "false"],
+        vec!["--image-type", "partition"],
+        vec!["--stream-raw", "false"],
+    ] {
+        let (ok, ev) = env
+            .prepare(&node(), &server.url("disk.qcow2"), &extra)
+            .await;
+        assert!(ok, "{extra:?}: {ev}");
+        assert_eq!(ev["image_disk_format"], "qcow2");
+        assert_eq!(ev["converted"], false);
+        assert_eq!(ev["image_checksum"], md5sum(&qcow));
+    }
+    // One unconverted master (plain name), shared by the three requests.
+    assert_eq!(env.masters().len(), 1);
+    assert!(!env.masters()[0].ends_with(".converted"));
+
+    let (_, ev) = env
+        .prepare(
+            &node(),
+            &server.url("disk.qcow2"),
+            &["--disk-format", "raw", "--force-raw", "false"],
+        )
+        .await;
+    assert_eq!(ev["error"]["code"], "format_mismatch");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn download_source_modes() {
+    let env = Env::new("");
+    let src = env.root().join("src/disk.img");
+    random_file(&src, 1 << 20, 12);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let md5 = md5sum(&src);
+    // Ironic's `http` mode: an http(s) source is handed to the agent as is,
+    // after a HEAD check, with the checksum it was given; nothing cached.
+    let (ok, ev) = env
+        .prepare(
+            &node(),
+            &server.url("disk.img"),
+            &["--image-download-source", "http", "--checksum", &md5],
+        )
+        .await;
+    assert!(ok, "{ev}");
+    assert_eq!(ev["image_url"], server.url("disk.img"));
+    assert_eq!(ev["image_checksum"], md5);
+    assert_eq!(server.count("HEAD", "disk.img"), 1);
+    assert_eq!(server.count("GET", "disk.img"), 0);
+    assert!(env.masters().is_empty());
+    let (_, ev) = env
+        .prepare(
+            &node(),
+            &server.url("missing.img"),
+            &["--image-download-source", "http"],
+        )
+        .await;
+    assert_eq!(ev["error"]["code"], "source_not_found");
+    // file:// sources are still cached and served in `http` mode.
+    let local = env.root().join("allowed/disk.img");
+    std::fs::copy(&src, &local).unwrap();
+    let (ok, ev) = env
+        .prepare(
+            &node(),
+            &format!("file://{}", local.display()),
+            &["--image-download-source", "http"],
+        )
+        .await;
+    assert!(ok, "{ev}");
+    assert!(ev["image_url"].as_str().unwrap().contains("/agent_images/"));
+    // swift is not the worker's business.
+    let (_, ev) = env
+        .prepare(
+            &node(),
+            &server.url("disk.img"),
+            &["--image-download-source", "swift"],
+        )
+        .await;
+    assert_eq!(ev["error"]["code"], "source_not_allowed");
+}
