@@ -3,7 +3,8 @@
 //! and every command is answered (duplicates identical), none lost.
 //! Its own test binary: it stops the broker every other test relies on.
 
-use crate::common;
+#[path = "it/common/mod.rs"]
+mod common;
 
 use common::*;
 use futures_util::StreamExt;
