@@ -827,8 +827,22 @@ impl EventTap {
     }
 
     /// The next event of conductor `host` within `wait`, with its routing key
-    /// and delivery mode.
+    /// and delivery mode. Answers to messages that could not be parsed at all
+    /// (`action` "unknown") are skipped: every worker answers a malformed
+    /// notification on Ironic's shared exchange, so such an event belongs to
+    /// the test that published it, which reads it with [`EventTap::collect_any`].
     pub async fn next(&self, host: &str, wait: Duration) -> Option<(String, Option<u8>, Value)> {
+        self.next_where(host, wait, |v| v["action"] != "unknown")
+            .await
+    }
+
+    /// The next event of conductor `host` within `wait` that `keep` accepts.
+    async fn next_where(
+        &self,
+        host: &str,
+        wait: Duration,
+        keep: impl Fn(&Value) -> bool,
+    ) -> Option<(String, Option<u8>, Value)> {
         use lapin::options::*;
         let deadline = tokio::time::Instant::now() + wait;
         while tokio::time::Instant::now() < deadline {
@@ -841,7 +855,7 @@ impl EventTap {
                 Some(m) => {
                     let v: Value = serde_json::from_slice(&m.delivery.data).unwrap();
                     assert_valid_completion(&v);
-                    if v["conductor_host"] == host {
+                    if v["conductor_host"] == host && keep(&v) {
                         let mode = *m.delivery.properties.delivery_mode();
                         return Some((m.delivery.routing_key.as_str().to_string(), mode, v));
                     }
@@ -852,13 +866,30 @@ impl EventTap {
         None
     }
 
-    /// Events of conductor `host` seen within `wait` (stops early at `n`).
+    /// Events of conductor `host` seen within `wait` (stops early at `n`),
+    /// without answers to unparsable messages (see [`EventTap::next`]).
     pub async fn collect(&self, host: &str, n: usize, wait: Duration) -> Vec<Value> {
+        self.collect_where(host, n, wait, |v| v["action"] != "unknown")
+            .await
+    }
+
+    /// Every event of conductor `host` seen within `wait` (stops early at `n`).
+    pub async fn collect_any(&self, host: &str, n: usize, wait: Duration) -> Vec<Value> {
+        self.collect_where(host, n, wait, |_| true).await
+    }
+
+    async fn collect_where(
+        &self,
+        host: &str,
+        n: usize,
+        wait: Duration,
+        keep: impl Fn(&Value) -> bool,
+    ) -> Vec<Value> {
         let deadline = tokio::time::Instant::now() + wait;
         let mut out = Vec::new();
         while out.len() < n {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            match self.next(host, left).await {
+            match self.next_where(host, left, &keep).await {
                 Some((_, _, v)) => out.push(v),
                 None => break,
             }
