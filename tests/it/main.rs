@@ -1,7 +1,7 @@
 //! The integration tests, built as one binary (one link of the whole
 //! dependency tree instead of one per file). Each module is one area;
 //! `common` holds the shared fixtures. Run one area with
-//! `cargo test --test it <module>::`. The broker-restart test is a binary of
+//! `cargo test --test it -- <module>::`. The broker-restart test is a binary of
 //! its own (`tests/broker_restart.rs`): it stops the broker that every
 //! other test uses, so it must never run beside them.
 
