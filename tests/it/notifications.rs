@@ -39,6 +39,18 @@ fn deploy(node: &str, info: &Value, from: &str, event: &str) -> Vec<Value> {
 
 const WAIT: Duration = Duration::from_secs(60);
 
+/// A worker listening to Ironic's notifications and a tap on its events,
+/// with one random 1 MiB image `a.img` (made from `seed`) served over HTTP.
+async fn one_image(seed: u64) -> (Env, SourceServer, Worker, Broker, EventTap) {
+    let env = Env::new("");
+    random_file(&env.root().join("src/a.img"), 1 << 20, seed);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let worker = env.serve().await;
+    let broker = Broker::connect().await;
+    let tap = EventTap::new(&broker).await;
+    (env, server, worker, broker, tap)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_deploy_then_rebuild_then_teardown() {
     let env = Env::new("");
@@ -113,13 +125,7 @@ async fn full_deploy_then_rebuild_then_teardown() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_deploy_keeps_the_link_until_teardown() {
-    let env = Env::new("");
-    let a = env.root().join("src/a.img");
-    random_file(&a, 1 << 20, 33);
-    let server = SourceServer::start(&env.root().join("src")).await;
-    let _worker = env.serve().await;
-    let broker = Broker::connect().await;
-    let tap = EventTap::new(&broker).await;
+    let (env, server, _worker, _broker, tap) = one_image(33).await;
     let node = node();
     let link = env.link_dir().join(&node);
     let info = json!({"image_source": server.url("a.img")});
@@ -190,13 +196,7 @@ async fn failed_deploy_keeps_the_link_until_teardown() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn other_conductors_and_malformed_notifications() {
-    let env = Env::new("");
-    let a = env.root().join("src/a.img");
-    random_file(&a, 1 << 20, 34);
-    let server = SourceServer::start(&env.root().join("src")).await;
-    let worker = env.serve().await;
-    let broker = Broker::connect().await;
-    let tap = EventTap::new(&broker).await;
+    let (env, server, worker, broker, tap) = one_image(34).await;
     let node = node();
     let info = json!({"image_source": server.url("a.img")});
 
@@ -304,13 +304,7 @@ async fn wait_metric(worker: &Worker, sample: &str, at_least: f64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nodes_ironic_prepares_itself_are_never_touched() {
-    let env = Env::new("");
-    let a = env.root().join("src/a.img");
-    random_file(&a, 1 << 20, 35);
-    let server = SourceServer::start(&env.root().join("src")).await;
-    let worker = env.serve().await;
-    let broker = Broker::connect().await;
-    let tap = EventTap::new(&broker).await;
+    let (env, server, worker, _broker, tap) = one_image(35).await;
     let node = node();
     let info = json!({"image_source": server.url("a.img")});
     let stock = |mut t: Value| {
