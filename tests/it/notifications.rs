@@ -51,6 +51,19 @@ async fn one_image(seed: u64) -> (Env, SourceServer, Worker, Broker, EventTap) {
     (env, server, worker, broker, tap)
 }
 
+/// As [`one_image`], with a random 4 MiB image `a.img` (made from `seed`) behind a
+/// [`FaultServer`] whose `slow` mode sends 1 MiB/s.
+async fn slow_image(seed: u64) -> (Env, FaultServer, Worker, Broker, EventTap) {
+    let env = Env::new("");
+    let src = env.root().join("src");
+    random_file(&src.join("a.img"), 4 << 20, seed);
+    let faults = FaultServer::start(&src, 1 << 20).await;
+    let worker = env.serve().await;
+    let broker = Broker::connect().await;
+    let tap = EventTap::new(&broker).await;
+    (env, faults, worker, broker, tap)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_deploy_then_rebuild_then_teardown() {
     let env = Env::new("");
@@ -345,13 +358,7 @@ async fn nodes_ironic_prepares_itself_are_never_touched() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn notification_starts_early_and_the_command_is_answered_from_the_cache() {
-    let env = Env::new("");
-    let src = env.root().join("src");
-    random_file(&src.join("a.img"), 4 << 20, 36);
-    let faults = FaultServer::start(&src, 1 << 20).await;
-    let worker = env.serve().await;
-    let broker = Broker::connect().await;
-    let tap = EventTap::new(&broker).await;
+    let (env, faults, worker, broker, tap) = slow_image(36).await;
     let node = node();
     let url = faults.url("slow", "a.img");
     emit_notifications(
@@ -373,7 +380,10 @@ async fn notification_starts_early_and_the_command_is_answered_from_the_cache() 
     assert_eq!(early[0]["cache"], "miss");
     assert_eq!(reply["status"], "success", "{reply}");
     assert_eq!(reply["cache"], "hit", "{reply}");
-    assert_eq!(reply["image_checksum"], md5sum(&src.join("a.img")));
+    assert_eq!(
+        reply["image_checksum"],
+        md5sum(&env.root().join("src/a.img"))
+    );
     let metrics = worker.metrics_text().await;
     assert_eq!(
         metric(&metrics, "ironic_image_worker_download_bytes_total"),
@@ -387,13 +397,7 @@ async fn stray_cleanup_is_decided_under_the_node_lock() {
     // A one-shot prepare (another process on the same directories) is
     // running when a cleaning/available notification for the node arrives:
     // the worker must wait for it and clean up, not call the node a stranger.
-    let env = Env::new("");
-    let src = env.root().join("src");
-    random_file(&src.join("a.img"), 4 << 20, 37);
-    let faults = FaultServer::start(&src, 1 << 20).await;
-    let _worker = env.serve().await;
-    let broker = Broker::connect().await;
-    let tap = EventTap::new(&broker).await;
+    let (env, faults, _worker, _broker, tap) = slow_image(37).await;
     let node = node();
     let url = faults.url("slow", "a.img");
     let prepare = {
