@@ -90,6 +90,13 @@ struct Tracked {
     answered_at: Mutex<Option<Instant>>,
 }
 
+impl Tracked {
+    /// Takes the copy to acknowledge, so exactly one path settles it.
+    fn take_acker(&self) -> Option<(u64, Acker)> {
+        self.acker.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
 /// A delivery and what it was parsed into.
 pub(super) struct Job {
     inbound: Inbound,
@@ -374,11 +381,7 @@ impl Dispatcher {
         self.metrics.consumed(source, "none", "ignored");
         // A lost acknowledgement only means the message comes back and is
         // ignored again.
-        let acker = tracked
-            .acker
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
+        let acker = tracked.take_acker();
         if let Some((_, acker)) = acker {
             let _ = acker.ack(BasicAckOptions::default()).await;
         }
@@ -406,11 +409,7 @@ impl Dispatcher {
         properties: lapin::BasicProperties,
     ) {
         let link = self.link.borrow().clone();
-        let acker = tracked
-            .acker
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
+        let acker = tracked.take_acker();
         let (Some(link), Some((session, acker))) = (link, acker) else {
             // Disconnected: the delivery comes back as new work.
             self.forget(identity, tracked);
@@ -492,11 +491,7 @@ impl Dispatcher {
     /// redeliver it again and again). From here a crash loses the command.
     async fn ack_early(&self, tracked: &Tracked) {
         tracked.acked_early.store(true, Ordering::Release);
-        let acker = tracked
-            .acker
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
+        let acker = tracked.take_acker();
         if let Some((_, acker)) = acker {
             tracing::info!(
                 "work running for three quarters of [amqp]consumer_timeout: acknowledged early"
@@ -542,11 +537,7 @@ impl Dispatcher {
             .lock()
             .unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
         tracked.answered.store(true, Ordering::Release);
-        let held = tracked
-            .acker
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
+        let held = tracked.take_acker();
         let settled = match held {
             None => tracked.acked_early.load(Ordering::Acquire),
             Some((session, acker)) => {

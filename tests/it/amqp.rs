@@ -254,43 +254,6 @@ async fn send_subcommand_waits_for_the_answer() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("no queue is bound"));
 }
 
-/// A tmpfs mounted over a test directory, unmounted when dropped.
-struct Tmpfs(std::path::PathBuf);
-
-impl Tmpfs {
-    fn mount(dir: &std::path::Path) -> Tmpfs {
-        std::fs::create_dir_all(dir).unwrap();
-        tool(
-            "mount",
-            &[
-                "-t",
-                "tmpfs",
-                "-o",
-                "size=16m",
-                "tmpfs",
-                dir.to_str().unwrap(),
-            ],
-        );
-        Tmpfs(dir.to_path_buf())
-    }
-
-    fn remount(&self, mode: &str) {
-        tool(
-            "mount",
-            &["-o", &format!("remount,{mode}"), self.0.to_str().unwrap()],
-        );
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("umount")
-            .arg("-l")
-            .arg(&self.0)
-            .status();
-    }
-}
-
 /// A cleanup that meets a read-only file system is retried, not answered
 /// `internal` and forgotten: once the file system is writable again the
 /// node's link is gone and the cleanup is answered once, with success.
@@ -300,7 +263,7 @@ async fn cleanup_on_a_read_only_file_system_waits_for_it() {
     let src = env.root().join("src/disk.img");
     random_file(&src, 1024 * 1024, 25);
     let server = SourceServer::start(&env.root().join("src")).await;
-    let http_root = Tmpfs::mount(&env.root().join("httpboot"));
+    let http_root = Tmpfs::mount(&env.root().join("httpboot"), "16m");
     let worker = env.serve().await;
     let broker = Broker::connect().await;
     let node = node();

@@ -16,6 +16,24 @@ fn file_url(p: &Path) -> String {
     format!("file://{}", p.display())
 }
 
+/// The node's served disk holds exactly `reference`'s bytes (compared with
+/// `cmp`) in fewer than `max_allocated` allocated bytes; `holes` says which
+/// ranges must have become holes.
+fn assert_sparse_copy(env: &Env, node: &str, reference: &Path, max_allocated: u64, holes: &str) {
+    let disk = std::fs::metadata(disk_of(env, node)).unwrap();
+    assert!(
+        disk.blocks() * 512 < max_allocated,
+        "{holes}: {} bytes allocated",
+        disk.blocks() * 512
+    );
+    let status = std::process::Command::new("cmp")
+        .arg(disk_of(env, node))
+        .arg(reference)
+        .status()
+        .unwrap();
+    assert!(status.success(), "served bytes equal qemu-img's");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn qcow2_variants_convert_exactly_like_qemu_img() {
     let env = Env::new("");
@@ -85,18 +103,13 @@ async fn mostly_empty_8g_image_writes_holes() {
     assert!(ok, "{ev}");
     assert_eq!(ev["image_size"], 8u64 << 30);
     assert_eq!(ev["image_checksum"], md5sum(&reference));
-    let disk = std::fs::metadata(disk_of(&env, &node)).unwrap();
-    assert!(
-        disk.blocks() * 512 < 64 << 20,
-        "zero clusters became holes: {} bytes allocated",
-        disk.blocks() * 512
+    assert_sparse_copy(
+        &env,
+        &node,
+        &reference,
+        64 << 20,
+        "zero clusters became holes",
     );
-    let status = std::process::Command::new("cmp")
-        .arg(disk_of(&env, &node))
-        .arg(&reference)
-        .status()
-        .unwrap();
-    assert!(status.success(), "served bytes equal qemu-img's");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -618,18 +631,13 @@ async fn sparse_qcow2_converts_by_its_allocated_clusters() {
     assert_eq!(ev["image_size"], 6u64 << 30);
     assert_eq!(ev["image_checksum"], md5sum(&reference));
     assert_eq!(ev["image_os_hash_value"], sha256sum(&reference));
-    let disk = std::fs::metadata(disk_of(&env, &node)).unwrap();
-    assert!(
-        disk.blocks() * 512 < 32 << 20,
-        "unallocated ranges are holes: {} bytes allocated",
-        disk.blocks() * 512
+    assert_sparse_copy(
+        &env,
+        &node,
+        &reference,
+        32 << 20,
+        "unallocated ranges are holes",
     );
-    let status = std::process::Command::new("cmp")
-        .arg(disk_of(&env, &node))
-        .arg(&reference)
-        .status()
-        .unwrap();
-    assert!(status.success(), "served bytes equal qemu-img's");
 }
 
 /// A converter stopped by its limits while the image downloads is not

@@ -5,45 +5,13 @@
 use crate::common;
 
 use common::*;
-use std::path::{Path, PathBuf};
 use std::time::Duration;
-
-struct Mount(PathBuf);
-
-impl Mount {
-    fn tmpfs(at: &Path, size: &str) -> Option<Mount> {
-        std::fs::create_dir_all(at).unwrap();
-        let ok = std::process::Command::new("mount")
-            .args([
-                "-t",
-                "tmpfs",
-                "-o",
-                &format!("size={size}"),
-                "tmpfs",
-                at.to_str().unwrap(),
-            ])
-            .status()
-            .is_ok_and(|s| s.success());
-        ok.then(|| Mount(at.to_path_buf()))
-    }
-}
-
-impl Drop for Mount {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("umount")
-            .arg("-l")
-            .arg(&self.0)
-            .status();
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_disk_fails_cleanly_evicts_first_and_keeps_serving() {
     let env = Env::new("");
     let small = env.root().join("small");
-    let Some(_mount) = Mount::tmpfs(&small, "20m") else {
-        panic!("cannot mount a tmpfs (this test needs root, as CI has)");
-    };
+    let _mount = Tmpfs::mount(&small, "20m");
     let src = env.root().join("src");
     random_file(&src.join("a.img"), 8 << 20, 71);
     random_file(&src.join("b.img"), 14 << 20, 72);

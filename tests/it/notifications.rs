@@ -39,6 +39,31 @@ fn deploy(node: &str, info: &Value, from: &str, event: &str) -> Vec<Value> {
 
 const WAIT: Duration = Duration::from_secs(60);
 
+/// A worker listening to Ironic's notifications and a tap on its events,
+/// with one random 1 MiB image `a.img` (made from `seed`) served over HTTP.
+async fn one_image(seed: u64) -> (Env, SourceServer, Worker, Broker, EventTap) {
+    let env = Env::new("");
+    random_file(&env.root().join("src/a.img"), 1 << 20, seed);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let worker = env.serve().await;
+    let broker = Broker::connect().await;
+    let tap = EventTap::new(&broker).await;
+    (env, server, worker, broker, tap)
+}
+
+/// As [`one_image`], with a random 4 MiB image `a.img` (made from `seed`) behind a
+/// [`FaultServer`] whose `slow` mode sends 1 MiB/s.
+async fn slow_image(seed: u64) -> (Env, FaultServer, Worker, Broker, EventTap) {
+    let env = Env::new("");
+    let src = env.root().join("src");
+    random_file(&src.join("a.img"), 4 << 20, seed);
+    let faults = FaultServer::start(&src, 1 << 20).await;
+    let worker = env.serve().await;
+    let broker = Broker::connect().await;
+    let tap = EventTap::new(&broker).await;
+    (env, faults, worker, broker, tap)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_deploy_then_rebuild_then_teardown() {
     let env = Env::new("");
@@ -113,13 +138,7 @@ async fn full_deploy_then_rebuild_then_teardown() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_deploy_keeps_the_link_until_teardown() {
-    let env = Env::new("");
-    let a = env.root().join("src/a.img");
-    random_file(&a, 1 << 20, 33);
-    let server = SourceServer::start(&env.root().join("src")).await;
-    let _worker = env.serve().await;
-    let broker = Broker::connect().await;
-    let tap = EventTap::new(&broker).await;
+    let (env, server, _worker, _broker, tap) = one_image(33).await;
     let node = node();
     let link = env.link_dir().join(&node);
     let info = json!({"image_source": server.url("a.img")});
@@ -190,13 +209,7 @@ async fn failed_deploy_keeps_the_link_until_teardown() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn other_conductors_and_malformed_notifications() {
-    let env = Env::new("");
-    let a = env.root().join("src/a.img");
-    random_file(&a, 1 << 20, 34);
-    let server = SourceServer::start(&env.root().join("src")).await;
-    let worker = env.serve().await;
-    let broker = Broker::connect().await;
-    let tap = EventTap::new(&broker).await;
+    let (env, server, worker, broker, tap) = one_image(34).await;
     let node = node();
     let info = json!({"image_source": server.url("a.img")});
 
@@ -304,13 +317,7 @@ async fn wait_metric(worker: &Worker, sample: &str, at_least: f64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nodes_ironic_prepares_itself_are_never_touched() {
-    let env = Env::new("");
-    let a = env.root().join("src/a.img");
-    random_file(&a, 1 << 20, 35);
-    let server = SourceServer::start(&env.root().join("src")).await;
-    let worker = env.serve().await;
-    let broker = Broker::connect().await;
-    let tap = EventTap::new(&broker).await;
+    let (env, server, worker, _broker, tap) = one_image(35).await;
     let node = node();
     let info = json!({"image_source": server.url("a.img")});
     let stock = |mut t: Value| {
@@ -351,13 +358,7 @@ async fn nodes_ironic_prepares_itself_are_never_touched() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn notification_starts_early_and_the_command_is_answered_from_the_cache() {
-    let env = Env::new("");
-    let src = env.root().join("src");
-    random_file(&src.join("a.img"), 4 << 20, 36);
-    let faults = FaultServer::start(&src, 1 << 20).await;
-    let worker = env.serve().await;
-    let broker = Broker::connect().await;
-    let tap = EventTap::new(&broker).await;
+    let (env, faults, worker, broker, tap) = slow_image(36).await;
     let node = node();
     let url = faults.url("slow", "a.img");
     emit_notifications(
@@ -379,7 +380,10 @@ async fn notification_starts_early_and_the_command_is_answered_from_the_cache() 
     assert_eq!(early[0]["cache"], "miss");
     assert_eq!(reply["status"], "success", "{reply}");
     assert_eq!(reply["cache"], "hit", "{reply}");
-    assert_eq!(reply["image_checksum"], md5sum(&src.join("a.img")));
+    assert_eq!(
+        reply["image_checksum"],
+        md5sum(&env.root().join("src/a.img"))
+    );
     let metrics = worker.metrics_text().await;
     assert_eq!(
         metric(&metrics, "ironic_image_worker_download_bytes_total"),
@@ -393,13 +397,7 @@ async fn stray_cleanup_is_decided_under_the_node_lock() {
     // A one-shot prepare (another process on the same directories) is
     // running when a cleaning/available notification for the node arrives:
     // the worker must wait for it and clean up, not call the node a stranger.
-    let env = Env::new("");
-    let src = env.root().join("src");
-    random_file(&src.join("a.img"), 4 << 20, 37);
-    let faults = FaultServer::start(&src, 1 << 20).await;
-    let _worker = env.serve().await;
-    let broker = Broker::connect().await;
-    let tap = EventTap::new(&broker).await;
+    let (env, faults, _worker, _broker, tap) = slow_image(37).await;
     let node = node();
     let url = faults.url("slow", "a.img");
     let prepare = {

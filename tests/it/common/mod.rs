@@ -1099,3 +1099,49 @@ impl Worker {
         let _ = self.child.kill().await;
     }
 }
+
+/// A tmpfs of `size` mounted over a test directory (needs root, as CI has),
+/// unmounted when dropped: a real file system that fills up or turns
+/// read-only.
+pub struct Tmpfs(PathBuf);
+
+impl Tmpfs {
+    pub fn mount(dir: &Path, size: &str) -> Tmpfs {
+        std::fs::create_dir_all(dir).unwrap();
+        let out = std::process::Command::new("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size}"),
+                "tmpfs",
+                dir.to_str().unwrap(),
+            ])
+            .output();
+        match out {
+            Ok(out) if out.status.success() => Tmpfs(dir.to_path_buf()),
+            Ok(out) => panic!(
+                "cannot mount a tmpfs (this test needs root, as CI has): {}",
+                String::from_utf8_lossy(&out.stderr)
+            ),
+            Err(e) => panic!("cannot mount a tmpfs (this test needs root, as CI has): {e}"),
+        }
+    }
+
+    /// `mount -o remount,<mode>`, e.g. `ro` or `rw`.
+    pub fn remount(&self, mode: &str) {
+        tool(
+            "mount",
+            &["-o", &format!("remount,{mode}"), self.0.to_str().unwrap()],
+        );
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
