@@ -1,26 +1,34 @@
 //! The pipeline for one node: source -> verify -> inspect -> cache -> link.
 //! It knows nothing of AMQP or HTTP serving: the broker layer, the one-shot
 //! CLI and the tests all call [`Pipeline::handle`] and get a [`Completion`].
+//!
+//! This file holds the request-level API and the order of a request's steps
+//! (prepare, deployed, cleanup; cache hits, digests, node links); making a
+//! new master is in `fetch`, converting while downloading in `stream`, the
+//! cache housekeeping in `keeper`.
 
 use crate::config::Config;
 use crate::error::{Error, ErrorCode, Result};
-use crate::image::convert;
 use crate::image::inspect;
 use crate::messages::{Action, CacheOutcome, Completion, InstanceInfo, Options};
 use crate::metrics::Metrics;
-use crate::metrics::progress::Transfer;
 use crate::node::NodeUuid;
-use crate::sources::{Fetcher, Room, Source};
+use crate::sources::{Fetcher, Source};
 use crate::store::cache::{self, Cache, Master, MasterMeta};
 use crate::store::checksum::{Algo, ChecksumSpec, Expected, parse_checksum_file};
-use crate::store::fsutil::{self, TempGuard};
+use crate::store::fsutil;
 use crate::store::link::NodeLinks;
 use crate::store::lock::Locks;
-use crate::store::sink::Digests;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Instant, SystemTime};
+use std::time::Instant;
 use tracing::Instrument;
+
+mod fetch;
+mod keeper;
+mod stream;
+
+use fetch::MasterFetch;
+use keeper::Keeper;
 
 /// Everything needed to serve nodes on this conductor host.
 pub struct Pipeline {
@@ -371,17 +379,16 @@ impl Pipeline {
                 (m, CacheOutcome::Hit, None)
             }
             _ => {
-                let (m, hold) = self
-                    .fetch_master(
-                        &source,
-                        href,
-                        &name,
-                        expected.as_ref(),
-                        want_sha512,
-                        force_raw,
-                        info,
-                    )
-                    .await?;
+                let job = MasterFetch {
+                    source: &source,
+                    href,
+                    name: &name,
+                    expected: expected.as_ref(),
+                    sha512: want_sha512,
+                    force_raw,
+                    info,
+                };
+                let (m, hold) = self.fetch_master(&job).await?;
                 (m, CacheOutcome::Miss, Some(hold))
             }
         };
@@ -554,248 +561,6 @@ impl Pipeline {
             .is_some_and(|t| cache::unix_secs(t) <= meta.fetched_at))
     }
 
-    #[allow(clippy::too_many_arguments)]
-    async fn fetch_master(
-        &self,
-        source: &Source,
-        href: &str,
-        name: &str,
-        expected: Option<&Expected>,
-        sha512: bool,
-        force_raw: bool,
-        info: &InstanceInfo,
-    ) -> Result<(Master, TempGuard)> {
-        let fetched_at = cache::unix_secs(SystemTime::now());
-        let temp = TempGuard::new(self.cache.temp_path(name)?);
-        tracing::info!(source = %source.display(), master = name, "downloading");
-        let transfer = std::sync::Mutex::new(Transfer::start(&self.metrics, "download", 0));
-        let state = DownloadState::new();
-        let room = |need: Room| match need {
-            Room::Announced(len) => {
-                transfer
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .set_expected(len);
-                state.announce(len);
-                // Called inside the download: a statvfs, and an eviction
-                // only when space is short.
-                self.keeper().make_room(len)
-            }
-            Room::Growing(more) => self.keeper().make_room(more),
-        };
-        let progress = |done: u64| {
-            transfer
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .set_done(done);
-            state.received(done);
-        };
-        let hashes = crate::store::sink::Hashes {
-            sha512,
-            lazy_if_converted: force_raw,
-            keep: expected.map(|e| e.algo),
-        };
-        let started = Instant::now();
-        let download = async {
-            let result = self
-                .fetcher
-                .download(source, temp.path(), hashes, &room, &progress)
-                .await;
-            state.finish();
-            result
-        };
-        // A qcow2 to be converted is converted while it downloads when it can
-        // be (see `stream_convert`); the result is only used after the
-        // download is verified and the complete file passes every check.
-        let streamed_out = TempGuard::new(self.cache.temp_path(name)?);
-        let streaming = async {
-            let wanted = force_raw
-                && self.config.convert.stream_while_downloading
-                && !matches!(source, Source::File(_));
-            if !wanted {
-                return None;
-            }
-            let t = Instant::now();
-            let r = self
-                .stream_convert(temp.path(), streamed_out.path(), &state, sha512)
-                .await;
-            match r {
-                Ok(d) => Some(Ok((d, t.elapsed()))),
-                Err(convert::StreamFailure::Conclusive(e)) => Some(Err(e)),
-                Err(convert::StreamFailure::Retryable(e)) => {
-                    tracing::debug!(error = %e, "no conversion during the download");
-                    None
-                }
-            }
-        };
-        let (downloaded_result, streamed) = tokio::join!(download, streaming);
-        let (digests, stat) = downloaded_result?;
-        drop(transfer);
-        self.metrics.download_bytes.inc_by(digests.size);
-        self.metrics
-            .download_seconds
-            .observe(started.elapsed().as_secs_f64());
-        self.metrics
-            .hash_seconds
-            .observe(digests.hash_micros as f64 / 1e6);
-        if let Some(e) = expected {
-            let got = digests.get(e.algo).unwrap_or_default();
-            if got != e.hex {
-                return Err(Error::new(
-                    ErrorCode::ChecksumMismatch,
-                    format!(
-                        "{}: {} is {got}, expected {}",
-                        source.display(),
-                        e.algo,
-                        e.hex
-                    ),
-                ));
-            }
-        }
-        // zstd-compressed downloads are decompressed, as Ironic does, and
-        // the result is what gets inspected and served.
-        let (header, _) = inspect::read_header(temp.path())?;
-        let (temp, served) = if inspect::is_zstd(&header) {
-            let out = TempGuard::new(self.cache.temp_path(name)?);
-            let max = self.config.convert.qcow2_limits().max_virtual_size;
-            let d = convert::decompress_zstd(temp.path(), out.path(), sha512, max).await?;
-            (out, d)
-        } else {
-            (temp, digests.clone())
-        };
-        let found = inspect::inspect_file(temp.path())?;
-        inspect::check_format(
-            found.format,
-            info.image_disk_format.as_deref(),
-            &self.config.conductor.permitted_image_formats,
-        )?;
-        let qcow2 =
-            inspect::safety_check_blocking(temp.path(), &found, self.config.convert.qcow2_limits())
-                .await?;
-        let streamed = match streamed.filter(|_| found.format == inspect::Format::Qcow2) {
-            // The converter hit its limits on these very bytes: no second try.
-            Some(Err(e)) => return Err(e),
-            Some(Ok(done)) => Some(done),
-            None => None,
-        };
-        let (temp, served, converted) = if let Some((d, took)) = streamed {
-            self.metrics.conversion("while_downloading", &d, took);
-            check_converted(streamed_out.path(), &d, &found)?;
-            (streamed_out, d, true)
-        } else if force_raw && found.format.needs_conversion() {
-            let needed = self
-                .config
-                .convert
-                .raw_size_estimate(found.file_size, found.virtual_size);
-            self.off_thread(move |k| k.make_room(needed)).await?;
-            let out = TempGuard::new(self.cache.temp_path(name)?);
-            tracing::info!(
-                format = found.format.name(),
-                virtual_size = found.virtual_size,
-                "converting to raw"
-            );
-            let transfer = Transfer::start(&self.metrics, "convert", found.virtual_size);
-            let started = Instant::now();
-            let d = convert::to_raw(
-                temp.path(),
-                out.path(),
-                &found,
-                qcow2.as_ref(),
-                sha512,
-                self.config.convert.limits(),
-                &|done| transfer.set_done(done),
-            )
-            .await?;
-            drop(transfer);
-            self.metrics
-                .conversion("after_download", &d, started.elapsed());
-            check_converted(out.path(), &d, &found)?;
-            (out, d, true)
-        } else {
-            (temp, served, false)
-        };
-        let meta = MasterMeta {
-            source: href.to_string(),
-            fetched_at,
-            source_last_modified: stat.last_modified.map(cache::unix_secs),
-            source_size: digests.size,
-            source_md5: Some(digests.md5).filter(|d| !d.is_empty()),
-            source_sha256: Some(digests.sha256).filter(|d| !d.is_empty()),
-            source_sha512: digests.sha512.filter(|d| !d.is_empty()),
-            source_format: found.format.name().into(),
-            converted,
-            disk_format: if converted {
-                "raw".into()
-            } else {
-                found.format.served_name().into()
-            },
-            size: served.size,
-            md5: served.md5,
-            sha256: served.sha256,
-            sha512: served.sha512.filter(|d| !d.is_empty()),
-            inode: 0,
-        };
-        let hold = TempGuard::new(self.cache.temp_path(name)?);
-        std::fs::hard_link(temp.path(), hold.path())
-            .map_err(|e| Error::io("hold the new master", e))?;
-        let (cache, path, owned_name) = (
-            self.cache.clone(),
-            temp.path().to_path_buf(),
-            name.to_string(),
-        );
-        let master = blocking(move || cache.commit(&path, &owned_name, meta)).await?;
-        temp.keep();
-        Ok((master, hold))
-    }
-
-    /// Converts a qcow2 while `temp` is still being downloaded: waits for the
-    /// announced size, the header and the L1 table, validates them against
-    /// the announced size, makes room, then runs the converter on the
-    /// growing file. An error means "convert after the download", unless
-    /// the converter hit its limits (then it stands).
-    async fn stream_convert(
-        &self,
-        temp: &std::path::Path,
-        out: &std::path::Path,
-        state: &DownloadState,
-        sha512: bool,
-    ) -> Result<Digests, convert::StreamFailure> {
-        let not_now = |why: &str| Error::new(ErrorCode::Internal, why.to_string());
-        let wait_for = |len: u64| state.wait_for(temp, len);
-        let total = wait_for(inspect::HEADER_LEN as u64).await?;
-        let (head, _) = inspect::read_header(temp)?;
-        if inspect::detect(&head) != inspect::Format::Qcow2 {
-            return Err(not_now("not a qcow2").into());
-        }
-        let limits = self.config.convert.qcow2_limits();
-        let header = crate::image::qcow2::parse(&head, total, limits)?;
-        if !header.qcow2_rs_can_read() || header.nb_snapshots > 0 {
-            return Err(not_now("qcow2 features that need the whole file").into());
-        }
-        wait_for(header.l1_table_offset + header.l1_size as u64 * 8).await?;
-        inspect::check_qcow2_tables_blocking(temp, &header, total).await?;
-        let needed = self
-            .config
-            .convert
-            .raw_size_estimate(total, header.virtual_size);
-        self.off_thread(move |k| k.make_room(needed)).await?;
-        tracing::info!(
-            virtual_size = header.virtual_size,
-            "converting to raw while downloading"
-        );
-        let transfer = Transfer::start(&self.metrics, "convert", header.virtual_size);
-        convert::qcow2_to_raw_streaming(
-            temp,
-            out,
-            total,
-            header.virtual_size,
-            sha512,
-            self.config.convert.limits(),
-            &|done| transfer.set_done(done),
-        )
-        .await
-    }
-
     /// After the cache grew: enforce the size limit and TTL (the new master is
     /// protected by its link to the node, made before this runs).
     async fn after_growth(&self) {
@@ -812,25 +577,6 @@ impl Pipeline {
             })
             .await;
     }
-}
-
-/// The converted file must be raw and, for qcow2, exactly the virtual size.
-fn check_converted(path: &std::path::Path, d: &Digests, found: &inspect::Inspection) -> Result<()> {
-    let now = inspect::inspect_file(path)?;
-    let size_ok =
-        found.format != inspect::Format::Qcow2 || d.size == convert::raw_size(found.virtual_size);
-    if now.format.is_raw() && size_ok {
-        return Ok(());
-    }
-    Err(Error::new(
-        ErrorCode::CorruptImage,
-        format!(
-            "converted to raw, but the result is {} of {} bytes (virtual size {})",
-            now.format.name(),
-            d.size,
-            found.virtual_size
-        ),
-    ))
 }
 
 /// True when the master's recorded source digest equals what Ironic expects
@@ -854,124 +600,6 @@ fn set_source_digest(meta: &mut MasterMeta, algo: Algo, hex: String) {
         Algo::Md5 => meta.source_md5 = Some(hex),
         Algo::Sha256 => meta.source_sha256 = Some(hex),
         Algo::Sha512 => meta.source_sha512 = Some(hex),
-    }
-}
-
-/// The cache housekeeping (eviction, free space, gauges): cheap to clone,
-/// so it runs on a blocking thread.
-struct Keeper {
-    cache: Cache,
-    policy: crate::store::eviction::Policy,
-    metrics: Arc<Metrics>,
-}
-
-impl Keeper {
-    /// Applies the cache policy, reclaiming at least `amount` bytes if it can.
-    fn clean(
-        &self,
-        amount: u64,
-        all_unused: bool,
-        dry_run: bool,
-    ) -> Result<crate::store::eviction::Report> {
-        let report =
-            crate::store::eviction::clean(&self.cache, self.policy, amount, all_unused, dry_run)?;
-        if !dry_run {
-            self.metrics.evictions.inc_by(report.evicted.len() as u64);
-        }
-        Ok(report)
-    }
-
-    /// Makes sure `needed` bytes are free in the cache, evicting unused
-    /// masters first, as Ironic does before a download or conversion.
-    fn make_room(&self, needed: u64) -> Result<()> {
-        let dir = self.cache.dir();
-        let free = fsutil::free_space(dir)?;
-        if needed > free {
-            let report = self.clean(needed - free, false, false)?;
-            if !report.evicted.is_empty() {
-                tracing::info!(
-                    evicted = report.evicted.len(),
-                    freed = report.freed,
-                    "evicted to make room"
-                );
-            }
-        }
-        fsutil::check_space(dir, needed)
-    }
-
-    /// Refreshes the cache gauges from the directory.
-    fn refresh_cache_gauges(&self) {
-        self.metrics
-            .cache_limit
-            .set(self.policy.size_limit.min(i64::MAX as u64) as i64);
-        if let Ok(entries) = crate::store::eviction::list(&self.cache) {
-            self.metrics.cache_state(&entries);
-        }
-    }
-}
-
-/// What a download tells the conversion running beside it: the announced
-/// length, the bytes received, the end; waiters are woken as it advances
-/// instead of polling the file.
-struct DownloadState {
-    announced: AtomicU64,
-    received: AtomicU64,
-    over: AtomicBool,
-    advanced: tokio::sync::Notify,
-}
-
-impl DownloadState {
-    fn new() -> DownloadState {
-        DownloadState {
-            announced: AtomicU64::new(u64::MAX),
-            received: AtomicU64::new(0),
-            over: AtomicBool::new(false),
-            advanced: tokio::sync::Notify::new(),
-        }
-    }
-
-    fn announce(&self, len: u64) {
-        self.announced.store(len, Ordering::Release);
-        self.advanced.notify_waiters();
-    }
-
-    fn received(&self, done: u64) {
-        self.received.store(done, Ordering::Release);
-        self.advanced.notify_waiters();
-    }
-
-    fn finish(&self) {
-        self.over.store(true, Ordering::Release);
-        self.advanced.notify_waiters();
-    }
-
-    /// Waits until the first `len` bytes (at most the announced length) are
-    /// in `temp`; the announced length. Fails when the download ends first.
-    async fn wait_for(&self, temp: &std::path::Path, len: u64) -> Result<u64> {
-        loop {
-            let woken = self.advanced.notified();
-            tokio::pin!(woken);
-            woken.as_mut().enable();
-            let total = self.announced.load(Ordering::Acquire);
-            let want = len.min(total);
-            // The file is looked at only once that many bytes were received
-            // (the writer thread lands them shortly after).
-            if total != u64::MAX
-                && self.received.load(Ordering::Acquire) >= want
-                && std::fs::metadata(temp).is_ok_and(|m| m.len() >= want)
-            {
-                return Ok(total);
-            }
-            if self.over.load(Ordering::Acquire) {
-                return Err(Error::new(
-                    ErrorCode::Internal,
-                    "download over before the range arrived",
-                ));
-            }
-            // Woken by the next chunk; the bound covers the last bytes the
-            // writer lands after the last chunk was announced.
-            let _ = tokio::time::timeout(std::time::Duration::from_millis(50), woken).await;
-        }
     }
 }
 
