@@ -17,6 +17,7 @@
 //! | `metrics` | Prometheus metrics and transfer progress |
 //! | [`config`] | configuration (TOML, environment, `--set`, ironic.conf) |
 //! | `node` | the validated node UUID |
+//! | `retry` | the jittered exponential backoff of reconnects and download retries |
 //! | [`error`] | the one error type and its closed list of codes |
 //!
 //! # How a request flows
@@ -39,6 +40,7 @@ pub(crate) mod messages;
 pub(crate) mod metrics;
 pub(crate) mod node;
 pub(crate) mod pipeline;
+pub(crate) mod retry;
 pub(crate) mod service;
 pub(crate) mod sources;
 pub(crate) mod store;

@@ -13,7 +13,7 @@ use super::topology::Topology;
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::pipeline::Pipeline;
-use backon::{BackoffBuilder, ExponentialBuilder};
+use backon::BackoffBuilder;
 use futures_util::StreamExt;
 use lapin::options::*;
 use lapin::types::{FieldTable, ShortString};
@@ -61,17 +61,14 @@ pub async fn run(
     while !*stop.borrow() {
         let index = next % brokers.len();
         next = next.wrapping_add(1);
-        let outcome = session(
-            &brokers,
-            index,
-            !declared,
-            &dispatcher,
-            &metrics,
-            &connected,
-            &mut stop,
-            &config,
-        )
-        .await;
+        let shared = Shared {
+            brokers: &brokers,
+            dispatcher: &dispatcher,
+            metrics: &metrics,
+            connected: &connected,
+            config: &config,
+        };
+        let outcome = session(&shared, index, !declared, &mut stop).await;
         connected.store(false, Ordering::Relaxed);
         metrics.amqp_connected.set(0);
         match &outcome {
@@ -129,11 +126,7 @@ pub async fn run(
 
 /// Jittered exponential backoff; [`MAX_DELAY`] caps each value after jitter.
 fn reconnect_backoff() -> impl Iterator<Item = Duration> {
-    ExponentialBuilder::default()
-        .with_min_delay(Duration::from_millis(200))
-        .with_max_delay(MAX_DELAY / 2)
-        .with_jitter()
-        .without_max_times()
+    crate::retry::jittered(Duration::from_millis(200), MAX_DELAY / 2, None)
         .build()
         .map(|d| d.min(MAX_DELAY))
 }
@@ -202,18 +195,31 @@ async fn open(
     })
 }
 
-/// One connection's lifetime. Err: could not get going.
-#[allow(clippy::too_many_arguments)]
+/// What every session of one [`run`] shares.
+struct Shared<'a> {
+    brokers: &'a Brokers,
+    dispatcher: &'a Arc<Dispatcher>,
+    metrics: &'a Metrics,
+    /// Mirrors the connection state for `/readyz`.
+    connected: &'a AtomicBool,
+    config: &'a Config,
+}
+
+/// One connection's lifetime, to broker `index` (declaring the topology
+/// when `declare`). Err: could not get going.
 async fn session(
-    brokers: &Brokers,
+    shared: &Shared<'_>,
     index: usize,
     declare: bool,
-    dispatcher: &Arc<Dispatcher>,
-    metrics: &Metrics,
-    connected: &AtomicBool,
     stop: &mut watch::Receiver<bool>,
-    config: &Config,
 ) -> Result<Ended, String> {
+    let Shared {
+        brokers,
+        dispatcher,
+        metrics,
+        connected,
+        config,
+    } = *shared;
     let limit = Duration::from_secs(config.amqp.connect_timeout.max(1));
     let step = std::sync::atomic::AtomicUsize::new(0);
     let opened = tokio::select! {

@@ -315,11 +315,11 @@ impl Fetcher {
     }
 
     fn backoff(&self) -> ExponentialBuilder {
-        ExponentialBuilder::default()
-            .with_min_delay(Duration::from_millis(200))
-            .with_max_delay(Duration::from_secs(10))
-            .with_jitter()
-            .with_max_times(self.retries as usize)
+        crate::retry::jittered(
+            Duration::from_millis(200),
+            Duration::from_secs(10),
+            Some(self.retries as usize),
+        )
     }
 
     async fn retrying<T, F, Fut>(&self, op: F) -> Result<T>

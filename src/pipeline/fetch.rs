@@ -1,0 +1,353 @@
+//! Making a new master, step by step: download and verify against the
+//! expected checksum (with a qcow2 converted alongside when it can be, see
+//! `stream`), decompress zstd, inspect, convert after the download when it
+//! must be, commit to the cache. Nothing partial becomes a master: every
+//! step works on temporaries that are removed unless committed. It knows
+//! nothing of nodes (linking is the request's business), the broker or HTTP
+//! serving.
+
+use super::stream::DownloadState;
+use super::{Pipeline, blocking};
+use crate::error::{Error, ErrorCode, Result};
+use crate::image::convert;
+use crate::image::inspect;
+use crate::messages::InstanceInfo;
+use crate::metrics::progress::Transfer;
+use crate::sources::{Room, Source, SourceStat};
+use crate::store::cache::{self, Master, MasterMeta};
+use crate::store::checksum::Expected;
+use crate::store::fsutil::TempGuard;
+use crate::store::sink::Digests;
+use std::path::Path;
+use std::time::{Duration, Instant, SystemTime};
+
+/// What the steps of one master download share: where it comes from, the
+/// master's name, and what the request wants of it.
+pub(super) struct MasterFetch<'a> {
+    /// The image source.
+    pub(super) source: &'a Source,
+    /// The source as Ironic named it (recorded in the sidecar).
+    pub(super) href: &'a str,
+    /// The master's name in the cache.
+    pub(super) name: &'a str,
+    /// The checksum the source bytes must have, when one is known.
+    pub(super) expected: Option<&'a Expected>,
+    /// Whether SHA-512 digests are computed.
+    pub(super) sha512: bool,
+    /// Whether images that can be converted are converted to raw.
+    pub(super) force_raw: bool,
+    /// Ironic's `instance_info` (the declared disk format).
+    pub(super) info: &'a InstanceInfo,
+}
+
+/// A verified download: its digests, what the source said about it, when
+/// the download started.
+struct Downloaded {
+    digests: Digests,
+    stat: SourceStat,
+    fetched_at: u64,
+}
+
+/// The outcome of a conversion while downloading, when one ran to the end
+/// (or hit its limits): its digests and how long it took.
+type Streamed = Option<Result<(Digests, Duration)>>;
+
+impl Pipeline {
+    /// Downloads `job.source` into a new master (committed) and returns it
+    /// with a hold: a hard link that keeps the file until the caller linked
+    /// it to the node, so no eviction can take it in between.
+    pub(super) async fn fetch_master(&self, job: &MasterFetch<'_>) -> Result<(Master, TempGuard)> {
+        let download = TempGuard::new(self.cache.temp_path(job.name)?);
+        tracing::info!(source = %job.source.display(), master = job.name, "downloading");
+        // A qcow2 to be converted is converted while it downloads when it can
+        // be (see `stream_convert`); the result is only used after the
+        // download is verified and the complete file passes every check.
+        let streamed_out = TempGuard::new(self.cache.temp_path(job.name)?);
+        let (downloaded, streamed) = self
+            .download_verified(job, download.path(), streamed_out.path())
+            .await?;
+        // zstd-compressed downloads are decompressed, as Ironic does, and
+        // the result is what gets inspected and served.
+        let (temp, served) = match self.decompress_zstd(job, download.path()).await? {
+            Some(unpacked) => unpacked,
+            None => (download, downloaded.digests.clone()),
+        };
+        let (found, qcow2) = self.inspect_download(job, temp.path()).await?;
+        let streamed = match streamed.filter(|_| found.format == inspect::Format::Qcow2) {
+            // The converter hit its limits on these very bytes: no second try.
+            Some(Err(e)) => return Err(e),
+            Some(Ok(done)) => Some(done),
+            None => None,
+        };
+        let (temp, served, converted) = if let Some((d, took)) = streamed {
+            self.metrics.conversion("while_downloading", &d, took);
+            check_converted(streamed_out.path(), &d, &found)?;
+            (streamed_out, d, true)
+        } else if job.force_raw && found.format.needs_conversion() {
+            let (out, d) = self
+                .convert_after_download(job, temp.path(), &found, qcow2.as_ref())
+                .await?;
+            (out, d, true)
+        } else {
+            (temp, served, false)
+        };
+        let meta = master_meta(job.href, downloaded, &found, served, converted);
+        self.commit_master(job.name, temp, meta).await
+    }
+
+    /// Downloads into `temp` (converting into `streamed_out` alongside when
+    /// wanted) and checks the bytes against the expected checksum.
+    async fn download_verified(
+        &self,
+        job: &MasterFetch<'_>,
+        temp: &Path,
+        streamed_out: &Path,
+    ) -> Result<(Downloaded, Streamed)> {
+        let fetched_at = cache::unix_secs(SystemTime::now());
+        let transfer = std::sync::Mutex::new(Transfer::start(&self.metrics, "download", 0));
+        let state = DownloadState::new();
+        let room = |need: Room| match need {
+            Room::Announced(len) => {
+                transfer
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .set_expected(len);
+                state.announce(len);
+                // Called inside the download: a statvfs, and an eviction
+                // only when space is short.
+                self.keeper().make_room(len)
+            }
+            Room::Growing(more) => self.keeper().make_room(more),
+        };
+        let progress = |done: u64| {
+            transfer
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .set_done(done);
+            state.received(done);
+        };
+        let hashes = crate::store::sink::Hashes {
+            sha512: job.sha512,
+            lazy_if_converted: job.force_raw,
+            keep: job.expected.map(|e| e.algo),
+        };
+        let started = Instant::now();
+        let download = async {
+            let result = self
+                .fetcher
+                .download(job.source, temp, hashes, &room, &progress)
+                .await;
+            state.finish();
+            result
+        };
+        let streaming = self.convert_alongside(job, temp, streamed_out, &state);
+        let (downloaded_result, streamed) = tokio::join!(download, streaming);
+        let (digests, stat) = downloaded_result?;
+        drop(transfer);
+        self.metrics.download_bytes.inc_by(digests.size);
+        self.metrics
+            .download_seconds
+            .observe(started.elapsed().as_secs_f64());
+        self.metrics
+            .hash_seconds
+            .observe(digests.hash_micros as f64 / 1e6);
+        if let Some(e) = job.expected {
+            let got = digests.get(e.algo).unwrap_or_default();
+            if got != e.hex {
+                return Err(Error::new(
+                    ErrorCode::ChecksumMismatch,
+                    format!(
+                        "{}: {} is {got}, expected {}",
+                        job.source.display(),
+                        e.algo,
+                        e.hex
+                    ),
+                ));
+            }
+        }
+        let downloaded = Downloaded {
+            digests,
+            stat,
+            fetched_at,
+        };
+        Ok((downloaded, streamed))
+    }
+
+    /// The conversion running beside the download, when wanted: `None` when
+    /// it is not wanted or could not be done (then the image is converted
+    /// after the download).
+    async fn convert_alongside(
+        &self,
+        job: &MasterFetch<'_>,
+        temp: &Path,
+        out: &Path,
+        state: &DownloadState,
+    ) -> Streamed {
+        let wanted = job.force_raw
+            && self.config.convert.stream_while_downloading
+            && !matches!(job.source, Source::File(_));
+        if !wanted {
+            return None;
+        }
+        let t = Instant::now();
+        match self.stream_convert(temp, out, state, job.sha512).await {
+            Ok(d) => Some(Ok((d, t.elapsed()))),
+            Err(convert::StreamFailure::Conclusive(e)) => Some(Err(e)),
+            Err(convert::StreamFailure::Retryable(e)) => {
+                tracing::debug!(error = %e, "no conversion during the download");
+                None
+            }
+        }
+    }
+
+    /// A zstd-compressed download, decompressed into a new temporary with
+    /// its digests; `None` when the download is not zstd.
+    async fn decompress_zstd(
+        &self,
+        job: &MasterFetch<'_>,
+        temp: &Path,
+    ) -> Result<Option<(TempGuard, Digests)>> {
+        let (header, _) = inspect::read_header(temp)?;
+        if !inspect::is_zstd(&header) {
+            return Ok(None);
+        }
+        let out = TempGuard::new(self.cache.temp_path(job.name)?);
+        let max = self.config.convert.qcow2_limits().max_virtual_size;
+        let d = convert::decompress_zstd(temp, out.path(), job.sha512, max).await?;
+        Ok(Some((out, d)))
+    }
+
+    /// Inspects the downloaded image: its format must be the declared one
+    /// and permitted, and a qcow2 must pass the safety checks.
+    async fn inspect_download(
+        &self,
+        job: &MasterFetch<'_>,
+        temp: &Path,
+    ) -> Result<(inspect::Inspection, Option<crate::image::qcow2::Header>)> {
+        let found = inspect::inspect_file(temp)?;
+        inspect::check_format(
+            found.format,
+            job.info.image_disk_format.as_deref(),
+            &self.config.conductor.permitted_image_formats,
+        )?;
+        let qcow2 =
+            inspect::safety_check_blocking(temp, &found, self.config.convert.qcow2_limits())
+                .await?;
+        Ok((found, qcow2))
+    }
+
+    /// Converts the complete download to raw (after making room for it)
+    /// into a new temporary, and checks the result.
+    async fn convert_after_download(
+        &self,
+        job: &MasterFetch<'_>,
+        temp: &Path,
+        found: &inspect::Inspection,
+        qcow2: Option<&crate::image::qcow2::Header>,
+    ) -> Result<(TempGuard, Digests)> {
+        let needed = self
+            .config
+            .convert
+            .raw_size_estimate(found.file_size, found.virtual_size);
+        self.off_thread(move |k| k.make_room(needed)).await?;
+        let out = TempGuard::new(self.cache.temp_path(job.name)?);
+        tracing::info!(
+            format = found.format.name(),
+            virtual_size = found.virtual_size,
+            "converting to raw"
+        );
+        let transfer = Transfer::start(&self.metrics, "convert", found.virtual_size);
+        let started = Instant::now();
+        let d = convert::to_raw(
+            temp,
+            out.path(),
+            found,
+            qcow2,
+            job.sha512,
+            self.config.convert.limits(),
+            &|done| transfer.set_done(done),
+        )
+        .await?;
+        drop(transfer);
+        self.metrics
+            .conversion("after_download", &d, started.elapsed());
+        check_converted(out.path(), &d, found)?;
+        Ok((out, d))
+    }
+
+    /// Commits `temp` as the master `name` with its sidecar, holding it by a
+    /// hard link first (see [`Pipeline::fetch_master`]).
+    async fn commit_master(
+        &self,
+        name: &str,
+        temp: TempGuard,
+        meta: MasterMeta,
+    ) -> Result<(Master, TempGuard)> {
+        let hold = TempGuard::new(self.cache.temp_path(name)?);
+        std::fs::hard_link(temp.path(), hold.path())
+            .map_err(|e| Error::io("hold the new master", e))?;
+        let (cache, path, owned_name) = (
+            self.cache.clone(),
+            temp.path().to_path_buf(),
+            name.to_string(),
+        );
+        let master = blocking(move || cache.commit(&path, &owned_name, meta)).await?;
+        temp.keep();
+        Ok((master, hold))
+    }
+}
+
+/// The sidecar of a new master: what was downloaded, what is served.
+fn master_meta(
+    href: &str,
+    downloaded: Downloaded,
+    found: &inspect::Inspection,
+    served: Digests,
+    converted: bool,
+) -> MasterMeta {
+    let Downloaded {
+        digests,
+        stat,
+        fetched_at,
+    } = downloaded;
+    MasterMeta {
+        source: href.to_string(),
+        fetched_at,
+        source_last_modified: stat.last_modified.map(cache::unix_secs),
+        source_size: digests.size,
+        source_md5: Some(digests.md5).filter(|d| !d.is_empty()),
+        source_sha256: Some(digests.sha256).filter(|d| !d.is_empty()),
+        source_sha512: digests.sha512.filter(|d| !d.is_empty()),
+        source_format: found.format.name().into(),
+        converted,
+        disk_format: if converted {
+            "raw".into()
+        } else {
+            found.format.served_name().into()
+        },
+        size: served.size,
+        md5: served.md5,
+        sha256: served.sha256,
+        sha512: served.sha512.filter(|d| !d.is_empty()),
+        inode: 0,
+    }
+}
+
+/// The converted file must be raw and, for qcow2, exactly the virtual size.
+fn check_converted(path: &std::path::Path, d: &Digests, found: &inspect::Inspection) -> Result<()> {
+    let now = inspect::inspect_file(path)?;
+    let size_ok =
+        found.format != inspect::Format::Qcow2 || d.size == convert::raw_size(found.virtual_size);
+    if now.format.is_raw() && size_ok {
+        return Ok(());
+    }
+    Err(Error::new(
+        ErrorCode::CorruptImage,
+        format!(
+            "converted to raw, but the result is {} of {} bytes (virtual size {})",
+            now.format.name(),
+            d.size,
+            found.virtual_size
+        ),
+    ))
+}

@@ -1,0 +1,320 @@
+//! The pipeline for one node: source -> verify -> inspect -> cache -> link.
+//! It knows nothing of AMQP or HTTP serving: the broker layer, the one-shot
+//! CLI and the tests all call [`Pipeline::handle`] and get a [`Completion`].
+//!
+//! This file holds the request-level API and the order of a request's steps
+//! (deployed, cleanup, the dispatch of every action); preparing a node is
+//! in `prepare`, making a new master in `fetch`, converting while
+//! downloading in `stream`, the cache housekeeping in `keeper`.
+
+use crate::config::Config;
+use crate::error::{Error, ErrorCode, Result};
+use crate::messages::{Action, Completion, InstanceInfo, Options};
+use crate::metrics::Metrics;
+use crate::node::NodeUuid;
+use crate::sources::Fetcher;
+use crate::store::cache::Cache;
+use crate::store::fsutil;
+use crate::store::link::NodeLinks;
+use crate::store::lock::Locks;
+use std::sync::Arc;
+use std::time::Instant;
+use tracing::Instrument;
+
+mod fetch;
+mod keeper;
+mod prepare;
+mod stream;
+
+use keeper::Keeper;
+
+/// Everything needed to serve nodes on this conductor host.
+pub struct Pipeline {
+    config: Config,
+    http_url: String,
+    cache: Cache,
+    links: NodeLinks,
+    node_locks: Locks,
+    fetcher: Fetcher,
+    metrics: Arc<Metrics>,
+}
+
+/// A request as the pipeline sees it, whatever carried it.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// What to do.
+    pub action: Action,
+    /// The node UUID as received (validated by the pipeline).
+    pub node_uuid: String,
+    /// Command `request_id` or notification `message_id`.
+    pub request_id: Option<String>,
+    /// Ironic's `instance_info` (prepare only).
+    pub instance_info: InstanceInfo,
+    /// Per-request overrides.
+    pub options: Options,
+    /// A cleanup inferred from a notification that is only wanted when the
+    /// node has files here (stray cleaning/available transitions of nodes
+    /// this worker never prepared are not answered).
+    pub only_if_prepared: bool,
+}
+
+impl Pipeline {
+    /// Opens the directories (removing nothing: read-only commands build a
+    /// pipeline too; see [`Pipeline::recover`]). Transfers and evictions are
+    /// recorded in `metrics`.
+    pub fn new(config: Config, metrics: Arc<Metrics>) -> Result<Pipeline> {
+        let cache = Cache::open(&config.pxe.instance_master_path)?;
+        let links = NodeLinks::open(
+            &config.pxe.images_path,
+            &config.deploy.http_root,
+            &config.deploy.http_image_subdir,
+            cache.owner(),
+        )?;
+        let node_locks = Locks::new(config.pxe.images_path.join(".locks"))?;
+        Ok(Pipeline {
+            http_url: config.http_url(),
+            fetcher: Fetcher::new(&config)?,
+            config,
+            cache,
+            links,
+            node_locks,
+            metrics,
+        })
+    }
+
+    /// Start-up recovery for commands that write (`serve`, one-shot
+    /// prepare, `cache clean`): removes temporaries whose writer is gone
+    /// (never those of a process still running), brings a master directory
+    /// of the earlier layout into the current one, and says clearly when
+    /// the master directory and `images_path` are on different file systems
+    /// (node images are then copies, not hard links).
+    pub fn recover(&self) -> Result<()> {
+        let cache = self.cache.recover()?;
+        let removed = cache.temporaries + self.links.remove_stale_temps()?;
+        if removed > 0 {
+            tracing::info!(
+                removed,
+                "removed temporaries left by processes that are gone"
+            );
+        }
+        if cache.sidecars_moved > 0 {
+            tracing::info!(
+                moved = cache.sidecars_moved,
+                "moved cache sidecars of the earlier layout into .meta/"
+            );
+        }
+        let (master, images) = (
+            &self.config.pxe.instance_master_path,
+            &self.config.pxe.images_path,
+        );
+        if fsutil::device_of(master) != fsutil::device_of(images) {
+            tracing::warn!(
+                master = %master.display(),
+                images = %images.display(),
+                "[pxe]instance_master_path and [pxe]images_path are on different file systems: \
+                 node images cannot be hard links and will be full copies of the masters"
+            );
+        }
+        Ok(())
+    }
+
+    /// True when the node has a published link or a cached image here.
+    pub fn has_node_files(&self, node: &str) -> bool {
+        NodeUuid::parse(node).is_ok_and(|n| {
+            self.links.symlink_path(&n).symlink_metadata().is_ok()
+                || self.links.node_dir(&n).exists()
+        })
+    }
+
+    /// Applies the cache policy (see `eviction`), reclaiming at least
+    /// `amount` bytes if it can (blocking: file-system work).
+    pub fn clean_cache(
+        &self,
+        amount: u64,
+        all_unused: bool,
+        dry_run: bool,
+    ) -> Result<crate::store::eviction::Report> {
+        self.keeper().clean(amount, all_unused, dry_run)
+    }
+
+    /// Refreshes the cache and link gauges from the directories (blocking).
+    pub fn refresh_gauges(&self) {
+        self.keeper().refresh_cache_gauges();
+        self.metrics
+            .active_links
+            .set(self.links.count_published() as i64);
+    }
+
+    /// The masters in the cache, oldest-used first.
+    pub fn cache_entries(&self) -> Result<Vec<crate::store::eviction::Entry>> {
+        crate::store::eviction::list(&self.cache)
+    }
+
+    /// The cache housekeeping, to run on a blocking thread.
+    fn keeper(&self) -> Keeper {
+        Keeper {
+            cache: self.cache.clone(),
+            policy: self.config.eviction_policy(),
+            metrics: self.metrics.clone(),
+        }
+    }
+
+    /// Runs cache housekeeping on a blocking thread, so the async threads
+    /// keep serving images and messages (statvfs, listing, unlinks).
+    async fn off_thread<T: Send + 'static>(
+        &self,
+        work: impl FnOnce(&Keeper) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        let keeper = self.keeper();
+        blocking(move || work(&keeper)).await
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Handles one request and always answers with a completion event. Every
+    /// log line inside carries the node, request id and action.
+    /// `only_if_prepared` is not looked at: see [`Pipeline::handle_unless_stray`].
+    pub async fn handle(&self, req: &Request) -> Completion {
+        let mut req = req.clone();
+        req.only_if_prepared = false;
+        match self.handle_unless_stray(&req).await {
+            Some(done) => done,
+            None => Completion::new(req.action, Some(req.node_uuid.clone()), req.request_id, ""),
+        }
+    }
+
+    /// Handles one request; `None` when it is a cleanup wanted only if the
+    /// node was prepared here (`only_if_prepared`) and the node has no files
+    /// here. That is decided under the node lock, so a prepare of the node
+    /// in progress in any process sharing the directories is waited for
+    /// and then cleaned up, never missed.
+    pub async fn handle_unless_stray(&self, req: &Request) -> Option<Completion> {
+        let span = tracing::error_span!(
+            "request",
+            node = %req.node_uuid,
+            request_id = req.request_id.as_deref().unwrap_or(""),
+            action = req.action.as_str()
+        );
+        let gauge = self
+            .metrics
+            .in_flight
+            .with_label_values(&[req.action.as_str()]);
+        gauge.inc();
+        let done = self.handle_inner(req).instrument(span).await;
+        gauge.dec();
+        if let Some(done) = &done {
+            self.metrics.record(done);
+        }
+        done
+    }
+
+    async fn handle_inner(&self, req: &Request) -> Option<Completion> {
+        let started = Instant::now();
+        let mut done = Completion::new(
+            req.action,
+            Some(req.node_uuid.clone()),
+            req.request_id.clone(),
+            &self.config.default.host,
+        );
+        if req.action == Action::Prepare {
+            // Credentials in the URL never leave in an event, nor a source
+            // too long to be one.
+            done.image_source = req
+                .instance_info
+                .image_source
+                .as_deref()
+                .filter(|s| s.len() <= crate::sources::MAX_URL_LEN)
+                .map(crate::config::redact_url);
+        }
+        let result = match NodeUuid::parse(&req.node_uuid) {
+            Err(e) => Err(e),
+            Ok(node) => {
+                done.node_uuid = Some(node.to_string());
+                match req.action {
+                    Action::Prepare => self.prepare(&node, req, &mut done).await,
+                    Action::Deployed => self.release(&node, false, false).await,
+                    Action::Cleanup => self.release(&node, true, req.only_if_prepared).await,
+                    Action::Unknown => Err(Error::new(ErrorCode::InvalidMessage, "unknown action")),
+                }
+            }
+        };
+        if matches!(result, Ok(Released::Stray)) {
+            return None;
+        }
+        if let Err(e) = result {
+            tracing::warn!(error = %e, "request failed");
+            done = done.failed(&e);
+        }
+        done.duration_ms = started.elapsed().as_millis() as u64;
+        Some(done)
+    }
+
+    /// deployed: withdraw the URL and the node's link; cleanup: also remove
+    /// the node's directory. Doing it twice changes nothing. With
+    /// `only_if_prepared`, a node without files here is left alone (decided
+    /// under the node lock).
+    async fn release(
+        &self,
+        node: &NodeUuid,
+        whole_dir: bool,
+        only_if_prepared: bool,
+    ) -> Result<Released> {
+        let _node = self.node_locks.acquire(node.as_str()).await?;
+        if only_if_prepared && !self.has_node_files(node.as_str()) {
+            return Ok(Released::Stray);
+        }
+        if self.links.unpublish(node)? {
+            self.metrics.active_links.dec();
+        }
+        // Removing a node's directory and listing the cache touch the disk:
+        // off the async threads.
+        let (links, owned) = (self.links.clone(), node.clone());
+        blocking(move || {
+            if whole_dir {
+                links.remove_node_dir(&owned)?;
+            } else {
+                links.remove_disk(&owned)?;
+            }
+            Ok(())
+        })
+        .await?;
+        self.refresh_cache_gauges().await;
+        Ok(Released::Done)
+    }
+
+    /// After the cache grew: enforce the size limit and TTL (the new master is
+    /// protected by its link to the node, made before this runs).
+    async fn after_growth(&self) {
+        if let Err(e) = self.off_thread(|k| k.clean(0, false, false)).await {
+            tracing::warn!(error = %e, "cache clean-up failed");
+        }
+    }
+
+    async fn refresh_cache_gauges(&self) {
+        let _ = self
+            .off_thread(|k| {
+                k.refresh_cache_gauges();
+                Ok(())
+            })
+            .await;
+    }
+}
+
+/// What a request did to the node's files.
+enum Released {
+    /// The work was done.
+    Done,
+    /// A cleanup only wanted if the node was prepared here, and it was not.
+    Stray,
+}
+
+/// Runs blocking file-system work (fsync, copies, hashing) on a blocking
+/// thread, so the async threads keep serving images and messages.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::new(ErrorCode::Internal, format!("blocking task: {e}")))?
+}

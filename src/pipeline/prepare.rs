@@ -1,0 +1,317 @@
+//! Preparing a node: resolve the source and the expected checksum, reuse
+//! the cached master when it is still good (computing digests it lacks) or
+//! make a new one (`fetch`), link it for the node and say where it is
+//! served. It knows nothing of the broker or HTTP serving: the served URL
+//! is only a string built from the configuration.
+
+use super::fetch::MasterFetch;
+use super::{Pipeline, Released, Request, blocking};
+use crate::error::{Error, ErrorCode, Result};
+use crate::image::inspect;
+use crate::messages::{CacheOutcome, Completion, InstanceInfo};
+use crate::node::NodeUuid;
+use crate::sources::Source;
+use crate::store::cache::{self, Master, MasterMeta};
+use crate::store::checksum::{Algo, ChecksumSpec, Expected, parse_checksum_file};
+
+impl Pipeline {
+    /// Makes the image ready for `node` and fills `done` with where and
+    /// how it is served.
+    pub(super) async fn prepare(
+        &self,
+        node: &NodeUuid,
+        req: &Request,
+        done: &mut Completion,
+    ) -> Result<Released> {
+        let info = &req.instance_info;
+        let href = info
+            .image_source
+            .as_deref()
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorCode::InvalidMessage,
+                    "instance_info.image_source is required",
+                )
+            })?;
+        let source = Source::parse(href, &self.config)?;
+        // `<id>` and `glance://<id>` are one image: recorded by its id.
+        let href = match &source {
+            Source::Glance(id) => id.as_str(),
+            _ => href,
+        };
+        let mut info = info.clone();
+        self.complete_from_glance(&source, &mut info).await?;
+        let info = &info;
+        let spec = ChecksumSpec::from_fields(
+            info.image_checksum.as_deref(),
+            info.image_os_hash_algo.as_deref(),
+            info.image_os_hash_value.as_deref(),
+        )?;
+        let mode = info
+            .image_download_source
+            .as_deref()
+            .unwrap_or(&self.config.agent.image_download_source);
+        match (mode, &source) {
+            ("swift", _) => {
+                return Err(Error::new(
+                    ErrorCode::SourceNotAllowed,
+                    "image_download_source=swift is not handled by this worker",
+                ));
+            }
+            ("http", Source::Http(_)) => {
+                return self
+                    .pass_through(&source, href, spec, done)
+                    .await
+                    .map(|()| Released::Done);
+            }
+            ("local" | "http", _) => {}
+            (other, _) => {
+                return Err(Error::new(
+                    ErrorCode::InvalidMessage,
+                    format!("unknown image_download_source {other:?}"),
+                ));
+            }
+        }
+        let expected = match spec {
+            None => None,
+            Some(spec) => Some(self.resolve_checksum(spec, &source).await?),
+        };
+        let force_raw = req
+            .options
+            .force_raw
+            .unwrap_or(self.config.default.force_raw_images)
+            && req
+                .options
+                .stream_raw
+                .unwrap_or(self.config.agent.stream_raw_images)
+            && info.is_whole_disk();
+        let name = cache::master_name(href, force_raw);
+        let want_sha512 = expected.as_ref().is_some_and(|e| e.algo == Algo::Sha512);
+
+        let _node = self.node_locks.acquire(node.as_str()).await?;
+        let _master = self.cache.lock(&name).await?;
+        let cached = match self.cache.load(&name).filter(|m| m.meta.source == href) {
+            Some(m) => Some(
+                self.complete_digests(&name, m, expected.as_ref(), want_sha512)
+                    .await?,
+            ),
+            None => None,
+        }
+        .filter(|m| matches_expected(&m.meta, expected.as_ref()));
+        // `_hold` keeps a new master linked (st_nlink > 1) until the node
+        // links it, so no sweeper of unlinked files removes it in between.
+        let (master, outcome, _hold) = match cached {
+            // The node already links this verified master: a repeated event.
+            Some(m) if self.links.disk_is(node, &m.path) => (m, CacheOutcome::Hit, None),
+            Some(m) if expected.is_some() || self.is_fresh(&source, &m.meta).await? => {
+                (m, CacheOutcome::Hit, None)
+            }
+            _ => {
+                let job = MasterFetch {
+                    source: &source,
+                    href,
+                    name: &name,
+                    expected: expected.as_ref(),
+                    sha512: want_sha512,
+                    force_raw,
+                    info,
+                };
+                let (m, hold) = self.fetch_master(&job).await?;
+                (m, CacheOutcome::Miss, Some(hold))
+            }
+        };
+        if outcome == CacheOutcome::Hit {
+            // Declared format and policy are checked on every request, not
+            // only when the master was made.
+            let format =
+                inspect::Format::from_name(&master.meta.source_format).ok_or_else(|| {
+                    Error::new(ErrorCode::Internal, "cache sidecar names an unknown format")
+                })?;
+            inspect::check_format(
+                format,
+                info.image_disk_format.as_deref(),
+                &self.config.conductor.permitted_image_formats,
+            )?;
+        }
+        let linked_here = !self.links.disk_is(node, &master.path);
+        if linked_here {
+            let (links, node, path) = (self.links.clone(), node.clone(), master.path.clone());
+            blocking(move || links.link_disk(&node, &path)).await?;
+        }
+        match self.links.publish(node) {
+            Ok(true) => self.metrics.active_links.inc(),
+            Ok(false) => {}
+            Err(e) => {
+                // The link made for this prepare would keep its master from
+                // ever being evicted.
+                if linked_here {
+                    let _ = self.links.remove_disk(node);
+                }
+                return Err(e);
+            }
+        }
+        if outcome == CacheOutcome::Miss {
+            self.after_growth().await;
+            self.refresh_cache_gauges().await;
+        }
+        tracing::info!(cache = ?outcome, master = %master.path.display(), "prepared");
+
+        let meta = &master.meta;
+        done.image_url = Some(format!(
+            "{}/{}/{}",
+            self.http_url, self.config.deploy.http_image_subdir, node
+        ));
+        done.image_checksum = Some(meta.md5.clone());
+        let (algo, value) = match (&meta.sha512, want_sha512) {
+            (Some(v), true) => ("sha512", v.clone()),
+            _ => ("sha256", meta.sha256.clone()),
+        };
+        done.image_os_hash_algo = Some(algo.into());
+        done.image_os_hash_value = Some(value);
+        done.image_disk_format = Some(meta.disk_format.clone());
+        done.image_size = Some(meta.size);
+        done.converted = Some(meta.converted);
+        done.cache = Some(outcome);
+        Ok(Released::Done)
+    }
+
+    /// Computes from the master the digests its sidecar lacks and this
+    /// request needs (the expected algorithm over the source bytes when the
+    /// master is those very bytes; SHA-512 of the served bytes), instead of
+    /// downloading again, and records them.
+    async fn complete_digests(
+        &self,
+        name: &str,
+        mut master: Master,
+        expected: Option<&Expected>,
+        want_sha512: bool,
+    ) -> Result<Master> {
+        let meta = &master.meta;
+        let source_missing = expected
+            .map(|e| e.algo)
+            .filter(|&algo| source_digest(meta, algo).is_none() && meta.served_as_fetched());
+        let served_missing = (want_sha512 && meta.sha512.is_none()).then_some(Algo::Sha512);
+        let mut learnt = false;
+        let mut missing: Vec<Algo> = [source_missing, served_missing]
+            .into_iter()
+            .flatten()
+            .collect();
+        missing.dedup();
+        for algo in missing {
+            let path = master.path.clone();
+            let hex = blocking(move || cache::hash_file(&path, algo)).await?;
+            tracing::info!(%algo, "computed a missing digest from the cached master");
+            let meta = &mut master.meta;
+            if meta.served_as_fetched() {
+                set_source_digest(meta, algo, hex.clone());
+            }
+            if algo == Algo::Sha512 && (served_missing.is_some() || meta.served_as_fetched()) {
+                meta.sha512 = Some(hex);
+            }
+            learnt = true;
+        }
+        if learnt {
+            let (cache, name, meta) = (self.cache.clone(), name.to_string(), master.meta.clone());
+            blocking(move || cache.write_meta(&name, &meta)).await?;
+        }
+        Ok(master)
+    }
+
+    /// For a Glance image, what Glance says completes `instance_info`: its
+    /// checksums when Ironic passed none, its disk format when none was
+    /// declared (Ironic copies both from Glance when it deploys).
+    async fn complete_from_glance(&self, source: &Source, info: &mut InstanceInfo) -> Result<()> {
+        let Source::Glance(id) = source else {
+            return Ok(());
+        };
+        let meta = self.fetcher.glance().image(id).await?;
+        let no_checksum = info.image_checksum.is_none()
+            && info.image_os_hash_algo.is_none()
+            && info.image_os_hash_value.is_none();
+        if no_checksum {
+            if meta.os_hash_algo.is_some() && meta.os_hash_value.is_some() {
+                info.image_os_hash_algo = meta.os_hash_algo;
+                info.image_os_hash_value = meta.os_hash_value;
+            } else {
+                info.image_checksum = meta.checksum;
+            }
+        }
+        if info.image_disk_format.is_none() {
+            info.image_disk_format = meta.disk_format;
+        }
+        Ok(())
+    }
+
+    /// `image_download_source = http` with an http(s) source: the agent
+    /// downloads from the source itself, after a HEAD check, as Ironic does.
+    async fn pass_through(
+        &self,
+        source: &Source,
+        href: &str,
+        spec: Option<ChecksumSpec>,
+        done: &mut Completion,
+    ) -> Result<()> {
+        let stat = self.fetcher.stat(source).await?;
+        let expected = match spec {
+            None => None,
+            Some(spec) => Some(self.resolve_checksum(spec, source).await?),
+        };
+        done.image_url = Some(href.to_string());
+        if let Some(e) = expected {
+            if e.algo == Algo::Md5 {
+                done.image_checksum = Some(e.hex);
+            } else {
+                done.image_os_hash_algo = Some(e.algo.name().into());
+                done.image_os_hash_value = Some(e.hex);
+            }
+        }
+        done.image_size = stat.size;
+        done.converted = Some(false);
+        Ok(())
+    }
+
+    async fn resolve_checksum(&self, spec: ChecksumSpec, source: &Source) -> Result<Expected> {
+        match spec {
+            ChecksumSpec::Value(e) => Ok(e),
+            ChecksumSpec::Url { url, algo } => {
+                let text = self.fetcher.fetch_text(&url).await?;
+                parse_checksum_file(&text, &source.file_name(), algo)
+            }
+        }
+    }
+
+    /// Ironic's staleness rule for a master without an expected checksum: the
+    /// source must say when it changed, and not after the master was fetched.
+    async fn is_fresh(&self, source: &Source, meta: &MasterMeta) -> Result<bool> {
+        let stat = self.fetcher.stat(source).await?;
+        Ok(stat
+            .last_modified
+            .is_some_and(|t| cache::unix_secs(t) <= meta.fetched_at))
+    }
+}
+
+/// True when the master's recorded source digest equals what Ironic expects
+/// (or nothing is expected).
+fn matches_expected(meta: &MasterMeta, expected: Option<&Expected>) -> bool {
+    let Some(e) = expected else { return true };
+    source_digest(meta, e.algo) == Some(e.hex.as_str())
+}
+
+/// The recorded digest of the source bytes for `algo`, when computed.
+fn source_digest(meta: &MasterMeta, algo: Algo) -> Option<&str> {
+    match algo {
+        Algo::Md5 => meta.source_md5.as_deref(),
+        Algo::Sha256 => meta.source_sha256.as_deref(),
+        Algo::Sha512 => meta.source_sha512.as_deref(),
+    }
+}
+
+fn set_source_digest(meta: &mut MasterMeta, algo: Algo, hex: String) {
+    match algo {
+        Algo::Md5 => meta.source_md5 = Some(hex),
+        Algo::Sha256 => meta.source_sha256 = Some(hex),
+        Algo::Sha512 => meta.source_sha512 = Some(hex),
+    }
+}
