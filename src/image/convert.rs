@@ -11,6 +11,7 @@
 use crate::error::{Error, ErrorCode, Result};
 use crate::image::inspect::{Format, Inspection};
 use crate::image::qcow2;
+use crate::image::reclaim::Reclaimer;
 use crate::store::sink::{CHUNK, Digests, Sink};
 use serde::{Deserialize, Serialize};
 use std::io::Read;
@@ -46,8 +47,17 @@ pub fn raw_size(virtual_size: u64) -> u64 {
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(untagged)]
 enum ChildReport {
-    Progress { progress: u64 },
-    Failed { code: ErrorCode, message: String },
+    Progress {
+        progress: u64,
+    },
+    Failed {
+        code: ErrorCode,
+        message: String,
+        /// The source was partly given back (see `reclaim`): converting
+        /// it again cannot work.
+        #[serde(default)]
+        conclusive: bool,
+    },
     Done(Digests),
 }
 
@@ -199,8 +209,20 @@ async fn run_child(
     };
     match (status.success(), report) {
         (true, Some(ChildReport::Done(digests))) => Ok(digests),
-        (_, Some(ChildReport::Failed { code, message })) => {
-            Err(StreamFailure::Retryable(Error::new(code, message)))
+        (
+            _,
+            Some(ChildReport::Failed {
+                code,
+                message,
+                conclusive,
+            }),
+        ) => {
+            let e = Error::new(code, message);
+            Err(if conclusive {
+                StreamFailure::Conclusive(e)
+            } else {
+                StreamFailure::Retryable(e)
+            })
         }
         _ => {
             use std::os::unix::process::ExitStatusExt;
@@ -415,13 +437,15 @@ pub fn child_main(
     sha512: bool,
     grow_to: Option<u64>,
 ) -> std::process::ExitCode {
-    let report = match child_convert(src, dst, sha512, grow_to) {
+    let mut punched = false;
+    let report = match child_convert(src, dst, sha512, grow_to, &mut punched) {
         Ok(d) => ChildReport::Done(d),
         Err(e) => {
             let _ = std::fs::remove_file(dst);
             ChildReport::Failed {
                 code: e.code,
                 message: e.message,
+                conclusive: punched,
             }
         }
     };
@@ -434,7 +458,13 @@ pub fn child_main(
     }
 }
 
-fn child_convert(src: &Path, dst: &Path, sha512: bool, grow_to: Option<u64>) -> Result<Digests> {
+fn child_convert(
+    src: &Path,
+    dst: &Path,
+    sha512: bool,
+    grow_to: Option<u64>,
+    punched: &mut bool,
+) -> Result<Digests> {
     let file = std::fs::File::open(src).map_err(|e| Error::io("open qcow2", e))?;
     let total = match grow_to {
         Some(total) => total,
@@ -445,12 +475,14 @@ fn child_convert(src: &Path, dst: &Path, sha512: bool, grow_to: Option<u64>) -> 
     };
     let tables = GrowingFile { file, total };
     let map = Map::read(&tables)?;
+    // Only a download being converted is given back as it is read.
+    let mut reclaim = Reclaimer::new(&tables.file, &map.header, &map.l1, grow_to.is_some());
     let params = qcow2_rs::dev::Qcow2DevParams::new(9, None, None, true, false);
     let corrupt = |e| Error::new(ErrorCode::CorruptImage, format!("qcow2: {e}"));
     match grow_to {
         None => {
             let dev = qcow2_rs::utils::qcow2_setup_dev_sync(src, &params).map_err(corrupt)?;
-            child_copy(dev, dst, sha512, &map, &tables)
+            child_copy(dev, dst, sha512, &map, &tables, &mut reclaim)
         }
         Some(total) => {
             let file = std::fs::File::open(src).map_err(|e| Error::io("open qcow2", e))?;
@@ -460,7 +492,9 @@ fn child_convert(src: &Path, dst: &Path, sha512: bool, grow_to: Option<u64>) -> 
                 .block_on(qcow2_rs::utils::qcow2_alloc_dev(src, io, &params))
                 .map_err(corrupt)?
                 .0;
-            child_copy(dev, dst, sha512, &map, &tables)
+            let done = child_copy(dev, dst, sha512, &map, &tables, &mut reclaim);
+            *punched = reclaim.spoiled();
+            done
         }
     }
 }
@@ -546,6 +580,14 @@ impl GrowingFile {
         Ok(done)
     }
 
+    /// Waits until the file covers `[0, end)` (or reached `total`); fails if
+    /// it was unlinked meanwhile.
+    fn wait_for(&self, end: u64) -> Result<()> {
+        self.wait_read(end.min(self.total), &mut [])
+            .map(drop)
+            .map_err(|e| Error::io("wait for the download", e))
+    }
+
     /// [`GrowingFile::wait_read`] of exactly `buf.len()` bytes.
     fn read_waiting(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         match self.wait_read(offset, buf) {
@@ -589,14 +631,17 @@ impl qcow2_rs::ops::Qcow2IoOps for GrowingFile {
 
 /// Writes the virtual disk of `dev` in order into the new raw file `dst`,
 /// hashing it on the way: ranges that `map` shows hold no data become
-/// holes (hashed as zeros) without being read; the others are read through
-/// qcow2-rs.
+/// holes (hashed as zeros) without being read; standard clusters are read
+/// by us straight into the output chunks (host-contiguous runs in one read,
+/// no copy through qcow2-rs's buffers), compressed clusters through
+/// qcow2-rs. Data read from the source is given back by `reclaim`.
 fn child_copy<T: qcow2_rs::ops::Qcow2IoOps>(
     dev: qcow2_rs::dev::Qcow2Dev<T>,
     dst: &Path,
     sha512: bool,
     map: &Map,
     tables: &GrowingFile,
+    reclaim: &mut Reclaimer,
 ) -> Result<Digests> {
     const READ: usize = 4 << 20;
     let corrupt =
@@ -625,26 +670,50 @@ fn child_copy<T: qcow2_rs::ops::Qcow2IoOps>(
                 continue;
             }
             tables.read_waiting(l2_at, &mut l2)?;
-            for (start, len) in qcow2::data_runs(&map.header, i, &l2) {
-                let end = start.saturating_add(len).min(virtual_size);
-                let start = start.max(off);
+            for (at, len) in qcow2::compressed_extents(&map.header, &l2) {
+                reclaim.check(at, len)?;
+            }
+            for run in qcow2::data_runs(&map.header, i, &l2, tables.total)? {
+                let end = (run.guest + run.len).min(virtual_size);
+                let start = run.guest.max(off);
                 if start >= end {
                     continue;
                 }
                 sink.write_zeros(start - off).await?;
                 off = start;
-                while off < end {
-                    let want = ((end - off).min(READ as u64) as usize).div_ceil(512) * 512;
-                    let n = dev.read_at(&mut buf[..want], off).await.map_err(corrupt)?;
-                    let take = (n as u64).min(end - off) as usize;
-                    if take == 0 {
-                        return Err(Error::new(
-                            ErrorCode::CorruptImage,
-                            "qcow2: reader made no progress",
-                        ));
+                match run.host {
+                    Some(host) => {
+                        let from = host + (start - run.guest);
+                        reclaim.check(from, end - start)?;
+                        tables.wait_for(from + (end - start))?;
+                        while off < end {
+                            let at = from + (off - start);
+                            let n = sink.read_at(&tables.file, at, (end - off) as usize).await?;
+                            if n == 0 {
+                                return Err(Error::new(
+                                    ErrorCode::CorruptImage,
+                                    "qcow2: a data cluster lies past the end of the file",
+                                ));
+                            }
+                            reclaim.release(at, n as u64);
+                            off += n as u64;
+                        }
                     }
-                    sink.write(&buf[..take]).await?;
-                    off += take as u64;
+                    None => {
+                        while off < end {
+                            let want = ((end - off).min(READ as u64) as usize).div_ceil(512) * 512;
+                            let n = dev.read_at(&mut buf[..want], off).await.map_err(corrupt)?;
+                            let take = (n as u64).min(end - off) as usize;
+                            if take == 0 {
+                                return Err(Error::new(
+                                    ErrorCode::CorruptImage,
+                                    "qcow2: reader made no progress",
+                                ));
+                            }
+                            sink.write(&buf[..take]).await?;
+                            off += take as u64;
+                        }
+                    }
                 }
             }
         }

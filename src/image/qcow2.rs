@@ -301,42 +301,93 @@ pub fn l2_offset(l1_entry: u64) -> u64 {
     l1_entry & 0x00ff_ffff_ffff_fe00
 }
 
-/// The guest ranges of one L2 table that may hold data, in order and
-/// merged: `(guest offset, length)`, clipped to the virtual size.
-/// Unallocated clusters and (v3) zero clusters read as zeros in an image
-/// without a backing file, so they are left out and never read; compressed
-/// and normal clusters are data. `l1_index` is the entry's place in the L1
-/// table, `l2` the table's bytes (one cluster). Standard (not extended) L2
-/// entries only.
-pub fn data_runs(header: &Header, l1_index: u64, l2: &[u8]) -> Vec<(u64, u64)> {
+/// A guest range of one L2 table that holds data, with where its bytes are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataRun {
+    /// Guest offset.
+    pub guest: u64,
+    /// Length in bytes (clipped to the virtual size).
+    pub len: u64,
+    /// Host offset of the bytes when they are stored as they are (standard
+    /// clusters, contiguous on the host); `None` for compressed clusters,
+    /// which only a qcow2 reader can decode.
+    pub host: Option<u64>,
+}
+
+/// The guest ranges of one L2 table that hold data, in order and merged
+/// (standard clusters only while contiguous on the host too). Unallocated
+/// clusters and (v3) zero clusters read as zeros in an image without a
+/// backing file, so they are left out and never read. `l1_index` is the
+/// entry's place in the L1 table, `l2` the table's bytes (one cluster),
+/// `file_size` the image file's size: a standard cluster that is not
+/// cluster-aligned or lies past the end of the file is refused, as qemu
+/// refuses it. Standard (not extended) L2 entries only.
+pub fn data_runs(
+    header: &Header,
+    l1_index: u64,
+    l2: &[u8],
+    file_size: u64,
+) -> Result<Vec<DataRun>> {
     const COMPRESSED: u64 = 1 << 62;
     const ZERO: u64 = 1;
     let cluster = header.cluster_size();
     let entries = cluster / 8;
     let base = l1_index.saturating_mul(entries).saturating_mul(cluster);
-    let mut runs: Vec<(u64, u64)> = Vec::new();
+    let mut runs: Vec<DataRun> = Vec::new();
     for (j, raw) in l2.chunks_exact(8).take(entries as usize).enumerate() {
         let guest = base.saturating_add(j as u64 * cluster);
         if guest >= header.virtual_size {
             break;
         }
         let entry = u64::from_be_bytes(raw.try_into().unwrap_or_default());
-        let data = if entry & COMPRESSED != 0 {
-            true
+        let len = cluster.min(header.virtual_size - guest);
+        let host = if entry & COMPRESSED != 0 {
+            None
         } else {
             let zero = header.version >= 3 && entry & ZERO != 0;
-            !zero && l2_offset(entry) != 0
+            let host = l2_offset(entry);
+            if zero || host == 0 {
+                continue;
+            }
+            if !host.is_multiple_of(cluster) || host.saturating_add(len) > file_size {
+                return Err(corrupt(format!(
+                    "L2 entry for guest offset {guest} points outside the file or is unaligned"
+                )));
+            }
+            Some(host)
         };
-        if !data {
-            continue;
-        }
-        let len = cluster.min(header.virtual_size - guest);
         match runs.last_mut() {
-            Some((start, run)) if *start + *run == guest => *run += len,
-            _ => runs.push((guest, len)),
+            Some(last)
+                if last.guest + last.len == guest
+                    && match (last.host, host) {
+                        (None, None) => true,
+                        (Some(a), Some(b)) => a + last.len == b,
+                        _ => false,
+                    } =>
+            {
+                last.len += len
+            }
+            _ => runs.push(DataRun { guest, len, host }),
         }
     }
-    runs
+    Ok(runs)
+}
+
+/// Host bytes `(offset, length)` of the compressed clusters of one L2 table:
+/// each stored stream runs from its offset to the end of its last 512-byte
+/// sector.
+pub fn compressed_extents(header: &Header, l2: &[u8]) -> Vec<(u64, u64)> {
+    const COMPRESSED: u64 = 1 << 62;
+    let bits = 62 - (header.cluster_bits - 8);
+    l2.chunks_exact(8)
+        .map(|raw| u64::from_be_bytes(raw.try_into().unwrap_or_default()))
+        .filter(|entry| entry & COMPRESSED != 0)
+        .map(|entry| {
+            let offset = entry & ((1u64 << bits) - 1);
+            let sectors = ((entry >> bits) & ((1u64 << (header.cluster_bits - 8)) - 1)) + 1;
+            (offset, sectors * 512 - offset % 512)
+        })
+        .collect()
 }
 
 /// Checks the internal snapshot table as qemu does when it opens an image:

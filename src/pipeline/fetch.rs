@@ -283,6 +283,12 @@ impl Pipeline {
         temp: TempGuard,
         meta: MasterMeta,
     ) -> Result<(Master, TempGuard)> {
+        // Durable before it becomes a master; the writers sync what they
+        // write (then this is cheap), except a download they were told is
+        // scratch (one that is converted), which is never committed itself.
+        std::fs::File::open(temp.path())
+            .and_then(|f| f.sync_data())
+            .map_err(|e| Error::io("sync the new master", e))?;
         let hold = TempGuard::new(self.cache.temp_path(name)?);
         std::fs::hard_link(temp.path(), hold.path())
             .map_err(|e| Error::io("hold the new master", e))?;

@@ -538,14 +538,31 @@ async fn qcow2_converted_while_it_downloads() {
     assert_eq!(done["image_checksum"], md5sum(&reference));
     assert_eq!(done["image_os_hash_value"], sha256sum(&reference));
     let text = worker.metrics_text().await;
-    let mode = |m: &str| {
+    let mode = |text: &str, m: &str| {
         metric(
-            &text,
+            text,
             &format!("ironic_image_worker_conversions_total{{mode=\"{m}\"}}"),
         )
     };
-    assert_eq!(mode("while_downloading"), Some(1.0), "{text}");
-    assert_eq!(mode("after_download"), None, "{text}");
+    assert_eq!(mode(&text, "while_downloading"), Some(1.0), "{text}");
+    assert_eq!(mode(&text, "after_download"), None, "{text}");
+
+    // Plain clusters are read by the converter itself, and the download
+    // given back as it is read: the result is still qemu-img's.
+    let plain = env.root().join("src/plain.qcow2");
+    qcow2_from(&raw, &plain, &[]);
+    let done = broker
+        .call(
+            &env.host,
+            prepare_cmd(&node(), &faults.url("slow", "plain.qcow2")),
+        )
+        .await;
+    assert_eq!(done["status"], "success", "{done}");
+    assert_eq!(done["image_checksum"], md5sum(&reference));
+    assert_eq!(done["image_os_hash_value"], sha256sum(&reference));
+    let text = worker.metrics_text().await;
+    assert_eq!(mode(&text, "while_downloading"), Some(2.0), "{text}");
+    assert_eq!(mode(&text, "after_download"), None, "{text}");
 
     // Converted while downloading, but the download does not match.
     let mut cmd = prepare_cmd(&node(), &faults.url("fast", "disk.qcow2"));
@@ -561,7 +578,7 @@ async fn qcow2_converted_while_it_downloads() {
         )
         .await;
     assert_eq!(short["error"]["code"], "source_unreachable", "{short}");
-    assert_eq!(env.masters().len(), 1, "{:?}", env.masters());
+    assert_eq!(env.masters().len(), 2, "{:?}", env.masters());
     assert!(env.temporaries().is_empty(), "{:?}", env.temporaries());
     let pid = worker.child.id().unwrap().to_string();
     let children = tool("sh", &["-c", &format!("pgrep -P {pid} || true")]);
@@ -586,6 +603,43 @@ async fn qcow2_converted_while_it_downloads() {
         ),
         Some(1.0)
     );
+}
+
+/// A qcow2 whose L2 table points two guest clusters at the same host
+/// cluster (a refcount error `qemu-img check` reports) is refused as
+/// corrupt, whether converted while it downloads (the first read of the
+/// cluster gave it back) or after a copy: never zeros served for data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clusters_sharing_host_bytes_are_refused() {
+    let env = Env::new("");
+    let raw = env.root().join("disk.raw");
+    random_file(&raw, 1 << 20, 7);
+    let img = env.root().join("src/shared.qcow2");
+    qcow2_from(&raw, &img, &[]);
+    // Guest cluster 9 now reads host cluster of guest cluster 2.
+    let mut bytes = std::fs::read(&img).unwrap();
+    let be64 = |b: &[u8], at: usize| u64::from_be_bytes(b[at..at + 8].try_into().unwrap());
+    let l1 = be64(&bytes, 40) as usize;
+    let l2 = (be64(&bytes, l1) & 0x00ff_ffff_ffff_fe00) as usize;
+    let (a, b) = (be64(&bytes, l2 + 2 * 8), be64(&bytes, l2 + 9 * 8));
+    assert!(a != 0 && b != 0, "both clusters hold data");
+    bytes[l2 + 9 * 8..l2 + 10 * 8].copy_from_slice(&a.to_be_bytes());
+    std::fs::write(&img, &bytes).unwrap();
+    std::fs::copy(&img, env.root().join("allowed/shared.qcow2")).unwrap();
+    let faults = FaultServer::start(&env.root().join("src"), 2 << 20).await;
+    let _worker = env.serve().await;
+    let broker = Broker::connect().await;
+    for source in [
+        faults.url("slow", "shared.qcow2"),
+        file_url(&env.root().join("allowed/shared.qcow2")),
+    ] {
+        let done = broker.call(&env.host, prepare_cmd(&node(), &source)).await;
+        assert_eq!(done["error"]["code"], "corrupt_image", "{source}: {done}");
+        let message = done["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("two clusters"), "{message}");
+    }
+    assert!(env.masters().is_empty(), "{:?}", env.masters());
+    assert!(env.temporaries().is_empty(), "{:?}", env.temporaries());
 }
 
 /// Writes `commands` into the qcow2 `img` with qemu-io.
