@@ -12,7 +12,7 @@ use crate::error::{Error, ErrorCode, Result};
 use crate::image::inspect::{Format, Inspection};
 use crate::image::qcow2;
 use crate::image::reclaim::Reclaimer;
-use crate::store::sink::{CHUNK, Digests, Sink};
+use crate::store::sink::{CHUNK, Digests, Pace, Sink};
 use serde::{Deserialize, Serialize};
 use std::io::Read;
 use std::path::Path;
@@ -43,12 +43,21 @@ pub fn raw_size(virtual_size: u64) -> u64 {
 }
 
 /// What the child reports on stdout, one JSON object per line: progress
-/// now and then, then the result.
+/// now and then (and, converting a download, where it reads), then the
+/// result.
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(untagged)]
 enum ChildReport {
     Progress {
         progress: u64,
+    },
+    /// Bytes of the source read so far (a download being converted).
+    Source {
+        source: u64,
+    },
+    /// Waiting for source bytes not yet downloaded.
+    Waiting {
+        waiting: u64,
     },
     Failed {
         code: ErrorCode,
@@ -75,7 +84,7 @@ pub async fn to_raw(
     let timeout = limits.timeout(found.virtual_size);
     match (found.format, header) {
         (Format::Qcow2, Some(h)) if h.qcow2_rs_can_read() => {
-            run_child(src, dst, sha512, None, limits, timeout, progress)
+            run_child(src, dst, sha512, None, limits, timeout, progress, None)
                 .await
                 .map_err(StreamFailure::into_error)
         }
@@ -90,7 +99,8 @@ pub async fn to_raw(
 /// layout only waits longer. The download must still be verified, and the
 /// complete file checked, before the result is used (see `pipeline`); if the
 /// file is removed or replaced (a failed or retried download), the converter
-/// stops with an error.
+/// stops with an error. Where it reads is told to `pace` (the download's
+/// writer keeps close behind it).
 pub async fn qcow2_to_raw_streaming(
     src: &Path,
     dst: &Path,
@@ -99,9 +109,21 @@ pub async fn qcow2_to_raw_streaming(
     sha512: bool,
     limits: Limits,
     progress: &(dyn Fn(u64) + Sync),
+    pace: &Pace,
 ) -> Result<Digests, StreamFailure> {
     let timeout = limits.timeout(virtual_size);
-    run_child(src, dst, sha512, Some(total), limits, timeout, progress).await
+    let grow = Some(total);
+    run_child(
+        src,
+        dst,
+        sha512,
+        grow,
+        limits,
+        timeout,
+        progress,
+        Some(pace),
+    )
+    .await
 }
 
 /// How a conversion failed, for the caller that could convert again.
@@ -132,6 +154,7 @@ impl From<Error> for StreamFailure {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn run_child(
     src: &Path,
     dst: &Path,
@@ -140,6 +163,7 @@ async fn run_child(
     limits: Limits,
     timeout: Duration,
     progress: &(dyn Fn(u64) + Sync),
+    pace: Option<&Pace>,
 ) -> Result<Digests, StreamFailure> {
     let memory = limits.memory;
     let exe = "/proc/self/exe"; // the running binary, also after it was replaced on disk
@@ -188,6 +212,16 @@ async fn run_child(
         while let Ok(Some(line)) = lines.next_line().await {
             match serde_json::from_str::<ChildReport>(&line) {
                 Ok(ChildReport::Progress { progress: done }) => progress(done),
+                Ok(ChildReport::Source { source }) => {
+                    if let Some(pace) = pace {
+                        pace.reader_at(source);
+                    }
+                }
+                Ok(ChildReport::Waiting { .. }) => {
+                    if let Some(pace) = pace {
+                        pace.reader_waiting();
+                    }
+                }
                 Ok(other) => report = Some(other),
                 Err(_) => {}
             }
@@ -450,7 +484,7 @@ pub fn child_main(
         }
     };
     let failed = matches!(report, ChildReport::Failed { .. });
-    println!("{}", serde_json::to_string(&report).unwrap_or_default());
+    self::report(&report);
     if failed {
         std::process::ExitCode::FAILURE
     } else {
@@ -473,7 +507,8 @@ fn child_convert(
             .map_err(|e| Error::io("stat qcow2", e))?
             .len(),
     };
-    let tables = GrowingFile { file, total };
+    let grows = grow_to.is_some();
+    let tables = GrowingFile::new(file, total, grows);
     let map = Map::read(&tables)?;
     // Only a download being converted is given back as it is read.
     let mut reclaim = Reclaimer::new(&tables.file, &map.header, &map.l1, grow_to.is_some());
@@ -486,7 +521,7 @@ fn child_convert(
         }
         Some(total) => {
             let file = std::fs::File::open(src).map_err(|e| Error::io("open qcow2", e))?;
-            let io = GrowingFile { file, total };
+            let io = GrowingFile::new(file, total, grows);
             let rt = current_thread()?;
             let dev = rt
                 .block_on(qcow2_rs::utils::qcow2_alloc_dev(src, io, &params))
@@ -536,6 +571,11 @@ impl Map {
     }
 }
 
+/// One report line of the child on stdout.
+fn report(r: &ChildReport) {
+    println!("{}", serde_json::to_string(r).unwrap_or_default());
+}
+
 fn current_thread() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -549,15 +589,40 @@ fn current_thread() -> Result<tokio::runtime::Runtime> {
 struct GrowingFile {
     file: std::fs::File,
     total: u64,
+    /// Still being downloaded: where it is read and waited on is reported
+    /// (see [`Pace`]).
+    grows: bool,
+    /// The furthest offset read so far.
+    read_to: std::sync::atomic::AtomicU64,
 }
 
 impl GrowingFile {
+    fn new(file: std::fs::File, total: u64, grows: bool) -> GrowingFile {
+        GrowingFile {
+            file,
+            total,
+            grows,
+            read_to: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// Notes that the file was read up to `end`, reporting every 4 MiB of
+    /// progress while it is being downloaded.
+    fn note_read(&self, end: u64) {
+        use std::sync::atomic::Ordering;
+        let before = self.read_to.fetch_max(end, Ordering::Relaxed);
+        if self.grows && end > before && end >> 22 != before >> 22 {
+            report(&ChildReport::Source { source: end });
+        }
+    }
+
     /// Reads at `offset` once the file covers the range (or reached
     /// `total`); fails if the file was unlinked meanwhile. Returns the bytes
     /// read (short only at the end of the file).
     fn wait_read(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<usize> {
         use std::os::unix::fs::{FileExt, MetadataExt};
         let want = offset.saturating_add(buf.len() as u64).min(self.total);
+        let mut told = !self.grows;
         loop {
             let meta = self.file.metadata()?;
             if meta.len() >= want {
@@ -568,6 +633,9 @@ impl GrowingFile {
                     "the image being downloaded was removed",
                 ));
             }
+            if !std::mem::replace(&mut told, true) {
+                report(&ChildReport::Waiting { waiting: want });
+            }
             std::thread::sleep(Duration::from_millis(2));
         }
         let mut done = 0;
@@ -577,6 +645,7 @@ impl GrowingFile {
                 n => done += n,
             }
         }
+        self.note_read(offset + done as u64);
         Ok(done)
     }
 
@@ -662,8 +731,7 @@ fn child_copy<T: qcow2_rs::ops::Qcow2IoOps>(
             }
             if reported.elapsed() >= Duration::from_secs(1) {
                 reported = std::time::Instant::now();
-                let line = serde_json::to_string(&ChildReport::Progress { progress: off });
-                println!("{}", line.unwrap_or_default());
+                report(&ChildReport::Progress { progress: off });
             }
             let l2_at = qcow2::l2_offset(u64::from_be_bytes(entry.try_into().unwrap_or_default()));
             if l2_at == 0 {
@@ -697,6 +765,7 @@ fn child_copy<T: qcow2_rs::ops::Qcow2IoOps>(
                             }
                             reclaim.release(at, n as u64);
                             off += n as u64;
+                            tables.note_read(at + n as u64);
                         }
                     }
                     None => {

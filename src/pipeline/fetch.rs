@@ -126,10 +126,14 @@ impl Pipeline {
                 .set_done(done);
             state.received(done);
         };
+        let pace = self
+            .streams_while_downloading(job)
+            .then(|| std::sync::Arc::new(crate::store::sink::Pace::default()));
         let hashes = crate::store::sink::Hashes {
             sha512: job.sha512,
             lazy_if_converted: job.force_raw,
             keep: job.expected.map(|e| e.algo),
+            pace: pace.clone(),
         };
         let started = Instant::now();
         let download = async {
@@ -140,7 +144,19 @@ impl Pipeline {
             state.finish();
             result
         };
-        let streaming = self.convert_alongside(job, temp, streamed_out, &state);
+        let streaming = async {
+            let streamed = match &pace {
+                Some(pace) => {
+                    self.convert_alongside(temp, streamed_out, &state, pace, job)
+                        .await
+                }
+                None => None,
+            };
+            if let Some(pace) = &pace {
+                pace.finish();
+            }
+            streamed
+        };
         let (downloaded_result, streamed) = tokio::join!(download, streaming);
         let (digests, stat) = downloaded_result?;
         drop(transfer);
@@ -173,24 +189,28 @@ impl Pipeline {
         Ok((downloaded, streamed))
     }
 
-    /// The conversion running beside the download, when wanted: `None` when
-    /// it is not wanted or could not be done (then the image is converted
-    /// after the download).
+    /// Whether a qcow2 download is converted while it downloads.
+    fn streams_while_downloading(&self, job: &MasterFetch<'_>) -> bool {
+        job.force_raw
+            && self.config.convert.stream_while_downloading
+            && !matches!(job.source, Source::File(_))
+    }
+
+    /// The conversion running beside the download: `None` when it could
+    /// not be done (then the image is converted after the download).
     async fn convert_alongside(
         &self,
-        job: &MasterFetch<'_>,
         temp: &Path,
         out: &Path,
         state: &DownloadState,
+        pace: &crate::store::sink::Pace,
+        job: &MasterFetch<'_>,
     ) -> Streamed {
-        let wanted = job.force_raw
-            && self.config.convert.stream_while_downloading
-            && !matches!(job.source, Source::File(_));
-        if !wanted {
-            return None;
-        }
         let t = Instant::now();
-        match self.stream_convert(temp, out, state, job.sha512).await {
+        match self
+            .stream_convert(temp, out, state, pace, job.sha512)
+            .await
+        {
             Ok(d) => Some(Ok((d, t.elapsed()))),
             Err(convert::StreamFailure::Conclusive(e)) => Some(Err(e)),
             Err(convert::StreamFailure::Retryable(e)) => {

@@ -23,6 +23,7 @@ impl Pipeline {
         temp: &std::path::Path,
         out: &std::path::Path,
         state: &DownloadState,
+        pace: &crate::store::sink::Pace,
         sha512: bool,
     ) -> Result<Digests, convert::StreamFailure> {
         let not_now = |why: &str| Error::new(ErrorCode::Internal, why.to_string());
@@ -57,6 +58,7 @@ impl Pipeline {
             sha512,
             self.config.convert.limits(),
             &|done| transfer.set_done(done),
+            pace,
         )
         .await
     }

@@ -445,15 +445,17 @@ impl Fetcher {
             let _ = crate::store::fsutil::remove_file_if_exists(dest);
             progress(0);
             match source {
-                Source::File(f) => Ok(self.copy_file(f, dest, hashes, room, progress).await?),
+                Source::File(f) => Ok(self
+                    .copy_file(f, dest, hashes.clone(), room, progress)
+                    .await?),
                 Source::Http(url) => {
                     let req = self.client.get(url.clone());
-                    self.get_http(source, req, dest, hashes, room, progress)
+                    self.get_http(source, req, dest, hashes.clone(), room, progress)
                         .await
                 }
                 Source::Glance(id) => {
                     let req = self.glance.data_request(id).await?;
-                    self.get_http(source, req, dest, hashes, room, progress)
+                    self.get_http(source, req, dest, hashes.clone(), room, progress)
                         .await
                 }
             }
