@@ -101,6 +101,7 @@ pub async fn to_raw(
 /// file is removed or replaced (a failed or retried download), the converter
 /// stops with an error. Where it reads is told to `pace` (the download's
 /// writer keeps close behind it).
+#[allow(clippy::too_many_arguments)]
 pub async fn qcow2_to_raw_streaming(
     src: &Path,
     dst: &Path,

@@ -674,9 +674,10 @@ mod tests {
             sha512: false,
             lazy_if_converted: true,
             keep: Some(Algo::Sha256),
+            pace: None,
         };
         for (name, lead, served) in [("q", &b"QFI\xfb"[..], false), ("r", &b"data"[..], true)] {
-            let mut sink = Sink::create_hashing(&dir.path().join(name), hashes).unwrap();
+            let mut sink = Sink::create_hashing(&dir.path().join(name), hashes.clone()).unwrap();
             sink.write(lead).await.unwrap();
             sink.write(&[7u8; 5000]).await.unwrap();
             let d = sink.finish().await.unwrap();
