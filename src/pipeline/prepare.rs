@@ -136,7 +136,10 @@ impl Pipeline {
             )?;
         }
         let linked_here = !self.links.disk_is(node, &master.path);
-        if linked_here {
+        // A hard link is a few metadata operations, made here; only a copy
+        // (master and node directories on different file systems) goes to
+        // a blocking thread.
+        if linked_here && !self.links.hard_link_disk(node, &master.path)? {
             let (links, node, path) = (self.links.clone(), node.clone(), master.path.clone());
             blocking(move || links.link_disk(&node, &path)).await?;
         }

@@ -68,18 +68,40 @@ impl NodeLinks {
     /// systems differ), replacing any previous image atomically.
     /// (Blocking: a copy may take long; call it on a blocking thread.)
     pub fn link_disk(&self, node: &NodeUuid, master: &Path) -> Result<()> {
+        self.replace_disk(node, master, true).map(|_| ())
+    }
+
+    /// Makes the node's `disk` a hard link to `master`, replacing any
+    /// previous image atomically; false (and nothing changed) where the
+    /// file systems differ and only a copy would do. Only metadata
+    /// operations: a cache hit links without a trip to a blocking thread.
+    pub fn hard_link_disk(&self, node: &NodeUuid, master: &Path) -> Result<bool> {
+        self.replace_disk(node, master, false)
+    }
+
+    fn replace_disk(&self, node: &NodeUuid, master: &Path, copy: bool) -> Result<bool> {
         let dir = self.node_dir(node);
         fsutil::ensure_dir(&dir)?;
         let disk = self.disk_path(node);
         let temp = self.owner.temp_next_to(&disk)?;
+        let mut linked = true;
         fsutil::replace_via_temp(&disk, &temp, |temp| {
             match std::fs::hard_link(master, temp) {
                 Err(e) if e.raw_os_error() == Some(rustix::io::Errno::XDEV.raw_os_error()) => {
-                    copy_file(master, temp)
+                    if copy {
+                        copy_file(master, temp)
+                    } else {
+                        linked = false;
+                        // Not renamed into place: replace_via_temp removes
+                        // the temporary, which was never made.
+                        Err(e)
+                    }
                 }
                 other => other,
             }
         })
+        .or_else(|e| if linked { Err(e) } else { Ok(()) })?;
+        Ok(linked)
     }
 
     /// Points the node's symlink at its `disk`, replacing it atomically

@@ -2,8 +2,9 @@
 //! do not block threads) and across processes sharing the directories
 //! (`flock` on a lock file, released by the kernel if the holder crashes).
 //!
-//! A lock file is removed when its holder lets go, so lock files do not pile
-//! up (one per image and node ever seen). That is safe because the holder
+//! A lock file is removed when its holder lets go (unless another task of
+//! this process is queued for the same name: it takes the same file next), so
+//! lock files do not pile up (one per image and node ever seen). That is safe because the holder
 //! removes it only while holding it and only while the path still names the
 //! locked file, and a taker checks after locking that the path still names
 //! the file it locked (else it locked a removed file and tries again).
@@ -31,6 +32,12 @@ pub struct LockGuard {
 
 impl Drop for LockGuard {
     fn drop(&mut self) {
+        // Tasks of this process queued for the same name take the lock next
+        // and would only create the file again: leave it to the last one
+        // (the map holds one reference, this guard another, each waiter one).
+        if Arc::strong_count(OwnedMutexGuard::mutex(&self._local)) > 2 {
+            return;
+        }
         // Still holding the flock here: nobody else can be between locking
         // and checking this inode, and later takers see it gone and retry.
         if fsutil::names_inode(&self.path, &self.file) {
@@ -106,7 +113,25 @@ impl Locks {
             let file = self
                 .open(key)
                 .map_err(|e| Error::io(format!("open lock {key}"), e))?;
-            // Only the wait for another process's lock blocks a thread.
+            // Free (the usual case): taken here, without a trip to a
+            // blocking thread. Only the wait for another process's lock
+            // blocks a thread.
+            match file.try_lock() {
+                Ok(()) => {
+                    if fsutil::names_inode(&path, &file) {
+                        return Ok(LockGuard {
+                            file,
+                            path,
+                            _local: local,
+                        });
+                    }
+                    continue;
+                }
+                Err(std::fs::TryLockError::WouldBlock) => {}
+                Err(std::fs::TryLockError::Error(e)) => {
+                    return Err(Error::io(format!("lock {key}"), e));
+                }
+            }
             let check = path.clone();
             let (file, current) = tokio::task::spawn_blocking(move || {
                 file.lock().map(|()| {
