@@ -512,7 +512,7 @@ fn child_convert(
     let tables = GrowingFile::new(file, total, grows);
     let map = Map::read(&tables)?;
     // Only a download being converted is given back as it is read.
-    let mut reclaim = Reclaimer::new(&tables.file, &map.header, &map.l1, grow_to.is_some());
+    let mut reclaim = Reclaimer::new(&tables.file, &map.header, &map.l1, grows);
     let params = qcow2_rs::dev::Qcow2DevParams::new(9, None, None, true, false);
     let corrupt = |e| Error::new(ErrorCode::CorruptImage, format!("qcow2: {e}"));
     match grow_to {
@@ -621,24 +621,8 @@ impl GrowingFile {
     /// `total`); fails if the file was unlinked meanwhile. Returns the bytes
     /// read (short only at the end of the file).
     fn wait_read(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<usize> {
-        use std::os::unix::fs::{FileExt, MetadataExt};
-        let want = offset.saturating_add(buf.len() as u64).min(self.total);
-        let mut told = !self.grows;
-        loop {
-            let meta = self.file.metadata()?;
-            if meta.len() >= want {
-                break;
-            }
-            if meta.nlink() == 0 {
-                return Err(std::io::Error::other(
-                    "the image being downloaded was removed",
-                ));
-            }
-            if !std::mem::replace(&mut told, true) {
-                report(&ChildReport::Waiting { waiting: want });
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        use std::os::unix::fs::FileExt;
+        self.wait_covered(offset.saturating_add(buf.len() as u64))?;
         let mut done = 0;
         while done < buf.len() {
             match self.file.read_at(&mut buf[done..], offset + done as u64)? {
@@ -651,11 +635,26 @@ impl GrowingFile {
     }
 
     /// Waits until the file covers `[0, end)` (or reached `total`); fails if
-    /// it was unlinked meanwhile.
-    fn wait_for(&self, end: u64) -> Result<()> {
-        self.wait_read(end.min(self.total), &mut [])
-            .map(drop)
-            .map_err(|e| Error::io("wait for the download", e))
+    /// it was unlinked meanwhile. Tells once that it waits.
+    fn wait_covered(&self, end: u64) -> std::io::Result<()> {
+        use std::os::unix::fs::MetadataExt;
+        let want = end.min(self.total);
+        let mut told = !self.grows;
+        loop {
+            let meta = self.file.metadata()?;
+            if meta.len() >= want {
+                return Ok(());
+            }
+            if meta.nlink() == 0 {
+                return Err(std::io::Error::other(
+                    "the image being downloaded was removed",
+                ));
+            }
+            if !std::mem::replace(&mut told, true) {
+                report(&ChildReport::Waiting { waiting: want });
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
     }
 
     /// [`GrowingFile::wait_read`] of exactly `buf.len()` bytes.
@@ -754,10 +753,15 @@ fn child_copy<T: qcow2_rs::ops::Qcow2IoOps>(
                     Some(host) => {
                         let from = host + (start - run.guest);
                         reclaim.check(from, end - start)?;
-                        tables.wait_for(from + (end - start))?;
                         while off < end {
+                            // One chunk at a time, each read as soon as it
+                            // has been downloaded.
                             let at = from + (off - start);
-                            let n = sink.read_at(&tables.file, at, (end - off) as usize).await?;
+                            let want = (end - off).min(CHUNK as u64);
+                            tables
+                                .wait_covered(at + want)
+                                .map_err(|e| Error::io("wait for the download", e))?;
+                            let n = sink.read_at(&tables.file, at, want as usize).await?;
                             if n == 0 {
                                 return Err(Error::new(
                                     ErrorCode::CorruptImage,

@@ -301,6 +301,9 @@ pub fn l2_offset(l1_entry: u64) -> u64 {
     l1_entry & 0x00ff_ffff_ffff_fe00
 }
 
+/// L2 entry flag of a compressed cluster.
+const COMPRESSED: u64 = 1 << 62;
+
 /// A guest range of one L2 table that holds data, with where its bytes are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DataRun {
@@ -328,7 +331,6 @@ pub fn data_runs(
     l2: &[u8],
     file_size: u64,
 ) -> Result<Vec<DataRun>> {
-    const COMPRESSED: u64 = 1 << 62;
     const ZERO: u64 = 1;
     let cluster = header.cluster_size();
     let entries = cluster / 8;
@@ -377,7 +379,6 @@ pub fn data_runs(
 /// each stored stream runs from its offset to the end of its last 512-byte
 /// sector.
 pub fn compressed_extents(header: &Header, l2: &[u8]) -> Vec<(u64, u64)> {
-    const COMPRESSED: u64 = 1 << 62;
     let bits = 62 - (header.cluster_bits - 8);
     l2.chunks_exact(8)
         .map(|raw| u64::from_be_bytes(raw.try_into().unwrap_or_default()))

@@ -191,10 +191,6 @@ type Pool = Arc<Mutex<Vec<AlignedBuf>>>;
 /// queues [`DEPTH`] chunks, all consumers share them).
 const POOLED: usize = DEPTH + 2;
 
-/// Whether a file is scratch when it will be converted (`Some`), and the
-/// converter it then keeps pace with.
-type Scratch = Option<Option<Arc<Pace>>>;
-
 /// A frozen chunk: its buffer goes back to the sink's pool when the last
 /// consumer drops it.
 struct Chunk {
@@ -249,8 +245,7 @@ impl Sink {
             .custom_flags(rustix::fs::OFlags::DIRECT.bits() as i32)
             .open(path)
             .ok();
-        let scratch = hashes.lazy_if_converted.then(|| hashes.pace.clone());
-        Ok(Sink::new(Some((file, direct, scratch)), hashes))
+        Ok(Sink::new(Some((file, direct)), hashes))
     }
 
     /// Hashes without writing anywhere (for bytes already on disk).
@@ -264,7 +259,7 @@ impl Sink {
         )
     }
 
-    fn new(file: Option<(File, Option<File>, Scratch)>, hashes: Hashes) -> Sink {
+    fn new(file: Option<(File, Option<File>)>, hashes: Hashes) -> Sink {
         let mut sink = Sink {
             senders: Vec::new(),
             tasks: Vec::new(),
@@ -272,8 +267,9 @@ impl Sink {
             pool: Pool::default(),
             size: 0,
         };
-        if let Some((file, direct, scratch)) = file {
-            sink.spawn(move |rx| write_file(file, direct, scratch, rx));
+        if let Some((file, direct)) = file {
+            let (scratch, pace) = (hashes.lazy_if_converted, hashes.pace.clone());
+            sink.spawn(move |rx| write_file(file, direct, scratch, pace, rx));
         }
         let mut algos = vec![Algo::Md5, Algo::Sha256];
         if hashes.sha512 {
@@ -451,7 +447,8 @@ async fn join(task: JoinHandle<Result<Output>>) -> Result<Output> {
 fn write_file(
     file: File,
     direct: Option<File>,
-    scratch: Scratch,
+    scratch: bool,
+    mut pace: Option<Arc<Pace>>,
     mut rx: mpsc::Receiver<Piece>,
 ) -> Result<Output> {
     let io = |what: &str, e| Error::io(format!("write image: {what}"), e);
@@ -459,7 +456,7 @@ fn write_file(
     let mut synced = 0u64;
     let mut direct = direct;
     let mut durable = true;
-    let mut pace = None;
+    let mut held = None;
     let mut first = true;
     while let Some(piece) = rx.blocking_recv() {
         let chunk = match piece {
@@ -472,10 +469,10 @@ fn write_file(
         };
         if std::mem::take(&mut first) && will_be_converted(&chunk) {
             direct = None;
-            durable = scratch.is_none();
-            pace = scratch.clone().flatten();
+            durable = !scratch;
+            held = if scratch { pace.take() } else { None };
         }
-        if let Some(pace) = &pace {
+        if let Some(pace) = &held {
             pace.hold(offset);
         }
         if !is_zero(&chunk) {
