@@ -208,7 +208,7 @@ pub fn parse_checksum_file(text: &str, file_name: &str, algo: Option<Algo>) -> R
 #[derive(Clone)]
 pub enum Hasher {
     /// MD5 state.
-    Md5(md5::Md5),
+    Md5(crate::store::md5::Md5),
     /// SHA-256 state.
     Sha256(sha2::Sha256),
     /// SHA-512 state.
@@ -219,7 +219,7 @@ impl Hasher {
     /// A fresh hasher for `algo`.
     pub fn new(algo: Algo) -> Hasher {
         match algo {
-            Algo::Md5 => Hasher::Md5(md5::Digest::new()),
+            Algo::Md5 => Hasher::Md5(crate::store::md5::Md5::new()),
             Algo::Sha256 => Hasher::Sha256(sha2::Digest::new()),
             Algo::Sha512 => Hasher::Sha512(sha2::Digest::new()),
         }
@@ -228,7 +228,7 @@ impl Hasher {
     /// Feeds bytes.
     pub fn update(&mut self, data: &[u8]) {
         match self {
-            Hasher::Md5(h) => md5::Digest::update(h, data),
+            Hasher::Md5(h) => h.update(data),
             Hasher::Sha256(h) => sha2::Digest::update(h, data),
             Hasher::Sha512(h) => sha2::Digest::update(h, data),
         }
@@ -237,7 +237,7 @@ impl Hasher {
     /// The lowercase hex digest.
     pub fn finalize_hex(self) -> String {
         match self {
-            Hasher::Md5(h) => hex::encode(md5::Digest::finalize(h)),
+            Hasher::Md5(h) => hex::encode(h.finalize()),
             Hasher::Sha256(h) => hex::encode(sha2::Digest::finalize(h)),
             Hasher::Sha512(h) => hex::encode(sha2::Digest::finalize(h)),
         }

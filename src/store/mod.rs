@@ -2,7 +2,7 @@
 //!
 //! Holds the master cache and its sidecars (`cache`), Ironic's eviction
 //! policy (`eviction`), per-node links (`link`), named locks (`lock`), write-
-//! and-hash (`sink`), checksums (`checksum`) and file-system helpers
+//! and-hash (`sink`), checksums (`checksum`, `md5`) and file-system helpers
 //! (`fsutil`). Must not know any transport (AMQP, HTTP).
 
 pub(crate) mod cache;
@@ -11,4 +11,5 @@ pub(crate) mod eviction;
 pub(crate) mod fsutil;
 pub(crate) mod link;
 pub(crate) mod lock;
+pub(crate) mod md5;
 pub(crate) mod sink;
