@@ -177,6 +177,7 @@ async fn burst(host: &str, count: usize, sources: &[String]) -> Res<()> {
     }
     let published = start.elapsed().as_secs_f64();
     let (mut errors, mut misses, mut got) = (0usize, 0usize, 0usize);
+    let mut last_miss = 0.0;
     while got < count {
         let (_, v) = c.reply(Duration::from_secs(600)).await?;
         got += 1;
@@ -185,11 +186,12 @@ async fn burst(host: &str, count: usize, sources: &[String]) -> Res<()> {
             eprintln!("error: {v}");
         } else if v["cache"] == "miss" {
             misses += 1;
+            last_miss = start.elapsed().as_secs_f64();
         }
     }
     let total = start.elapsed().as_secs_f64();
     println!(
-        "burst: {count} prepares of {} images answered in {total:.2} s (published in {published:.2} s), {misses} misses, {errors} errors",
+        "burst: {count} prepares of {} images answered in {total:.2} s (published in {published:.2} s, last miss answered at {last_miss:.2} s), {misses} misses, {errors} errors",
         sources.len()
     );
     println!("RESULT seconds={total:.3} misses={misses} errors={errors}");
