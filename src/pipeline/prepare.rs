@@ -100,11 +100,14 @@ impl Pipeline {
             None => None,
         }
         .filter(|m| matches_expected(&m.meta, expected.as_ref()));
+        let linked = cached
+            .as_ref()
+            .is_some_and(|m| self.links.disk_is(node, &m.path));
         // `_hold` keeps a new master linked (st_nlink > 1) until the node
         // links it, so no sweeper of unlinked files removes it in between.
         let (master, outcome, _hold) = match cached {
             // The node already links this verified master: a repeated event.
-            Some(m) if self.links.disk_is(node, &m.path) => (m, CacheOutcome::Hit, None),
+            Some(m) if linked => (m, CacheOutcome::Hit, None),
             Some(m) if expected.is_some() || self.is_fresh(&source, &m.meta).await? => {
                 (m, CacheOutcome::Hit, None)
             }
@@ -135,7 +138,10 @@ impl Pipeline {
                 &self.config.conductor.permitted_image_formats,
             )?;
         }
-        let linked_here = !self.links.disk_is(node, &master.path);
+        let linked_here = match outcome {
+            CacheOutcome::Hit => !linked,
+            CacheOutcome::Miss => !self.links.disk_is(node, &master.path),
+        };
         // A hard link is a few metadata operations, made here; only a copy
         // (master and node directories on different file systems) goes to
         // a blocking thread.

@@ -22,11 +22,24 @@ pub fn ensure_dir(dir: &Path) -> Result<()> {
         ensure_dir(parent)?;
     }
     match std::fs::create_dir(dir) {
-        Ok(()) => std::fs::set_permissions(dir, Permissions::from_mode(0o755))
-            .map_err(|e| Error::io(format!("chmod {}", dir.display()), e)),
+        Ok(()) => chmod_dir(dir),
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => Ok(()),
         Err(e) => Err(Error::io(format!("create directory {}", dir.display()), e)),
     }
+}
+
+/// Creates `dir` (mode 0755 whatever the umask) where it is usually new: one
+/// `mkdir` where [`ensure_dir`] looks first; any failure is left to it.
+pub fn create_dir_fresh(dir: &Path) -> Result<()> {
+    match std::fs::create_dir(dir) {
+        Ok(()) => chmod_dir(dir),
+        Err(_) => ensure_dir(dir),
+    }
+}
+
+fn chmod_dir(dir: &Path) -> Result<()> {
+    std::fs::set_permissions(dir, Permissions::from_mode(0o755))
+        .map_err(|e| Error::io(format!("chmod {}", dir.display()), e))
 }
 
 /// A unique hidden temporary name next to `target`, so a rename over

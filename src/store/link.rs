@@ -55,13 +55,10 @@ impl NodeLinks {
 
     /// True when the node's `disk` is the very file `master` (same inode).
     pub fn disk_is(&self, node: &NodeUuid, master: &Path) -> bool {
-        match (
-            std::fs::metadata(self.disk_path(node)),
-            std::fs::metadata(master),
-        ) {
-            (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
-            _ => false,
-        }
+        let Ok(disk) = std::fs::metadata(self.disk_path(node)) else {
+            return false;
+        };
+        std::fs::metadata(master).is_ok_and(|m| m.dev() == disk.dev() && m.ino() == disk.ino())
     }
 
     /// Makes the node's `disk` a hard link to `master` (a copy where the file
@@ -80,9 +77,17 @@ impl NodeLinks {
     }
 
     fn replace_disk(&self, node: &NodeUuid, master: &Path, copy: bool) -> Result<bool> {
-        let dir = self.node_dir(node);
-        fsutil::ensure_dir(&dir)?;
+        fsutil::create_dir_fresh(&self.node_dir(node))?;
         let disk = self.disk_path(node);
+        // A node's first image is linked straight under its name (atomic
+        // too); an existing `disk`, or a copy, goes through a temporary.
+        match std::fs::hard_link(master, &disk) {
+            Ok(()) => return Ok(true),
+            Err(e)
+                if e.kind() == std::io::ErrorKind::AlreadyExists
+                    || e.raw_os_error() == Some(rustix::io::Errno::XDEV.raw_os_error()) => {}
+            Err(e) => return Err(Error::io(format!("link {}", disk.display()), e)),
+        }
         let temp = self.owner.temp_next_to(&disk)?;
         let mut linked = true;
         fsutil::replace_via_temp(&disk, &temp, |temp| {
@@ -114,6 +119,11 @@ impl NodeLinks {
         let current = std::fs::read_link(&link).ok();
         if current.as_deref() == Some(target.as_path()) {
             return Ok(false);
+        }
+        // A node's first symlink is made straight under its name; anything
+        // in the way (or a deleted directory) takes the path below.
+        if current.is_none() && std::os::unix::fs::symlink(&target, &link).is_ok() {
+            return Ok(true);
         }
         fsutil::ensure_dir(&self.link_dir)?;
         let temp = self.owner.temp_next_to(&link)?;
