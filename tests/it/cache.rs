@@ -412,3 +412,41 @@ async fn failed_prepare_removes_its_link_and_deleted_directories_come_back() {
     );
     assert_no_lock_files(&env);
 }
+
+/// Node directories on another file system than the masters: the node's
+/// `disk` is a copy (a hard link cannot cross), made under a temporary name
+/// for a first image and for a replacement alike, with the served bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_images_on_another_file_system_are_copies() {
+    use std::os::unix::fs::MetadataExt;
+    let env = Env::new("");
+    let _mount = Tmpfs::mount(&env.images_dir(), "32m");
+    let src = env.root().join("src");
+    random_file(&src.join("a.img"), 4 << 20, 95);
+    random_file(&src.join("b.img"), 3 << 20, 96);
+    let server = SourceServer::start(&src).await;
+    let n = node();
+    let disk = env.images_dir().join(&n).join("disk");
+    for img in ["a.img", "b.img"] {
+        let (ok, ev) = env.prepare(&n, &server.url(img), &[]).await;
+        assert!(ok, "{ev}");
+        assert_eq!(ev["image_checksum"], md5sum(&src.join(img)));
+        assert_eq!(
+            std::fs::read(&disk).unwrap(),
+            std::fs::read(src.join(img)).unwrap()
+        );
+        assert_eq!(std::fs::metadata(&disk).unwrap().nlink(), 1, "a copy");
+        assert_eq!(
+            std::fs::read_link(env.link_dir().join(&n)).unwrap(),
+            disk,
+            "published"
+        );
+        let node_dir: Vec<String> = std::fs::read_dir(env.images_dir().join(&n))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(node_dir, ["disk"], "no temporary left beside the copy");
+    }
+    assert!(env.temporaries().is_empty());
+}
