@@ -80,13 +80,10 @@ impl NodeLinks {
         fsutil::create_dir_fresh(&self.node_dir(node))?;
         let disk = self.disk_path(node);
         // A node's first image is linked straight under its name (atomic
-        // too); an existing `disk`, or a copy, goes through a temporary.
-        match std::fs::hard_link(master, &disk) {
-            Ok(()) => return Ok(true),
-            Err(e)
-                if e.kind() == std::io::ErrorKind::AlreadyExists
-                    || e.raw_os_error() == Some(rustix::io::Errno::XDEV.raw_os_error()) => {}
-            Err(e) => return Err(Error::io(format!("link {}", disk.display()), e)),
+        // too); anything else (an existing `disk`, another file system, an
+        // error to report) takes the path through a temporary below.
+        if std::fs::hard_link(master, &disk).is_ok() {
+            return Ok(true);
         }
         let temp = self.owner.temp_next_to(&disk)?;
         let mut linked = true;
