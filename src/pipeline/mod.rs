@@ -262,8 +262,11 @@ impl Pipeline {
         whole_dir: bool,
         only_if_prepared: bool,
     ) -> Result<Released> {
-        let _node = self.node_locks.acquire(node.as_str()).await?;
+        let mut node_lock = self.node_locks.acquire(node.as_str()).await?;
+        // The node's lock file goes with its files (when it never had any
+        // here, or has none left); a failed removal keeps it.
         if only_if_prepared && !self.has_node_files(node.as_str()) {
+            node_lock.remove_file();
             return Ok(Released::Stray);
         }
         if self.links.unpublish(node)? {
@@ -281,6 +284,9 @@ impl Pipeline {
             Ok(())
         })
         .await?;
+        if whole_dir || !self.has_node_files(node.as_str()) {
+            node_lock.remove_file();
+        }
         self.refresh_cache_gauges().await;
         Ok(Released::Done)
     }

@@ -88,18 +88,51 @@ impl Pipeline {
                 .unwrap_or(self.config.agent.stream_raw_images)
             && info.is_whole_disk();
         let name = cache::master_name(href, force_raw);
-        let want_sha512 = expected.as_ref().is_some_and(|e| e.algo == Algo::Sha512);
+        let job = MasterFetch {
+            source: &source,
+            href,
+            name: &name,
+            expected: expected.as_ref(),
+            sha512: expected.as_ref().is_some_and(|e| e.algo == Algo::Sha512),
+            force_raw,
+            info,
+        };
+        let mut node_lock = self.node_locks.acquire(node.as_str()).await?;
+        let mut master_lock = self.cache.lock(&name).await?;
+        let result = self.prepare_locked(node, &job, done).await;
+        // Lock files stay while what they guard exists: a failure that
+        // leaves no master, or no files of the node, removes them.
+        if result.is_err() {
+            if !self.cache.master_path(&name).exists() {
+                master_lock.remove_file();
+            }
+            if !self.has_node_files(node.as_str()) {
+                node_lock.remove_file();
+            }
+        }
+        result.map(|()| Released::Done)
+    }
 
-        let _node = self.node_locks.acquire(node.as_str()).await?;
-        let _master = self.cache.lock(&name).await?;
-        let cached = match self.cache.load(&name).filter(|m| m.meta.source == href) {
+    /// The part of a prepare made under the node's and the master's locks:
+    /// reuse or make the master, link it for the node, fill `done`.
+    async fn prepare_locked(
+        &self,
+        node: &NodeUuid,
+        job: &MasterFetch<'_>,
+        done: &mut Completion,
+    ) -> Result<()> {
+        let cached = match self
+            .cache
+            .load(job.name)
+            .filter(|m| m.meta.source == job.href)
+        {
             Some(m) => Some(
-                self.complete_digests(&name, m, expected.as_ref(), want_sha512)
+                self.complete_digests(job.name, m, job.expected, job.sha512)
                     .await?,
             ),
             None => None,
         }
-        .filter(|m| matches_expected(&m.meta, expected.as_ref()));
+        .filter(|m| matches_expected(&m.meta, job.expected));
         let linked = cached
             .as_ref()
             .is_some_and(|m| self.links.disk_is(node, &m.path));
@@ -108,20 +141,11 @@ impl Pipeline {
         let (master, outcome, _hold) = match cached {
             // The node already links this verified master: a repeated event.
             Some(m) if linked => (m, CacheOutcome::Hit, None),
-            Some(m) if expected.is_some() || self.is_fresh(&source, &m.meta).await? => {
+            Some(m) if job.expected.is_some() || self.is_fresh(job.source, &m.meta).await? => {
                 (m, CacheOutcome::Hit, None)
             }
             _ => {
-                let job = MasterFetch {
-                    source: &source,
-                    href,
-                    name: &name,
-                    expected: expected.as_ref(),
-                    sha512: want_sha512,
-                    force_raw,
-                    info,
-                };
-                let (m, hold) = self.fetch_master(&job).await?;
+                let (m, hold) = self.fetch_master(job).await?;
                 (m, CacheOutcome::Miss, Some(hold))
             }
         };
@@ -134,7 +158,7 @@ impl Pipeline {
                 })?;
             inspect::check_format(
                 format,
-                info.image_disk_format.as_deref(),
+                job.info.image_disk_format.as_deref(),
                 &self.config.conductor.permitted_image_formats,
             )?;
         }
@@ -173,7 +197,7 @@ impl Pipeline {
             self.http_url, self.config.deploy.http_image_subdir, node
         ));
         done.image_checksum = Some(meta.md5.clone());
-        let (algo, value) = match (&meta.sha512, want_sha512) {
+        let (algo, value) = match (&meta.sha512, job.sha512) {
             (Some(v), true) => ("sha512", v.clone()),
             _ => ("sha256", meta.sha256.clone()),
         };
@@ -183,7 +207,7 @@ impl Pipeline {
         done.image_size = Some(meta.size);
         done.converted = Some(meta.converted);
         done.cache = Some(outcome);
-        Ok(Released::Done)
+        Ok(())
     }
 
     /// Computes from the master the digests its sidecar lacks and this

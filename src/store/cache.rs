@@ -121,6 +121,67 @@ pub struct Cache {
     dir: PathBuf,
     locks: Arc<Locks>,
     owner: Arc<TempOwner>,
+    sidecars: Arc<Sidecars>,
+}
+
+/// Sidecars already read, by master name, each with the identity of the
+/// file it was read from: a cache hit stats the sidecar instead of opening,
+/// reading and parsing it. Sidecars are only ever replaced by a rename
+/// (a new inode, a new change time) or removed, so an unchanged identity
+/// means unchanged contents.
+#[derive(Default)]
+struct Sidecars(std::sync::Mutex<std::collections::HashMap<String, (FileStamp, MasterMeta)>>);
+
+/// Sidecars remembered at most (one per master; beyond that, forgotten).
+const SIDECARS_REMEMBERED: usize = 4096;
+
+/// What identifies one version of a file.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct FileStamp {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    ctime: (i64, i64),
+    mtime: (i64, i64),
+}
+
+impl FileStamp {
+    fn of(m: &std::fs::Metadata) -> FileStamp {
+        FileStamp {
+            dev: m.dev(),
+            ino: m.ino(),
+            size: m.size(),
+            ctime: (m.ctime(), m.ctime_nsec()),
+            mtime: (m.mtime(), m.mtime_nsec()),
+        }
+    }
+}
+
+impl Sidecars {
+    /// The sidecar at `path` for master `name`, parsed.
+    fn read(&self, name: &str, path: &Path) -> Option<MasterMeta> {
+        let stamp = FileStamp::of(&std::fs::metadata(path).ok()?);
+        let mut known = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((s, meta)) = known.get(name)
+            && *s == stamp
+        {
+            return Some(meta.clone());
+        }
+        drop(known);
+        let mut file = std::fs::File::open(path).ok()?;
+        // The identity of what was opened, not of what the path named a
+        // moment earlier.
+        let stamp = FileStamp::of(&file.metadata().ok()?);
+        let mut text = Vec::new();
+        std::io::Read::read_to_end(&mut file, &mut text).ok()?;
+        let meta: MasterMeta = serde_json::from_slice(&text).ok()?;
+        known = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if known.len() >= SIDECARS_REMEMBERED {
+            known.clear();
+        }
+        known.insert(name.to_string(), (stamp, meta.clone()));
+        Some(meta)
+    }
 }
 
 /// The master file name Ironic uses: the Glance image id, or
@@ -187,6 +248,7 @@ impl Cache {
             dir: dir.to_path_buf(),
             locks: Arc::new(Locks::new(dir.join(".locks"))?),
             owner: Arc::new(TempOwner::new(dir.join(".owners"))),
+            sidecars: Arc::default(),
         })
     }
 
@@ -233,8 +295,7 @@ impl Cache {
     pub fn load(&self, name: &str) -> Option<Master> {
         let path = self.master_path(name);
         let stat = std::fs::metadata(&path).ok()?;
-        let text = std::fs::read(self.meta_path(name)).ok()?;
-        let meta: MasterMeta = serde_json::from_slice(&text).ok()?;
+        let meta = self.sidecars.read(name, &self.meta_path(name))?;
         (stat.is_file() && meta.inode == stat.ino() && meta.size == stat.len())
             .then_some(Master { path, meta })
     }
@@ -299,6 +360,11 @@ impl Cache {
             .collect()
     }
 
+    /// The masters that have a lock file.
+    pub fn lock_names(&self) -> Vec<String> {
+        self.locks.names()
+    }
+
     /// Start-up recovery, for commands that write (never for read-only
     /// ones): removes the temporaries of processes that are gone and the lock
     /// files of those processes, and brings a directory of the earlier
@@ -346,6 +412,45 @@ impl Cache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_remembered_sidecar_follows_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = Cache::open(dir.path()).unwrap();
+        let temp = cache.temp_path("m").unwrap();
+        std::fs::write(&temp, b"bytes").unwrap();
+        let meta = MasterMeta {
+            source: "http://example.com/m".into(),
+            fetched_at: 1,
+            source_last_modified: None,
+            source_size: 5,
+            source_md5: None,
+            source_sha256: None,
+            source_sha512: None,
+            source_format: "raw".into(),
+            converted: false,
+            disk_format: "raw".into(),
+            size: 5,
+            md5: "a".into(),
+            sha256: "b".into(),
+            sha512: None,
+            inode: 0,
+        };
+        let master = cache.commit(&temp, "m", meta).unwrap();
+        assert_eq!(cache.load("m").unwrap().meta, master.meta);
+        // Replaced (a digest learnt, by this process or another): the new
+        // contents, not the remembered ones.
+        let mut learnt = master.meta.clone();
+        learnt.sha512 = Some("c".into());
+        cache.write_meta("m", &learnt).unwrap();
+        assert_eq!(cache.load("m").unwrap().meta, learnt);
+        let other = Cache::open(dir.path()).unwrap();
+        learnt.source_md5 = Some("d".into());
+        other.write_meta("m", &learnt).unwrap();
+        assert_eq!(cache.load("m").unwrap().meta, learnt);
+        cache.remove_meta("m").unwrap();
+        assert!(cache.load("m").is_none());
+    }
 
     #[test]
     fn names_match_ironic() {

@@ -111,7 +111,7 @@ pub fn clean(
         .unwrap_or(0);
     let mut report = Report::default();
     if !dry_run {
-        remove_orphan_sidecars(cache)?;
+        remove_orphans(cache)?;
     }
     for name in plan(&entries, now, policy, amount, all_unused) {
         let size = entries
@@ -124,7 +124,7 @@ pub fn clean(
             report.evicted.push(name);
             continue;
         }
-        let Some(_guard) = cache.try_lock(&name) else {
+        let Some(mut guard) = cache.try_lock(&name) else {
             continue;
         };
         let path = cache.master_path(&name);
@@ -133,7 +133,9 @@ pub fn clean(
             _ => continue,
         }
         cache.remove_meta(&name)?;
-        if crate::store::fsutil::remove_file_if_exists(&path)? {
+        let removed = crate::store::fsutil::remove_file_if_exists(&path)?;
+        guard.remove_file();
+        if removed {
             tracing::info!(master = %name, bytes = size, "evicted from the image cache");
             report.freed += size;
             report.evicted.push(name);
@@ -142,13 +144,21 @@ pub fn clean(
     Ok(report)
 }
 
-/// Removes sidecars whose master is gone (a crash between the two removals).
-fn remove_orphan_sidecars(cache: &Cache) -> Result<()> {
-    for master in cache.sidecar_names() {
+/// Removes the sidecars and lock files of masters that are gone (a crash
+/// between two removals, a download that failed in a process that then
+/// died). A master being made holds its lock and is skipped.
+fn remove_orphans(cache: &Cache) -> Result<()> {
+    let mut names = cache.sidecar_names();
+    names.extend(cache.lock_names());
+    names.sort_unstable();
+    names.dedup();
+    for master in names {
         if !cache.master_path(&master).exists()
-            && let Some(_guard) = cache.try_lock(&master)
+            && let Some(mut guard) = cache.try_lock(&master)
+            && !cache.master_path(&master).exists()
         {
             cache.remove_meta(&master)?;
+            guard.remove_file();
         }
     }
     Ok(())

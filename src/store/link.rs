@@ -113,14 +113,14 @@ impl NodeLinks {
         let link = self.symlink_path(node);
         let target = std::path::absolute(self.disk_path(node))
             .map_err(|e| Error::io("resolve images_path", e))?;
+        // A node's first symlink is made straight under its name; anything
+        // in the way (or a deleted directory) takes the path below.
+        if std::os::unix::fs::symlink(&target, &link).is_ok() {
+            return Ok(true);
+        }
         let current = std::fs::read_link(&link).ok();
         if current.as_deref() == Some(target.as_path()) {
             return Ok(false);
-        }
-        // A node's first symlink is made straight under its name; anything
-        // in the way (or a deleted directory) takes the path below.
-        if current.is_none() && std::os::unix::fs::symlink(&target, &link).is_ok() {
-            return Ok(true);
         }
         fsutil::ensure_dir(&self.link_dir)?;
         let temp = self.owner.temp_next_to(&link)?;

@@ -135,11 +135,23 @@ async fn ttl_dry_run_and_all_unused() {
         .master_dir()
         .join(".meta/0e0e0e0e-0000-5000-8000-000000000000.json");
     std::fs::write(&orphan, "{}").unwrap();
+    // So is the lock file of a master that was never made (its download
+    // failed in a process that died).
+    let orphan_lock = env
+        .master_dir()
+        .join(".locks/0f0f0f0f-0000-5000-8000-000000000000.lock");
+    std::fs::write(&orphan_lock, "").unwrap();
     assert_eq!(
         clean_with(&env, None, &[]).await["evicted"],
         serde_json::json!([])
     );
     assert!(!orphan.exists());
+    assert!(!orphan_lock.exists());
+    assert_eq!(
+        lock_files(&env.master_dir()).len(),
+        2,
+        "the masters' locks stay"
+    );
     // A dry run says what would go and removes nothing.
     wait_until_clock_passes_last_use(&env).await;
     let dry = clean_with(&env, Some("pxe.image_cache_ttl=0"), &["--dry-run"]).await;
@@ -153,6 +165,11 @@ async fn ttl_dry_run_and_all_unused() {
     let r = clean_with(&env, None, &["--all-unused"]).await;
     assert_eq!(r["evicted"].as_array().unwrap().len(), 1);
     assert!(env.masters().is_empty());
+    // Lock files went with the masters and with the node cleaned up; the
+    // node only `deployed` keeps its directory and its lock file.
+    assert!(lock_files(&env.master_dir()).is_empty());
+    assert_eq!(lock_files(&env.images_dir()), std::slice::from_ref(&n1));
+    assert_lock_files_guard_something(&env);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -195,16 +212,37 @@ fn inode(path: &std::path::Path) -> u64 {
     std::fs::metadata(path).unwrap().ino()
 }
 
-/// The lock directories hold no lock file once nothing is in progress.
-fn assert_no_lock_files(env: &Env) {
-    for dir in [
-        env.master_dir().join(".locks"),
-        env.images_dir().join(".locks"),
-    ] {
-        let left: Vec<_> = std::fs::read_dir(&dir)
-            .map(|rd| rd.flatten().map(|e| e.file_name()).collect())
-            .unwrap_or_default();
-        assert!(left.is_empty(), "{}: {left:?}", dir.display());
+/// The names that have a lock file in `dir`.
+fn lock_files(dir: &std::path::Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir.join(".locks"))
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+        .into_iter()
+        .map(|n| n.strip_suffix(".lock").unwrap_or(&n).to_string())
+        .collect()
+}
+
+/// Once nothing is in progress, a lock file stays only while what it
+/// guards exists: a master in the cache, a node with files here.
+fn assert_lock_files_guard_something(env: &Env) {
+    for name in lock_files(&env.master_dir()) {
+        assert!(
+            env.master_dir().join(&name).is_file(),
+            "lock file of a master that is gone: {name}"
+        );
+    }
+    for name in lock_files(&env.images_dir()) {
+        assert!(
+            env.images_dir().join(&name).exists()
+                || env.link_dir().join(&name).symlink_metadata().is_ok(),
+            "lock file of a node without files: {name}"
+        );
     }
 }
 
@@ -240,7 +278,7 @@ async fn read_only_commands_and_other_processes_leave_a_running_download_alone()
     assert_eq!(ev["status"], "success", "{ev}");
     assert_eq!(ev["image_checksum"], md5sum(&src.join("a.img")));
     assert!(env.temporaries().is_empty(), "{:?}", env.temporaries());
-    assert_no_lock_files(&env);
+    assert_lock_files_guard_something(&env);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -410,7 +448,7 @@ async fn failed_prepare_removes_its_link_and_deleted_directories_come_back() {
         (status, body),
         (200, std::fs::read(src.join("a.img")).unwrap())
     );
-    assert_no_lock_files(&env);
+    assert_lock_files_guard_something(&env);
 }
 
 /// Node directories on another file system than the masters: the node's

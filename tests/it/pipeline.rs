@@ -194,6 +194,13 @@ async fn failures_leave_nothing_in_the_cache() {
     assert!(env.masters().is_empty(), "{:?}", env.masters());
     assert!(env.temporaries().is_empty());
     assert!(!env.link_dir().join(&node).exists());
+    // Nor lock files: they stay only for masters and nodes that exist.
+    for dir in [env.master_dir(), env.images_dir()] {
+        let locks: Vec<_> = std::fs::read_dir(dir.join(".locks"))
+            .map(|rd| rd.flatten().map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        assert!(locks.is_empty(), "{}: {locks:?}", dir.display());
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
