@@ -156,7 +156,7 @@ pub fn write_file_atomically(target: &Path, temp: &Path, body: &[u8]) -> Result<
 }
 
 /// True when `path` names the very file `file` is open on.
-pub fn names_inode(path: &Path, file: &File) -> bool {
+fn names_inode(path: &Path, file: &File) -> bool {
     use std::os::unix::fs::MetadataExt;
     match (std::fs::symlink_metadata(path), file.metadata()) {
         (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
