@@ -158,10 +158,15 @@ pub fn write_file_atomically(target: &Path, temp: &Path, body: &[u8]) -> Result<
 /// True when `path` names the very file `file` is open on.
 fn names_inode(path: &Path, file: &File) -> bool {
     use std::os::unix::fs::MetadataExt;
-    match (std::fs::symlink_metadata(path), file.metadata()) {
-        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
-        _ => false,
-    }
+    file.metadata()
+        .is_ok_and(|m| path_names(path, m.dev(), m.ino()))
+}
+
+/// True when `path` itself (not a symlink's target) is inode `ino` of
+/// device `dev`: a lock file's path still names the file that was locked.
+pub fn path_names(path: &Path, dev: u64, ino: u64) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path).is_ok_and(|m| m.dev() == dev && m.ino() == ino)
 }
 
 /// The owner of a process's temporaries: a token that every temporary name

@@ -46,7 +46,7 @@ struct Opened {
 impl Opened {
     /// True while `path` still names this file.
     fn named_by(&self, path: &Path) -> bool {
-        std::fs::symlink_metadata(path).is_ok_and(|m| m.dev() == self.dev && m.ino() == self.ino)
+        fsutil::path_names(path, self.dev, self.ino)
     }
 }
 
