@@ -569,3 +569,42 @@ async fn endless_glance_documents_are_bounded() {
         "{ev}"
     );
 }
+
+/// A source whose first attempt sends another qcow2 in full and then resets:
+/// only what derives from the retry, whose bytes were verified, is served,
+/// published and cached (a conversion of the first attempt is thrown away).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_download_serves_only_the_verified_attempt() {
+    let env = Env::new("");
+    let size = 8u64 << 20;
+    // A: 1 MiB of data in an 8 MiB disk (a small qcow2); B: 8 MiB of data.
+    let raw_a = env.root().join("a.raw");
+    let f = std::fs::File::create(&raw_a).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, &[0x41u8; 1 << 20], 0).unwrap();
+    f.set_len(size).unwrap();
+    let raw_b = env.root().join("b.raw");
+    random_file(&raw_b, size as usize, 73);
+    let img = env.root().join("src/disk.qcow2");
+    qcow2_from(&raw_b, &img, &[]);
+    qcow2_from(&raw_a, &env.root().join("src/disk.qcow2.first"), &[]);
+    let reference = env.root().join("ref.raw");
+    reference_raw(&img, &reference);
+    let faults = FaultServer::start(&env.root().join("src"), 1 << 20).await;
+    let url = faults.url("switch", "disk.qcow2");
+    let checksum = sha256sum(&img);
+    for round in 0..2 {
+        let node = node();
+        let (ok, ev) = env
+            .prepare(&node, &url, &["--checksum", &checksum])
+            .await;
+        assert!(ok, "round {round}: {ev}");
+        assert_eq!(ev["cache"], if round == 0 { "miss" } else { "hit" });
+        assert_eq!(ev["converted"], true);
+        assert_eq!(ev["image_checksum"], md5sum(&reference), "round {round}");
+        assert_eq!(ev["image_os_hash_value"], sha256sum(&reference));
+        let served = env.images_dir().join(&node).join("disk");
+        assert_eq!(md5sum(&served), md5sum(&reference), "round {round}");
+    }
+    assert_eq!(faults.count("switch", "disk.qcow2"), 2, "one retry");
+    assert!(env.temporaries().is_empty(), "{:?}", env.temporaries());
+}

@@ -911,7 +911,8 @@ pub fn metric(text: &str, line_prefix: &str) -> Option<f64> {
 /// (Content-Length says more), `/reset/NAME` resets the connection after
 /// half the body, `/nolength/NAME` sends it without a Content-Length,
 /// `/trickle/NAME` sends a byte every 100 ms, `/endless/ANY` streams without
-/// a length for ever, `/redirect/TARGET` answers 302 to TARGET.
+/// a length for ever, `/redirect/TARGET` answers 302 to TARGET,
+/// `/switch/NAME` sends other bytes on the first attempt (see there).
 /// Counts requests per path.
 pub struct FaultServer {
     pub addr: SocketAddr,
@@ -994,7 +995,16 @@ async fn serve_fault(
             sock.write_all(&line).await?;
         }
     }
-    let Ok(data) = std::fs::read(dir.join(name)) else {
+    // `/switch/NAME`: the first request gets `NAME.first` (announced with
+    // the length of `NAME`, then reset), every later one `NAME` itself: a
+    // source whose first, failed attempt sent other bytes than its retry.
+    let first_of_switch = mode == "switch" && counts.lock().unwrap()[&path] == 1;
+    let file = if first_of_switch {
+        format!("{name}.first")
+    } else {
+        name.to_string()
+    };
+    let Ok(data) = std::fs::read(dir.join(&file)) else {
         sock.write_all(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
             .await?;
         return Ok(());
@@ -1003,10 +1013,14 @@ async fn serve_fault(
     let modified = std::fs::metadata(dir.join(name))
         .and_then(|m| m.modified())
         .map(httpdate::fmt_http_date)?;
+    let announced = match first_of_switch {
+        true => std::fs::metadata(dir.join(name))?.len() as usize,
+        false => data.len(),
+    };
     let length = if mode == "nolength" {
         String::new()
     } else {
-        format!("Content-Length: {}\r\n", data.len())
+        format!("Content-Length: {announced}\r\n")
     };
     let head = format!(
         "HTTP/1.1 200 OK\r\n{length}Last-Modified: {modified}\r\nConnection: close\r\n\r\n"
@@ -1035,6 +1049,14 @@ async fn serve_fault(
             }
         }
         "short" => sock.write_all(&data[..half]).await?,
+        // All of `NAME.first` (shorter than the announced length), padded
+        // to one byte short of it, then a reset.
+        "switch" if first_of_switch => {
+            sock.write_all(&data).await?;
+            let pad = vec![0x5au8; announced.saturating_sub(data.len() + 1)];
+            sock.write_all(&pad).await?;
+            sock.set_zero_linger()?;
+        }
         "reset" => {
             sock.write_all(&data[..half]).await?;
             sock.set_zero_linger()?;
