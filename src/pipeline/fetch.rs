@@ -6,20 +6,20 @@
 //! nothing of nodes (linking is the request's business), the broker or HTTP
 //! serving.
 
-use super::stream::DownloadState;
+use super::attempt::{Streamed, Written};
 use super::{Pipeline, blocking};
 use crate::error::{Error, ErrorCode, Result};
 use crate::image::convert;
 use crate::image::inspect;
 use crate::messages::InstanceInfo;
 use crate::metrics::progress::Transfer;
-use crate::sources::{Room, Source, SourceStat};
+use crate::sources::{Source, SourceStat};
 use crate::store::cache::{self, Master, MasterMeta};
 use crate::store::checksum::Expected;
 use crate::store::fsutil::TempGuard;
 use crate::store::sink::Digests;
 use std::path::Path;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Instant, SystemTime};
 
 /// What the steps of one master download share: where it comes from, the
 /// master's name, and what the request wants of it.
@@ -48,24 +48,16 @@ struct Downloaded {
     fetched_at: u64,
 }
 
-/// The outcome of a conversion while downloading, when one ran to the end
-/// (or hit its limits): its digests and how long it took.
-type Streamed = Option<Result<(Digests, Duration)>>;
-
 impl Pipeline {
     /// Downloads `job.source` into a new master (committed) and returns it
     /// with a hold: a hard link that keeps the file until the caller linked
     /// it to the node, so no eviction can take it in between.
     pub(super) async fn fetch_master(&self, job: &MasterFetch<'_>) -> Result<(Master, TempGuard)> {
-        let download = TempGuard::new(self.cache.temp_path(job.name)?);
         tracing::info!(source = %job.source.display(), master = job.name, "downloading");
         // A qcow2 to be converted is converted while it downloads when it can
-        // be (see `stream_convert`); the result is only used after the
-        // download is verified and the complete file passes every check.
-        let streamed_out = TempGuard::new(self.cache.temp_path(job.name)?);
-        let (downloaded, streamed) = self
-            .download_verified(job, download.path(), streamed_out.path())
-            .await?;
+        // be (see `attempt`); that result is only used after the download is
+        // verified and the complete file passes every check.
+        let (downloaded, download, streamed) = self.download_verified(job).await?;
         // zstd-compressed downloads are decompressed, as Ironic does, and
         // the result is what gets inspected and served.
         let (temp, served) = match self.decompress_zstd(job, download.path()).await? {
@@ -73,93 +65,46 @@ impl Pipeline {
             None => (download, downloaded.digests.clone()),
         };
         let (found, qcow2) = self.inspect_download(job, temp.path()).await?;
-        let streamed = match streamed.filter(|_| found.format == inspect::Format::Qcow2) {
+        let streamed = streamed.filter(|_| found.format == inspect::Format::Qcow2);
+        let (temp, served, converted) = match streamed {
             // The converter hit its limits on these very bytes: no second try.
-            Some(Err(e)) => return Err(e),
-            Some(Ok(done)) => Some(done),
-            None => None,
-        };
-        let (temp, served, converted) = if let Some((d, took)) = streamed {
-            self.metrics.conversion("while_downloading", &d, took);
-            check_converted(streamed_out.path(), &d, &found)?;
-            (streamed_out, d, true)
-        } else if job.force_raw && found.format.needs_conversion() {
-            let (out, d) = self
-                .convert_after_download(job, temp.path(), &found, qcow2.as_ref())
-                .await?;
-            (out, d, true)
-        } else {
-            (temp, served, false)
+            Some(Streamed { result: Err(e), .. }) => return Err(e),
+            Some(Streamed {
+                out,
+                result: Ok((d, took)),
+            }) => {
+                self.metrics.conversion("while_downloading", &d, took);
+                check_converted(out.path(), &d, &found)?;
+                (out, d, true)
+            }
+            None if job.force_raw && found.format.needs_conversion() => {
+                let (out, d) = self
+                    .convert_after_download(job, temp.path(), &found, qcow2.as_ref())
+                    .await?;
+                (out, d, true)
+            }
+            None => (temp, served, false),
         };
         let meta = master_meta(job.href, downloaded, &found, served, converted);
         self.commit_master(job.name, temp, meta).await
     }
 
-    /// Downloads into `temp` (converting into `streamed_out` alongside when
-    /// wanted) and checks the bytes against the expected checksum.
+    /// Downloads (see `attempt`) and checks the completed attempt's bytes
+    /// against the expected checksum; returns them with their file and the
+    /// conversion that read that file, if one ran.
     async fn download_verified(
         &self,
         job: &MasterFetch<'_>,
-        temp: &Path,
-        streamed_out: &Path,
-    ) -> Result<(Downloaded, Streamed)> {
+    ) -> Result<(Downloaded, TempGuard, Option<Streamed>)> {
         let fetched_at = cache::unix_secs(SystemTime::now());
-        let transfer = std::sync::Mutex::new(Transfer::start(&self.metrics, "download", 0));
-        let state = DownloadState::new();
-        let room = |need: Room| match need {
-            Room::Announced(len) => {
-                transfer
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .set_expected(len);
-                state.announce(len);
-                // Called inside the download: a statvfs, and an eviction
-                // only when space is short.
-                self.keeper().make_room(len)
-            }
-            Room::Growing(more) => self.keeper().make_room(more),
-        };
-        let progress = |done: u64| {
-            transfer
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .set_done(done);
-            state.received(done);
-        };
-        let pace = self
-            .streams_while_downloading(job)
-            .then(|| std::sync::Arc::new(crate::store::sink::Pace::default()));
-        let hashes = crate::store::sink::Hashes {
-            sha512: job.sha512,
-            lazy_if_converted: job.force_raw,
-            keep: job.expected.map(|e| e.algo),
-            pace: pace.clone(),
-        };
         let started = Instant::now();
-        let download = async {
-            let result = self
-                .fetcher
-                .download(job.source, temp, hashes, &room, &progress)
-                .await;
-            state.finish();
-            result
-        };
-        let streaming = async {
-            let streamed = match &pace {
-                Some(pace) => {
-                    self.convert_alongside(temp, streamed_out, &state, pace, job)
-                        .await
-                }
-                None => None,
-            };
-            if let Some(pace) = &pace {
-                pace.finish();
-            }
-            streamed
-        };
-        let (downloaded_result, streamed) = tokio::join!(download, streaming);
-        let (digests, stat) = downloaded_result?;
-        drop(transfer);
+        let (written, streamed) = self.download_attempts(job).await?;
+        let Written {
+            file,
+            digests,
+            stat,
+            ..
+        } = written;
         self.metrics.download_bytes.inc_by(digests.size);
         self.metrics
             .download_seconds
@@ -186,38 +131,14 @@ impl Pipeline {
             stat,
             fetched_at,
         };
-        Ok((downloaded, streamed))
+        Ok((downloaded, file, streamed))
     }
 
     /// Whether a qcow2 download is converted while it downloads.
-    fn streams_while_downloading(&self, job: &MasterFetch<'_>) -> bool {
+    pub(super) fn streams_while_downloading(&self, job: &MasterFetch<'_>) -> bool {
         job.force_raw
             && self.config.convert.stream_while_downloading
             && !matches!(job.source, Source::File(_))
-    }
-
-    /// The conversion running beside the download: `None` when it could
-    /// not be done (then the image is converted after the download).
-    async fn convert_alongside(
-        &self,
-        temp: &Path,
-        out: &Path,
-        state: &DownloadState,
-        pace: &crate::store::sink::Pace,
-        job: &MasterFetch<'_>,
-    ) -> Streamed {
-        let t = Instant::now();
-        match self
-            .stream_convert(temp, out, state, pace, job.sha512)
-            .await
-        {
-            Ok(d) => Some(Ok((d, t.elapsed()))),
-            Err(convert::StreamFailure::Conclusive(e)) => Some(Err(e)),
-            Err(convert::StreamFailure::Retryable(e)) => {
-                tracing::debug!(error = %e, "no conversion during the download");
-                None
-            }
-        }
     }
 
     /// A zstd-compressed download, decompressed into a new temporary with

@@ -21,6 +21,7 @@ use std::sync::Arc;
 use std::time::Instant;
 use tracing::Instrument;
 
+mod attempt;
 mod fetch;
 mod keeper;
 mod prepare;

@@ -17,7 +17,6 @@ pub(crate) mod http_client;
 use crate::config::{Config, redact_url};
 use crate::error::{Error, ErrorCode, Result, error_chain};
 use crate::sources::glance::Glance;
-use crate::store::sink::{Digests, Hashes, Sink};
 use backon::{ExponentialBuilder, Retryable};
 use futures_util::StreamExt;
 use http_client::BodyError;
@@ -25,6 +24,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
+use tokio::sync::mpsc;
 
 /// Longest `image_source` (or checksum URL) accepted: longer ones are not
 /// URLs any HTTP stack takes, and would only fill logs.
@@ -67,19 +67,6 @@ pub struct SourceStat {
     /// Size in bytes, when the source tells it.
     pub size: Option<u64>,
 }
-
-/// Why a download asks for disk space.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Room {
-    /// The source announced the image's size: asked once, before any byte.
-    Announced(u64),
-    /// No size was announced: this many more bytes are about to be written
-    /// (asked before the first byte and again every [`GROWTH_STEP`]).
-    Growing(u64),
-}
-
-/// How much free space a download of unknown size makes sure of ahead.
-pub const GROWTH_STEP: u64 = 256 << 20;
 
 /// HTTP client and policy for fetching sources, shared by all requests.
 #[derive(Clone)]
@@ -427,40 +414,34 @@ impl Fetcher {
         .await
     }
 
-    /// Downloads `source` into the new file `dest`, hashing in the same pass.
-    /// `room` is asked for disk space before bytes are written (see
-    /// [`Room`]), `progress` told the bytes received so far (0 when an
-    /// attempt starts). Every attempt must keep `[source]min_rate`, and all
-    /// attempts together end within `[source]download_deadline`. On any
-    /// failure `dest` is removed.
+    /// Streams `source` to `to`, attempt by attempt: each attempt begins
+    /// with [`Delivery::Attempt`] (everything delivered before it is void),
+    /// then its bytes, and the one that got every byte ends with
+    /// [`Delivery::Complete`]; then the download returns what the source
+    /// said of it. Every attempt must keep `[source]min_rate`, and all
+    /// attempts together end within `[source]download_deadline`. When the
+    /// receiver goes away the download stops (its error is the receiver's
+    /// to tell).
     pub async fn download(
         &self,
         source: &Source,
-        dest: &Path,
-        hashes: Hashes,
-        room: &(dyn Fn(Room) -> Result<()> + Sync),
-        progress: &(dyn Fn(u64) + Sync),
-    ) -> Result<(Digests, SourceStat)> {
-        let attempts = self.retrying(|| async {
-            let _ = crate::store::fsutil::remove_file_if_exists(dest);
-            progress(0);
+        to: mpsc::Sender<Delivery>,
+    ) -> Result<SourceStat> {
+        let to = &to;
+        let attempts = self.retrying(|| async move {
             match source {
-                Source::File(f) => Ok(self
-                    .copy_file(f, dest, hashes.clone(), room, progress)
-                    .await?),
+                Source::File(f) => Ok(self.copy_file(f, to).await?),
                 Source::Http(url) => {
-                    let req = self.client.get(url.clone());
-                    self.get_http(source, req, dest, hashes.clone(), room, progress)
+                    self.get_http(source, self.client.get(url.clone()), to)
                         .await
                 }
                 Source::Glance(id) => {
                     let req = self.glance.data_request(id).await?;
-                    self.get_http(source, req, dest, hashes.clone(), room, progress)
-                        .await
+                    self.get_http(source, req, to).await
                 }
             }
         });
-        let result = match self.deadline {
+        match self.deadline {
             None => attempts.await,
             Some(limit) => match tokio::time::timeout(limit, attempts).await {
                 Ok(r) => r,
@@ -473,83 +454,56 @@ impl Fetcher {
                     ),
                 )),
             },
-        };
-        if result.is_err() {
-            let _ = crate::store::fsutil::remove_file_if_exists(dest);
         }
-        result
     }
 
-    /// Copies the open file source (from offset 0, so a retry starts over)
-    /// on a blocking thread.
-    async fn copy_file(
-        &self,
-        f: &FileSource,
-        dest: &Path,
-        hashes: Hashes,
-        room: &(dyn Fn(Room) -> Result<()> + Sync),
-        progress: &(dyn Fn(u64) + Sync),
-    ) -> Result<(Digests, SourceStat)> {
+    /// Streams the open file source (from offset 0, so a retry starts over)
+    /// from a blocking thread.
+    async fn copy_file(&self, f: &FileSource, to: &mpsc::Sender<Delivery>) -> Result<SourceStat> {
         let meta = f
             .file
             .metadata()
             .map_err(|e| Error::io(f.path.display(), e))?;
-        room(Room::Announced(meta.len()))?;
-        let mut sink = Sink::create_hashing(dest, hashes)?;
-        let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>>>(4);
-        let (file, path) = (f.file.clone(), f.path.clone());
-        let reader = tokio::task::spawn_blocking(move || {
+        let stat = SourceStat {
+            last_modified: meta.modified().ok(),
+            size: Some(meta.len()),
+        };
+        deliver(to, Delivery::Attempt(stat.clone())).await?;
+        let (file, path, to) = (f.file.clone(), f.path.clone(), to.clone());
+        tokio::task::spawn_blocking(move || {
             let mut offset = 0u64;
             loop {
-                let mut buf = vec![0u8; crate::store::sink::CHUNK];
+                let mut buf = vec![0u8; READ_CHUNK];
                 let n = match file.read_at(&mut buf, offset) {
                     Ok(n) => n,
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                    Err(e) => {
-                        let _ = tx.blocking_send(Err(Error::io(path.display(), e)));
-                        return;
+                    Err(e) => return Err(Error::io(path.display(), e)),
+                };
+                let piece = match n {
+                    0 => Delivery::Complete,
+                    n => {
+                        buf.truncate(n);
+                        offset += n as u64;
+                        Delivery::Bytes(buf.into())
                     }
                 };
-                if n == 0 {
-                    return;
-                }
-                buf.truncate(n);
-                offset += n as u64;
-                if tx.blocking_send(Ok(buf)).is_err() {
-                    return;
+                let last = matches!(piece, Delivery::Complete);
+                to.blocking_send(piece).map_err(|_| receiver_gone())?;
+                if last {
+                    return Ok(stat);
                 }
             }
-        });
-        let mut result = Ok(());
-        while let Some(chunk) = rx.recv().await {
-            if let Err(e) = async { sink.write(&chunk?).await }.await {
-                result = Err(e);
-                break;
-            }
-            progress(sink.size());
-        }
-        drop(rx);
-        let _ = reader.await;
-        result?;
-        let digests = sink.finish().await?;
-        Ok((
-            digests,
-            SourceStat {
-                last_modified: meta.modified().ok(),
-                size: Some(meta.len()),
-            },
-        ))
+        })
+        .await
+        .map_err(|e| Error::new(ErrorCode::Internal, format!("file reader: {e}")))?
     }
 
     async fn get_http(
         &self,
         source: &Source,
         req: reqwest::RequestBuilder,
-        dest: &Path,
-        hashes: Hashes,
-        room: &(dyn Fn(Room) -> Result<()> + Sync),
-        progress: &(dyn Fn(u64) + Sync),
-    ) -> std::result::Result<(Digests, SourceStat), Failure> {
+        to: &mpsc::Sender<Delivery>,
+    ) -> std::result::Result<SourceStat, Failure> {
         let resp = req.send().await.map_err(|e| request_failure(source, e))?;
         if let Source::Glance(_) = source
             && resp.status() == reqwest::StatusCode::UNAUTHORIZED
@@ -571,33 +525,20 @@ impl Fetcher {
                 .and_then(|v| httpdate::parse_http_date(v).ok()),
             size: resp.content_length(),
         };
-        let mut room_until = match stat.size {
-            Some(len) => {
-                room(Room::Announced(len))?;
-                u64::MAX
-            }
-            None => {
-                room(Room::Growing(GROWTH_STEP))?;
-                GROWTH_STEP
-            }
-        };
-        let mut sink = Sink::create_hashing(dest, hashes)?;
+        deliver(to, Delivery::Attempt(stat.clone())).await?;
         let mut body = resp.bytes_stream();
         let mut rate = RateCheck::new(self.min_rate, self.min_rate_window);
+        let mut got = 0u64;
         loop {
             let next = tokio::time::timeout_at(rate.window_end(), body.next()).await;
-            let chunk = match next {
-                Err(_) => None,
+            match next {
+                Err(_) => {}
                 Ok(None) => break,
-                Ok(Some(chunk)) => Some(chunk.map_err(|e| request_failure(source, e))?),
-            };
-            if let Some(chunk) = chunk {
-                rate.add(chunk.len() as u64);
-                sink.write(&chunk).await?;
-                progress(sink.size());
-                if sink.size() > room_until {
-                    room(Room::Growing(GROWTH_STEP))?;
-                    room_until = sink.size().saturating_add(GROWTH_STEP);
+                Ok(Some(chunk)) => {
+                    let chunk = chunk.map_err(|e| request_failure(source, e))?;
+                    rate.add(chunk.len() as u64);
+                    got += chunk.len() as u64;
+                    deliver(to, Delivery::Bytes(chunk)).await?;
                 }
             }
             if let Some(got) = rate.too_slow() {
@@ -613,16 +554,40 @@ impl Fetcher {
             }
         }
         if let Some(len) = stat.size
-            && sink.size() != len
+            && got != len
         {
             return Err(Failure::Retry(Error::new(
                 ErrorCode::SourceUnreachable,
-                format!("{}: got {} of {len} bytes", source.display(), sink.size()),
+                format!("{}: got {got} of {len} bytes", source.display()),
             )));
         }
-        let digests = sink.finish().await?;
-        Ok((digests, stat))
+        deliver(to, Delivery::Complete).await?;
+        Ok(stat)
     }
+}
+
+/// What a download hands its receiver, in this order per attempt.
+#[derive(Debug)]
+pub enum Delivery {
+    /// An attempt begins, with what the source said of it: bytes delivered
+    /// before are void (the receiver owns each attempt's file).
+    Attempt(SourceStat),
+    /// The next bytes of the current attempt.
+    Bytes(bytes::Bytes),
+    /// The current attempt got every byte: nothing more follows.
+    Complete,
+}
+
+/// Size of the reads from a `file://` source.
+const READ_CHUNK: usize = 1 << 20;
+
+/// The error of a download whose receiver went away (it reports its own).
+fn receiver_gone() -> Error {
+    Error::new(ErrorCode::Internal, "the download's receiver stopped")
+}
+
+async fn deliver(to: &mpsc::Sender<Delivery>, piece: Delivery) -> Result<()> {
+    to.send(piece).await.map_err(|_| receiver_gone())
 }
 
 /// The minimum-rate rule of a download: in every window of

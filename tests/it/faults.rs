@@ -594,9 +594,7 @@ async fn a_retried_download_serves_only_the_verified_attempt() {
     let checksum = sha256sum(&img);
     for round in 0..2 {
         let node = node();
-        let (ok, ev) = env
-            .prepare(&node, &url, &["--checksum", &checksum])
-            .await;
+        let (ok, ev) = env.prepare(&node, &url, &["--checksum", &checksum]).await;
         assert!(ok, "round {round}: {ev}");
         assert_eq!(ev["cache"], if round == 0 { "miss" } else { "hit" });
         assert_eq!(ev["converted"], true);
