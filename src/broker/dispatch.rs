@@ -72,6 +72,9 @@ pub(super) struct Dispatcher {
     /// Prepares running at once: fewer than the prefetch, so cleanups and
     /// `deployed` always find a delivery slot free of downloads.
     prepare_slots: Arc<tokio::sync::Semaphore>,
+    /// Places in the slow lane: prepares whose download is slow give back
+    /// their prepare slot and are acknowledged early (see [`Dispatcher::run`]).
+    slow_lane: Arc<tokio::sync::Semaphore>,
     /// This host's queue, where deferred prepares go back.
     queue: String,
 }
@@ -122,6 +125,7 @@ impl Dispatcher {
         let config = pipeline.config();
         let timeout = config.amqp.consumer_timeout;
         let slots = prepare_slots(config.amqp.prefetch);
+        let slow_downloads = config.source.slow_downloads as usize;
         let queue = super::Topology::new(config).queue;
         Dispatcher {
             host: config.default.host.clone(),
@@ -135,6 +139,7 @@ impl Dispatcher {
             next_session: AtomicU64::new(1),
             tracker: TaskTracker::new(),
             prepare_slots: Arc::new(tokio::sync::Semaphore::new(slots)),
+            slow_lane: Arc::new(tokio::sync::Semaphore::new(slow_downloads)),
             queue,
         }
     }
@@ -325,8 +330,8 @@ impl Dispatcher {
             properties,
         } = job;
         match inbound {
-            Inbound::Work(request) => {
-                let _slot = if request.action == Action::Prepare {
+            Inbound::Work(mut request) => {
+                let slot = if request.action == Action::Prepare {
                     match self.prepare_slot().await {
                         Some(slot) => Some(slot),
                         None => {
@@ -339,7 +344,12 @@ impl Dispatcher {
                 };
                 // A stray cleanup (node not prepared here) is decided under
                 // the node lock, inside the pipeline.
-                let Some(done) = self.run(&request, &tracked).await else {
+                let slow = slot.as_ref().map(|_| {
+                    let (signal, slow) = crate::pipeline::SlowSignal::new();
+                    request.slow = signal;
+                    slow
+                });
+                let Some(done) = self.run(&request, &tracked, slot, slow).await else {
                     self.ignore(source, "not_prepared_here", identity, &tracked)
                         .await;
                     return;
@@ -438,22 +448,53 @@ impl Dispatcher {
 
     /// Runs the pipeline for `request`. Work still running after
     /// `ack_early_after` is acknowledged then (and answered when done).
+    /// Runs the work of a delivery, holding `slot` (a prepare's) while it
+    /// runs. Beside it: work running longer than three quarters of the
+    /// broker's consumer timeout is acknowledged early, and a prepare whose
+    /// download is slow (`slow` notified) moves to the slow lane when it has
+    /// room: it gives back its prepare slot and is acknowledged early, so
+    /// that neither prepare slots nor the prefetch fill with slow sources.
     async fn run(
         &self,
         request: &crate::pipeline::Request,
         tracked: &Tracked,
+        slot: Option<tokio::sync::OwnedSemaphorePermit>,
+        slow: Option<Arc<Notify>>,
     ) -> Option<Completion> {
-        let work = self.handle_retrying(request);
-        tokio::pin!(work);
-        match self.ack_early_after {
-            None => work.await,
-            Some(after) => tokio::select! {
-                done = &mut work => done,
-                _ = tokio::time::sleep(after) => {
-                    self.ack_early(tracked).await;
-                    work.await
+        let early = async {
+            match self.ack_early_after {
+                Some(after) => tokio::time::sleep(after).await,
+                None => std::future::pending().await,
+            }
+            self.ack_early(
+                tracked,
+                "work running for three quarters of [amqp]consumer_timeout",
+            )
+            .await;
+        };
+        let slowed = async move {
+            let Some(slow) = slow else {
+                return std::future::pending().await;
+            };
+            slow.notified().await;
+            let _held = match self.slow_lane.clone().try_acquire_owned() {
+                Ok(lane) => {
+                    drop(slot);
+                    self.metrics.slow_lane.inc();
+                    self.ack_early(tracked, "slow download moved to the slow lane")
+                        .await;
+                    Some(lane)
                 }
-            },
+                Err(_) => slot,
+            };
+            std::future::pending::<()>().await
+        };
+        let beside = async {
+            tokio::join!(early, slowed);
+        };
+        tokio::select! {
+            done = self.handle_retrying(request) => done,
+            () = beside => None,
         }
     }
 
@@ -489,13 +530,11 @@ impl Dispatcher {
     /// Acknowledges a long-running job before it is done, so the broker's
     /// consumer timeout never closes the channel over it (which would
     /// redeliver it again and again). From here a crash loses the command.
-    async fn ack_early(&self, tracked: &Tracked) {
+    async fn ack_early(&self, tracked: &Tracked, why: &str) {
         tracked.acked_early.store(true, Ordering::Release);
         let acker = tracked.take_acker();
         if let Some((_, acker)) = acker {
-            tracing::info!(
-                "work running for three quarters of [amqp]consumer_timeout: acknowledged early"
-            );
+            tracing::info!("{why}: acknowledged early");
             let _ = acker.ack(BasicAckOptions::default()).await;
         }
     }

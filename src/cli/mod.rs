@@ -234,6 +234,7 @@ fn request(action: Action, node: NodeArgs, image: Option<ImageArgs>) -> Request 
         instance_info,
         options,
         only_if_prepared: false,
+        slow: Default::default(),
     }
 }
 

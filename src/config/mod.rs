@@ -337,6 +337,16 @@ pub struct SourceSection {
     /// Seconds one download may take in all, every attempt included
     /// (0 = no limit).
     pub download_deadline: u64,
+    /// A download averaging fewer bytes per second than this after
+    /// `slow_after` seconds gives back its prepare slot (the slow lane), so
+    /// slow sources never starve the others (0 = never).
+    pub slow_rate: u64,
+    /// Seconds a download runs before its rate is judged for the slow lane.
+    pub slow_after: u64,
+    /// Downloads in the slow lane at once (each still holds its
+    /// connection, a few MiB of buffers and its node's files); when it is
+    /// full, a slow download keeps its prepare slot.
+    pub slow_downloads: u32,
     /// Redirects followed per request.
     pub max_redirects: u32,
     /// Whether a redirect may lead to a loopback, link-local or unspecified
@@ -543,6 +553,9 @@ impl Default for SourceSection {
             min_rate: 1024,
             min_rate_window: 60,
             download_deadline: 6 * 3600,
+            slow_rate: 1 << 20,
+            slow_after: 60,
+            slow_downloads: 16,
             max_redirects: 10,
             allow_local_redirects: false,
         }

@@ -157,6 +157,7 @@ pub fn parse_command(body: &[u8], host: &str) -> Inbound {
         instance_info,
         options: cmd.options.unwrap_or_default(),
         only_if_prepared: false,
+        slow: Default::default(),
     }))
 }
 
@@ -303,6 +304,7 @@ pub fn parse_notification(body: &[u8], host: &str, deploy_interfaces: &[String])
         instance_info,
         options: Options::default(),
         only_if_prepared,
+        slow: Default::default(),
     }))
 }
 

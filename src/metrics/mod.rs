@@ -39,6 +39,8 @@ pub struct Metrics {
     pub amqp_dead_letters: IntGauge,
     /// Messages acknowledged without an answer, by reason.
     pub ignored: IntCounterVec,
+    /// Prepares whose slow download gave back its prepare slot.
+    pub slow_lane: IntCounter,
     /// Messages consumed, by source (command/notification), action, outcome.
     pub messages: IntCounterVec,
     /// Bytes allocated by the master cache.
@@ -194,6 +196,10 @@ impl Metrics {
                 "ignored_messages_total",
                 "Messages acknowledged without an answer (other conductors, irrelevant notifications), by reason.",
                 &["reason"],
+            ),
+            slow_lane: r.counter(
+                "slow_downloads_total",
+                "Prepares moved to the slow lane: their download was slower than [source]slow_rate after [source]slow_after seconds.",
             ),
             messages: r.counter_vec(
                 "messages_consumed_total",

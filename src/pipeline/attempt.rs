@@ -114,6 +114,7 @@ impl Pipeline {
     ) -> Result<Option<Written>> {
         let mut current: Option<Current> = None;
         let mut next_id = 0;
+        let mut pace = SlowCheck::new(&self.config.source);
         let outcome = async {
             while let Some(piece) = rx.recv().await {
                 match piece {
@@ -133,6 +134,13 @@ impl Pipeline {
                         let cur = current.as_mut().ok_or_else(out_of_order)?;
                         self.write_bytes(cur, &bytes).await?;
                         transfer.set_done(cur.sink.size());
+                        if pace.is_slow(bytes.len()) {
+                            tracing::info!(
+                                source = %job.source.display(),
+                                "slow download: giving back its prepare slot"
+                            );
+                            job.slow.raise();
+                        }
                     }
                     Delivery::Complete => {
                         let cur = current.take().ok_or_else(out_of_order)?;
@@ -272,6 +280,40 @@ async fn superseded(views: &mut watch::Receiver<Option<Arc<AttemptView>>>, id: u
         if views.borrow().as_ref().map(|v| v.id) != Some(id) {
             return;
         }
+    }
+}
+
+/// Whether a download is slow: fewer than `[source]slow_rate` bytes per
+/// second on average (every attempt counted) once `[source]slow_after`
+/// seconds have passed. Says so once.
+struct SlowCheck {
+    started: Instant,
+    after: Duration,
+    rate: u64,
+    bytes: u64,
+    told: bool,
+}
+
+impl SlowCheck {
+    fn new(config: &crate::config::SourceSection) -> SlowCheck {
+        SlowCheck {
+            started: Instant::now(),
+            after: Duration::from_secs(config.slow_after),
+            rate: config.slow_rate,
+            bytes: 0,
+            told: config.slow_rate == 0,
+        }
+    }
+
+    /// Counts `n` more bytes; true the first time the download is slow.
+    fn is_slow(&mut self, n: usize) -> bool {
+        self.bytes += n as u64;
+        let took = self.started.elapsed();
+        if self.told || took < self.after {
+            return false;
+        }
+        self.told = (self.bytes as f64) < self.rate as f64 * took.as_secs_f64();
+        self.told
     }
 }
 

@@ -38,6 +38,8 @@ pub(super) struct MasterFetch<'a> {
     pub(super) force_raw: bool,
     /// Ironic's `instance_info` (the declared disk format).
     pub(super) info: &'a InstanceInfo,
+    /// Raised when the download turns out slow.
+    pub(super) slow: &'a super::SlowSignal,
 }
 
 /// A verified download: its digests, what the source said about it, when

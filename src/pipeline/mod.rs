@@ -57,6 +57,31 @@ pub struct Request {
     /// node has files here (stray cleaning/available transitions of nodes
     /// this worker never prepared are not answered).
     pub only_if_prepared: bool,
+    /// Raised when the request's download turns out slow (see
+    /// [`SlowSignal`]).
+    pub slow: SlowSignal,
+}
+
+/// How a slow download tells whoever runs its request that it no longer
+/// needs its share of the worker's prepare slots: the broker layer then
+/// moves it to its slow lane, so a few slow sources never hold every slot.
+/// Requests run without a listener (one-shot commands) ignore it.
+#[derive(Debug, Clone, Default)]
+pub struct SlowSignal(Option<Arc<tokio::sync::Notify>>);
+
+impl SlowSignal {
+    /// A signal and the notification its listener waits on.
+    pub fn new() -> (SlowSignal, Arc<tokio::sync::Notify>) {
+        let notify = Arc::new(tokio::sync::Notify::new());
+        (SlowSignal(Some(notify.clone())), notify)
+    }
+
+    /// The download is slow (raised once per download).
+    fn raise(&self) {
+        if let Some(n) = &self.0 {
+            n.notify_one();
+        }
+    }
 }
 
 impl Pipeline {

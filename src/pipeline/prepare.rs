@@ -101,6 +101,7 @@ impl Pipeline {
             sha512: expected.as_ref().is_some_and(|e| e.algo == Algo::Sha512),
             force_raw,
             info,
+            slow: &req.slow,
         };
         let mut node_lock = self.node_locks.acquire(node.as_str()).await?;
         let mut master_lock = self.cache.lock(&name).await?;

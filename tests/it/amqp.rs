@@ -348,3 +348,54 @@ async fn cleanups_do_not_wait_behind_trickling_prepares() {
     assert_eq!(ev["status"], "success", "{ev}");
     eprintln!("cleanup answered after {:?}", started.elapsed());
 }
+
+/// Slow sources never hold every prepare slot: with three prepares of
+/// sources a little above `[source]min_rate` in the three slots a prefetch
+/// of 4 gives, a fourth prepare of a fast source is still answered, and the
+/// slow ones go on in the slow lane.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_sources_give_back_their_prepare_slots() {
+    let env =
+        Env::new("min_rate = 100\nmin_rate_window = 5\nslow_after = 3\n[amqp]\nprefetch = 4\n");
+    random_file(&env.root().join("src/disk.img"), 1 << 20, 27);
+    for i in 0..3 {
+        std::fs::hard_link(
+            env.root().join("src/disk.img"),
+            env.root().join(format!("src/slow{i}.img")),
+        )
+        .unwrap();
+    }
+    // 160 bytes/s: each slow download would take about two hours.
+    let faults = FaultServer::start(&env.root().join("src"), 150).await;
+    let worker = env.serve().await;
+    let broker = Broker::connect().await;
+    for i in 0..3 {
+        broker
+            .command(
+                &env.host,
+                prepare_cmd(&node(), &faults.url("slow", &format!("slow{i}.img"))),
+            )
+            .await;
+    }
+    // The slow ones have their slots before the fast one arrives.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let corr = broker
+        .command(
+            &env.host,
+            prepare_cmd(&node(), &faults.url("fast", "disk.img")),
+        )
+        .await;
+    let (got, ev) = broker.next_reply(MINUTE).await;
+    assert_eq!(
+        got.as_deref(),
+        Some(corr.as_str()),
+        "the fast prepare is answered: {ev}"
+    );
+    assert_eq!(ev["status"], "success", "{ev}");
+    let text = worker.metrics_text().await;
+    assert_eq!(
+        metric(&text, "ironic_image_worker_slow_downloads_total"),
+        Some(3.0),
+        "{text}"
+    );
+}
