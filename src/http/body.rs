@@ -47,18 +47,15 @@ pub(crate) fn respond(req: &Request, file: std::fs::File, meta: &std::fs::Metada
     put(header::LAST_MODIFIED, httpdate::fmt_http_date(modified));
     put(header::ETAG, etag.clone());
     match ranges::preconditions(&conditions, &current) {
-        Precondition::NotModified => return answer(StatusCode::NOT_MODIFIED, headers, Body::empty()),
+        Precondition::NotModified => {
+            return answer(StatusCode::NOT_MODIFIED, headers, Body::empty());
+        }
         Precondition::Failed => {
             return answer(StatusCode::PRECONDITION_FAILED, headers, Body::empty());
         }
         Precondition::Proceed => {}
     }
-    let decision = ranges::decide(
-        value(header::RANGE),
-        value(header::IF_RANGE),
-        len,
-        &current,
-    );
+    let decision = ranges::decide(value(header::RANGE), value(header::IF_RANGE), len, &current);
     put(header::ACCEPT_RANGES, "bytes".into());
     let (status, first, count) = match decision {
         Decision::Unsatisfiable => {
@@ -81,7 +78,13 @@ pub(crate) fn respond(req: &Request, file: std::fs::File, meta: &std::fs::Metada
     } else {
         match stream(file, first, count) {
             Ok(body) => body,
-            Err(_) => return answer(StatusCode::INTERNAL_SERVER_ERROR, HeaderMap::new(), Body::empty()),
+            Err(_) => {
+                return answer(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    HeaderMap::new(),
+                    Body::empty(),
+                );
+            }
         }
     };
     answer(status, headers, body)
@@ -92,9 +95,9 @@ fn stream(mut file: std::fs::File, first: u64, count: u64) -> std::io::Result<Bo
     // lseek only moves the offset: it never waits for the disk.
     file.seek(SeekFrom::Start(first))?;
     let reader = tokio::fs::File::from_std(file).take(count);
-    Ok(Body::from_stream(tokio_util::io::ReaderStream::with_capacity(
-        reader, PIECE,
-    )))
+    Ok(Body::from_stream(
+        tokio_util::io::ReaderStream::with_capacity(reader, PIECE),
+    ))
 }
 
 fn answer(status: StatusCode, headers: HeaderMap, body: Body) -> Response {

@@ -44,9 +44,7 @@ const FILE_FLAGS: OFlags = OFlags::RDONLY
     .union(OFlags::NONBLOCK)
     .union(OFlags::CLOEXEC)
     .union(OFlags::NOCTTY);
-const DIR_FLAGS: OFlags = OFlags::PATH
-    .union(OFlags::DIRECTORY)
-    .union(OFlags::CLOEXEC);
+const DIR_FLAGS: OFlags = OFlags::PATH.union(OFlags::DIRECTORY).union(OFlags::CLOEXEC);
 
 impl Beneath {
     /// `http_root` is served; a symlink may lead out of it only into
@@ -98,8 +96,8 @@ impl Beneath {
             Errno::XDEV | Errno::LOOP => StatusCode::FORBIDDEN,
             other => status(other),
         })?;
-        let target = rustix::fs::readlinkat(&dir, name, Vec::new())
-            .map_err(|_| StatusCode::FORBIDDEN)?;
+        let target =
+            rustix::fs::readlinkat(&dir, name, Vec::new()).map_err(|_| StatusCode::FORBIDDEN)?;
         let target = Path::new(OsStr::from_bytes(target.as_bytes()));
         let (allowed, rest) = self
             .allowed
@@ -210,7 +208,13 @@ mod tests {
     fn opens_beneath_and_into_allowed_dirs_only() {
         let t = tempfile::tempdir().unwrap();
         let (root, images, outside) = (t.path().join("r"), t.path().join("i"), t.path().join("o"));
-        for d in [&root, &images, &outside, &root.join("sub"), &images.join("n")] {
+        for d in [
+            &root,
+            &images,
+            &outside,
+            &root.join("sub"),
+            &images.join("n"),
+        ] {
             std::fs::create_dir_all(d).unwrap();
         }
         std::fs::write(root.join("sub/f"), b"f").unwrap();

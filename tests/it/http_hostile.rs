@@ -446,8 +446,8 @@ async fn logs_off_a_terminal_have_no_colours() {
     assert!(!out.stderr.contains(&0x1b), "ANSI escapes in:\n{log}");
 }
 
-/// Swaps `a` and `b` (`renameat2(RENAME_EXCHANGE)`) on a thread until the
-/// returned flag is set; the thread is joined by [`Swapper::stop`].
+/// Runs a swap (`renameat2(RENAME_EXCHANGE)`) in a loop on a thread until
+/// [`Swapper::stop`] (or the end of the test).
 struct Swapper {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     thread: Option<std::thread::JoinHandle<u64>>,
@@ -478,15 +478,22 @@ impl Swapper {
     }
 }
 
+impl Drop for Swapper {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Exchanges `a` and `b` atomically (errors ignored: the test's directory
+/// may be going away).
 fn exchange(a: &Path, b: &Path) {
-    rustix::fs::renameat_with(
+    let _ = rustix::fs::renameat_with(
         rustix::fs::CWD,
         a,
         rustix::fs::CWD,
         b,
         rustix::fs::RenameFlags::EXCHANGE,
-    )
-    .unwrap();
+    );
 }
 
 /// Whoever can write in `http_root` (it is shared with Ironic) swaps a
@@ -612,7 +619,10 @@ async fn dot_files_and_directories_are_never_served() {
     for refused in ["/to-temp", "/to-meta", "/agent_images", "/agent_images/"] {
         let (status, body) = get(&at(refused)).await;
         assert!(matches!(status, 403 | 404), "{refused}: {status}");
-        assert!(body.is_empty() || !body.starts_with(b"temporary"), "{refused}");
+        assert!(
+            body.is_empty() || !body.starts_with(b"temporary"),
+            "{refused}"
+        );
     }
     assert_eq!(get(&at("/agent_images")).await.0, 403);
 }
@@ -629,7 +639,21 @@ async fn cache_directories_inside_http_root_are_refused() {
         ("pxe.images_path", root.clone()),
     ] {
         let set = format!("{option}={}", dir.display());
-        let out = env.run(&["--set", &set, "serve"]).await;
+        let child = tokio::process::Command::new(BIN)
+            .arg("--config")
+            .arg(&env.config)
+            .args(["--set", &set, "serve"])
+            .env_remove("IRONIC_IMAGE_WORKER_CONFIG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let out = tokio::time::timeout(Duration::from_secs(30), child.wait_with_output())
+            .await
+            .unwrap_or_else(|_| panic!("{set}: the worker started"))
+            .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{set}: started");
         assert!(err.contains("inside [deploy]http_root"), "{set}: {err}");
@@ -644,7 +668,9 @@ async fn status_line(port: u16, path: &str) -> Result<String, String> {
         .map_err(|e| format!("connect: {e}"))?;
     // A write refused by a reset still leaves the answer to read, if any.
     let _ = s
-        .write_all(format!("GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n").as_bytes())
+        .write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
         .await;
     let mut got = Vec::new();
     let read = tokio::time::timeout(Duration::from_secs(60), s.read_to_end(&mut got)).await;
