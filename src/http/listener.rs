@@ -4,11 +4,16 @@
 //! keep them open for ever, exhaust the process's file descriptors, and then
 //! image downloads, `/readyz` and prepares all fail.
 //!
-//! At the cap, the connection that has waited longest for a request (half a
-//! header, or an idle keep-alive) is closed to make room; only when every
-//! open connection is in the middle of a request is the new one refused (a
-//! `503` and close). Each listener has its own cap, so image clients never
-//! starve `/healthz`, `/readyz` or `/metrics`.
+//! At the cap, a connection waiting for a request is closed to make room:
+//! first the oldest that never sent a byte (checked on the socket itself, so
+//! a request the server has not read yet counts), then the oldest idle
+//! keep-alive, then the oldest with half a request. Only when every open
+//! connection is in the middle of a request is the new one refused. Either
+//! way the connection closed gets a `503` and a graceful close (the server
+//! stops sending, then reads what the client still sends for a moment), so a
+//! client whose request was cut gets a status line, not a reset. Each
+//! listener has its own cap, so image clients never starve `/healthz`,
+//! `/readyz` or `/metrics`.
 
 use axum::body::{Body, HttpBody};
 use hyper::body::Incoming;
@@ -17,13 +22,13 @@ use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Notify;
+use tokio::sync::{Notify, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -60,8 +65,25 @@ impl Stats {
 /// pipeline's files, sockets and converter pipes per message handled at
 /// once, the broker, the metrics listener and the process's own.
 pub fn descriptor_headroom(prefetch: u16) -> u64 {
-    256 + 16 * u64::from(prefetch) + OPS_MAX_CONNECTIONS as u64
+    256 + 16 * u64::from(prefetch) + OPS_MAX_CONNECTIONS as u64 + LINGER_MAX as u64
 }
+
+/// Connections closed for capacity that may linger at once, both listeners
+/// together (beyond them a connection is closed at once).
+const LINGER_MAX: usize = 64;
+
+/// The lingering connections' permits (one set for the process, as the
+/// descriptors kept for them in [`descriptor_headroom`]).
+static LINGERING: Semaphore = Semaphore::const_new(LINGER_MAX);
+
+/// How long a connection closed for capacity keeps reading what the client
+/// still sends, so that closing it does not reset it before the client has
+/// read the `503`.
+const LINGER: Duration = Duration::from_secs(2);
+
+/// What a connection closed for capacity is sent.
+const UNAVAILABLE: &[u8] =
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
 
 /// Connections of the metrics/health listener (a scraper and probes).
 pub const OPS_MAX_CONNECTIONS: usize = 64;
@@ -115,18 +137,64 @@ pub fn connection_cap(configured: usize, fd_limit: u64, headroom: u64) -> usize 
     }
 }
 
-/// One open connection as the accept loop sees it.
-struct Entry {
-    /// Requests being answered on it (0: waiting for a request).
-    busy: Arc<AtomicUsize>,
+/// Where a connection is between requests, as far as eviction goes.
+const FRESH: u8 = 0; // accepted, no byte received yet
+const WAITING: u8 = 1; // a response finished, no byte received since
+const REQUEST: u8 = 2; // bytes of a request received
+
+/// What the accept loop and a connection's task share.
+struct Shared {
+    /// Requests being answered (0: waiting for a request).
+    busy: AtomicUsize,
+    /// [`FRESH`], [`WAITING`] or [`REQUEST`].
+    state: AtomicU8,
     /// Told when the connection must make room for a new one.
-    close: Arc<Notify>,
+    close: Notify,
+    /// The socket (also used to look for unread bytes).
+    stream: Arc<TcpStream>,
+}
+
+impl Shared {
+    /// Whether the client sent bytes not read yet (or closed: no reason to
+    /// keep it); never waits.
+    fn has_unread(&self) -> bool {
+        let mut byte = [0u8; 1];
+        let flags = rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT;
+        match rustix::net::recv(&*self.stream, &mut byte, flags) {
+            Ok((n, _)) => n > 0,
+            Err(_) => false,
+        }
+    }
 }
 
 #[derive(Default)]
 struct Registry {
     next_id: u64,
-    open: BTreeMap<u64, Entry>,
+    open: BTreeMap<u64, Arc<Shared>>,
+}
+
+impl Registry {
+    /// The connection to close to make room, if any: the oldest that never
+    /// sent a byte, else the oldest idle keep-alive, else the oldest with a
+    /// request not complete yet; never one in the middle of a request.
+    fn victim(&self) -> Option<u64> {
+        let (mut waiting, mut partial) = (None, None);
+        for (id, c) in &self.open {
+            if c.busy.load(Ordering::Acquire) > 0 {
+                continue;
+            }
+            let state = c.state.load(Ordering::Acquire);
+            if state != REQUEST && c.has_unread() {
+                c.state.store(REQUEST, Ordering::Release);
+            }
+            match c.state.load(Ordering::Acquire) {
+                FRESH => return Some(*id),
+                WAITING => waiting = waiting.or(Some(*id)),
+                _ => partial = partial.or(Some(*id)),
+            }
+        }
+        waiting.or(partial)
+    }
 }
 
 /// Serves `app` on `listener` within `limits` until `shutdown` completes,
@@ -156,8 +224,10 @@ pub(crate) async fn serve(
             },
             _ = &mut shutdown => break,
         };
-        let Some((id, entry)) = admit(&registry, limits.max_connections, stats.as_ref()) else {
-            refuse(stream);
+        let stream = Arc::new(stream);
+        let Some((id, shared)) = admit(&registry, &stream, limits.max_connections, stats.as_ref())
+        else {
+            tracker.spawn(unavailable(stream));
             if let Some(s) = &stats {
                 s.dropped("refused");
             }
@@ -169,23 +239,13 @@ pub(crate) async fn serve(
         let conn = Connection {
             app: app.clone(),
             limits,
-            busy: entry.0,
-            close: entry.1,
+            shared,
             stop: stop.clone(),
             stats: stats.clone(),
         };
         let registry = registry.clone();
         tracker.spawn(async move {
-            let stats = conn.stats.clone();
-            conn.run(stream).await;
-            registry
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .open
-                .remove(&id);
-            if let Some(s) = stats {
-                s.open.dec();
-            }
+            conn.run(&registry, id).await;
         });
     }
     drop(listener);
@@ -195,22 +255,19 @@ pub(crate) async fn serve(
     Ok(())
 }
 
-/// Registers a new connection, closing the longest-waiting idle one when
-/// the cap is reached; `None` when every open connection is busy.
-#[allow(clippy::type_complexity)]
+/// Registers a new connection, closing one waiting for a request (see
+/// [`Registry::victim`]) when the cap is reached; `None` when every open
+/// connection is in the middle of a request.
 fn admit(
     registry: &Mutex<Registry>,
+    stream: &Arc<TcpStream>,
     max: usize,
     stats: Option<&Stats>,
-) -> Option<(u64, (Arc<AtomicUsize>, Arc<Notify>))> {
+) -> Option<(u64, Arc<Shared>)> {
     let mut reg = registry.lock().unwrap_or_else(|p| p.into_inner());
     if reg.open.len() >= max.max(1) {
-        let idle = reg
-            .open
-            .iter()
-            .find(|(_, e)| e.busy.load(Ordering::Acquire) == 0)
-            .map(|(id, _)| *id)?;
-        if let Some(evicted) = reg.open.remove(&idle) {
+        let victim = reg.victim()?;
+        if let Some(evicted) = reg.open.remove(&victim) {
             evicted.close.notify_one();
             if let Some(s) = stats {
                 s.dropped("evicted");
@@ -219,44 +276,71 @@ fn admit(
     }
     let id = reg.next_id;
     reg.next_id += 1;
-    let entry = Entry {
-        busy: Arc::default(),
-        close: Arc::default(),
-    };
-    let handles = (entry.busy.clone(), entry.close.clone());
-    reg.open.insert(id, entry);
-    Some((id, handles))
+    let shared = Arc::new(Shared {
+        busy: AtomicUsize::new(0),
+        state: AtomicU8::new(FRESH),
+        close: Notify::new(),
+        stream: stream.clone(),
+    });
+    reg.open.insert(id, shared.clone());
+    Some((id, shared))
 }
 
-/// Answers 503 without waiting (the socket buffer takes it) and closes.
-fn refuse(stream: TcpStream) {
-    let _ = stream.try_write(
-        b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
-    );
+/// Answers 503 to a connection closed for capacity and closes it
+/// gracefully: stops sending, then reads (and drops) what the client still
+/// sends for at most [`LINGER`], so that the close does not reset the
+/// connection before the client has read the answer. Beyond
+/// [`LINGER_MAX`] such connections at once, closes at once.
+async fn unavailable(stream: Arc<TcpStream>) {
+    let _ = stream.try_write(UNAVAILABLE);
+    let _ = rustix::net::shutdown(&*stream, rustix::net::Shutdown::Write);
+    let Ok(_permit) = LINGERING.try_acquire() else {
+        return;
+    };
+    let mut sink = [0u8; 4096];
+    let mut left: usize = 1 << 20;
+    let _ = tokio::time::timeout(LINGER, async {
+        while left > 0 {
+            if stream.readable().await.is_err() {
+                return;
+            }
+            match stream.try_read(&mut sink) {
+                Ok(0) => return,
+                Ok(n) => left = left.saturating_sub(n),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(_) => return,
+            }
+        }
+    })
+    .await;
 }
 
 struct Connection {
     app: axum::Router,
     limits: Limits,
-    busy: Arc<AtomicUsize>,
-    close: Arc<Notify>,
+    shared: Arc<Shared>,
     stop: CancellationToken,
     stats: Option<Stats>,
 }
 
 impl Connection {
-    async fn run(self, stream: TcpStream) {
+    /// Serves the connection until it ends, times out or is closed to make
+    /// room (then with a 503, see [`unavailable`]); connection `id` leaves
+    /// `registry` before its socket is closed.
+    async fn run(self, registry: &Mutex<Registry>, id: u64) {
+        let stream = self.shared.stream.clone();
         let _ = stream.set_nodelay(true);
         let start = Instant::now();
         let activity = Arc::new(AtomicU64::new(0));
         let io = TokioIo::new(Watched {
-            inner: stream,
+            inner: stream.clone(),
             start,
             activity: activity.clone(),
+            shared: self.shared.clone(),
         });
-        let (app, busy) = (self.app.clone(), self.busy.clone());
+        let (app, shared) = (self.app.clone(), self.shared.clone());
         let service = hyper::service::service_fn(move |req: axum::http::Request<Incoming>| {
-            let guard = InFlight::enter(&busy);
+            let guard = InFlight::enter(&shared);
             let app = app.clone();
             async move {
                 let response = app.oneshot(req.map(Body::new)).await?;
@@ -274,7 +358,7 @@ impl Connection {
             .header_read_timeout(self.limits.header_timeout)
             .keep_alive(true);
         let conn = builder.serve_connection(io, service);
-        tokio::pin!(conn);
+        let mut conn = Box::pin(conn);
         let mut stopping = false;
         let reason = loop {
             let last = Duration::from_millis(activity.load(Ordering::Relaxed));
@@ -290,33 +374,49 @@ impl Connection {
                         break Some("idle_timeout");
                     }
                 }
-                _ = self.close.notified() => break None,
+                _ = self.shared.close.notified() => break Some("evicted"),
                 _ = self.stop.cancelled(), if !stopping => {
                     stopping = true;
                     conn.as_mut().graceful_shutdown();
                 }
             }
         };
-        if let (Some(reason), Some(s)) = (reason, &self.stats) {
-            s.dropped(reason);
+        registry
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .open
+            .remove(&id);
+        drop(conn);
+        // Not counted as open while it lingers.
+        if let Some(s) = &self.stats {
+            s.open.dec();
+        }
+        match (reason, &self.stats) {
+            // Counted when it was chosen.
+            (Some("evicted"), _) => unavailable(stream).await,
+            (Some(reason), Some(s)) => s.dropped(reason),
+            _ => {}
         }
     }
 }
 
 /// Counts a request as in progress on its connection until its response
 /// body is finished or dropped (such a connection is never evicted).
-struct InFlight(Arc<AtomicUsize>);
+struct InFlight(Arc<Shared>);
 
 impl InFlight {
-    fn enter(busy: &Arc<AtomicUsize>) -> InFlight {
-        busy.fetch_add(1, Ordering::AcqRel);
-        InFlight(busy.clone())
+    fn enter(shared: &Arc<Shared>) -> InFlight {
+        shared.busy.fetch_add(1, Ordering::AcqRel);
+        shared.state.store(REQUEST, Ordering::Release);
+        InFlight(shared.clone())
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+        if self.0.busy.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.state.store(WAITING, Ordering::Release);
+        }
     }
 }
 
@@ -347,11 +447,13 @@ impl HttpBody for Guarded {
 }
 
 /// A socket that records when it last moved a byte (milliseconds after
-/// `start`), for the idle timeout.
+/// `start`), for the idle timeout, and when a request's bytes arrive, for
+/// eviction. It shares the socket with the accept loop (which only peeks).
 struct Watched {
-    inner: TcpStream,
+    inner: Arc<TcpStream>,
     start: Instant,
     activity: Arc<AtomicU64>,
+    shared: Arc<Shared>,
 }
 
 impl Watched {
@@ -359,58 +461,83 @@ impl Watched {
         let ms = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
         self.activity.store(ms, Ordering::Relaxed);
     }
+
+    /// Writes with `write` once the socket is writable.
+    fn poll_write_with(
+        &self,
+        cx: &mut Context<'_>,
+        write: impl Fn(&TcpStream) -> std::io::Result<usize>,
+    ) -> Poll<std::io::Result<usize>> {
+        loop {
+            std::task::ready!(self.inner.poll_write_ready(cx))?;
+            match write(&self.inner) {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                Ok(n) => {
+                    if n > 0 {
+                        self.touch();
+                    }
+                    return Poll::Ready(Ok(n));
+                }
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+    }
 }
 
 impl AsyncRead for Watched {
     fn poll_read(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        let before = buf.filled().len();
-        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
-        if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
-            self.touch();
+        loop {
+            std::task::ready!(self.inner.poll_read_ready(cx))?;
+            match self.inner.try_read(buf.initialize_unfilled()) {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                Ok(n) => {
+                    buf.advance(n);
+                    if n > 0 {
+                        self.touch();
+                        self.shared.state.store(REQUEST, Ordering::Release);
+                    }
+                    return Poll::Ready(Ok(()));
+                }
+                Err(e) => return Poll::Ready(Err(e)),
+            }
         }
-        r
     }
 }
 
 impl AsyncWrite for Watched {
     fn poll_write(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
-        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
-            self.touch();
-        }
-        r
+        self.poll_write_with(cx, |s| s.try_write(buf))
     }
 
     fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
-        let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
-        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
-            self.touch();
-        }
-        r
+        self.poll_write_with(cx, |s| s.try_write_vectored(bufs))
     }
 
     fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
+        true
     }
 
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
     }
 
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
+    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(
+            rustix::net::shutdown(&*self.inner, rustix::net::Shutdown::Write)
+                .map_err(std::io::Error::from),
+        )
     }
 }
 

@@ -1,16 +1,22 @@
 //! The two HTTP listeners: the image server (serves `http_root`, following
-//! symlinks only into the worker's own directories) and the metrics/health
-//! listener (`/metrics`, `/healthz`, `/readyz`). Connections are bounded by
-//! [`crate::http::listener`]; which bytes a GET answers by [`crate::http::ranges`].
+//! symlinks out of it only into the worker's own directories) and the
+//! metrics/health listener (`/metrics`, `/healthz`, `/readyz`). Connections
+//! are bounded by [`crate::http::listener`]; a request's file is opened once
+//! by [`crate::http::open`], and answered from that descriptor by
+//! [`crate::http::body`] (which bytes: [`crate::http::ranges`]).
 //!
 //! # This folder
 //!
 //! Holds the image server and the operations listener (this module), the
-//! bounded connection acceptor with its timeouts (`listener`) and the Range /
-//! If-Range rules (`ranges`). Must not know the broker or the pipeline's
+//! bounded connection acceptor with its timeouts (`listener`), the open of a
+//! request's file beneath the served directories (`open`), the response
+//! from that file (`body`) and the conditional / Range / If-Range rules
+//! (`ranges`). Must not know the broker or the pipeline's
 //! internals.
 
+mod body;
 pub(crate) mod listener;
+mod open;
 pub(crate) mod ranges;
 
 pub use crate::http::listener::Limits;
@@ -22,74 +28,41 @@ use axum::http::{HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use std::future::Future;
-use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 use tokio::net::TcpListener;
-use tower::ServiceExt;
 
-/// Directories the image server may serve from, all canonical.
+/// Directories the image server may serve from (see [`crate::http::open`]).
 #[derive(Debug, Clone)]
 pub struct ImageRoots {
-    http_root: PathBuf,
-    allowed: Vec<PathBuf>,
+    beneath: Arc<crate::http::open::Beneath>,
 }
 
 impl ImageRoots {
-    /// `http_root` is served; symlinks may lead into it or into `cache_dirs`
-    /// (the master cache and per-node directories) and nowhere else.
+    /// `http_root` is served; a node's symlink may lead out of it into
+    /// `cache_dirs` (the master cache and per-node directories) and nowhere
+    /// else.
     pub fn new(http_root: &Path, cache_dirs: &[&Path]) -> std::io::Result<ImageRoots> {
-        let http_root = std::fs::canonicalize(http_root)?;
-        let mut allowed = vec![http_root.clone()];
-        for dir in cache_dirs {
-            allowed.push(std::fs::canonicalize(dir)?);
-        }
-        Ok(ImageRoots { http_root, allowed })
+        Ok(ImageRoots {
+            beneath: Arc::new(crate::http::open::Beneath::new(http_root, cache_dirs)?),
+        })
     }
 
-    /// Maps a request path to the canonical file it may serve, with its
-    /// metadata, or the status to answer: `..`, encoded separators and NULs
-    /// are refused, directories are never listed, symlinks out of the
-    /// allowed directories are refused.
-    async fn resolve_file(
-        &self,
-        raw_path: &str,
-    ) -> Result<(PathBuf, std::fs::Metadata), StatusCode> {
-        let mut rel = PathBuf::new();
-        for segment in raw_path
-            .strip_prefix('/')
-            .ok_or(StatusCode::BAD_REQUEST)?
-            .split('/')
-        {
-            let bytes: Vec<u8> = percent_encoding::percent_decode_str(segment).collect();
-            if bytes.is_empty()
-                || bytes == b"."
-                || bytes == b".."
-                || bytes.iter().any(|b| matches!(b, b'/' | b'\\' | 0))
-            {
-                return Err(StatusCode::NOT_FOUND);
-            }
-            rel.push(std::ffi::OsStr::from_bytes(&bytes));
-        }
-        let real = tokio::fs::canonicalize(self.http_root.join(rel))
-            .await
-            .map_err(|_| StatusCode::NOT_FOUND)?;
-        if !self.allowed.iter().any(|dir| real.starts_with(dir)) {
-            return Err(StatusCode::FORBIDDEN);
-        }
-        let meta = tokio::fs::metadata(&real)
-            .await
-            .map_err(|_| StatusCode::NOT_FOUND)?;
-        if meta.is_dir() {
-            return Err(StatusCode::FORBIDDEN);
-        }
-        if !meta.is_file() {
-            return Err(StatusCode::NOT_FOUND);
-        }
-        Ok((real, meta))
+    /// Opens the file `raw_path` names, once, and reads its metadata from
+    /// that descriptor; or the status to answer.
+    async fn open(&self, raw_path: &str) -> Result<(std::fs::File, std::fs::Metadata), StatusCode> {
+        let beneath = self.beneath.clone();
+        let raw_path = raw_path.to_string();
+        tokio::task::spawn_blocking(move || {
+            let file = beneath.open(&raw_path)?;
+            let meta = file.metadata().map_err(|_| StatusCode::NOT_FOUND)?;
+            Ok((file, meta))
+        })
+        .await
+        .unwrap_or(Err(StatusCode::INTERNAL_SERVER_ERROR))
     }
 }
 
@@ -116,30 +89,16 @@ pub async fn serve_images(
     crate::http::listener::serve(listener, app, limits, Some(stats), shutdown).await
 }
 
-async fn serve_image(State(state): State<Arc<ImageState>>, mut req: Request) -> Response {
+async fn serve_image(State(state): State<Arc<ImageState>>, req: Request) -> Response {
     let response = if req.method() != Method::GET && req.method() != Method::HEAD {
         let mut r = StatusCode::METHOD_NOT_ALLOWED.into_response();
         r.headers_mut()
             .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
         r
     } else {
-        match state.roots.resolve_file(req.uri().path()).await {
+        match state.roots.open(req.uri().path()).await {
             Err(status) => status.into_response(),
-            Ok((path, meta)) => {
-                select_range(&mut req, &meta);
-                // 512 KiB pieces: fewer trips to the blocking pool and the
-                // socket per byte (about 0.8-0.9 -> 1.0-1.1 of nginx's
-                // sendfile throughput against 256 KiB) for about 1 MiB of
-                // buffers per download in progress.
-                match tower_http::services::ServeFile::new(path)
-                    .with_buf_chunk_size(512 * 1024)
-                    .oneshot(req)
-                    .await
-                {
-                    Ok(r) => r.map(Body::new),
-                    Err(never) => match never {},
-                }
-            }
+            Ok((file, meta)) => crate::http::body::respond(&req, file, &meta),
         }
     };
     let status = response.status().as_u16().to_string();
@@ -150,45 +109,6 @@ async fn serve_image(State(state): State<Arc<ImageState>>, mut req: Request) -> 
         .inc();
     let sent = state.metrics.http_bytes.with_label_values(&[&status]);
     response.map(|body| Body::new(Counted { body, sent }))
-}
-
-/// Replaces the request's `Range` by the one the file server must answer
-/// (see [`crate::http::ranges`]): dropped for the whole file, a single canonical
-/// byte range, or one beyond the end for 416.
-fn select_range(req: &mut Request, meta: &std::fs::Metadata) {
-    let headers = req.headers_mut();
-    let modified = meta.modified().unwrap_or(std::time::UNIX_EPOCH);
-    let etag = file_etag(meta.len(), modified);
-    let decision = crate::http::ranges::decide(
-        headers.get(header::RANGE).and_then(|v| v.to_str().ok()),
-        headers.get(header::IF_RANGE).and_then(|v| v.to_str().ok()),
-        meta.len(),
-        &crate::http::ranges::Validators {
-            etag: &etag,
-            modified,
-        },
-    );
-    headers.remove(header::IF_RANGE);
-    match decision
-        .range_header(meta.len())
-        .and_then(|r| HeaderValue::from_str(&r).ok())
-    {
-        Some(range) => {
-            headers.insert(header::RANGE, range);
-        }
-        None => {
-            headers.remove(header::RANGE);
-        }
-    }
-}
-
-/// The strong ETag the file server sends for a file of `len` bytes
-/// modified at `modified` (a test checks the two agree).
-fn file_etag(len: u64, modified: std::time::SystemTime) -> String {
-    let t = modified
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    format!("\"{:x}.{:08x}-{:x}\"", t.as_secs(), t.subsec_nanos(), len)
 }
 
 /// A response body that adds the bytes handed to the connection to
@@ -300,27 +220,4 @@ pub async fn serve_ops(
         )
         .with_state(state);
     crate::http::listener::serve(listener, app, limits, None, shutdown).await
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// `If-Range` compares with the ETag the file server sends.
-    #[tokio::test]
-    async fn etag_is_the_file_servers() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("f");
-        std::fs::write(&path, b"0123456789").unwrap();
-        let meta = std::fs::metadata(&path).unwrap();
-        let req = axum::http::Request::get("/f").body(Body::empty()).unwrap();
-        let resp = tower_http::services::ServeFile::new(&path)
-            .oneshot(req)
-            .await
-            .unwrap();
-        assert_eq!(
-            resp.headers()[header::ETAG].to_str().unwrap(),
-            file_etag(meta.len(), meta.modified().unwrap())
-        );
-    }
 }

@@ -12,6 +12,10 @@
 //!   allows (no `multipart/byteranges`); 416 only when none is satisfiable.
 //! * One range: 206 with that part, or 416 when it starts beyond the end
 //!   (or is an empty suffix `bytes=-0`).
+//!
+//! The other conditional headers are evaluated first, in the order of RFC
+//! 9110 section 13.2.2: `If-Match` / `If-Unmodified-Since` (412 when they
+//! fail), then `If-None-Match` / `If-Modified-Since` (304).
 
 use std::time::SystemTime;
 
@@ -24,18 +28,6 @@ pub(crate) enum Decision {
     Partial(u64, u64),
     /// No requested range is satisfiable (416).
     Unsatisfiable,
-}
-
-impl Decision {
-    /// The `Range` header that makes the file server answer this decision,
-    /// or `None` to drop the header (the whole file).
-    pub(crate) fn range_header(self, len: u64) -> Option<String> {
-        match self {
-            Decision::Full => None,
-            Decision::Partial(first, last) => Some(format!("bytes={first}-{last}")),
-            Decision::Unsatisfiable => Some(format!("bytes={len}-")),
-        }
-    }
 }
 
 /// The current validators of the file being served.
@@ -70,6 +62,85 @@ pub(crate) fn decide(
         (_, None) => Decision::Unsatisfiable,
         (1, Some(&(first, last))) => Decision::Partial(first, last),
         _ => Decision::Full,
+    }
+}
+
+/// What the preconditions of a GET/HEAD make of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Precondition {
+    /// Answer the request (then [`decide`] which part).
+    Proceed,
+    /// 304 Not Modified.
+    NotModified,
+    /// 412 Precondition Failed.
+    Failed,
+}
+
+/// The conditional request headers of a GET/HEAD (values, if present).
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Conditions<'a> {
+    /// `If-Match`.
+    pub(crate) if_match: Option<&'a str>,
+    /// `If-Unmodified-Since`.
+    pub(crate) if_unmodified_since: Option<&'a str>,
+    /// `If-None-Match`.
+    pub(crate) if_none_match: Option<&'a str>,
+    /// `If-Modified-Since`.
+    pub(crate) if_modified_since: Option<&'a str>,
+}
+
+/// RFC 9110 13.2.2: `If-Match` (strong comparison) or, without it,
+/// `If-Unmodified-Since`; then `If-None-Match` (weak comparison) or,
+/// without it, `If-Modified-Since`. Unparsable dates are ignored.
+pub(crate) fn preconditions(c: &Conditions<'_>, current: &Validators<'_>) -> Precondition {
+    let date = |v: Option<&str>| v.and_then(|v| httpdate::parse_http_date(v.trim()).ok());
+    let modified = secs(current.modified);
+    if let Some(list) = c.if_match {
+        if !tag_list_matches(list, current.etag, false) {
+            return Precondition::Failed;
+        }
+    } else if let Some(since) = date(c.if_unmodified_since)
+        && modified > secs(since)
+    {
+        return Precondition::Failed;
+    }
+    if let Some(list) = c.if_none_match {
+        if tag_list_matches(list, current.etag, true) {
+            return Precondition::NotModified;
+        }
+    } else if let Some(since) = date(c.if_modified_since)
+        && modified <= secs(since)
+    {
+        return Precondition::NotModified;
+    }
+    Precondition::Proceed
+}
+
+/// Whether `*` or one entity tag of the comma-separated `list` matches
+/// `etag` (strong comparison: weak tags never match; weak: `W/` ignored).
+fn tag_list_matches(list: &str, etag: &str, weak: bool) -> bool {
+    if list.trim() == "*" {
+        return true;
+    }
+    let mut rest = list;
+    loop {
+        rest = rest.trim_start_matches([' ', '\t', ',']);
+        if rest.is_empty() {
+            return false;
+        }
+        let is_weak = rest.starts_with("W/");
+        let tag_start = if is_weak { &rest[2..] } else { rest };
+        let Some(body) = tag_start.strip_prefix('"') else {
+            return false;
+        };
+        let Some(end) = body.find('"') else {
+            return false;
+        };
+        let tag = &tag_start[..end + 2];
+        if (weak || !is_weak) && tag == etag.trim_start_matches("W/") {
+            return true;
+        }
+        rest = &body[end + 1..];
     }
 }
 
@@ -235,6 +306,49 @@ mod tests {
     }
 
     #[test]
+    fn conditional_headers() {
+        let v = Validators {
+            etag: ETAG,
+            modified: at(1_700_000_000, 500_000_000),
+        };
+        let same = httpdate::fmt_http_date(at(1_700_000_000, 0));
+        let before = httpdate::fmt_http_date(at(1_699_999_999, 0));
+        let p = |c: Conditions<'_>| preconditions(&c, &v);
+        use Precondition::*;
+        assert_eq!(p(Conditions::default()), Proceed);
+        let m = |v| Conditions {
+            if_match: Some(v),
+            ..Default::default()
+        };
+        assert_eq!(p(m(ETAG)), Proceed);
+        assert_eq!(p(m("\"x\", \"abc-10\"")), Proceed);
+        assert_eq!(p(m("*")), Proceed);
+        assert_eq!(p(m("W/\"abc-10\"")), Failed);
+        assert_eq!(p(m("\"x\"")), Failed);
+        let n = |v| Conditions {
+            if_none_match: Some(v),
+            if_modified_since: Some(&before),
+            ..Default::default()
+        };
+        assert_eq!(p(n("W/\"abc-10\"")), NotModified);
+        assert_eq!(p(n("\"a,b\", \"abc-10\"")), NotModified);
+        assert_eq!(p(n("\"x\"")), Proceed, "If-Modified-Since ignored");
+        let ims = |d| Conditions {
+            if_modified_since: Some(d),
+            ..Default::default()
+        };
+        assert_eq!(p(ims(&same)), NotModified);
+        assert_eq!(p(ims(&before)), Proceed);
+        assert_eq!(p(ims("garbage")), Proceed);
+        let ius = |d| Conditions {
+            if_unmodified_since: Some(d),
+            ..Default::default()
+        };
+        assert_eq!(p(ius(&same)), Proceed);
+        assert_eq!(p(ius(&before)), Failed);
+    }
+
+    #[test]
     fn empty_file() {
         let v = Validators {
             etag: ETAG,
@@ -248,6 +362,5 @@ mod tests {
             decide(Some("bytes=-5"), None, 0, &v),
             Decision::Unsatisfiable
         );
-        assert_eq!(Decision::Unsatisfiable.range_header(0).unwrap(), "bytes=0-");
     }
 }

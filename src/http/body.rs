@@ -1,0 +1,117 @@
+//! The image server's answer from one open file: the status, the
+//! validators (`Last-Modified`, a strong `ETag`), the conditional and
+//! `Range` / `If-Range` decisions (see [`crate::http::ranges`]) are all taken
+//! from the metadata of the descriptor that was opened, and the body is read
+//! from that same descriptor, so a file replaced meanwhile (a node prepared
+//! again) never mixes into the answer.
+
+use crate::http::ranges::{self, Conditions, Decision, Precondition, Validators};
+use axum::body::Body;
+use axum::extract::Request;
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use axum::response::Response;
+use std::io::{Seek, SeekFrom};
+use std::time::SystemTime;
+use tokio::io::AsyncReadExt;
+
+/// Bytes read from the file at a time: fewer trips to the blocking pool and
+/// the socket per byte (about 0.8-0.9 -> 1.0-1.1 of nginx's sendfile
+/// throughput against 256 KiB) for about 1 MiB of buffers per download in
+/// progress.
+const PIECE: usize = 512 * 1024;
+
+/// The response to the GET/HEAD `req` of the open regular file `file`, whose
+/// metadata is `meta`.
+pub(crate) fn respond(req: &Request, file: std::fs::File, meta: &std::fs::Metadata) -> Response {
+    let len = meta.len();
+    let modified = meta.modified().unwrap_or(SystemTime::UNIX_EPOCH);
+    let etag = file_etag(len, modified);
+    let current = Validators {
+        etag: &etag,
+        modified,
+    };
+    let h = req.headers();
+    let value = |name: header::HeaderName| h.get(name).and_then(|v| v.to_str().ok());
+    let conditions = Conditions {
+        if_match: value(header::IF_MATCH),
+        if_unmodified_since: value(header::IF_UNMODIFIED_SINCE),
+        if_none_match: value(header::IF_NONE_MATCH),
+        if_modified_since: value(header::IF_MODIFIED_SINCE),
+    };
+    let mut headers = HeaderMap::new();
+    let mut put = |name, v: String| {
+        if let Ok(v) = HeaderValue::from_str(&v) {
+            headers.insert(name, v);
+        }
+    };
+    put(header::LAST_MODIFIED, httpdate::fmt_http_date(modified));
+    put(header::ETAG, etag.clone());
+    match ranges::preconditions(&conditions, &current) {
+        Precondition::NotModified => {
+            return answer(StatusCode::NOT_MODIFIED, headers, Body::empty());
+        }
+        Precondition::Failed => {
+            return answer(StatusCode::PRECONDITION_FAILED, headers, Body::empty());
+        }
+        Precondition::Proceed => {}
+    }
+    let decision = ranges::decide(value(header::RANGE), value(header::IF_RANGE), len, &current);
+    put(header::ACCEPT_RANGES, "bytes".into());
+    let (status, first, count) = match decision {
+        Decision::Unsatisfiable => {
+            put(header::CONTENT_RANGE, format!("bytes */{len}"));
+            return answer(StatusCode::RANGE_NOT_SATISFIABLE, headers, Body::empty());
+        }
+        Decision::Full => (StatusCode::OK, 0, len),
+        Decision::Partial(first, last) => {
+            put(header::CONTENT_RANGE, format!("bytes {first}-{last}/{len}"));
+            (StatusCode::PARTIAL_CONTENT, first, last - first + 1)
+        }
+    };
+    let mime = mime_guess::from_path(req.uri().path())
+        .first_raw()
+        .unwrap_or("application/octet-stream");
+    put(header::CONTENT_TYPE, mime.to_string());
+    put(header::CONTENT_LENGTH, count.to_string());
+    let body = if req.method() == Method::HEAD || count == 0 {
+        Body::empty()
+    } else {
+        match stream(file, first, count) {
+            Ok(body) => body,
+            Err(_) => {
+                return answer(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    HeaderMap::new(),
+                    Body::empty(),
+                );
+            }
+        }
+    };
+    answer(status, headers, body)
+}
+
+/// `count` bytes of `file` from `first`, read in [`PIECE`]s.
+fn stream(mut file: std::fs::File, first: u64, count: u64) -> std::io::Result<Body> {
+    // lseek only moves the offset: it never waits for the disk.
+    file.seek(SeekFrom::Start(first))?;
+    let reader = tokio::fs::File::from_std(file).take(count);
+    Ok(Body::from_stream(
+        tokio_util::io::ReaderStream::with_capacity(reader, PIECE),
+    ))
+}
+
+fn answer(status: StatusCode, headers: HeaderMap, body: Body) -> Response {
+    let mut r = Response::new(body);
+    *r.status_mut() = status;
+    *r.headers_mut() = headers;
+    r
+}
+
+/// The strong ETag of a file of `len` bytes modified at `modified` (the
+/// form earlier releases sent, so validators held by clients stay valid).
+pub(crate) fn file_etag(len: u64, modified: SystemTime) -> String {
+    let t = modified
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default();
+    format!("\"{:x}.{:08x}-{:x}\"", t.as_secs(), t.subsec_nanos(), len)
+}
