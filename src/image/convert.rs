@@ -1,14 +1,17 @@
 //! Conversion to raw (and zstd decompression), hashed in the same pass.
 //!
-//! qcow2 is read with qcow2-rs in a child process of our own binary
-//! (`convert-child`) under an address-space limit and a timeout: a panic,
-//! crash or runaway on a hostile image becomes `corrupt_image` for that
-//! request while the worker keeps serving. The child writes holes for zero
-//! clusters and computes MD5/SHA-256 of the raw output as it writes it. Other
-//! formats (and qcow2 features qcow2-rs lacks) go through `qemu-img convert`
-//! with the source format always explicit.
+//! qcow2 is read by our own code (the tables `qcow2` validated, compressed
+//! clusters decoded by `inflate` exactly as qemu decodes them) in a child
+//! process of our own binary (`convert-child`) under an address-space limit
+//! and a timeout: a panic, crash or runaway on a hostile image becomes
+//! `corrupt_image` for that request while the worker keeps serving. The
+//! child writes holes for zero clusters and computes MD5/SHA-256 of the raw
+//! output as it writes it. Other formats (and qcow2 images with extended L2
+//! entries) go through `qemu-img convert` with the source format always
+//! explicit.
 
 use crate::error::{Error, ErrorCode, Result};
+use crate::image::inflate::Inflater;
 use crate::image::inspect::{Format, Inspection};
 use crate::image::qcow2;
 use crate::image::reclaim::Reclaimer;
@@ -83,7 +86,7 @@ pub async fn to_raw(
 ) -> Result<Digests> {
     let timeout = limits.timeout(found.virtual_size);
     match (found.format, header) {
-        (Format::Qcow2, Some(h)) if h.qcow2_rs_can_read() => {
+        (Format::Qcow2, Some(h)) if h.converter_reads() => {
             run_child(src, dst, sha512, None, limits, timeout, progress, None)
                 .await
                 .map_err(StreamFailure::into_error)
@@ -513,26 +516,9 @@ fn child_convert(
     let map = Map::read(&tables)?;
     // Only a download being converted is given back as it is read.
     let mut reclaim = Reclaimer::new(&tables.file, &map.header, &map.l1, grows);
-    let params = qcow2_rs::dev::Qcow2DevParams::new(9, None, None, true, false);
-    let corrupt = |e| Error::new(ErrorCode::CorruptImage, format!("qcow2: {e}"));
-    match grow_to {
-        None => {
-            let dev = qcow2_rs::utils::qcow2_setup_dev_sync(src, &params).map_err(corrupt)?;
-            child_copy(dev, dst, sha512, &map, &tables, &mut reclaim)
-        }
-        Some(total) => {
-            let file = std::fs::File::open(src).map_err(|e| Error::io("open qcow2", e))?;
-            let io = GrowingFile::new(file, total, grows);
-            let rt = current_thread()?;
-            let dev = rt
-                .block_on(qcow2_rs::utils::qcow2_alloc_dev(src, io, &params))
-                .map_err(corrupt)?
-                .0;
-            let done = child_copy(dev, dst, sha512, &map, &tables, &mut reclaim);
-            *punched = reclaim.spoiled();
-            done
-        }
-    }
+    let done = child_copy(dst, sha512, &map, &tables, &mut reclaim);
+    *punched = grows && reclaim.spoiled();
+    done
 }
 
 /// The header and L1 table of the image being converted, read by our own
@@ -553,7 +539,7 @@ impl Map {
             max_virtual_size: u64::MAX,
         };
         let header = qcow2::parse(&head, file.total, limits)?;
-        if !header.qcow2_rs_can_read() {
+        if !header.converter_reads() {
             return Err(Error::new(
                 ErrorCode::Internal,
                 "qcow2 features this converter does not read",
@@ -670,59 +656,30 @@ impl GrowingFile {
     }
 }
 
-impl qcow2_rs::ops::Qcow2IoOps for GrowingFile {
-    async fn read_to(&self, offset: u64, buf: &mut [u8]) -> qcow2_rs::error::Qcow2Result<usize> {
-        Ok(self.wait_read(offset, buf)?)
-    }
-
-    async fn write_from(&self, _offset: u64, _buf: &[u8]) -> qcow2_rs::error::Qcow2Result<()> {
-        Err("read-only".into())
-    }
-
-    async fn fallocate(
-        &self,
-        _offset: u64,
-        _len: usize,
-        _flags: u32,
-    ) -> qcow2_rs::error::Qcow2Result<()> {
-        Err("read-only".into())
-    }
-
-    async fn fsync(
-        &self,
-        _offset: u64,
-        _len: usize,
-        _flags: u32,
-    ) -> qcow2_rs::error::Qcow2Result<()> {
-        Ok(())
-    }
-}
-
-/// Writes the virtual disk of `dev` in order into the new raw file `dst`,
-/// hashing it on the way: ranges that `map` shows hold no data become
-/// holes (hashed as zeros) without being read; standard clusters are read
-/// by us straight into the output chunks (host-contiguous runs in one read,
-/// no copy through qcow2-rs's buffers), compressed clusters through
-/// qcow2-rs. Data read from the source is given back by `reclaim`.
-fn child_copy<T: qcow2_rs::ops::Qcow2IoOps>(
-    dev: qcow2_rs::dev::Qcow2Dev<T>,
+/// Writes the virtual disk of the image in order into the new raw file
+/// `dst`, hashing it on the way: ranges that `map` shows hold no data
+/// become holes (hashed as zeros) without being read; standard clusters are
+/// read straight into the output chunks (host-contiguous runs in one read),
+/// compressed clusters decoded as qemu decodes them. Data read from the
+/// source is given back by `reclaim`.
+fn child_copy(
     dst: &Path,
     sha512: bool,
     map: &Map,
     tables: &GrowingFile,
     reclaim: &mut Reclaimer,
 ) -> Result<Digests> {
-    const READ: usize = 4 << 20;
-    let corrupt =
-        |e: qcow2_rs::error::Qcow2Error| Error::new(ErrorCode::CorruptImage, format!("qcow2: {e}"));
     let rt = current_thread()?;
     rt.block_on(async {
-        dev.qcow2_prep_io().await.map_err(corrupt)?;
-        let virtual_size = raw_size(dev.info.virtual_size());
-        let mut sink = Sink::create(dst, sha512)?;
-        let mut buf = qcow2_rs::helpers::Qcow2IoBuf::<u8>::new(READ);
+        let virtual_size = raw_size(map.header.virtual_size);
+        let mut out = Output {
+            sink: Sink::create(dst, sha512)?,
+            off: 0,
+            inflater: Inflater::new(&map.header)?,
+            stream: Vec::new(),
+            cluster: vec![0u8; map.header.cluster_size() as usize],
+        };
         let mut l2 = vec![0u8; map.header.cluster_size() as usize];
-        let mut off = 0u64;
         let mut reported = std::time::Instant::now();
         for (i, entry) in map.l1.chunks_exact(8).enumerate() {
             let i = i as u64;
@@ -731,7 +688,7 @@ fn child_copy<T: qcow2_rs::ops::Qcow2IoOps>(
             }
             if reported.elapsed() >= Duration::from_secs(1) {
                 reported = std::time::Instant::now();
-                report(&ChildReport::Progress { progress: off });
+                report(&ChildReport::Progress { progress: out.off });
             }
             let l2_at = qcow2::l2_offset(u64::from_be_bytes(entry.try_into().unwrap_or_default()));
             if l2_at == 0 {
@@ -743,55 +700,97 @@ fn child_copy<T: qcow2_rs::ops::Qcow2IoOps>(
             }
             for run in qcow2::data_runs(&map.header, i, &l2, tables.total)? {
                 let end = (run.guest + run.len).min(virtual_size);
-                let start = run.guest.max(off);
+                let start = run.guest.max(out.off);
                 if start >= end {
                     continue;
                 }
-                sink.write_zeros(start - off).await?;
-                off = start;
-                match run.host {
-                    Some(host) => {
+                out.sink.write_zeros(start - out.off).await?;
+                out.off = start;
+                match run.stored {
+                    qcow2::Stored::Plain(host) => {
                         let from = host + (start - run.guest);
-                        reclaim.check(from, end - start)?;
-                        while off < end {
-                            // One chunk at a time, each read as soon as it
-                            // has been downloaded.
-                            let at = from + (off - start);
-                            let want = (end - off).min(CHUNK as u64);
-                            tables
-                                .wait_covered(at + want)
-                                .map_err(|e| Error::io("wait for the download", e))?;
-                            let n = sink.read_at(&tables.file, at, want as usize).await?;
-                            if n == 0 {
-                                return Err(Error::new(
-                                    ErrorCode::CorruptImage,
-                                    "qcow2: a data cluster lies past the end of the file",
-                                ));
-                            }
-                            reclaim.release(at, n as u64);
-                            off += n as u64;
-                            tables.note_read(at + n as u64);
-                        }
+                        out.copy_plain(tables, reclaim, from, end).await?
                     }
-                    None => {
-                        while off < end {
-                            let want = ((end - off).min(READ as u64) as usize).div_ceil(512) * 512;
-                            let n = dev.read_at(&mut buf[..want], off).await.map_err(corrupt)?;
-                            let take = (n as u64).min(end - off) as usize;
-                            if take == 0 {
-                                return Err(Error::new(
-                                    ErrorCode::CorruptImage,
-                                    "qcow2: reader made no progress",
-                                ));
-                            }
-                            sink.write(&buf[..take]).await?;
-                            off += take as u64;
-                        }
+                    qcow2::Stored::Compressed { offset, len } => {
+                        out.copy_compressed(tables, run.guest, (offset, len), end)
+                            .await?
                     }
                 }
             }
         }
-        sink.write_zeros(virtual_size - off).await?;
-        sink.finish().await
+        out.sink.write_zeros(virtual_size - out.off).await?;
+        out.sink.finish().await
     })
+}
+
+/// The raw disk being written, at guest offset `off`, with the buffers
+/// compressed clusters are decoded in.
+struct Output {
+    sink: Sink,
+    off: u64,
+    inflater: Inflater,
+    /// A compressed cluster's stored stream.
+    stream: Vec<u8>,
+    /// A decoded cluster.
+    cluster: Vec<u8>,
+}
+
+impl Output {
+    /// Copies the guest range `[off, end)` stored as it is from host
+    /// offset `from` on, one chunk at a time, each read as soon as it has
+    /// been downloaded and then given back.
+    async fn copy_plain(
+        &mut self,
+        tables: &GrowingFile,
+        reclaim: &mut Reclaimer,
+        from: u64,
+        end: u64,
+    ) -> Result<()> {
+        let start = self.off;
+        reclaim.check(from, end - start)?;
+        while self.off < end {
+            let at = from + (self.off - start);
+            let want = (end - self.off).min(CHUNK as u64);
+            tables
+                .wait_covered(at + want)
+                .map_err(|e| Error::io("wait for the download", e))?;
+            let n = self.sink.read_at(&tables.file, at, want as usize).await?;
+            if n == 0 {
+                return Err(Error::new(
+                    ErrorCode::CorruptImage,
+                    "qcow2: a data cluster lies past the end of the file",
+                ));
+            }
+            reclaim.release(at, n as u64);
+            self.off += n as u64;
+            tables.note_read(at + n as u64);
+        }
+        Ok(())
+    }
+
+    /// Decodes the compressed cluster at guest offset `guest` (its stored
+    /// stream: `(host offset, length)`) and writes its part `[off, end)`.
+    /// Bytes of the stream past the end of the file read as zeros, as qemu
+    /// reads them.
+    async fn copy_compressed(
+        &mut self,
+        tables: &GrowingFile,
+        guest: u64,
+        (at, len): (u64, u64),
+        end: u64,
+    ) -> Result<()> {
+        // At most two clusters, by the width of the length field.
+        self.stream.clear();
+        self.stream.resize(len as usize, 0);
+        tables
+            .wait_read(at, &mut self.stream)
+            .map_err(|e| Error::io("read a compressed cluster", e))?;
+        self.inflater
+            .inflate(&self.stream, &mut self.cluster, guest)?;
+        let from = (self.off - guest) as usize;
+        let to = (end - guest) as usize;
+        self.sink.write(&self.cluster[from..to]).await?;
+        self.off = end;
+        Ok(())
+    }
 }

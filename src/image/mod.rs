@@ -1,11 +1,13 @@
 //! Image formats.
 //!
 //! Holds format detection from the bytes (`inspect`), our own qcow2 header
-//! validator (`qcow2`), conversion to raw (`convert`) and the release of
+//! validator and cluster map (`qcow2`), compressed cluster decoding as qemu
+//! decodes them (`inflate`), conversion to raw (`convert`) and the release of
 //! a converted download's pages as it is read (`reclaim`). Inspection always
 //! stands before conversion. Must not know where the bytes came from or go.
 
 pub(crate) mod convert;
+pub(crate) mod inflate;
 pub(crate) mod inspect;
 pub mod qcow2;
 pub(crate) mod reclaim;

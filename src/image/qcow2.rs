@@ -1,7 +1,8 @@
-//! Our own qcow2 header parser and validator. Every qcow2 image is checked
-//! here before any converter (qcow2-rs or qemu-img) reads a byte of it:
-//! qcow2-rs panics, overflows or returns encrypted bytes on hostile headers,
-//! and qemu-img follows backing and data files (CVE-2024-44082).
+//! Our own qcow2 header parser and validator, and the map of where an
+//! image's guest data lives. Every qcow2 image is checked here before any
+//! converter (ours or qemu-img) reads a byte of it: qemu-img follows
+//! backing and data files (CVE-2024-44082), and our converter trusts only
+//! what was validated.
 
 use crate::error::{Error, ErrorCode, Result};
 
@@ -30,6 +31,17 @@ pub struct Header {
     pub snapshots_offset: u64,
     /// log2 of the refcount width in bits.
     pub refcount_order: u32,
+    /// How compressed clusters are stored (v3 header field; zlib before).
+    pub compression_type: u8,
+}
+
+/// How the compressed clusters of an image are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compression {
+    /// Raw deflate (qemu's default).
+    Zlib,
+    /// zstd frames (`compression_type=zstd`).
+    Zstd,
 }
 
 /// Incompatible feature bits.
@@ -58,10 +70,27 @@ pub struct Limits {
 }
 
 impl Header {
-    /// True when qcow2-rs can read this image (zlib compression, 64-bit L2
-    /// entries); others go to `qemu-img`.
+    /// True when our converter reads this image itself (standard 64-bit L2
+    /// entries, either compression type); images with extended L2 entries
+    /// (subclusters) go to `qemu-img`. (The name is the one the pipeline
+    /// calls; see [`Header::converter_reads`].)
     pub fn qcow2_rs_can_read(&self) -> bool {
-        self.incompatible_features & (INCOMPAT_COMPRESSION_TYPE | INCOMPAT_EXTENDED_L2) == 0
+        self.converter_reads()
+    }
+
+    /// True when our converter reads this image itself: everything but
+    /// extended L2 entries.
+    pub fn converter_reads(&self) -> bool {
+        self.incompatible_features & INCOMPAT_EXTENDED_L2 == 0
+    }
+
+    /// How compressed clusters are stored.
+    pub fn compression(&self) -> Compression {
+        if self.compression_type == 1 {
+            Compression::Zstd
+        } else {
+            Compression::Zlib
+        }
     }
 
     /// Cluster size in bytes.
@@ -226,14 +255,18 @@ pub fn parse(head: &[u8], file_size: u64, limits: Limits) -> Result<Header> {
     {
         return Err(corrupt("snapshot table lies outside the file"));
     }
-    if version == 3 && header_length > 104 {
-        let compression_type = *head.get(104).ok_or_else(short)?;
-        let declared = incompatible_features & INCOMPAT_COMPRESSION_TYPE != 0;
-        if compression_type > 1 || (compression_type == 1 && !declared) {
-            return Err(corrupt(format!(
-                "unknown compression type {compression_type}"
-            )));
-        }
+    let declared = incompatible_features & INCOMPAT_COMPRESSION_TYPE != 0;
+    let compression_type = if version == 3 && header_length > 104 {
+        *head.get(104).ok_or_else(short)?
+    } else {
+        0
+    };
+    // qemu: a compression type other than zlib needs the incompatible bit,
+    // and the bit needs a type other than zlib.
+    if compression_type > 1 || (compression_type == 1) != declared {
+        return Err(corrupt(format!(
+            "unknown or undeclared compression type {compression_type}"
+        )));
     }
     check_extensions(head, header_length as usize, cluster_size as usize)?;
     Ok(Header {
@@ -248,6 +281,7 @@ pub fn parse(head: &[u8], file_size: u64, limits: Limits) -> Result<Header> {
         nb_snapshots,
         snapshots_offset,
         refcount_order,
+        compression_type,
     })
 }
 
@@ -303,6 +337,24 @@ pub fn l2_offset(l1_entry: u64) -> u64 {
 
 /// L2 entry flag of a compressed cluster.
 const COMPRESSED: u64 = 1 << 62;
+/// L2 entry flag of a zero cluster (v3).
+const ZERO: u64 = 1;
+
+/// Where the bytes of a [`DataRun`] are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stored {
+    /// As they are, from this host offset on (contiguous for the whole run).
+    Plain(u64),
+    /// One compressed cluster: its stored stream is `len` bytes at host
+    /// offset `offset` (to the end of its last 512-byte sector, as qemu
+    /// reads it; bytes past the end of the file read as zeros).
+    Compressed {
+        /// Host offset of the stream.
+        offset: u64,
+        /// Bytes qemu reads for it.
+        len: u64,
+    },
+}
 
 /// A guest range of one L2 table that holds data, with where its bytes are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -311,27 +363,35 @@ pub struct DataRun {
     pub guest: u64,
     /// Length in bytes (clipped to the virtual size).
     pub len: u64,
-    /// Host offset of the bytes when they are stored as they are (standard
-    /// clusters, contiguous on the host); `None` for compressed clusters,
-    /// which only a qcow2 reader can decode.
-    pub host: Option<u64>,
+    /// Where its bytes are.
+    pub stored: Stored,
 }
 
-/// The guest ranges of one L2 table that hold data, in order and merged
-/// (standard clusters only while contiguous on the host too). Unallocated
-/// clusters and (v3) zero clusters read as zeros in an image without a
-/// backing file, so they are left out and never read. `l1_index` is the
-/// entry's place in the L1 table, `l2` the table's bytes (one cluster),
-/// `file_size` the image file's size: a standard cluster that is not
-/// cluster-aligned or lies past the end of the file is refused, as qemu
-/// refuses it. Standard (not extended) L2 entries only.
+/// The stored stream of the compressed cluster described by L2 `entry`:
+/// `(host offset, bytes)`, as qemu computes them.
+fn compressed_stream(header: &Header, entry: u64) -> (u64, u64) {
+    let bits = 62 - (header.cluster_bits - 8);
+    let offset = entry & ((1u64 << bits) - 1);
+    let sectors = ((entry >> bits) & ((1u64 << (header.cluster_bits - 8)) - 1)) + 1;
+    (offset, sectors * 512 - offset % 512)
+}
+
+/// The guest ranges of one L2 table that hold data, in order (standard
+/// clusters merged while contiguous on the host too; one run per
+/// compressed cluster). Unallocated and (v3) zero clusters read as zeros in
+/// an image without a backing file, so they are left out and never read.
+/// `l1_index` is the entry's place in the L1 table, `l2` the table's bytes
+/// (one cluster), `file_size` the image file's size. Refused as corrupt, as
+/// qemu refuses them when it reads them: a standard cluster (or an
+/// allocated zero cluster) that is not cluster-aligned, a standard cluster
+/// past the end of the file, a zero flag in a version 2 image. Standard
+/// (not extended) L2 entries only.
 pub fn data_runs(
     header: &Header,
     l1_index: u64,
     l2: &[u8],
     file_size: u64,
 ) -> Result<Vec<DataRun>> {
-    const ZERO: u64 = 1;
     let cluster = header.cluster_size();
     let entries = cluster / 8;
     let base = l1_index.saturating_mul(entries).saturating_mul(cluster);
@@ -343,51 +403,46 @@ pub fn data_runs(
         }
         let entry = u64::from_be_bytes(raw.try_into().unwrap_or_default());
         let len = cluster.min(header.virtual_size - guest);
-        let host = if entry & COMPRESSED != 0 {
-            None
+        let bad = |why: &str| corrupt(format!("L2 entry for guest offset {guest} {why}"));
+        let stored = if entry & COMPRESSED != 0 {
+            let (offset, len) = compressed_stream(header, entry);
+            Stored::Compressed { offset, len }
         } else {
-            let zero = header.version >= 3 && entry & ZERO != 0;
             let host = l2_offset(entry);
-            if zero || host == 0 {
+            if entry & ZERO != 0 && header.version < 3 {
+                return Err(bad("has the zero flag in a version 2 image"));
+            }
+            if !host.is_multiple_of(cluster) {
+                return Err(bad("is not cluster-aligned"));
+            }
+            if entry & ZERO != 0 || host == 0 {
                 continue;
             }
-            if !host.is_multiple_of(cluster) || host.saturating_add(len) > file_size {
-                return Err(corrupt(format!(
-                    "L2 entry for guest offset {guest} points outside the file or is unaligned"
-                )));
+            if host.saturating_add(len) > file_size {
+                return Err(bad("points past the end of the file"));
             }
-            Some(host)
+            Stored::Plain(host)
         };
-        match runs.last_mut() {
-            Some(last)
+        match (runs.last_mut(), stored) {
+            (Some(last), Stored::Plain(b))
                 if last.guest + last.len == guest
-                    && match (last.host, host) {
-                        (None, None) => true,
-                        (Some(a), Some(b)) => a + last.len == b,
-                        _ => false,
-                    } =>
+                    && matches!(last.stored, Stored::Plain(a) if a + last.len == b) =>
             {
                 last.len += len
             }
-            _ => runs.push(DataRun { guest, len, host }),
+            _ => runs.push(DataRun { guest, len, stored }),
         }
     }
     Ok(runs)
 }
 
-/// Host bytes `(offset, length)` of the compressed clusters of one L2 table:
-/// each stored stream runs from its offset to the end of its last 512-byte
-/// sector.
+/// Host bytes `(offset, length)` of the compressed clusters of one L2 table
+/// (see [`Stored::Compressed`]).
 pub fn compressed_extents(header: &Header, l2: &[u8]) -> Vec<(u64, u64)> {
-    let bits = 62 - (header.cluster_bits - 8);
     l2.chunks_exact(8)
         .map(|raw| u64::from_be_bytes(raw.try_into().unwrap_or_default()))
         .filter(|entry| entry & COMPRESSED != 0)
-        .map(|entry| {
-            let offset = entry & ((1u64 << bits) - 1);
-            let sectors = ((entry >> bits) & ((1u64 << (header.cluster_bits - 8)) - 1)) + 1;
-            (offset, sectors * 512 - offset % 512)
-        })
+        .map(|entry| compressed_stream(header, entry))
         .collect()
 }
 
@@ -401,6 +456,9 @@ pub fn check_snapshot_table(header: &Header, table: &[u8], file_size: u64) -> Re
     let mut off = 0usize;
     for i in 0..header.nb_snapshots {
         let bad = || corrupt(format!("snapshot table entry {i} is invalid"));
+        // Each entry starts 8-aligned; the padding after the last one may
+        // lie past the end of the file, as qemu leaves it.
+        off = off.div_ceil(8) * 8;
         let fixed = table.get(off..off + 40).ok_or_else(bad)?;
         let l1_offset = be64(fixed, 0).ok_or_else(bad)?;
         let l1_size = be32(fixed, 8).ok_or_else(bad)? as u64;
@@ -414,7 +472,7 @@ pub fn check_snapshot_table(header: &Header, table: &[u8], file_size: u64) -> Re
         {
             return Err(bad());
         }
-        off = (off + 40 + extra + id_len + name_len).div_ceil(8) * 8;
+        off += 40 + extra + id_len + name_len;
         if off > table.len() {
             return Err(bad());
         }

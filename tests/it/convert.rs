@@ -8,11 +8,13 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-fn disk_of(env: &Env, node: &str) -> PathBuf {
+/// The disk served to `node`.
+pub(crate) fn disk_of(env: &Env, node: &str) -> PathBuf {
     env.images_dir().join(node).join("disk")
 }
 
-fn file_url(p: &Path) -> String {
+/// A file:// URL of `p`.
+pub(crate) fn file_url(p: &Path) -> String {
     format!("file://{}", p.display())
 }
 

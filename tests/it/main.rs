@@ -12,6 +12,7 @@ mod cache;
 mod cluster;
 mod contracts;
 mod convert;
+mod corpus;
 mod disk_full;
 mod faults;
 mod glance;
