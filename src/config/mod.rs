@@ -339,8 +339,10 @@ pub struct SourceSection {
     pub download_deadline: u64,
     /// Redirects followed per request.
     pub max_redirects: u32,
-    /// Whether a redirect may lead to a loopback, link-local or unspecified
-    /// address (this host's own services, such as the metrics port).
+    /// Whether a redirect, or a host name resolving there, may lead a source
+    /// to a loopback, link-local or unspecified address (this host's own
+    /// services, a metadata service); a URL naming one literally may always.
+    /// The worker's own listeners are refused either way.
     pub allow_local_redirects: bool,
 }
 
