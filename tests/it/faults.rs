@@ -581,6 +581,74 @@ async fn credentials_in_source_urls_are_redacted_everywhere() {
     assert!(!ev.to_string().contains("s3cretpw"), "{ev}");
 }
 
+/// Every file under `dir` (recursively, symlinks not followed) whose bytes
+/// contain `needle`.
+fn files_containing(dir: &std::path::Path, needle: &[u8]) -> Vec<String> {
+    let mut found = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for entry in std::fs::read_dir(&d).unwrap().flatten() {
+            let path = entry.path();
+            let kind = entry.file_type().unwrap();
+            if kind.is_dir() {
+                todo.push(path);
+            } else if kind.is_file() {
+                let bytes = std::fs::read(&path).unwrap_or_default();
+                if bytes.windows(needle.len()).any(|w| w == needle) {
+                    found.push(path.display().to_string());
+                }
+            } else if kind.is_symlink() {
+                let target = std::fs::read_link(&path).unwrap();
+                if target.to_string_lossy().contains(&*String::from_utf8_lossy(needle)) {
+                    found.push(path.display().to_string());
+                }
+            }
+        }
+    }
+    found
+}
+
+/// No file the worker writes holds a source's credentials (user-info or a
+/// signed URL's parameters); its sidecars are its own (0600 in a 0700
+/// directory); and the cache still finds the master for the same URL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_file_the_worker_writes_holds_a_source_credential() {
+    use std::os::unix::fs::PermissionsExt;
+    let env = Env::new("");
+    random_file(&env.root().join("src/disk.img"), 1 << 20, 77);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let secret = "Zq8-s3cr3t-Pw";
+    let sources = [
+        format!("http://user:{secret}@{}/disk.img", server.addr),
+        format!(
+            "http://{}/disk.img?X-Amz-Expires=60&X-Amz-Signature={secret}&temp_url_sig={secret}",
+            server.addr
+        ),
+    ];
+    for source in &sources {
+        for _ in 0..2 {
+            let (ok, ev) = env.prepare(&node(), source, &[]).await;
+            assert!(ok, "{ev}");
+            assert!(!ev.to_string().contains(secret), "{ev}");
+        }
+    }
+    assert_eq!(
+        server.count("GET", "disk.img"),
+        2,
+        "one download per URL: the second prepare of each was a cache hit"
+    );
+    for dir in [env.master_dir(), env.images_dir(), env.root().join("httpboot")] {
+        let found = files_containing(&dir, secret.as_bytes());
+        assert!(found.is_empty(), "the secret is on disk in {found:?}");
+    }
+    let meta = env.master_dir().join(".meta");
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&meta), 0o700);
+    for sidecar in std::fs::read_dir(&meta).unwrap().flatten() {
+        assert_eq!(mode(&sidecar.path()), 0o600, "{}", sidecar.path().display());
+    }
+}
+
 /// `file://` sources: the allowed list is checked before the file system
 /// is touched (a missing file outside it answers like `/etc/passwd`), and
 /// the file is opened once beneath the allowed directory: no symlink out,
