@@ -288,6 +288,12 @@ pub struct AmqpSection {
     pub notification_exchange_durable: bool,
     /// Seconds to wait for in-flight work on shutdown before requeueing it.
     pub shutdown_grace: u64,
+    /// Largest message body read, bytes: a longer one is answered
+    /// `invalid_message` and dead-lettered unread, so one message costs
+    /// the worker memory of its own size at most. Commands are a few KiB;
+    /// Ironic's notifications carry the node's `instance_info`, a
+    /// configdrive included during a deploy.
+    pub max_message_bytes: usize,
 }
 
 /// `[http]`: the embedded image server.
@@ -454,6 +460,7 @@ impl Default for AmqpSection {
             notification_topics: vec!["ironic_versioned_notifications".into()],
             notification_exchange_durable: false,
             shutdown_grace: 30,
+            max_message_bytes: 4 << 20,
         }
     }
 }
