@@ -176,11 +176,13 @@ impl Dispatcher {
             return;
         }
         let from_ironic = delivery.exchange.as_str() == self.notification_exchange;
+        let config = self.pipeline.config();
         let inbound = inbound::parse(
             &delivery.data,
             from_ironic,
             &self.host,
-            &self.pipeline.config().notifications.deploy_interfaces,
+            &config.notifications.deploy_interfaces,
+            config.amqp.max_message_bytes,
         );
         let tracked = Arc::new(Tracked {
             acker: Mutex::new(Some((session, delivery.acker.clone()))),

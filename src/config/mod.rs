@@ -288,6 +288,12 @@ pub struct AmqpSection {
     pub notification_exchange_durable: bool,
     /// Seconds to wait for in-flight work on shutdown before requeueing it.
     pub shutdown_grace: u64,
+    /// Largest message body read, bytes: a longer one is answered
+    /// `invalid_message` and dead-lettered unread, so one message costs
+    /// the worker memory of its own size at most. Commands are a few KiB;
+    /// Ironic's notifications carry the node's `instance_info`, a
+    /// configdrive included during a deploy.
+    pub max_message_bytes: usize,
 }
 
 /// `[http]`: the embedded image server.
@@ -349,8 +355,10 @@ pub struct SourceSection {
     pub slow_downloads: u32,
     /// Redirects followed per request.
     pub max_redirects: u32,
-    /// Whether a redirect may lead to a loopback, link-local or unspecified
-    /// address (this host's own services, such as the metrics port).
+    /// Whether a redirect, or a host name resolving there, may lead a source
+    /// to a loopback, link-local or unspecified address (this host's own
+    /// services, a metadata service); a URL naming one literally may always.
+    /// The worker's own listeners are refused either way.
     pub allow_local_redirects: bool,
 }
 
@@ -462,6 +470,7 @@ impl Default for AmqpSection {
             notification_topics: vec!["ironic_versioned_notifications".into()],
             notification_exchange_durable: false,
             shutdown_grace: 30,
+            max_message_bytes: 4 << 20,
         }
     }
 }
@@ -938,10 +947,13 @@ impl Config {
     }
 }
 
-/// Masks the user-info of a URL (`http://user:password@host/` and
-/// `http://TOKEN@host/` both become `http://***@host/`), for events, logs
-/// and errors. Works on the text, so URLs that do not parse are masked too;
-/// anything without `scheme://...@` is returned as it is (Glance ids).
+/// Masks the secrets of a URL, for events, logs, errors and the files the
+/// worker writes: the user-info (`http://user:password@host/` and
+/// `http://TOKEN@host/` both become `http://***@host/`) and the values of
+/// query parameters that carry signatures or tokens (`X-Amz-Signature`,
+/// `temp_url_sig`, `sig`, `token`...: see [`is_secret_param`]). Works on
+/// the text, so URLs that do not parse are masked too; anything without
+/// `scheme://` is returned as it is (Glance ids).
 pub fn redact_url(url: &str) -> String {
     let Some(scheme_end) = url.find("://") else {
         return url.to_string();
@@ -949,10 +961,52 @@ pub fn redact_url(url: &str) -> String {
     let rest_at = scheme_end + 3;
     let rest = &url[rest_at..];
     let authority_len = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let mut out = String::with_capacity(url.len());
+    out.push_str(&url[..rest_at]);
     match rest[..authority_len].rfind('@') {
-        Some(at) => format!("{}***{}", &url[..rest_at], &rest[at..]),
-        None => url.to_string(),
+        Some(at) => {
+            out.push_str("***");
+            out.push_str(&rest[at..authority_len]);
+        }
+        None => out.push_str(&rest[..authority_len]),
     }
+    let tail = &rest[authority_len..];
+    let (before_fragment, fragment) = tail.split_at(tail.find('#').unwrap_or(tail.len()));
+    match before_fragment.split_once('?') {
+        Some((path, query)) => {
+            out.push_str(path);
+            out.push('?');
+            let pairs: Vec<String> = query
+                .split('&')
+                .map(|pair| match pair.split_once('=') {
+                    Some((key, _)) if is_secret_param(key) => format!("{key}=***"),
+                    _ => pair.to_string(),
+                })
+                .collect();
+            out.push_str(&pairs.join("&"));
+        }
+        None => out.push_str(before_fragment),
+    }
+    out.push_str(fragment);
+    out
+}
+
+/// Whether a query parameter's value may be a credential: its name mentions
+/// a signature, a token, a key, a secret, a password, a credential or
+/// authentication (S3 and Swift temporary URLs, SAS tokens, API keys).
+fn is_secret_param(key: &str) -> bool {
+    let key = key.to_ascii_lowercase();
+    [
+        "sig",
+        "token",
+        "key",
+        "secret",
+        "passw",
+        "credential",
+        "auth",
+    ]
+    .iter()
+    .any(|word| key.contains(word))
 }
 
 fn config_error(message: String) -> Error {
@@ -1008,4 +1062,30 @@ fn resolved(path: &std::path::Path) -> PathBuf {
     let mut out = existing.canonicalize().unwrap_or(existing);
     out.extend(rest.iter().rev());
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact_url;
+
+    #[test]
+    fn user_info_and_signed_query_parameters_are_masked() {
+        assert_eq!(
+            redact_url("http://user:pw@host:80/a?x=1#f"),
+            "http://***@host:80/a?x=1#f"
+        );
+        assert_eq!(
+            redact_url(
+                "https://s3/b/k?X-Amz-Credential=AK&X-Amz-Signature=abc&X-Amz-Expires=60"
+            ),
+            "https://s3/b/k?X-Amz-Credential=***&X-Amz-Signature=***&X-Amz-Expires=60"
+        );
+        assert_eq!(
+            redact_url("http://swift/v1/o?temp_url_sig=s&temp_url_expires=1&flag"),
+            "http://swift/v1/o?temp_url_sig=***&temp_url_expires=1&flag"
+        );
+        assert_eq!(redact_url("http://host/a?token=t"), "http://host/a?token=***");
+        assert_eq!(redact_url("http://host/plain"), "http://host/plain");
+        assert_eq!(redact_url("0b1c-glance-id"), "0b1c-glance-id");
+    }
 }

@@ -12,7 +12,6 @@ pub(crate) mod inbound;
 
 use crate::error::{Error, ErrorCode};
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
 
 /// What is asked for a node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -40,8 +39,9 @@ impl Action {
     }
 }
 
-/// The `instance_info` keys the worker reads (Ironic's names); other keys are
-/// kept so nothing is lost when a command is logged or dead-lettered.
+/// The `instance_info` keys the worker reads (Ironic's names); other keys
+/// (a configdrive, Ironic's own bookkeeping) are skipped unread: a
+/// dead-lettered message keeps them in its original body.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct InstanceInfo {
     /// Image href: http(s) URL, file URL or Glance image id.
@@ -71,9 +71,6 @@ pub struct InstanceInfo {
     /// Per-node override of `[agent]image_download_source`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_download_source: Option<String>,
-    /// Every other key, kept as is.
-    #[serde(flatten)]
-    pub other: BTreeMap<String, serde_json::Value>,
 }
 
 /// Longest `request_id` (or notification `message_id`) accepted; it is

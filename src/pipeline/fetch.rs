@@ -260,7 +260,7 @@ fn master_meta(
         fetched_at,
     } = downloaded;
     MasterMeta {
-        source: href.to_string(),
+        source: crate::config::redact_url(href),
         fetched_at,
         source_last_modified: stat.last_modified.map(cache::unix_secs),
         source_size: digests.size,

@@ -130,7 +130,7 @@ impl Pipeline {
         let cached = match self
             .cache
             .load(job.name)
-            .filter(|m| m.meta.source == job.href)
+            .filter(|m| m.meta.source == crate::config::redact_url(job.href))
         {
             Some(m) => {
                 Some(Box::pin(self.complete_digests(job.name, m, job.expected, job.sha512)).await?)

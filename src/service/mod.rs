@@ -148,9 +148,13 @@ fn image_server_limits(config: &Config) -> http::Limits {
 }
 
 async fn bind(addr: std::net::SocketAddr) -> Result<TcpListener> {
-    TcpListener::bind(addr)
+    let listener = TcpListener::bind(addr)
         .await
-        .map_err(|e| Error::new(ErrorCode::Internal, format!("cannot listen on {addr}: {e}")))
+        .map_err(|e| Error::new(ErrorCode::Internal, format!("cannot listen on {addr}: {e}")))?;
+    if let Ok(bound) = listener.local_addr() {
+        crate::sources::http_client::note_listener(bound);
+    }
+    Ok(listener)
 }
 
 /// Completes on SIGTERM or SIGINT.

@@ -19,7 +19,7 @@ use crate::error::{Error, ErrorCode, Result, error_chain};
 use crate::sources::glance::Glance;
 use backon::{ExponentialBuilder, Retryable};
 use futures_util::StreamExt;
-use http_client::BodyError;
+use http_client::{BodyError, Purpose};
 use std::os::unix::fs::FileExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
@@ -273,15 +273,12 @@ impl Fetcher {
     /// Builds the shared client from `[source]`.
     pub fn new(config: &Config) -> Result<Fetcher> {
         let s = &config.source;
-        let client = http_client::build(s, !s.verify_tls)?;
+        let client = http_client::build(config, Purpose::Message, !s.verify_tls)?;
         let small_timeout = Duration::from_secs(s.connect_timeout.saturating_add(s.read_timeout));
+        let insecure = config.glance.insecure || !s.verify_tls;
         let glance = Arc::new(Glance::new(
             config.glance.clone(),
-            if config.glance.insecure {
-                http_client::build(s, true)?
-            } else {
-                client.clone()
-            },
+            http_client::build(config, Purpose::Operator, insecure)?,
             small_timeout,
         ));
         let secs = |n: u64| (n > 0).then(|| Duration::from_secs(n));
@@ -638,7 +635,7 @@ impl RateCheck {
 }
 
 fn request_failure(source: &Source, e: reqwest::Error) -> Failure {
-    if let Some(why) = http_client::redirect_refusal(&e) {
+    if let Some(why) = http_client::refusal(&e) {
         return Failure::Fatal(Error::new(
             ErrorCode::SourceNotAllowed,
             format!("{}: {why}", source.display()),

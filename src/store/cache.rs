@@ -26,6 +26,10 @@ pub const OLD_META_SUFFIX: &str = ".meta.json";
 pub const CONVERTED_SUFFIX: &str = ".converted";
 /// Subdirectory of the sidecars.
 const META_DIR: &str = ".meta";
+
+/// Sidecars (and their directory, 0700) are the worker's alone: no web
+/// server or Ironic reads them, and a source they name is redacted anyway.
+const SIDECAR_MODE: u32 = 0o600;
 /// Subdirectory of the temporaries.
 const TEMP_DIR: &str = ".tmp";
 
@@ -33,7 +37,8 @@ const TEMP_DIR: &str = ".tmp";
 /// is absent (never an empty string), so it can be computed later.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MasterMeta {
-    /// The `image_source` the master was made from.
+    /// The `image_source` the master was made from, its secrets masked
+    /// ([`crate::config::redact_url`]): the sidecar is no place for them.
     pub source: String,
     /// Unix time (s) at which the download started: the source must not be
     /// newer than this for the master to be fresh.
@@ -332,11 +337,11 @@ impl Cache {
     pub fn write_meta(&self, name: &str, meta: &MasterMeta) -> Result<()> {
         let meta_path = self.meta_path(name);
         let dir = self.dir.join(META_DIR);
-        fsutil::ensure_dir(&dir)?;
+        fsutil::ensure_private_dir(&dir)?;
         let temp = self.owner.temp_next_to(&meta_path)?;
         let body = serde_json::to_vec_pretty(meta)
             .map_err(|e| Error::new(ErrorCode::Internal, e.to_string()))?;
-        fsutil::write_file_atomically(&meta_path, &temp, &body)
+        fsutil::write_file_atomically(&meta_path, &temp, &body, SIDECAR_MODE)
     }
 
     /// Removes the sidecar of master `name`, if any.
@@ -398,7 +403,7 @@ impl Cache {
                 if target.exists() {
                     fsutil::remove_file_if_exists(&entry.path())?;
                 } else {
-                    fsutil::ensure_dir(&self.dir.join(META_DIR))?;
+                    fsutil::ensure_private_dir(&self.dir.join(META_DIR))?;
                     std::fs::rename(entry.path(), &target)
                         .map_err(|e| Error::io("move sidecar into .meta", e))?;
                     done.sidecars_moved += 1;

@@ -37,6 +37,22 @@ pub fn create_dir_fresh(dir: &Path) -> Result<()> {
     }
 }
 
+/// Creates `dir` (its parents 0755) with mode 0700, or takes an existing
+/// one's group and world bits away: for what only the worker reads.
+pub fn ensure_private_dir(dir: &Path) -> Result<()> {
+    if let Ok(meta) = std::fs::metadata(dir)
+        && meta.is_dir()
+    {
+        if meta.permissions().mode() & 0o077 == 0 {
+            return Ok(());
+        }
+    } else {
+        ensure_dir(dir)?;
+    }
+    std::fs::set_permissions(dir, Permissions::from_mode(0o700))
+        .map_err(|e| Error::io(format!("chmod {}", dir.display()), e))
+}
+
 fn chmod_dir(dir: &Path) -> Result<()> {
     std::fs::set_permissions(dir, Permissions::from_mode(0o755))
         .map_err(|e| Error::io(format!("chmod {}", dir.display()), e))
@@ -145,12 +161,18 @@ pub fn replace_via_temp(
     })
 }
 
-/// Writes `body` to `target` (mode 0644, synced) through a temporary name.
-pub fn write_file_atomically(target: &Path, temp: &Path, body: &[u8]) -> Result<()> {
+/// Writes `body` to `target` (mode `mode` whatever the umask, synced)
+/// through a temporary name, created with that mode.
+pub fn write_file_atomically(target: &Path, temp: &Path, body: &[u8], mode: u32) -> Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
     replace_via_temp(target, temp, |temp| {
-        let mut file = File::create(temp)?;
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(temp)?;
         std::io::Write::write_all(&mut file, body)?;
-        file.set_permissions(Permissions::from_mode(0o644))?;
+        file.set_permissions(Permissions::from_mode(mode))?;
         file.sync_all()
     })
 }

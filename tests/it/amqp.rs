@@ -398,4 +398,47 @@ async fn slow_sources_give_back_their_prepare_slots() {
         Some(3.0),
         "{text}"
     );
+/// A body over `[amqp]max_message_bytes` (default 4 MiB) is refused unread:
+/// `invalid_message`, dead-lettered intact. One under it, whose size is an
+/// `instance_info` key the worker does not read (a configdrive), is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_over_the_limit_are_refused_unread_and_dead_lettered() {
+    let env = Env::new("");
+    random_file(&env.root().join("src/disk.img"), 1 << 20, 24);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let _worker = env.serve().await;
+    let broker = Broker::connect().await;
+    let body_of = |node: &str, pad: usize| {
+        let mut cmd = prepare_cmd(node, &server.url("disk.img"));
+        cmd["instance_info"]["configdrive"] = "H4sI".repeat(pad / 4).into();
+        cmd.to_string().into_bytes()
+    };
+    let under = body_of(&node(), 3 << 20);
+    broker
+        .publish_raw(&env.host, "prepare", &under, "under", None, true)
+        .await;
+    let (got, ev) = broker.next_reply(MINUTE).await;
+    assert_eq!(got.as_deref(), Some("under"));
+    assert_eq!(ev["status"], "success", "{ev}");
+
+    let over = body_of(&node(), 4 << 20);
+    assert!(over.len() > 4 << 20);
+    broker
+        .publish_raw(&env.host, "prepare", &over, "over", None, true)
+        .await;
+    let (got, ev) = broker.next_reply(MINUTE).await;
+    assert_eq!(got.as_deref(), Some("over"));
+    assert_eq!(ev["status"], "error", "{ev}");
+    assert_eq!(ev["error"]["code"], "invalid_message", "{ev}");
+    assert!(ev["request_id"].is_null(), "nothing of the body is read: {ev}");
+    let dead_queue = format!("ironic-image-worker.{}.dead", env.host);
+    let deadline = std::time::Instant::now() + MINUTE;
+    let mut dead = Vec::new();
+    while dead.is_empty() {
+        assert!(std::time::Instant::now() < deadline, "never dead-lettered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        dead = broker.drain(&dead_queue).await;
+    }
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].delivery.data, over, "dead-lettered intact");
 }

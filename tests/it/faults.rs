@@ -460,6 +460,81 @@ async fn redirects_and_urls_are_bounded() {
     assert!(ev.to_string().len() < 4096, "the URL is not echoed back");
 }
 
+/// A host name other than `localhost` that this machine's /etc/hosts maps to
+/// a loopback address (on this kind of machine: the host's own name).
+fn loopback_alias() -> String {
+    let hosts = std::fs::read_to_string("/etc/hosts").unwrap_or_default();
+    hosts
+        .lines()
+        .filter_map(|l| {
+            let mut words = l.split('#').next()?.split_whitespace();
+            let ip: std::net::IpAddr = words.next()?.parse().ok()?;
+            ip.is_loopback().then_some(words)
+        })
+        .flatten()
+        .find(|n| !n.to_ascii_lowercase().contains("localhost"))
+        .map(str::to_string)
+        .expect("/etc/hosts maps a name other than localhost to a loopback address")
+}
+
+/// The local-address rule holds for the address a name resolves to, not
+/// only for the URL's literal host: a redirect to a name resolving to
+/// 127.0.0.1, or a source named that way, is refused unless allowed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn names_resolving_to_loopback_are_local_addresses() {
+    let env = Env::new("");
+    random_file(&env.root().join("src/disk.img"), 1 << 20, 76);
+    let faults = FaultServer::start(&env.root().join("src"), 1 << 20).await;
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let alias = loopback_alias();
+    let target = format!("http://{alias}:{}/disk.img", server.addr.port());
+    for source in [faults.url("redirect", &target), target.clone()] {
+        let (ok, ev) = env.prepare(&node(), &source, &[]).await;
+        assert!(!ok, "{source}: {ev}");
+        assert_eq!(ev["error"]["code"], "source_not_allowed", "{source}: {ev}");
+    }
+    assert_eq!(server.count("GET", "disk.img"), 0, "never fetched");
+    let allow = ["--set", "source.allow_local_redirects=true"];
+    let (ok, ev) = env
+        .prepare(&node(), &faults.url("redirect", &target), &allow)
+        .await;
+    assert!(ok, "{ev}");
+    assert_eq!(server.count("GET", "disk.img"), 1);
+}
+
+/// The worker's own listeners are never a source, even where local
+/// addresses are allowed: named directly (as an IP literal or a host name),
+/// or reached through a redirect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_workers_own_listeners_are_never_a_source() {
+    let env = Env::new("");
+    let worker = env
+        .serve_with(&["--set", "source.allow_local_redirects=true"], &[])
+        .await;
+    let broker = Broker::connect().await;
+    let faults = FaultServer::start(&env.root().join("src"), 1 << 20).await;
+    let metrics = worker.metrics_url("/metrics");
+    let by_name = format!("http://localhost:{}/metrics", worker.metrics_port);
+    let images = worker.image_url("/index.html");
+    for source in [
+        metrics.clone(),
+        by_name,
+        images,
+        faults.url("redirect", &metrics),
+    ] {
+        let done = broker.call(&env.host, prepare_cmd(&node(), &source)).await;
+        assert_eq!(done["status"], "error", "{source}: {done}");
+        assert_eq!(
+            done["error"]["code"], "source_not_allowed",
+            "{source}: {done}"
+        );
+    }
+    // The one-shot command refuses the configured listeners as well.
+    let (ok, ev) = env.prepare(&node(), &metrics, &[]).await;
+    assert!(!ok);
+    assert_eq!(ev["error"]["code"], "source_not_allowed", "{ev}");
+}
+
 /// Credentials in a source URL never appear in the completion event (also
 /// on the events exchange) or in the log.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -504,6 +579,74 @@ async fn credentials_in_source_urls_are_redacted_everywhere() {
     let (_, _, ev) = tap.next(&env.host, MINUTE).await.expect("an event");
     assert_eq!(ev["status"], "success", "{ev}");
     assert!(!ev.to_string().contains("s3cretpw"), "{ev}");
+}
+
+/// Every file under `dir` (recursively, symlinks not followed) whose bytes
+/// contain `needle`.
+fn files_containing(dir: &std::path::Path, needle: &[u8]) -> Vec<String> {
+    let mut found = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for entry in std::fs::read_dir(&d).unwrap().flatten() {
+            let path = entry.path();
+            let kind = entry.file_type().unwrap();
+            if kind.is_dir() {
+                todo.push(path);
+            } else if kind.is_file() {
+                let bytes = std::fs::read(&path).unwrap_or_default();
+                if bytes.windows(needle.len()).any(|w| w == needle) {
+                    found.push(path.display().to_string());
+                }
+            } else if kind.is_symlink() {
+                let target = std::fs::read_link(&path).unwrap();
+                if target.to_string_lossy().contains(&*String::from_utf8_lossy(needle)) {
+                    found.push(path.display().to_string());
+                }
+            }
+        }
+    }
+    found
+}
+
+/// No file the worker writes holds a source's credentials (user-info or a
+/// signed URL's parameters); its sidecars are its own (0600 in a 0700
+/// directory); and the cache still finds the master for the same URL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_file_the_worker_writes_holds_a_source_credential() {
+    use std::os::unix::fs::PermissionsExt;
+    let env = Env::new("");
+    random_file(&env.root().join("src/disk.img"), 1 << 20, 77);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let secret = "Zq8-s3cr3t-Pw";
+    let sources = [
+        format!("http://user:{secret}@{}/disk.img", server.addr),
+        format!(
+            "http://{}/disk.img?X-Amz-Expires=60&X-Amz-Signature={secret}&temp_url_sig={secret}",
+            server.addr
+        ),
+    ];
+    for source in &sources {
+        for _ in 0..2 {
+            let (ok, ev) = env.prepare(&node(), source, &[]).await;
+            assert!(ok, "{ev}");
+            assert!(!ev.to_string().contains(secret), "{ev}");
+        }
+    }
+    assert_eq!(
+        server.count("GET", "disk.img"),
+        2,
+        "one download per URL: the second prepare of each was a cache hit"
+    );
+    for dir in [env.master_dir(), env.images_dir(), env.root().join("httpboot")] {
+        let found = files_containing(&dir, secret.as_bytes());
+        assert!(found.is_empty(), "the secret is on disk in {found:?}");
+    }
+    let meta = env.master_dir().join(".meta");
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&meta), 0o700);
+    for sidecar in std::fs::read_dir(&meta).unwrap().flatten() {
+        assert_eq!(mode(&sidecar.path()), 0o600, "{}", sidecar.path().display());
+    }
 }
 
 /// `file://` sources: the allowed list is checked before the file system
