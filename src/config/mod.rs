@@ -521,7 +521,7 @@ impl Default for ConvertSection {
             memory_limit_mib: 2048,
             min_timeout: 300,
             min_rate_mib: 20,
-            max_virtual_size_gib: 4096,
+            max_virtual_size_gib: 1024,
             raw_image_growth_factor: 2.0,
             stream_while_downloading: true,
         }

@@ -140,7 +140,7 @@ impl Pipeline {
         .filter(|m| matches_expected(&m.meta, job.expected));
         let linked = cached
             .as_ref()
-            .is_some_and(|m| self.links.disk_is(node, &m.path));
+            .is_some_and(|m| self.links.disk_is(node, &m.path, &m.meta.sha256));
         // `_hold` keeps a new master linked (st_nlink > 1) until the node
         // links it, so no sweeper of unlinked files removes it in between.
         let (master, outcome, _hold) = match cached {
@@ -172,14 +172,15 @@ impl Pipeline {
         }
         let linked_here = match outcome {
             CacheOutcome::Hit => !linked,
-            CacheOutcome::Miss => !self.links.disk_is(node, &master.path),
+            CacheOutcome::Miss => !self.links.disk_is(node, &master.path, &master.meta.sha256),
         };
         // A hard link is a few metadata operations, made here; only a copy
         // (master and node directories on different file systems) goes to
         // a blocking thread.
         if linked_here && !self.links.hard_link_disk(node, &master.path)? {
             let (links, node, path) = (self.links.clone(), node.clone(), master.path.clone());
-            blocking(move || links.link_disk(&node, &path)).await?;
+            let sha256 = master.meta.sha256.clone();
+            blocking(move || links.link_disk(&node, &path, &sha256)).await?;
         }
         match self.links.publish(node) {
             Ok(true) => self.metrics.active_links.inc(),

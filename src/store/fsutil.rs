@@ -350,3 +350,145 @@ impl Drop for TempGuard {
         }
     }
 }
+
+/// Copies the `len` bytes of `from` into the empty file `to` keeping its
+/// holes: each data extent (found with `SEEK_DATA`/`SEEK_HOLE`) is copied
+/// with `copy_file_range` (read/write where the kernel cannot copy between
+/// the two file systems), holes are skipped, so a sparse master of 100 GiB
+/// with 3 GiB of data costs 3 GiB on the other file system, not 100.
+/// Returns the bytes of data copied.
+pub fn copy_sparse(from: &File, to: &File, len: u64) -> std::io::Result<u64> {
+    use rustix::fs::{SeekFrom, seek};
+    let mut pos = 0u64;
+    let mut copied = 0u64;
+    let mut kernel = true;
+    while pos < len {
+        // Where the next data starts (the end when only a hole is left; a
+        // file system without SEEK_DATA reports all data).
+        let data = match seek(from, SeekFrom::Data(pos)) {
+            Ok(at) => at.min(len),
+            Err(rustix::io::Errno::NXIO) => len,
+            Err(_) => pos,
+        };
+        let hole = match seek(from, SeekFrom::Hole(data)) {
+            Ok(at) => at.clamp(data, len),
+            Err(_) => len,
+        };
+        if hole > data {
+            copy_extent(from, to, data, hole - data, &mut kernel)?;
+            copied += hole - data;
+        }
+        pos = hole.max(data);
+    }
+    to.set_len(len)?;
+    Ok(copied)
+}
+
+/// Copies `len` bytes at `at` from `from` to the same offset of `to`:
+/// `copy_file_range` while `kernel` holds, then (once the kernel refused
+/// the pair of files) reads and writes, leaving all-zero blocks as holes.
+fn copy_extent(
+    from: &File,
+    to: &File,
+    at: u64,
+    len: u64,
+    kernel: &mut bool,
+) -> std::io::Result<()> {
+    use rustix::io::Errno;
+    let (mut off_in, mut off_out) = (at, at);
+    let end = at + len;
+    while *kernel && off_in < end {
+        let want = (end - off_in).min(1 << 30) as usize;
+        match rustix::fs::copy_file_range(from, Some(&mut off_in), to, Some(&mut off_out), want) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(_) => {}
+            Err(Errno::INTR) => {}
+            Err(Errno::XDEV | Errno::NOSYS | Errno::INVAL | Errno::OPNOTSUPP | Errno::PERM) => {
+                *kernel = false;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    copy_extent_rw(from, to, off_in, end - off_in)
+}
+
+/// The read/write half of [`copy_extent`]; all-zero blocks are not written.
+fn copy_extent_rw(from: &File, to: &File, at: u64, len: u64) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    const BLOCK: usize = 1 << 20;
+    let mut buf = vec![0u8; (len.min(BLOCK as u64)) as usize];
+    let mut off = at;
+    let end = at + len;
+    while off < end {
+        let want = (end - off).min(buf.len() as u64) as usize;
+        let n = match from.read_at(&mut buf[..want], off) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if !crate::store::sink::is_zero(&buf[..n]) {
+            to.write_all_at(&buf[..n], off)?;
+        }
+        off += n as u64;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::{FileExt, MetadataExt};
+
+    /// A file of `len` bytes with data at each `(offset, len, byte)`.
+    fn sparse(path: &Path, len: u64, data: &[(u64, usize, u8)]) -> File {
+        let file = File::create(path).unwrap();
+        for &(at, n, byte) in data {
+            file.write_all_at(&vec![byte; n], at).unwrap();
+        }
+        file.set_len(len).unwrap();
+        file.sync_all().unwrap();
+        File::open(path).unwrap()
+    }
+
+    /// The copy has the bytes and the holes of the original, through
+    /// `copy_file_range` and through reads and writes alike.
+    #[test]
+    fn sparse_copy_keeps_bytes_and_holes() {
+        let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+        let len = 256u64 << 20;
+        let data = [(0, 4096, 1u8), (100 << 20, 3 << 20, 2), (len - 10, 10, 3)];
+        let from = sparse(&dir.path().join("from"), len, &data);
+        for (name, kernel) in [("crf", true), ("rw", false)] {
+            let path = dir.path().join(name);
+            let to = File::create(&path).unwrap();
+            if kernel {
+                copy_sparse(&from, &to, len).unwrap();
+            } else {
+                let mut kernel = false;
+                for &(at, n, _) in &data {
+                    copy_extent(&from, &to, at, n as u64, &mut kernel).unwrap();
+                }
+                to.set_len(len).unwrap();
+            }
+            to.sync_all().unwrap();
+            let (a, b) = (
+                std::fs::read(dir.path().join("from")).unwrap(),
+                std::fs::read(&path).unwrap(),
+            );
+            assert!(a == b, "{name}: bytes differ");
+            let allocated = to.metadata().unwrap().blocks() * 512;
+            assert!(allocated <= 8 << 20, "{name}: {allocated} bytes allocated");
+        }
+    }
+
+    /// A file shorter than it was said to be is an error, not a short copy.
+    #[test]
+    fn sparse_copy_of_a_shrunk_file_fails() {
+        let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+        let from = sparse(&dir.path().join("from"), 8192, &[(0, 8192, 7)]);
+        let to = File::create(dir.path().join("to")).unwrap();
+        let mut kernel = false;
+        assert!(copy_extent(&from, &to, 0, 1 << 20, &mut kernel).is_err());
+    }
+}

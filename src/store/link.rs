@@ -53,19 +53,31 @@ impl NodeLinks {
         self.link_dir.join(node.as_str())
     }
 
-    /// True when the node's `disk` is the very file `master` (same inode).
-    pub fn disk_is(&self, node: &NodeUuid, master: &Path) -> bool {
-        let Ok(disk) = std::fs::metadata(self.disk_path(node)) else {
+    /// True when the node's `disk` is the very file `master` (same inode),
+    /// or, on another file system, a complete copy of this very master
+    /// (whose SHA-256 is `sha256`): see [`copy_identity`]. A copy of a
+    /// master that was since replaced is not.
+    pub fn disk_is(&self, node: &NodeUuid, master: &Path, sha256: &str) -> bool {
+        let path = self.disk_path(node);
+        let Ok(disk) = std::fs::metadata(&path) else {
             return false;
         };
-        std::fs::metadata(master).is_ok_and(|m| m.dev() == disk.dev() && m.ino() == disk.ino())
+        let Ok(m) = std::fs::metadata(master) else {
+            return false;
+        };
+        if m.dev() == disk.dev() {
+            return m.ino() == disk.ino();
+        }
+        disk.len() == m.len()
+            && recorded_copy_of(&path).is_some_and(|r| r == copy_identity(&m, sha256))
     }
 
     /// Makes the node's `disk` a hard link to `master` (a copy where the file
-    /// systems differ), replacing any previous image atomically.
+    /// systems differ, recording which master it copies; `sha256` is the
+    /// master's), replacing any previous image atomically.
     /// (Blocking: a copy may take long; call it on a blocking thread.)
-    pub fn link_disk(&self, node: &NodeUuid, master: &Path) -> Result<()> {
-        self.replace_disk(node, master, true).map(|_| ())
+    pub fn link_disk(&self, node: &NodeUuid, master: &Path, sha256: &str) -> Result<()> {
+        self.replace_disk(node, master, Some(sha256)).map(|_| ())
     }
 
     /// Makes the node's `disk` a hard link to `master`, replacing any
@@ -73,10 +85,12 @@ impl NodeLinks {
     /// file systems differ and only a copy would do. Only metadata
     /// operations: a cache hit links without a trip to a blocking thread.
     pub fn hard_link_disk(&self, node: &NodeUuid, master: &Path) -> Result<bool> {
-        self.replace_disk(node, master, false)
+        self.replace_disk(node, master, None)
     }
 
-    fn replace_disk(&self, node: &NodeUuid, master: &Path, copy: bool) -> Result<bool> {
+    /// See [`NodeLinks::link_disk`]: `copy` is the master's SHA-256 where a
+    /// copy may be made, `None` where only a hard link will do.
+    fn replace_disk(&self, node: &NodeUuid, master: &Path, copy: Option<&str>) -> Result<bool> {
         fsutil::create_dir_fresh(&self.node_dir(node))?;
         let disk = self.disk_path(node);
         // A node's first image is linked straight under its name (atomic
@@ -90,8 +104,8 @@ impl NodeLinks {
         fsutil::replace_via_temp(&disk, &temp, |temp| {
             match std::fs::hard_link(master, temp) {
                 Err(e) if e.raw_os_error() == Some(rustix::io::Errno::XDEV.raw_os_error()) => {
-                    if copy {
-                        copy_file(master, temp)
+                    if let Some(sha256) = copy {
+                        copy_file(master, temp, sha256)
                     } else {
                         linked = false;
                         // Not renamed into place: replace_via_temp removes
@@ -175,10 +189,58 @@ impl NodeLinks {
     }
 }
 
-/// A copy where a hard link is impossible (another file system).
-fn copy_file(from: &Path, to: &Path) -> std::io::Result<()> {
-    std::fs::copy(from, to)?;
-    let file = std::fs::File::open(to)?;
-    file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
-    file.sync_all()
+/// The extended attribute that names, on a node's copy of a master, the
+/// master it copies (see [`copy_identity`]).
+const COPY_OF: &str = "user.ironic-image-worker.copy-of";
+
+/// What a copy records of its master: the master's device, inode, size and
+/// modification time (nanoseconds), which change when the master is
+/// replaced (masters are written once, under a temporary name), and its
+/// SHA-256, which tells apart a new master that happens to reuse the inode
+/// number. Written on the copy itself (an extended attribute) before it is
+/// renamed into place, so it is as durable as the copy and goes with it:
+/// another process, or this one after a restart, recognises the copy too.
+fn copy_identity(master: &std::fs::Metadata, sha256: &str) -> String {
+    format!(
+        "v1 dev={} ino={} size={} mtime={}.{:09} sha256={sha256}",
+        master.dev(),
+        master.ino(),
+        master.size(),
+        master.mtime(),
+        master.mtime_nsec()
+    )
+}
+
+/// The identity recorded on the copy at `disk`, if any.
+fn recorded_copy_of(disk: &Path) -> Option<String> {
+    let mut buf = [0u8; 256];
+    let n = rustix::fs::getxattr(disk, COPY_OF, &mut buf[..]).ok()?;
+    String::from_utf8(buf.get(..n)?.to_vec()).ok()
+}
+
+/// A copy where a hard link is impossible (another file system): sparse
+/// (holes where the master has them), synced, and carrying the master's
+/// identity. A file system without user extended attributes gets the copy
+/// without the record (each prepare of the node copies again).
+fn copy_file(from: &Path, to: &Path, sha256: &str) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let src = std::fs::File::open(from)?;
+    let meta = src.metadata()?;
+    let dst = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o644)
+        .open(to)?;
+    dst.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
+    fsutil::copy_sparse(&src, &dst, meta.len())?;
+    let identity = copy_identity(&meta, sha256);
+    if let Err(e) = rustix::fs::fsetxattr(
+        &dst,
+        COPY_OF,
+        identity.as_bytes(),
+        rustix::fs::XattrFlags::empty(),
+    ) {
+        tracing::debug!(error = %e, "cannot record which master a node's copy is of");
+    }
+    dst.sync_all()
 }

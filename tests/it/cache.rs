@@ -451,14 +451,28 @@ async fn failed_prepare_removes_its_link_and_deleted_directories_come_back() {
     assert_lock_files_guard_something(&env);
 }
 
+/// A sparse file of `len` bytes holding `byte` in each `(offset, len)`.
+fn sparse_file(path: &std::path::Path, len: u64, data: &[(u64, usize)], byte: u8) {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::File::create(path).unwrap();
+    for &(at, n) in data {
+        file.write_all_at(&vec![byte; n], at).unwrap();
+    }
+    file.set_len(len).unwrap();
+}
+
 /// Node directories on another file system than the masters: the node's
 /// `disk` is a copy (a hard link cannot cross), made under a temporary name
-/// for a first image and for a replacement alike, with the served bytes.
+/// for a first image and for a replacement alike, with the served bytes;
+/// the copy of a sparse master has its holes (it allocates what the master
+/// does, not the virtual size), a repeated prepare of the node recognises
+/// its copy instead of copying again, and a copy of a master since replaced
+/// is replaced.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_images_on_another_file_system_are_copies() {
     use std::os::unix::fs::MetadataExt;
     let env = Env::new("");
-    let _mount = Tmpfs::mount(&env.images_dir(), "32m");
+    let _mount = Tmpfs::mount(&env.images_dir(), "160m");
     let src = env.root().join("src");
     random_file(&src.join("a.img"), 4 << 20, 95);
     random_file(&src.join("b.img"), 3 << 20, 96);
@@ -486,5 +500,52 @@ async fn node_images_on_another_file_system_are_copies() {
             .collect();
         assert_eq!(node_dir, ["disk"], "no temporary left beside the copy");
     }
+    assert!(env.temporaries().is_empty());
+
+    let c = src.join("c.img");
+    let len = 96u64 << 20;
+    let data = [(0, 1 << 20), (50 << 20, 1 << 20), (len - 4096, 4096)];
+    sparse_file(&c, len, &data, 0x11);
+    let (ok, ev) = env.prepare(&n, &server.url("c.img"), &[]).await;
+    assert!(ok, "{ev}");
+    assert!(std::fs::read(&disk).unwrap() == std::fs::read(&c).unwrap());
+    let master = env
+        .masters()
+        .iter()
+        .map(|m| std::fs::metadata(env.master_dir().join(m)).unwrap())
+        .find(|m| m.len() == len)
+        .expect("the sparse image's master");
+    let copy = std::fs::metadata(&disk).unwrap();
+    let (copy_bytes, master_bytes) = (copy.blocks() * 512, master.blocks() * 512);
+    assert!(
+        copy_bytes <= master_bytes + (1 << 20) && copy_bytes < 8 << 20,
+        "the copy allocates {copy_bytes} bytes, its master {master_bytes}, of {len}"
+    );
+    let (ok, again) = env.prepare(&n, &server.url("c.img"), &[]).await;
+    assert!(ok, "{again}");
+    assert_eq!(again["cache"], "hit");
+    assert_eq!(
+        std::fs::metadata(&disk).unwrap().ino(),
+        copy.ino(),
+        "a repeated prepare keeps the node's copy"
+    );
+
+    // The source changes: another node's prepare makes a new master, and
+    // the node's copy of the old one is not taken for it.
+    sparse_file(&c, len, &data, 0x22);
+    let later = std::time::SystemTime::now() + Duration::from_secs(5);
+    std::fs::File::options()
+        .write(true)
+        .open(&c)
+        .unwrap()
+        .set_modified(later)
+        .unwrap();
+    let (ok, fresh) = env.prepare(&node(), &server.url("c.img"), &[]).await;
+    assert!(ok, "{fresh}");
+    assert_eq!(fresh["cache"], "miss");
+    let (ok, ev) = env.prepare(&n, &server.url("c.img"), &[]).await;
+    assert!(ok, "{ev}");
+    assert_eq!(ev["image_checksum"], md5sum(&c));
+    assert!(std::fs::read(&disk).unwrap() == std::fs::read(&c).unwrap());
     assert!(env.temporaries().is_empty());
 }

@@ -367,6 +367,16 @@ fn limits_that_are_not_limits_are_refused() {
     assert_eq!(c.convert.qcow2_limits().max_virtual_size, 8192u64 << 30);
 }
 
+/// The default virtual-size limit is 1 TiB: Glance's default
+/// `image_size_cap`, and about 22 minutes of one core for the MD5 of a
+/// sparse disk that size (a 200 KB qcow2 may announce it), where 4 TiB
+/// allowed a 1.5-hour hash per request.
+#[test]
+fn default_virtual_size_limit_is_one_tib() {
+    let c = Config::load_from(&Files::default(), &[], &[]).unwrap();
+    assert_eq!(c.convert.qcow2_limits().max_virtual_size, 1u64 << 40);
+}
+
 /// Credentials in URLs are masked whole: user and password, or a token
 /// standing as the user name.
 #[test]
