@@ -1021,16 +1021,17 @@ mod tests {
             "http://***@host:80/a?x=1#f"
         );
         assert_eq!(
-            redact_url(
-                "https://s3/b/k?X-Amz-Credential=AK&X-Amz-Signature=abc&X-Amz-Expires=60"
-            ),
+            redact_url("https://s3/b/k?X-Amz-Credential=AK&X-Amz-Signature=abc&X-Amz-Expires=60"),
             "https://s3/b/k?X-Amz-Credential=***&X-Amz-Signature=***&X-Amz-Expires=60"
         );
         assert_eq!(
             redact_url("http://swift/v1/o?temp_url_sig=s&temp_url_expires=1&flag"),
             "http://swift/v1/o?temp_url_sig=***&temp_url_expires=1&flag"
         );
-        assert_eq!(redact_url("http://host/a?token=t"), "http://host/a?token=***");
+        assert_eq!(
+            redact_url("http://host/a?token=t"),
+            "http://host/a?token=***"
+        );
         assert_eq!(redact_url("http://host/plain"), "http://host/plain");
         assert_eq!(redact_url("0b1c-glance-id"), "0b1c-glance-id");
     }

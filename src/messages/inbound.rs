@@ -390,13 +390,14 @@ fn node_notification(
         return Inbound::Ignore("other_deploy_interface");
     }
     let instance_info = data.instance_info.map_or("null", RawValue::get);
-    let instance_info: InstanceInfo = match serde_json::from_str::<Option<InstanceInfo>>(instance_info) {
-        Ok(i) => i.unwrap_or_default(),
-        Err(e) => {
-            let why = format!("instance_info: {e}");
-            return invalid(action, node, message_id, host, why);
-        }
-    };
+    let instance_info: InstanceInfo =
+        match serde_json::from_str::<Option<InstanceInfo>>(instance_info) {
+            Ok(i) => i.unwrap_or_default(),
+            Err(e) => {
+                let why = format!("instance_info: {e}");
+                return invalid(action, node, message_id, host, why);
+            }
+        };
     if let Err(why) = instance_info.check_lengths() {
         return invalid(action, node, message_id, host, why);
     }
@@ -567,7 +568,13 @@ mod tests {
     fn only_delegating_nodes_are_acted_on() {
         let start = with_interface(START, "direct-worker");
         assert_ne!(start, START);
-        let req = work(super::parse(start.as_bytes(), true, "testhost", &ours(), 1 << 20));
+        let req = work(super::parse(
+            start.as_bytes(),
+            true,
+            "testhost",
+            &ours(),
+            1 << 20,
+        ));
         assert_eq!(req.action, Action::Prepare);
         for other in [with_interface(START, "direct"), START.to_string()] {
             assert!(matches!(

@@ -164,9 +164,7 @@ impl reqwest::dns::Resolve for FilteringResolver {
         let host = name.as_str().to_string();
         let allow_local = self.allow_local || is_localhost_name(&host);
         Box::pin(async move {
-            let all: Vec<SocketAddr> = tokio::net::lookup_host((host.as_str(), 0))
-                .await?
-                .collect();
+            let all: Vec<SocketAddr> = tokio::net::lookup_host((host.as_str(), 0)).await?.collect();
             let kept: Vec<SocketAddr> = all
                 .iter()
                 .copied()

@@ -381,7 +381,10 @@ async fn bodies_over_the_limit_are_refused_unread_and_dead_lettered() {
     assert_eq!(got.as_deref(), Some("over"));
     assert_eq!(ev["status"], "error", "{ev}");
     assert_eq!(ev["error"]["code"], "invalid_message", "{ev}");
-    assert!(ev["request_id"].is_null(), "nothing of the body is read: {ev}");
+    assert!(
+        ev["request_id"].is_null(),
+        "nothing of the body is read: {ev}"
+    );
     let dead_queue = format!("ironic-image-worker.{}.dead", env.host);
     let deadline = std::time::Instant::now() + MINUTE;
     let mut dead = Vec::new();

@@ -599,7 +599,10 @@ fn files_containing(dir: &std::path::Path, needle: &[u8]) -> Vec<String> {
                 }
             } else if kind.is_symlink() {
                 let target = std::fs::read_link(&path).unwrap();
-                if target.to_string_lossy().contains(&*String::from_utf8_lossy(needle)) {
+                if target
+                    .to_string_lossy()
+                    .contains(&*String::from_utf8_lossy(needle))
+                {
                     found.push(path.display().to_string());
                 }
             }
@@ -637,7 +640,11 @@ async fn no_file_the_worker_writes_holds_a_source_credential() {
         2,
         "one download per URL: the second prepare of each was a cache hit"
     );
-    for dir in [env.master_dir(), env.images_dir(), env.root().join("httpboot")] {
+    for dir in [
+        env.master_dir(),
+        env.images_dir(),
+        env.root().join("httpboot"),
+    ] {
         let found = files_containing(&dir, secret.as_bytes());
         assert!(found.is_empty(), "the secret is on disk in {found:?}");
     }
