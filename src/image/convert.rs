@@ -466,7 +466,7 @@ pub async fn decompress_zstd(
     sink.finish().await
 }
 
-/// Body of the `convert-child` process: qcow2 -> raw with qcow2-rs, hashed
+/// Body of the `convert-child` process: qcow2 -> raw by our own reader (tables checked by `qcow2`, compressed clusters by `inflate`), hashed
 /// in the same pass. Prints one JSON report line; any panic or crash is seen
 /// by the parent as a failed conversion.
 pub fn child_main(

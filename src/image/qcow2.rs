@@ -72,14 +72,7 @@ pub struct Limits {
 impl Header {
     /// True when our converter reads this image itself (standard 64-bit L2
     /// entries, either compression type); images with extended L2 entries
-    /// (subclusters) go to `qemu-img`. (The name is the one the pipeline
-    /// calls; see [`Header::converter_reads`].)
-    pub fn qcow2_rs_can_read(&self) -> bool {
-        self.converter_reads()
-    }
-
-    /// True when our converter reads this image itself: everything but
-    /// extended L2 entries.
+    /// (subclusters) go to `qemu-img`.
     pub fn converter_reads(&self) -> bool {
         self.incompatible_features & INCOMPAT_EXTENDED_L2 == 0
     }

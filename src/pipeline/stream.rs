@@ -35,7 +35,7 @@ impl Pipeline {
         }
         let limits = self.config.convert.qcow2_limits();
         let header = crate::image::qcow2::parse(&head, total, limits)?;
-        if !header.qcow2_rs_can_read() || header.nb_snapshots > 0 {
+        if !header.converter_reads() || header.nb_snapshots > 0 {
             return Err(not_now("qcow2 features that need the whole file").into());
         }
         wait_for(header.l1_table_offset + header.l1_size as u64 * 8).await?;
