@@ -779,12 +779,12 @@ impl Config {
     /// `http_root`: everything there is served by path (masters, sidecars,
     /// lock files, temporaries), not only the published symlinks.
     fn validate_served_dirs(&self) -> Result<()> {
-        let root = resolved(&self.deploy.http_root);
+        let root = crate::store::fsutil::resolve(&self.deploy.http_root);
         for (name, dir) in [
             ("[pxe]instance_master_path", &self.pxe.instance_master_path),
             ("[pxe]images_path", &self.pxe.images_path),
         ] {
-            if resolved(dir).starts_with(&root) {
+            if crate::store::fsutil::resolve(dir).starts_with(&root) {
                 return Err(config_error(format!(
                     "{name} {} is inside [deploy]http_root {}, which would serve its files; \
                      use a directory outside it",
@@ -1043,25 +1043,6 @@ fn option_accepts(section: &str, key: &str, value: &toml::Value) -> bool {
     let mut table = toml::Table::new();
     table.insert(section.to_string(), toml::Value::Table(options));
     table.try_into::<Config>().is_ok()
-}
-
-/// `path` made absolute with its longest existing prefix resolved
-/// (symlinks, `..`), so that two spellings of one place compare equal.
-fn resolved(path: &std::path::Path) -> PathBuf {
-    let mut existing = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
-    let mut rest = Vec::new();
-    while !existing.exists() {
-        match (existing.file_name(), existing.parent()) {
-            (Some(name), Some(parent)) => {
-                rest.push(name.to_os_string());
-                existing = parent.to_path_buf();
-            }
-            _ => break,
-        }
-    }
-    let mut out = existing.canonicalize().unwrap_or(existing);
-    out.extend(rest.iter().rev());
-    out
 }
 
 #[cfg(test)]

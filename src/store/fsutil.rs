@@ -118,7 +118,9 @@ pub fn same_path(a: &Path, b: &Path) -> bool {
     resolve(a) == resolve(b)
 }
 
-fn resolve(path: &Path) -> PathBuf {
+/// `path` made absolute with its longest existing prefix resolved
+/// (symlinks, `..`), so that two spellings of one place compare equal.
+pub fn resolve(path: &Path) -> PathBuf {
     let mut existing = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
     let mut rest = Vec::new();
     while !existing.exists() {
