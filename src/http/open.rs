@@ -176,27 +176,9 @@ fn open_beneath(
 ) -> rustix::io::Result<OwnedFd> {
     let resolve = ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS | extra;
     match rustix::fs::openat2(dir, rel, flags, Mode::empty(), resolve) {
-        Err(Errno::NOSYS) => open_nofollow(dir, rel, flags),
+        Err(Errno::NOSYS) => crate::store::fsutil::open_beneath_nofollow(dir, rel, flags),
         other => other,
     }
-}
-
-fn open_nofollow(dir: &OwnedFd, rel: &Path, flags: OFlags) -> rustix::io::Result<OwnedFd> {
-    let parts: Vec<_> = rel.components().collect();
-    let mut cur: Option<OwnedFd> = None;
-    for (i, part) in parts.iter().enumerate() {
-        let Component::Normal(name) = part else {
-            return Err(Errno::XDEV);
-        };
-        let oflags = if i + 1 == parts.len() {
-            flags | OFlags::NOFOLLOW
-        } else {
-            DIR_FLAGS | OFlags::NOFOLLOW
-        };
-        let at = rustix::fs::openat(cur.as_ref().unwrap_or(dir), *name, oflags, Mode::empty())?;
-        cur = Some(at);
-    }
-    cur.ok_or(Errno::NOENT)
 }
 
 #[cfg(test)]

@@ -226,7 +226,9 @@ fn open_allowed(path: &Path, allowed: &[PathBuf]) -> Result<FileSource> {
         Mode::empty(),
         ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS,
     ) {
-        Err(rustix::io::Errno::NOSYS) => open_beneath_nofollow(&dirfd, &rel, flags),
+        Err(rustix::io::Errno::NOSYS) => {
+            crate::store::fsutil::open_beneath_nofollow(&dirfd, &rel, flags)
+        }
         other => other,
     }
     .map_err(io_error)?;
@@ -238,35 +240,6 @@ fn open_allowed(path: &Path, allowed: &[PathBuf]) -> Result<FileSource> {
         path: path.to_path_buf(),
         file: Arc::new(std::fs::File::from(fd)),
     })
-}
-
-/// For kernels without `openat2` (before 5.6): walks `rel` one component at
-/// a time below `dir` with `O_NOFOLLOW`, so no symlink is followed at all.
-fn open_beneath_nofollow(
-    dir: &rustix::fd::OwnedFd,
-    rel: &Path,
-    flags: rustix::fs::OFlags,
-) -> rustix::io::Result<rustix::fd::OwnedFd> {
-    use rustix::fs::{Mode, OFlags};
-    let parts: Vec<_> = rel.components().collect();
-    let mut cur: Option<rustix::fd::OwnedFd> = None;
-    for (i, part) in parts.iter().enumerate() {
-        let Component::Normal(name) = part else {
-            return Err(rustix::io::Errno::XDEV);
-        };
-        let last = i + 1 == parts.len();
-        let oflags = if last {
-            flags | OFlags::NOFOLLOW
-        } else {
-            OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC
-        };
-        let at = match &cur {
-            Some(fd) => rustix::fs::openat(fd, *name, oflags, Mode::empty()),
-            None => rustix::fs::openat(dir, *name, oflags, Mode::empty()),
-        }?;
-        cur = Some(at);
-    }
-    cur.ok_or(rustix::io::Errno::NOENT)
 }
 
 impl Fetcher {

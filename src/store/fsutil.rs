@@ -437,6 +437,36 @@ fn copy_extent_rw(from: &File, to: &File, at: u64, len: u64) -> std::io::Result<
     Ok(())
 }
 
+/// For kernels without `openat2` (before 5.6): walks `rel` one component at
+/// a time below `dir` with `O_NOFOLLOW`, so no symlink is followed at all.
+pub fn open_beneath_nofollow(
+    dir: &rustix::fd::OwnedFd,
+    rel: &Path,
+    flags: rustix::fs::OFlags,
+) -> rustix::io::Result<rustix::fd::OwnedFd> {
+    use rustix::fs::{Mode, OFlags};
+    use std::path::Component;
+    let parts: Vec<_> = rel.components().collect();
+    let mut cur: Option<rustix::fd::OwnedFd> = None;
+    for (i, part) in parts.iter().enumerate() {
+        let Component::Normal(name) = part else {
+            return Err(rustix::io::Errno::XDEV);
+        };
+        let last = i + 1 == parts.len();
+        let oflags = if last {
+            flags | OFlags::NOFOLLOW
+        } else {
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC
+        };
+        let at = match &cur {
+            Some(fd) => rustix::fs::openat(fd, *name, oflags, Mode::empty()),
+            None => rustix::fs::openat(dir, *name, oflags, Mode::empty()),
+        }?;
+        cur = Some(at);
+    }
+    cur.ok_or(rustix::io::Errno::NOENT)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
