@@ -48,6 +48,10 @@ _RABBIT_GROUP = 'oslo_messaging_rabbit'
 _BROKER_ERRORS = (OSError, kombu_exc.KombuError, amqp.exceptions.AMQPError)
 
 
+# The configuration objects whose [oslo_messaging_rabbit] is registered.
+_RABBIT_REGISTERED = set()
+
+
 def _register_rabbit_opts(conf):
     """Make sure [oslo_messaging_rabbit] is readable.
 
@@ -55,9 +59,12 @@ def _register_rabbit_opts(conf):
     rabbit driver; a process that uses this module alone (a tool, a test)
     has not, so register oslo.messaging's own definitions.
     """
+    if id(conf) in _RABBIT_REGISTERED:
+        return
     for group, opts in messaging_opts.list_opts():
         if group == _RABBIT_GROUP:
             conf.register_opts(opts, group=group)
+    _RABBIT_REGISTERED.add(id(conf))
 
 
 def broker_urls(conf=CONF):
@@ -115,6 +122,52 @@ def ssl_params(conf=CONF, parsed_url=None):
     return params or True
 
 
+# How often a waiting command wakes up to send heartbeats and, every
+# _CONSUMER_CHECK_EVERY, to look at the worker queue's consumers.
+_TICK = 1.0
+_CONSUMER_CHECK_EVERY = 5.0
+# How long a reply queue outlives its last use beyond the command's
+# deadline (the broker deletes it then, should this process be gone).
+_REPLY_QUEUE_SLACK = 60
+
+
+class _Reply(object):
+    """The reply queue of one command: named after the request, durable and
+    not exclusive, so it outlives the connection (and, as a quorum queue,
+    the broker node) it was declared on, and expiring (``x-expires``) once
+    unused so it never outlives the wait by long."""
+
+    def __init__(self, request_id, queue_type, timeout):
+        self.name = 'ironic-image-worker-deploy.reply.%s' % request_id
+        self.arguments = {
+            'x-queue-type': queue_type,
+            'x-expires': int((timeout + _REPLY_QUEUE_SLACK) * 1000)}
+        self.found = []
+
+    def attach(self, connection, correlation_id):
+        """Declare the queue (again, after a reconnection) and consume it."""
+        channel = connection.channel()
+        channel.queue_declare(queue=self.name, durable=True,
+                              exclusive=False, auto_delete=False,
+                              arguments=self.arguments)
+
+        def _on_reply(message):
+            if message.properties.get('correlation_id') == correlation_id:
+                self.found.append(message.body)
+            channel.basic_ack(message.delivery_tag)
+
+        channel.basic_consume(queue=self.name, callback=_on_reply)
+        return channel
+
+    def delete(self, connection):
+        """Best effort: the queue expires by itself anyway."""
+        try:
+            connection.channel().queue_delete(queue=self.name)
+        except Exception:  # noqa: the command's outcome is known
+            LOG.debug('Deleting reply queue %s failed', self.name,
+                      exc_info=True)
+
+
 class WorkerClient(object):
     """Sends commands to the image worker of one conductor host."""
 
@@ -127,14 +180,26 @@ class WorkerClient(object):
         """The worker's [DEFAULT]host: the routing key's first word."""
         return self.group.conductor_host or self.conf.host
 
+    @property
+    def queue(self):
+        """The worker's command queue (``<queue_prefix>.<host>``)."""
+        return '%s.%s' % (self.group.queue_prefix, self.host)
+
     def _connect(self, node_uuid):
         urls, parsed = broker_urls(self.conf)
+        ssl_options = ssl_params(self.conf, parsed)
         connection = kombu.Connection(
             ';'.join(urls),
-            ssl=ssl_params(self.conf, parsed),
+            ssl=ssl_options,
             connect_timeout=self.group.connect_timeout,
+            heartbeat=self.conf[_RABBIT_GROUP].heartbeat_timeout_threshold,
             failover_strategy='round-robin',
-            transport_options={'confirm_publish': True})
+            transport_options={
+                'confirm_publish': True,
+                # Shown by the broker (rabbitmqctl list_connections).
+                'client_properties': {
+                    'connection_name': 'ironic-image-worker-deploy %s'
+                                       % node_uuid}})
 
         def _failed(exc, interval):
             LOG.warning('Cannot connect to the image worker broker for node '
@@ -152,8 +217,114 @@ class WorkerClient(object):
                                                          reason=str(e))
         return connection
 
+    def _reconnect(self, connection, node_uuid, deadline, error):
+        """A new connection after ``error``, tried until ``deadline``."""
+        LOG.warning('Lost the image worker broker connection while waiting '
+                    'for node %(node)s, reconnecting: %(error)s',
+                    {'node': node_uuid, 'error': error})
+        _release(connection)
+        while True:
+            try:
+                return self._connect(node_uuid)
+            except exception.ImageWorkerBrokerUnreachable as e:
+                if time.monotonic() + _TICK >= deadline:
+                    e.sent = True
+                    raise
+                time.sleep(_TICK)
+
+    def consumers(self, connection):
+        """Consumers of the worker queue, or None when it has another name.
+
+        A passive declare on a channel of its own (a missing queue closes
+        the channel). An exclusive queue of another connection is someone's
+        who is there: unknown too.
+        """
+        channel = connection.channel()
+        try:
+            _, _, count = channel.queue_declare(queue=self.queue,
+                                                passive=True)
+            return count
+        except (amqp.exceptions.NotFound, amqp.exceptions.ResourceLocked):
+            return None
+        finally:
+            _release(channel)
+
+    def _await_consumer(self, connection, node_uuid):
+        """Wait up to [image_worker]worker_restart_grace for a consumer.
+
+        :raises: ImageWorkerNotConsuming when none came.
+        """
+        grace = self.group.worker_restart_grace
+        until = time.monotonic() + grace
+        while self.consumers(connection) == 0:
+            if time.monotonic() >= until:
+                raise exception.ImageWorkerNotConsuming(
+                    node=node_uuid, host=self.host, queue=self.queue,
+                    grace=grace)
+            connection.heartbeat_check()
+            time.sleep(min(_TICK, grace))
+
+    def _publish(self, channel, body, properties, routing_key):
+        """Publish with confirms; False when no queue could take it."""
+        returned = []
+        channel.events['basic_return'].add(
+            lambda exc, exch, key, message: returned.append(exc))
+        try:
+            channel.basic_publish(
+                amqp.Message(json.dumps(body), **properties),
+                exchange=self.group.exchange, routing_key=routing_key,
+                mandatory=True)
+        except amqp.exceptions.NotFound:
+            return False
+        return not returned
+
+    def _wait(self, link, reply, correlation_id, deadline, node_uuid):
+        """Wait for the answer on ``reply`` (attached on ``link[0]``).
+
+        A failed connection is replaced (``link[0]``) and the reply queue
+        re-attached, until ``deadline``: the worker's answer waits in the
+        queue meanwhile. A worker queue without consumers for longer than
+        [image_worker]worker_restart_grace ends the wait early.
+
+        :raises: ImageWorkerTimeout, ImageWorkerNotConsuming,
+            ImageWorkerBrokerUnreachable
+        """
+        grace = self.group.worker_restart_grace
+        idle_since = None
+        next_check = time.monotonic() + min(_CONSUMER_CHECK_EVERY, grace)
+        attached = True
+        while not reply.found:
+            now = time.monotonic()
+            if now >= deadline:
+                return None
+            try:
+                if not attached:
+                    reply.attach(link[0], correlation_id)
+                    attached = True
+                try:
+                    link[0].drain_events(timeout=min(_TICK, deadline - now))
+                except socket.timeout:
+                    pass
+                link[0].heartbeat_check()
+                if reply.found or time.monotonic() < next_check:
+                    continue
+                next_check = time.monotonic() + min(_CONSUMER_CHECK_EVERY,
+                                                    grace)
+                if self.consumers(link[0]) != 0:
+                    idle_since = None
+                    continue
+                idle_since = idle_since or now
+                if now - idle_since >= grace:
+                    raise exception.ImageWorkerNotConsuming(
+                        node=node_uuid, host=self.host, queue=self.queue,
+                        grace=grace, sent=True)
+            except _BROKER_ERRORS as e:
+                link[0] = self._reconnect(link[0], node_uuid, deadline, e)
+                attached = False
+        return json.loads(reply.found[0])
+
     def call(self, action, node_uuid, instance_info=None, options=None,
-             timeout=None, expire=False):
+             timeout=None, expire=False, extra=None):
         """Send a command and wait for its completion event.
 
         :param action: ``prepare``, ``deployed`` or ``cleanup``.
@@ -162,78 +333,59 @@ class WorkerClient(object):
         :param options: the command's ``options`` (force_raw, stream_raw).
         :param timeout: seconds to wait for the answer; None waits not at
             all and returns None once the broker has the command.
-        :param expire: let the broker drop (dead-letter) the command when
-            no worker took it within ``timeout``.
+        :param expire: a command useless later (prepare): the broker drops
+            (dead-letters) it when no worker took it within ``timeout``,
+            and it is not sent at all when the worker queue has had no
+            consumer for [image_worker]worker_restart_grace.
+        :param extra: further top-level keys of the command.
         :returns: the completion event (a dict), whatever its status.
         :raises: ImageWorkerBrokerUnreachable, ImageWorkerNotListening,
-            ImageWorkerTimeout
+            ImageWorkerNotConsuming, ImageWorkerTimeout; their ``sent``
+            tells whether the worker may still act on the command.
         """
-        body = {'action': action, 'node_uuid': node_uuid,
-                'request_id': uuidutils.generate_uuid()}
+        body = dict(extra or {}, action=action, node_uuid=node_uuid,
+                    request_id=uuidutils.generate_uuid())
         if instance_info is not None:
             body['instance_info'] = instance_info
         if options:
             body['options'] = options
         routing_key = '%s.node.%s' % (self.host, action)
-        exchange = self.group.exchange
         correlation_id = body['request_id']
-        found = []
-        returned = []
-
-        connection = self._connect(node_uuid)
+        properties = {'content_type': 'application/json',
+                      'delivery_mode': 2,
+                      'correlation_id': correlation_id}
+        link = [self._connect(node_uuid)]
+        reply = None
+        sent = False
         try:
-            channel = connection.channel()
-            properties = {'content_type': 'application/json',
-                          'delivery_mode': 2,
-                          'correlation_id': correlation_id}
+            if expire and timeout is not None:
+                self._await_consumer(link[0], node_uuid)
             if timeout is not None:
-                reply_queue, _, _ = channel.queue_declare(
-                    queue='', exclusive=True, auto_delete=True)
-
-                def _on_reply(message):
-                    if message.properties.get(
-                            'correlation_id') == correlation_id:
-                        found.append(message.body)
-
-                channel.basic_consume(queue=reply_queue, no_ack=True,
-                                      callback=_on_reply)
-                properties['reply_to'] = reply_queue
+                reply = _Reply(correlation_id, self.group.reply_queue_type,
+                               timeout)
+                reply.attach(link[0], correlation_id)
+                properties['reply_to'] = reply.name
                 if expire:
                     properties['expiration'] = str(int(timeout * 1000))
-
-            channel.events['basic_return'].add(
-                lambda exc, exch, key, message: returned.append(exc))
             LOG.debug('Sending %(action)s for node %(node)s to the image '
                       'worker (%(exchange)s, %(key)s, request %(req)s)',
                       {'action': action, 'node': node_uuid,
-                       'exchange': exchange, 'key': routing_key,
+                       'exchange': self.group.exchange, 'key': routing_key,
                        'req': correlation_id})
-            try:
-                channel.basic_publish(
-                    amqp.Message(json.dumps(body), **properties),
-                    exchange=exchange, routing_key=routing_key,
-                    mandatory=True)
-            except amqp.exceptions.NotFound:
-                returned.append('no exchange')
-            if returned:
+            if not self._publish(link[0].channel(), body, properties,
+                                 routing_key):
                 raise exception.ImageWorkerNotListening(
-                    node=node_uuid, host=self.host, exchange=exchange,
-                    routing_key=routing_key)
+                    node=node_uuid, host=self.host,
+                    exchange=self.group.exchange, routing_key=routing_key)
+            sent = True
             if timeout is None:
                 return None
-
-            deadline = time.monotonic() + timeout
-            while not found:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise exception.ImageWorkerTimeout(
-                        node=node_uuid, host=self.host, action=action,
-                        timeout=timeout)
-                try:
-                    connection.drain_events(timeout=left)
-                except socket.timeout:
-                    continue
-            event = json.loads(found[0])
+            event = self._wait(link, reply, correlation_id,
+                               time.monotonic() + timeout, node_uuid)
+            if event is None:
+                raise exception.ImageWorkerTimeout(
+                    node=node_uuid, host=self.host, action=action,
+                    timeout=timeout, sent=True)
             LOG.debug('Image worker answered %(action)s for node %(node)s: '
                       '%(status)s', {'action': action, 'node': node_uuid,
                                      'status': event.get('status')})
@@ -241,11 +393,20 @@ class WorkerClient(object):
         except exception.ImageWorkerError:
             raise
         except _BROKER_ERRORS as e:
-            raise exception.ImageWorkerBrokerUnreachable(node=node_uuid,
-                                                         reason=str(e))
+            raise exception.ImageWorkerBrokerUnreachable(
+                node=node_uuid, reason=str(e), sent=sent)
         finally:
-            try:
-                connection.release()
-            except Exception:  # noqa: the command's outcome is known
-                LOG.debug('Closing the image worker connection failed',
-                          exc_info=True)
+            if reply is not None:
+                reply.delete(link[0])
+            _release(link[0])
+
+
+def _release(resource):
+    """Close a connection or channel, ignoring failures (it may be dead)."""
+    try:
+        if hasattr(resource, 'release'):
+            resource.release()
+        else:
+            resource.close()
+    except Exception:  # noqa: nothing more to do with it
+        LOG.debug('Closing %r failed', resource, exc_info=True)

@@ -26,6 +26,12 @@ opts = [
                help=_('Topic exchange on which ironic-image-worker takes '
                       'its commands. Must match the worker\'s '
                       '[amqp]command_exchange.')),
+    cfg.StrOpt('queue_prefix',
+               default='ironic-image-worker',
+               help=_('Prefix of the worker\'s command queue, which is '
+                      'named <queue_prefix>.<conductor_host>. Must match '
+                      'the worker\'s [amqp]queue_prefix. Its consumer '
+                      'count tells whether a worker is running.')),
     cfg.StrOpt('conductor_host',
                help=_('[DEFAULT]host of the worker that serves this '
                       'conductor. Commands are routed to '
@@ -54,6 +60,29 @@ opts = [
                       'deployed or cleanup command. A missing or failed '
                       'confirmation is logged and never fails the '
                       'operation; 0 sends without waiting.')),
+    cfg.IntOpt('worker_restart_grace',
+               default=30,
+               min=0,
+               help=_('Seconds the worker\'s command queue may have no '
+                      'consumer (a worker restarting) before a command '
+                      'fails with error_code no_worker instead of waiting '
+                      'for its whole timeout: a prepare is then not sent '
+                      'at all, and a wait ends early when the worker stops '
+                      'during it.')),
+    cfg.StrOpt('reply_queue_type',
+               default='quorum',
+               choices=[('quorum', _('replicated across a RabbitMQ '
+                                     'cluster: an answer survives the '
+                                     'loss of a broker node')),
+                        ('classic', _('for brokers without quorum '
+                                      'queues; an answer survives a '
+                                      'reconnection, not the loss of '
+                                      'the node holding the queue'))],
+               help=_('Type of the reply queue declared for each command '
+                      'waited for. It is named after the request, durable '
+                      'and expires (x-expires) after the wait, so that '
+                      'the interface reconnects and waits on for the '
+                      'answer when its broker connection fails.')),
     cfg.FloatOpt('connect_timeout',
                  default=10.0,
                  min=0.1,

@@ -23,8 +23,6 @@ image itself; ``deployed`` and ``cleanup`` commands withdraw the node's files
 where Ironic removes its own.
 """
 
-import abc
-
 from oslo_log import log
 
 from ironic.common.glance_service import service_utils
@@ -39,8 +37,10 @@ from ironic.drivers.modules import agent
 from ironic.drivers.modules import deploy_utils
 
 from ironic_image_worker_deploy import client as worker_client
-from ironic_image_worker_deploy import conf as worker_conf
+# Importing conf registers the [image_worker] options, once per process.
+from ironic_image_worker_deploy import conf as worker_conf  # noqa: F401
 from ironic_image_worker_deploy import exception
+from ironic_image_worker_deploy import hardware
 
 LOG = log.getLogger(__name__)
 
@@ -53,30 +53,8 @@ _SERVED_FIELDS = ('image_checksum', 'image_os_hash_algo',
                   'image_os_hash_value', 'image_disk_format', 'image_size')
 
 
-class _SupportedWhereDirectIs(abc.ABCMeta):
-    """Makes hardware types that support ``direct`` accept this interface.
-
-    Ironic accepts an interface for a hardware type only when its exact
-    class is in the type's ``supported_deploy_interfaces`` list, and every
-    in-tree hardware type (ipmi, redfish, idrac, manual-management, ...)
-    lists ``AgentDeploy``. Comparing equal to ``AgentDeploy`` in that test
-    makes ``direct-worker`` usable wherever ``direct`` is, without a
-    hardware type of its own; hashing and ``isinstance`` are unchanged.
-    """
-
-    def __eq__(cls, other):
-        return other is agent.AgentDeploy or type.__eq__(cls, other) is True
-
-    __hash__ = abc.ABCMeta.__hash__
-
-
-class DirectWorkerDeploy(agent.AgentDeploy,
-                         metaclass=_SupportedWhereDirectIs):
+class DirectWorkerDeploy(agent.AgentDeploy):
     """Direct deploy with the image work done by ironic-image-worker."""
-
-    def __init__(self):
-        super().__init__()
-        worker_conf.register_opts(CONF)
 
     def _client(self):
         return worker_client.WorkerClient(CONF)
@@ -85,15 +63,13 @@ class DirectWorkerDeploy(agent.AgentDeploy,
     def _delegated(task):
         """Whether the worker can take this node's image.
 
-        Ironic's own code keeps three cases the worker has nothing to cache
-        for: ``swift`` downloads (the agent fetches a Swift temporary URL),
-        OCI container images and sources that are a path (anaconda).
+        Ironic's own code keeps two cases the worker has nothing to cache
+        for: ``swift`` downloads (the agent fetches a Swift temporary URL)
+        and sources that are a path (anaconda). OCI images (``oci://``)
+        are the worker's, as any other source.
         """
         node = task.node
-        source = node.instance_info.get('image_source') or ''
         if deploy_utils.get_image_download_source(node) == 'swift':
-            return False
-        if image_service.is_container_registry_url(source):
             return False
         return not node.driver_internal_info.get('is_source_a_path')
 
@@ -101,19 +77,123 @@ class DirectWorkerDeploy(agent.AgentDeploy,
         """Update instance information with extra data for deploy."""
         if not self._delegated(task):
             LOG.info('Image of node %(node)s is prepared by Ironic itself '
-                     '(swift download, OCI image or source path)',
+                     '(swift download or source path)',
                      {'node': task.node.uuid})
             return super()._update_instance_info(task)
-        task.node.instance_info = self._build_instance_info(task)
+        try:
+            task.node.instance_info = self._build_instance_info(task)
+        except Exception as e:
+            self._withdraw_after_failure(task, e)
+            raise
         task.node.save()
+
+    def _withdraw_after_failure(self, task, error):
+        """Send ``cleanup`` after a failed prepare; never raises.
+
+        Ironic calls ``clean_up`` after failures of later steps, not after
+        a failure in this one, so a worker that finishes the prepare after
+        the interface gave up (a timeout), or an earlier prepare's files,
+        would leave the node published. The worker runs a node's commands
+        in order, so the cleanup follows the prepare. Bounded by
+        [image_worker]command_timeout; not waited for when no worker
+        consumes (it is done when one is back); not sent when the prepare
+        never reached the worker's queue.
+        """
+        if isinstance(error, exception.ImageWorkerError) and not error.sent:
+            return
+        wait = not isinstance(error, exception.ImageWorkerNotConsuming)
+        LOG.info('Prepare of node %(node)s failed, asking the image worker '
+                 'to withdraw its files', {'node': task.node.uuid})
+        try:
+            self._tell_worker(task, 'cleanup', wait=wait)
+        except Exception:  # noqa: the prepare's own error is what counts
+            LOG.exception('Cleanup after the failed prepare of node %s '
+                          'failed', task.node.uuid)
+
+    @staticmethod
+    def _glance_metadata(task, image_source, instance_info):
+        """Glance's record of the image (metadata only), or None."""
+        if not service_utils.is_glance_image(image_source):
+            return None
+        glance = image_service.GlanceImageService(context=task.context)
+        glance_info = glance.show(image_source)
+        instance_info['image_checksum'] = glance_info['checksum']
+        instance_info['image_os_hash_algo'] = glance_info['os_hash_algo']
+        instance_info['image_os_hash_value'] = glance_info['os_hash_value']
+        return glance_info
+
+    @staticmethod
+    def _prepare_command(node, instance_info, declared_format, oci):
+        """The ``prepare`` command's instance_info and top-level extras.
+
+        For an OCI image, the pull secret Ironic would use
+        (``instance_info`` first, then ``driver_info``, as
+        ``get_image_service_auth_override`` picks it) and the node's
+        ``cpu_arch`` (which artifact of a multi-architecture index).
+        """
+        iwdi = node.driver_internal_info.get('is_whole_disk_image')
+        request = {
+            'image_source': instance_info['image_source'],
+            'image_checksum': instance_info.get('image_checksum'),
+            'image_os_hash_algo': instance_info.get('image_os_hash_algo'),
+            'image_os_hash_value': instance_info.get('image_os_hash_value'),
+            'image_disk_format': declared_format,
+            'image_type': (images.IMAGE_TYPE_WHOLE_DISK if iwdi
+                           else images.IMAGE_TYPE_PARTITION),
+            'kernel': instance_info.get('kernel'),
+            'ramdisk': instance_info.get('ramdisk'),
+            'image_download_source':
+                deploy_utils.get_image_download_source(node),
+        }
+        extra = {}
+        if oci:
+            request['image_pull_secret'] = (
+                instance_info.get('image_pull_secret')
+                or node.driver_info.get('image_pull_secret'))
+            if node.properties.get('cpu_arch'):
+                extra['properties'] = {
+                    'cpu_arch': node.properties['cpu_arch']}
+        return {k: v for k, v in request.items() if v}, extra
+
+    def _ask_worker(self, node, request, extra):
+        """Send ``prepare`` and return the worker's successful answer.
+
+        :raises: ImageWorkerError and its subclasses.
+        """
+        options = {
+            'force_raw': bool(
+                deploy_utils.direct_deploy_should_convert_raw_image(node)),
+            'stream_raw': bool(CONF.agent.stream_raw_images),
+        }
+        done = self._client().call(
+            'prepare', node.uuid, instance_info=request, options=options,
+            timeout=CONF.image_worker.prepare_timeout, expire=True,
+            extra=extra)
+        if done.get('status') != 'success' or not done.get('image_url'):
+            error = done.get('error') or {}
+            raise exception.ImageWorkerPrepareFailed(
+                node=node.uuid, image_href=request['image_source'],
+                host=done.get('conductor_host'),
+                error_code=error.get('code', 'internal'),
+                reason=error.get('message',
+                                 _('no image_url in the completion')),
+                sent=True)
+        LOG.info('Image worker prepared %(image)s for node %(node)s '
+                 '(cache %(cache)s, converted %(converted)s, %(ms)s ms)',
+                 {'image': request['image_source'], 'node': node.uuid,
+                  'cache': done.get('cache'),
+                  'converted': done.get('converted'),
+                  'ms': done.get('duration_ms')})
+        return done
 
     @METRICS.timer('DirectWorkerDeploy._build_instance_info')
     def _build_instance_info(self, task):
         """The instance_info build_instance_info_for_deploy would build.
 
-        The worker downloads, verifies, converts and hashes; the conductor
-        only reads Glance's metadata (properties, container format, tags,
-        kernel and ramdisk) as Ironic does for a Glance image.
+        The worker downloads, verifies, converts and hashes (OCI images
+        too: it resolves the artifact); the conductor only reads Glance's
+        metadata (properties, container format, tags, kernel and ramdisk)
+        as Ironic does for a Glance image.
 
         :raises: ImageWorkerError and its subclasses when the worker fails
             or does not answer in time.
@@ -124,77 +204,29 @@ class DirectWorkerDeploy(agent.AgentDeploy,
         di_info = node.driver_internal_info
         iwdi = di_info.get('is_whole_disk_image')
         image_source = instance_info['image_source']
+        oci = image_service.is_container_registry_url(image_source)
         # As Ironic: a saved override of image_source is stale now.
         di_info.pop('image_source', None)
         node.driver_internal_info = di_info
-        download_source = deploy_utils.get_image_download_source(node)
         instance_info['image_url'] = None
+        # A registry token for the agent: the worker serves the image.
+        instance_info.pop('image_request_authorization_secret', None)
 
-        glance_info = None
-        if service_utils.is_glance_image(image_source):
-            glance = image_service.GlanceImageService(context=task.context)
-            glance_info = glance.show(image_source)
-            instance_info['image_checksum'] = glance_info['checksum']
-            instance_info['image_os_hash_algo'] = glance_info['os_hash_algo']
-            instance_info['image_os_hash_value'] = glance_info[
-                'os_hash_value']
-            declared_format = glance_info.get('disk_format')
-        else:
-            declared_format = instance_info.get('image_disk_format')
-
-        request = {
-            'image_source': image_source,
-            'image_checksum': instance_info.get('image_checksum'),
-            'image_os_hash_algo': instance_info.get('image_os_hash_algo'),
-            'image_os_hash_value': instance_info.get('image_os_hash_value'),
-            'image_disk_format': declared_format,
-            'image_type': (images.IMAGE_TYPE_WHOLE_DISK if iwdi
-                           else images.IMAGE_TYPE_PARTITION),
-            'kernel': instance_info.get('kernel'),
-            'ramdisk': instance_info.get('ramdisk'),
-            'image_download_source': download_source,
-        }
-        request = {k: v for k, v in request.items() if v}
-        options = {
-            'force_raw': bool(
-                deploy_utils.direct_deploy_should_convert_raw_image(node)),
-            'stream_raw': bool(CONF.agent.stream_raw_images),
-        }
-        timeout = CONF.image_worker.prepare_timeout
-        done = self._client().call('prepare', node.uuid,
-                                   instance_info=request, options=options,
-                                   timeout=timeout, expire=True)
-        if done.get('status') != 'success' or not done.get('image_url'):
-            error = done.get('error') or {}
-            raise exception.ImageWorkerPrepareFailed(
-                node=node.uuid, image_href=image_source,
-                host=done.get('conductor_host'),
-                error_code=error.get('code', 'internal'),
-                reason=error.get('message',
-                                 _('no image_url in the completion')))
-        LOG.info('Image worker prepared %(image)s for node %(node)s '
-                 '(cache %(cache)s, converted %(converted)s, %(ms)s ms)',
-                 {'image': image_source, 'node': node.uuid,
-                  'cache': done.get('cache'),
-                  'converted': done.get('converted'),
-                  'ms': done.get('duration_ms')})
+        glance_info = self._glance_metadata(task, image_source, instance_info)
+        declared_format = (glance_info.get('disk_format') if glance_info
+                           else instance_info.get('image_disk_format'))
+        request, extra = self._prepare_command(node, instance_info,
+                                               declared_format, oci)
+        done = self._ask_worker(node, request, extra)
         instance_info['image_url'] = done['image_url']
         for field in _SERVED_FIELDS:
             if field in done:
                 instance_info[field] = done[field]
+        if oci:
+            self._record_oci(node, instance_info, done)
 
         if glance_info is not None:
-            # Metadata Ironic copies from Glance for other interfaces.
-            instance_info['image_container_format'] = (
-                glance_info['container_format'])
-            instance_info['image_tags'] = glance_info.get('tags', [])
-            instance_info['image_properties'] = glance_info['properties']
-            if not iwdi and deploy_utils.get_boot_option(node) != 'local':
-                instance_info['kernel'] = (
-                    glance_info['properties']['kernel_id'])
-                instance_info['ramdisk'] = (
-                    glance_info['properties']['ramdisk_id'])
-            deploy_utils.check_image_size(node, glance_info)
+            self._copy_glance_metadata(node, instance_info, glance_info)
 
         if not iwdi:
             instance_info['image_type'] = images.IMAGE_TYPE_PARTITION
@@ -203,7 +235,32 @@ class DirectWorkerDeploy(agent.AgentDeploy,
             instance_info['image_type'] = images.IMAGE_TYPE_WHOLE_DISK
         return instance_info
 
-    def _tell_worker(self, task, action):
+    @staticmethod
+    def _record_oci(node, instance_info, done):
+        """What Ironic records of an OCI artifact it resolved itself."""
+        di_info = node.driver_internal_info
+        manifest = done.get('oci_image_manifest_url')
+        if manifest:
+            instance_info['oci_image_manifest_url'] = manifest
+            di_info['image_source'] = manifest
+        di_info['container_image_type'] = 'oci_artifact'
+        node.driver_internal_info = di_info
+
+    @staticmethod
+    def _copy_glance_metadata(node, instance_info, glance_info):
+        """Metadata Ironic copies from Glance for other interfaces."""
+        instance_info['image_container_format'] = (
+            glance_info['container_format'])
+        instance_info['image_tags'] = glance_info.get('tags', [])
+        instance_info['image_properties'] = glance_info['properties']
+        if (not node.driver_internal_info.get('is_whole_disk_image')
+                and deploy_utils.get_boot_option(node) != 'local'):
+            instance_info['kernel'] = glance_info['properties']['kernel_id']
+            instance_info['ramdisk'] = (
+                glance_info['properties']['ramdisk_id'])
+        deploy_utils.check_image_size(node, glance_info)
+
+    def _tell_worker(self, task, action, wait=True):
         """Send ``deployed`` or ``cleanup``; log, never raise.
 
         Waits up to [image_worker]command_timeout for the confirmation so
@@ -216,7 +273,7 @@ class DirectWorkerDeploy(agent.AgentDeploy,
         if not self._delegated(task):
             return None
         node = task.node
-        timeout = CONF.image_worker.command_timeout or None
+        timeout = (CONF.image_worker.command_timeout or None) if wait else None
         try:
             done = self._client().call(action, node.uuid, timeout=timeout)
         except Exception as e:
@@ -257,3 +314,7 @@ class DirectWorkerDeploy(agent.AgentDeploy,
             super().clean_up(task)
         finally:
             self._tell_worker(task, 'cleanup')
+
+
+# Accepted by every hardware type that accepts ``direct`` (see hardware.py).
+hardware.accept_where_direct_is(DirectWorkerDeploy)

@@ -22,12 +22,15 @@ class ImageWorkerError(exception.IronicException):
     ``error_code`` is the worker's error code (one of the closed list of
     ``schemas/completion.v1.json``), or ``timeout`` / ``no_worker`` /
     ``broker_unreachable`` for failures on the way to the worker.
+    ``sent`` tells whether the command reached the worker's queue, so that
+    the worker may still act on it (its node's files then need a cleanup).
     """
 
     _msg_fmt = _("Image worker of conductor %(host)s failed for node "
                  "%(node)s: %(error_code)s: %(reason)s")
 
     def __init__(self, message=None, **kwargs):
+        self.sent = kwargs.pop('sent', False)
         super().__init__(message, **kwargs)
         self.error_code = kwargs.get('error_code')
 
@@ -76,3 +79,17 @@ class ImageWorkerBrokerUnreachable(ImageWorkerError):
     def __init__(self, message=None, **kwargs):
         kwargs.setdefault('error_code', 'broker_unreachable')
         super().__init__(message, **kwargs)
+
+
+class ImageWorkerNotConsuming(ImageWorkerNotListening):
+    """The worker's queue exists but no worker has consumed it for a while.
+
+    A stopped worker fails the deploy after
+    [image_worker]worker_restart_grace instead of the whole
+    prepare_timeout.
+    """
+
+    _msg_fmt = _("No image worker consumes queue %(queue)s of conductor "
+                 "%(host)s for node %(node)s: it has had no consumer for "
+                 "%(grace)s seconds (error_code %(error_code)s). Is "
+                 "ironic-image-worker running on that host?")

@@ -96,14 +96,20 @@ class _Counting(http.server.BaseHTTPRequestHandler):
 
 
 class SourceServer(_Server):
-    """Serves the files of a directory by name; counts GETs."""
+    """Serves the files of a directory by name; counts GETs. A GET of a
+    gated name waits for its gate to open (at most a minute)."""
 
     def __init__(self, directory):
         self.directory = directory
+        self.gates = {}
+        gates = self.gates
 
         class Handler(_Counting):
             def do_GET(self):
                 self._count()
+                gate = gates.get(self.path.lstrip('/'))
+                if gate is not None:
+                    gate.wait(60)
                 self._send_file(os.path.join(directory,
                                              self.path.lstrip('/')))
 
@@ -117,6 +123,11 @@ class SourceServer(_Server):
 
     def url(self, name):
         return 'http://127.0.0.1:%d/%s' % (self.port, name)
+
+    def gate(self, name):
+        """GETs of ``name`` wait until the returned event is set."""
+        self.gates[name] = threading.Event()
+        return self.gates[name]
 
 
 class GlanceServer(_Server):
@@ -270,6 +281,12 @@ class SpareWorker(object):
             time.sleep(0.05)
         raise AssertionError('spare worker did not become ready')
 
+    def kill(self):
+        """Stops it at once (SIGKILL): its unfinished work goes back to
+        its queue."""
+        self.proc.kill()
+        self.proc.wait()
+
     def stop(self):
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -278,3 +295,25 @@ class SpareWorker(object):
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def broker_connections(text):
+    """(pid, heartbeat timeout) of the default RabbitMQ node's connections
+    whose client properties contain ``text`` (``rabbitmqctl``)."""
+    out = subprocess.run(
+        ['rabbitmqctl', '-q', 'list_connections', '--no-table-headers',
+         'pid', 'timeout', 'client_properties'],
+        check=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        timeout=60).stdout.decode()
+    found = []
+    for line in out.splitlines():
+        fields = line.split('\t')
+        if len(fields) >= 3 and text in fields[2]:
+            found.append((fields[0], int(fields[1])))
+    return found
+
+
+def close_broker_connection(pid):
+    """Closes one connection from the broker side, as a node going away
+    would (``rabbitmqctl close_connection``)."""
+    run('rabbitmqctl', '-q', 'close_connection', pid, 'closed by the test')

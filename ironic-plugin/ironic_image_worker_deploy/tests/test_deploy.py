@@ -22,6 +22,7 @@ result downloaded with ironic-python-agent's own code.
 import os
 import shutil
 import tempfile
+import threading
 import time
 from unittest import mock
 
@@ -31,6 +32,9 @@ from ironic.common import driver_factory
 from ironic.common import states
 from ironic.conductor import task_manager
 from ironic.conductor import utils as conductor_utils
+from ironic.conf import CONF
+from ironic.drivers import generic
+from ironic.drivers.modules import agent
 from ironic.drivers.modules import agent_client
 from ironic.tests.unit.db import base as db_base
 from ironic.tests.unit.objects import utils as obj_utils
@@ -40,6 +44,7 @@ from ironic_image_worker_deploy import client as worker_client
 from ironic_image_worker_deploy import conf
 from ironic_image_worker_deploy import deploy
 from ironic_image_worker_deploy import exception
+from ironic_image_worker_deploy.tests import fake_worker
 from ironic_image_worker_deploy.tests import parts
 
 WORKER_HOST = parts.env('IIW_WORKER_HOST')
@@ -78,6 +83,8 @@ _CONDUCTOR_IMAGE_WORK = (
     'ironic.common.checksum_utils.compute_image_checksum',
     'ironic.common.image_service.HttpImageService.download',
     'ironic.common.glance_service.image_service.GlanceImageService.download',
+    'ironic.common.image_service.OciImageService.identify_specific_image',
+    'ironic.common.image_service.OciImageService.download',
 )
 
 
@@ -113,7 +120,9 @@ class DirectWorkerTestCase(TestCase):
         self.config(transport_url=parts.env(
             'IIW_TRANSPORT_URL', 'rabbit://guest:guest@127.0.0.1:5672/'))
         self.config(enabled_deploy_interfaces=[
-            'fake', 'direct', 'direct-worker'])
+            'fake', 'direct', 'direct-worker', 'autodetect', 'ramdisk'])
+        self.config(autodetect_deploy_interfaces=['ramdisk',
+                                                  'direct-worker'])
         # Fake management refuses the disk boot device of the last step.
         self.config(enabled_management_interfaces=['fake', 'noop'])
         self.config(http_url=self.http_url, http_root=self.http_root,
@@ -185,6 +194,37 @@ class DirectWorkerTestCase(TestCase):
                              task.driver.deploy.write_image(task))
         return m.call_args[0][1]['args']['image_info']
 
+    def _record_commands(self, before=None):
+        """(action, answer) of every deployed / cleanup the interface sends
+        (through its real code, after calling ``before``)."""
+        sent = []
+        real_tell = deploy.DirectWorkerDeploy._tell_worker
+
+        def tell(iface, task, action, **kwargs):
+            if before is not None:
+                before()
+            done = real_tell(iface, task, action, **kwargs)
+            sent.append((action, done))
+            return done
+
+        self.useFixture(fx.MockPatchObject(
+            deploy.DirectWorkerDeploy, '_tell_worker', autospec=True,
+            side_effect=tell))
+        return sent
+
+    def _when(self, condition, action):
+        """Runs ``action`` on a thread once ``condition()`` holds (checked
+        every 50 ms for up to a minute); join the returned thread."""
+        def run():
+            deadline = time.monotonic() + 60
+            while not condition() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            action()
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
     def _node_files(self, node):
         return [p for p in (
             os.path.join(self.images_path, node.uuid, 'disk'),
@@ -216,8 +256,8 @@ class DirectWorkerTestCase(TestCase):
         img, ref = self._image('conv')
         node = self._node(image_source=self.source.url('conv.qcow2'),
                           image_os_hash_algo='sha256',
-                          image_os_hash_value=parts.file_hash(img,
-                                                                 'sha256'),
+                          image_os_hash_value=parts.file_hash(
+                              img, 'sha256'),
                           image_disk_format='qcow2')
         info = self._prepare(node)
         self.assertEqual('raw', info['image_disk_format'])
@@ -257,11 +297,65 @@ class DirectWorkerTestCase(TestCase):
         node = self._node(image_source=self.source.url('liar.raw'),
                           image_os_hash_algo='sha256',
                           image_os_hash_value='0' * 64)
+        sent = self._record_commands()
         e = self.assertRaises(exception.ImageWorkerPrepareFailed,
                               self._prepare, node)
         self.assertEqual('checksum_mismatch', e.error_code)
         self.assertIn('checksum_mismatch', str(e))
         self.assertEqual([], self._node_files(node))
+        # Ironic does not call clean_up for a failure in prepare: the
+        # interface withdraws the node itself.
+        self.assertEqual(['cleanup'], [a for a, _ in sent])
+        self.assertEqual('success', sent[0][1]['status'])
+
+    def test_prepare_finished_after_the_timeout_is_withdrawn(self):
+        img, _ = self._image('late', size=4 << 20, qcow2=False, seed=7)
+        node = self._node(image_source=self.source.url('late.raw'),
+                          image_checksum=parts.file_hash(img, 'md5'))
+        self.config(prepare_timeout=2, group='image_worker')
+        gate = self.source.gate('late.raw')
+        # The worker finishes its download only once the interface has
+        # given up, then gets the cleanup.
+        sent = self._record_commands(before=gate.set)
+        e = self.assertRaises(exception.ImageWorkerTimeout,
+                              self._prepare, node)
+        self.assertEqual('timeout', e.error_code)
+        self.assertTrue(e.sent)
+        self.assertEqual(1, self.source.count('GET', '/late.raw'))
+        # The worker published the node, then withdrew it.
+        self.assertEqual(['cleanup'], [a for a, _ in sent])
+        self.assertEqual('success', sent[0][1]['status'])
+        self.assertEqual([], self._node_files(node))
+
+    def test_answer_survives_a_closed_broker_connection(self):
+        img, ref = self._image('cut', size=6 << 20, seed=8)
+        node = self._node(image_source=self.source.url('cut.qcow2'),
+                          image_os_hash_algo='sha256',
+                          image_os_hash_value=parts.file_hash(
+                              img, 'sha256'))
+        gate = self.source.gate('cut.qcow2')
+        closed = []
+
+        def cut():
+            # The command is in the worker's hands: close the interface's
+            # connection from the broker side, then let the worker answer
+            # (into the reply queue, while the interface reconnects).
+            for pid, heartbeat in parts.broker_connections(node.uuid):
+                closed.append(heartbeat)
+                parts.close_broker_connection(pid)
+            gate.set()
+
+        thread = self._when(
+            lambda: self.source.count('GET', '/cut.qcow2') > 0, cut)
+        info = self._prepare(node)
+        thread.join()
+        self.assertEqual(1, len(closed))
+        # Heartbeats as the conductor's own RPC connection has them.
+        self.assertEqual(
+            CONF.oslo_messaging_rabbit.heartbeat_timeout_threshold,
+            closed[0])
+        self.assertGreater(closed[0], 0)
+        self._assert_served(node, info, ref)
 
     def test_two_nodes_one_image_one_download(self):
         img, ref = self._image('shared', size=8 << 20, seed=5)
@@ -282,17 +376,8 @@ class DirectWorkerTestCase(TestCase):
         img, _ = self._image('life', size=4 << 20, qcow2=False, seed=6)
         source = self.source.url('life.raw')
         md5 = parts.file_hash(img, 'md5')
-        sent = []
         real_tell = deploy.DirectWorkerDeploy._tell_worker
-
-        def tell(iface, task, action):
-            done = real_tell(iface, task, action)
-            sent.append((action, done))
-            return done
-
-        self.useFixture(fx.MockPatchObject(
-            deploy.DirectWorkerDeploy, '_tell_worker', autospec=True,
-            side_effect=tell))
+        sent = self._record_commands()
         # Deployed: the step after the image is written.
         node = self._node(image_source=source, image_checksum=md5)
         self._prepare(node)
@@ -338,23 +423,52 @@ class DirectWorkerTestCase(TestCase):
         self.assertEqual('no_worker', e.error_code)
         self.assertLess(time.monotonic() - started, 30)
 
-    def test_stopped_worker_is_a_deadline_error(self):
+    def _spare(self):
         spare = parts.SpareWorker(
             parts.env('IIW_WORKER_BIN'), parts.env('IIW_SPARE_CONFIG'),
             int(parts.env('IIW_SPARE_METRICS_PORT')))
+        self.addCleanup(spare.stop)
+        self.config(conductor_host=parts.env('IIW_SPARE_HOST'),
+                    worker_restart_grace=1, group='image_worker')
+        return spare
+
+    def test_stopped_worker_fails_after_the_grace_not_the_timeout(self):
+        spare = self._spare()
         spare.start()
         spare.stop()
-        # Its queue stays (durable) with no consumer.
-        self.config(conductor_host=parts.env('IIW_SPARE_HOST'),
-                    prepare_timeout=2, group='image_worker')
+        # Its queue stays (durable) with no consumer. The prepare timeout
+        # is long: a deadline error would mean the wait was not cut short.
         node = self._node(image_source=self.source.url('absent.raw'),
                           image_checksum='0' * 32)
-        started = time.monotonic()
-        e = self.assertRaises(exception.ImageWorkerTimeout,
+        sent = self._record_commands()
+        e = self.assertRaises(exception.ImageWorkerNotConsuming,
                               self._prepare, node)
-        self.assertEqual('timeout', e.error_code)
-        self.assertGreaterEqual(time.monotonic() - started, 2)
-        self.assertLess(time.monotonic() - started, 30)
+        self.assertEqual('no_worker', e.error_code)
+        self.assertIn(parts.env('IIW_SPARE_HOST'), str(e))
+        # Never sent, so nothing to withdraw.
+        self.assertFalse(e.sent)
+        self.assertEqual([], sent)
+
+    def test_worker_dying_during_the_prepare_fails_after_the_grace(self):
+        img, _ = self._image('dying', size=4 << 20, qcow2=False, seed=9)
+        node = self._node(image_source=self.source.url('dying.raw'),
+                          image_checksum=parts.file_hash(img, 'md5'))
+        spare = self._spare()
+        spare.start()
+        gate = self.source.gate('dying.raw')
+        sent = self._record_commands()
+        thread = self._when(
+            lambda: self.source.count('GET', '/dying.raw') > 0, spare.kill)
+        e = self.assertRaises(exception.ImageWorkerNotConsuming,
+                              self._prepare, node)
+        thread.join()
+        self.assertTrue(e.sent)
+        # The prepare is back in the queue: a cleanup follows it, not
+        # waited for (nobody consumes).
+        self.assertEqual([('cleanup', None)], sent)
+        # The worker back does both (and leaves its queue empty).
+        gate.set()
+        spare.start()
 
     def test_teardown_survives_an_unreachable_broker(self):
         node = self._node(image_source=self.source.url('absent.raw'),
@@ -367,6 +481,95 @@ class DirectWorkerTestCase(TestCase):
                 exception.ImageWorkerBrokerUnreachable,
                 task.driver.deploy._build_instance_info, task)
         self.assertEqual('broker_unreachable', e.error_code)
+
+    def test_autodetect_falls_back_to_it(self):
+        # What Metal3 ships: autodetect, with direct-worker last in
+        # autodetect_deploy_interfaces (Ironic's own autodetect code).
+        self.config(default_deploy_interface='autodetect',
+                    autodetect_deploy_interfaces=['ramdisk',
+                                                  'direct-worker'])
+        img, ref = self._image('auto', size=4 << 20, qcow2=False, seed=10)
+        node = self._node(image_source=self.source.url('auto.raw'),
+                          image_checksum=parts.file_hash(img, 'md5'))
+        node.deploy_interface = 'autodetect'
+        node.save()
+        with task_manager.acquire(self.context, node.uuid) as task:
+            task.driver.deploy.switch_interface(task)
+            self.assertIsInstance(task.driver.deploy,
+                                  deploy.DirectWorkerDeploy)
+            self.assertEqual('direct-worker', task.node.deploy_interface)
+        info = self._prepare(node)
+        self._assert_served(node, info, ref)
+
+    def test_oci_image_is_prepared_by_the_worker(self):
+        # The worker of this checkout serves no registry yet: a stand-in
+        # on the real broker answers as the worker answers an OCI prepare.
+        host = 'oci-%s' % uuidutils.generate_uuid()
+        manifest = 'oci://registry.test/os/disk@sha256:' + 'c' * 64
+        secret = 'robot:very-secret-%s' % uuidutils.generate_uuid()
+
+        def answer(command):
+            done = {'action': command['action'], 'status': 'success',
+                    'node_uuid': command['node_uuid'],
+                    'request_id': command['request_id'],
+                    'conductor_host': host, 'duration_ms': 1}
+            if command['action'] == 'prepare':
+                done.update(
+                    image_source=command['instance_info']['image_source'],
+                    image_url='%s/agent_images/%s' % (
+                        self.http_url, command['node_uuid']),
+                    image_checksum='a' * 32, image_os_hash_algo='sha256',
+                    image_os_hash_value='b' * 64, image_disk_format='raw',
+                    image_size=4096, converted=True, cache='miss',
+                    oci_image_manifest_url=manifest)
+            return done
+
+        worker = fake_worker.FakeWorker(
+            worker_client.broker_urls()[0][0], 'ironic-image-worker', host,
+            answer)
+        self.addCleanup(worker.stop)
+        self.config(conductor_host=host, group='image_worker')
+        logs = self.useFixture(fx.FakeLogger(level='DEBUG'))
+        node = self._node(image_source='oci://registry.test/os/disk:latest',
+                          image_disk_format='qcow2',
+                          # Stale, from a deploy Ironic prepared itself.
+                          image_request_authorization_secret='stale')
+        node.driver_info = {'image_pull_secret': secret}
+        node.properties = {'cpu_arch': 'aarch64'}
+        node.save()
+        info = self._prepare(node)
+        [command] = worker.commands
+        self.assertEqual('prepare', command['action'])
+        self.assertEqual('oci://registry.test/os/disk:latest',
+                         command['instance_info']['image_source'])
+        self.assertEqual(secret,
+                         command['instance_info']['image_pull_secret'])
+        self.assertEqual('qcow2',
+                         command['instance_info']['image_disk_format'])
+        self.assertEqual({'cpu_arch': 'aarch64'}, command['properties'])
+        self.assertEqual('%s/agent_images/%s' % (self.http_url, node.uuid),
+                         info['image_url'])
+        self.assertEqual('raw', info['image_disk_format'])
+        self.assertEqual('b' * 64, info['image_os_hash_value'])
+        self.assertEqual(4096, info['image_size'])
+        self.assertEqual(manifest, info['oci_image_manifest_url'])
+        self.assertNotIn('image_request_authorization_secret', info)
+        node.refresh()
+        self.assertEqual('oci_artifact',
+                         node.driver_internal_info['container_image_type'])
+        image_info = self._agent_image_info(node)
+        self.assertEqual([info['image_url']], image_info['urls'])
+        self.assertNotIn('image_request_authorization', image_info)
+        # The secret from instance_info wins over driver_info's.
+        node.instance_info = dict(node.instance_info,
+                                  image_pull_secret='user:mine')
+        node.save()
+        self._prepare(node)
+        self.assertEqual('user:mine',
+                         worker.commands[-1]['instance_info'][
+                             'image_pull_secret'])
+        self.assertNotIn(secret, logs.output)
+        self.assertNotIn('user:mine', logs.output)
 
 
 class HardwareTypesTestCase(TestCase):
@@ -391,6 +594,43 @@ class HardwareTypesTestCase(TestCase):
             self.assertIsInstance(task.driver.deploy,
                                   deploy.DirectWorkerDeploy)
 
+    def test_default_when_direct_is_not_enabled(self):
+        # As the conductor registers its interfaces at start.
+        self.config(enabled_hardware_types=['manual-management', 'ipmi'])
+        self.config(enabled_deploy_interfaces=['direct-worker', 'ramdisk'])
+        driver_factory.all_interfaces()
+        for name in ('manual-management', 'ipmi'):
+            hw_type = driver_factory.get_hardware_type(name)
+            self.assertEqual('direct-worker', driver_factory.default_interface(
+                hw_type, 'deploy', driver_name=name))
+        # With both, direct stays the default it was.
+        self.config(enabled_deploy_interfaces=['direct-worker', 'direct'])
+        driver_factory._INTERFACE_LOADERS['deploy']._extension_manager = None
+        hw_type = driver_factory.get_hardware_type('ipmi')
+        self.assertEqual('direct', driver_factory.default_interface(
+            hw_type, 'deploy', driver_name='ipmi'))
+
+    def test_a_class_of_its_own(self):
+        # Python's contract: equal objects hash alike. direct-worker is
+        # neither equal to direct nor merged with it in a dict or set.
+        self.assertNotEqual(agent.AgentDeploy, deploy.DirectWorkerDeploy)
+        self.assertEqual(2, len({agent.AgentDeploy,
+                                 deploy.DirectWorkerDeploy}))
+        supported = (generic.ManualManagementHardware()
+                     .supported_deploy_interfaces)
+        self.assertEqual(1, supported.count(deploy.DirectWorkerDeploy))
+        self.assertEqual(supported.index(agent.AgentDeploy) + 1,
+                         supported.index(deploy.DirectWorkerDeploy))
+
+    def test_options_registered_once(self):
+        with mock.patch.object(CONF, 'register_opts', autospec=True) as m, \
+                mock.patch.object(CONF, 'register_opt', autospec=True) as o:
+            deploy.DirectWorkerDeploy()
+            worker_client.ssl_params()
+            worker_client.ssl_params()
+        self.assertFalse(m.called)
+        self.assertFalse(o.called)
+
 
 class BrokerSettingsTestCase(TestCase):
     """The worker's broker is ironic.conf's own."""
@@ -410,9 +650,11 @@ class BrokerSettingsTestCase(TestCase):
     def test_options_for_the_config_generator(self):
         [(group, opts)] = conf.list_opts()
         self.assertEqual('image_worker', group)
-        self.assertEqual({'exchange', 'conductor_host', 'transport_url',
-                          'prepare_timeout', 'command_timeout',
-                          'connect_timeout'}, {o.name for o in opts})
+        self.assertEqual({'exchange', 'queue_prefix', 'conductor_host',
+                          'transport_url', 'prepare_timeout',
+                          'command_timeout', 'worker_restart_grace',
+                          'reply_queue_type', 'connect_timeout'},
+                         {o.name for o in opts})
 
     def test_tls_from_oslo_messaging_rabbit(self):
         self.config(transport_url='rabbit://u:p@h1:5671/')
