@@ -334,19 +334,23 @@ class DirectWorkerTestCase(TestCase):
                           image_os_hash_value=parts.file_hash(
                               img, 'sha256'))
         gate = self.source.gate('cut.qcow2')
+        found = []
         closed = []
+
+        def connected():
+            found[:] = found or parts.broker_connections(node.uuid)
+            return found and self.source.count('GET', '/cut.qcow2') > 0
 
         def cut():
             # The command is in the worker's hands: close the interface's
             # connection from the broker side, then let the worker answer
             # (into the reply queue, while the interface reconnects).
-            for pid, heartbeat in parts.broker_connections(node.uuid):
+            for pid, heartbeat in found:
                 closed.append(heartbeat)
                 parts.close_broker_connection(pid)
             gate.set()
 
-        thread = self._when(
-            lambda: self.source.count('GET', '/cut.qcow2') > 0, cut)
+        thread = self._when(connected, cut)
         info = self._prepare(node)
         thread.join()
         self.assertEqual(1, len(closed))
@@ -428,8 +432,11 @@ class DirectWorkerTestCase(TestCase):
             parts.env('IIW_WORKER_BIN'), parts.env('IIW_SPARE_CONFIG'),
             int(parts.env('IIW_SPARE_METRICS_PORT')))
         self.addCleanup(spare.stop)
+        # Without the grace, a prepare would wait for its whole timeout
+        # (which stays below the test's own deadline).
         self.config(conductor_host=parts.env('IIW_SPARE_HOST'),
-                    worker_restart_grace=1, group='image_worker')
+                    worker_restart_grace=1, prepare_timeout=30,
+                    group='image_worker')
         return spare
 
     def test_stopped_worker_fails_after_the_grace_not_the_timeout(self):
