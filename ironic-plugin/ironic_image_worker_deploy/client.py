@@ -129,19 +129,23 @@ _CONSUMER_CHECK_EVERY = 5.0
 # How long a reply queue outlives its last use beyond the command's
 # deadline (the broker deletes it then, should this process be gone).
 _REPLY_QUEUE_SLACK = 60
+_REPLY_QUEUE_LENGTH = 16
 
 
 class _Reply(object):
     """The reply queue of one command: named after the request, durable and
     not exclusive, so it outlives the connection (and, as a quorum queue,
-    the broker node) it was declared on, and expiring (``x-expires``) once
-    unused so it never outlives the wait by long."""
+    the broker node) it was declared on, expiring (``x-expires``) once
+    unused so it never outlives the wait by long, and holding a few
+    messages at most (``x-max-length``)."""
 
     def __init__(self, request_id, queue_type, timeout):
         self.name = 'ironic-image-worker-deploy.reply.%s' % request_id
         self.arguments = {
             'x-queue-type': queue_type,
-            'x-expires': int((timeout + _REPLY_QUEUE_SLACK) * 1000)}
+            'x-expires': int((timeout + _REPLY_QUEUE_SLACK) * 1000),
+            # One answer is expected; anything beyond is dropped.
+            'x-max-length': _REPLY_QUEUE_LENGTH}
         self.found = []
 
     def attach(self, connection, correlation_id):

@@ -270,6 +270,8 @@ class DirectWorkerTestCase(TestCase):
         # is used.
         self.config(transport_url='rabbit://guest:guest@127.0.0.1:1,'
                     + parts.env('IIW_TRANSPORT_URL').split('//', 1)[1])
+        # The answer comes through a classic reply queue as well.
+        self.config(reply_queue_type='classic', group='image_worker')
         img, ref = self._image('plain', size=6 << 20, qcow2=False, seed=2)
         node = self._node(image_source=self.source.url('plain.raw'),
                           image_checksum=parts.file_hash(img, 'md5'))
