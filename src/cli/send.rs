@@ -37,34 +37,7 @@ pub async fn send(
     req: &Request,
     wait: Option<Duration>,
 ) -> Result<Option<Completion>> {
-    let brokers = Brokers::new(config)?;
-    let mut conn = None;
-    let mut failures = Vec::new();
-    for index in 0..brokers.len() {
-        let attempt = tokio::time::timeout(
-            Duration::from_secs(config.amqp.connect_timeout.max(1)),
-            brokers.connect(index, ConnectionProperties::default()),
-        )
-        .await;
-        match attempt {
-            Ok(Ok(c)) => {
-                conn = Some((c, brokers.name(index).to_string()));
-                break;
-            }
-            Ok(Err(e)) => failures.push(format!(
-                "{}: {}",
-                brokers.name(index),
-                crate::broker::chain(&e)
-            )),
-            Err(_) => failures.push(format!("{}: no connection in time", brokers.name(index))),
-        }
-    }
-    let Some((conn, name)) = conn else {
-        return Err(Error::new(
-            ErrorCode::Internal,
-            format!("no broker reachable: {}", failures.join("; ")),
-        ));
-    };
+    let (conn, name) = connect_first(config).await?;
     let broker = |e: lapin::Error| {
         Error::new(
             ErrorCode::Internal,
@@ -77,50 +50,15 @@ pub async fn send(
         .await
         .map_err(broker)?;
     let topology = Topology::new(config);
-    channel
-        .exchange_declare(
-            topology.command_exchange.as_str().into(),
-            ExchangeKind::Topic,
-            ExchangeDeclareOptions {
-                durable: true,
-                ..ExchangeDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .map_err(broker)?;
-    let reply = channel
-        .queue_declare(
-            "".into(),
-            QueueDeclareOptions {
-                exclusive: true,
-                auto_delete: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .map_err(broker)?;
-    let mut replies = channel
-        .basic_consume(
-            reply.name().clone(),
-            "".into(),
-            BasicConsumeOptions {
-                no_ack: true,
-                ..BasicConsumeOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .map_err(broker)?;
+    let (reply, replies) = reply_queue(&channel, &topology).await.map_err(broker)?;
     let correlation = req.request_id.clone().unwrap_or_default();
-    let body = serde_json::to_vec(&command_body(req)).unwrap_or_default();
     let props = BasicProperties::default()
         .with_content_type("application/json".into())
         .with_delivery_mode(2)
-        .with_reply_to(reply.name().clone())
+        .with_reply_to(reply)
         .with_correlation_id(correlation.as_str().into());
     let key = format!("{host}.node.{}", req.action.as_str());
+    let body = serde_json::to_vec(&command_body(req)).unwrap_or_default();
     let confirm = channel
         .basic_publish(
             topology.command_exchange.as_str().into(),
@@ -136,28 +74,111 @@ pub async fn send(
         .map_err(broker)?
         .await
         .map_err(broker)?;
-    match confirm {
-        Confirmation::Ack(None) | Confirmation::NotRequested => {}
-        Confirmation::Ack(Some(_)) => {
-            return Err(Error::new(
-                ErrorCode::Internal,
-                format!("no queue is bound for {key}: is the worker of {host} running?"),
-            ));
-        }
-        Confirmation::Nack(_) => {
-            return Err(Error::new(
-                ErrorCode::Internal,
-                "the broker refused the command",
-            ));
+    refused(confirm, &key, host)?;
+    let answer = match wait {
+        Some(limit) => Some(await_answer(replies, &correlation, limit, broker).await?),
+        None => None,
+    };
+    let _ = conn.close(200, "bye".into()).await;
+    Ok(answer)
+}
+
+/// Declares the command exchange (so a publish before any worker started is
+/// not an error) and a temporary reply queue, consumed: its name and its
+/// deliveries.
+async fn reply_queue(
+    channel: &lapin::Channel,
+    topology: &Topology,
+) -> std::result::Result<(lapin::types::ShortString, lapin::Consumer), lapin::Error> {
+    channel
+        .exchange_declare(
+            topology.command_exchange.as_str().into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    let reply = channel
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    let replies = channel
+        .basic_consume(
+            reply.name().clone(),
+            "".into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..BasicConsumeOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    Ok((reply.name().clone(), replies))
+}
+
+/// A connection to the first broker of the configured list that answers.
+async fn connect_first(config: &Config) -> Result<(lapin::Connection, String)> {
+    let brokers = Brokers::new(config)?;
+    let mut failures = Vec::new();
+    for index in 0..brokers.len() {
+        let attempt = tokio::time::timeout(
+            Duration::from_secs(config.amqp.connect_timeout.max(1)),
+            brokers.connect(index, ConnectionProperties::default()),
+        )
+        .await;
+        match attempt {
+            Ok(Ok(c)) => return Ok((c, brokers.name(index).to_string())),
+            Ok(Err(e)) => failures.push(format!(
+                "{}: {}",
+                brokers.name(index),
+                crate::broker::chain(&e)
+            )),
+            Err(_) => failures.push(format!("{}: no connection in time", brokers.name(index))),
         }
     }
-    let Some(limit) = wait else {
-        let _ = conn.close(200, "bye".into()).await;
-        return Ok(None);
-    };
-    let answer = tokio::time::timeout(limit, async {
+    Err(Error::new(
+        ErrorCode::Internal,
+        format!("no broker reachable: {}", failures.join("; ")),
+    ))
+}
+
+/// The broker's confirm of a mandatory publish, as an error when the
+/// command reached no queue or was refused.
+fn refused(confirm: Confirmation, key: &str, host: &str) -> Result<()> {
+    match confirm {
+        Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
+        Confirmation::Ack(Some(_)) => Err(Error::new(
+            ErrorCode::Internal,
+            format!("no queue is bound for {key}: is the worker of {host} running?"),
+        )),
+        Confirmation::Nack(_) => Err(Error::new(
+            ErrorCode::Internal,
+            "the broker refused the command",
+        )),
+    }
+}
+
+/// The completion on the reply queue whose correlation id is `correlation`,
+/// waited for at most `limit`.
+async fn await_answer(
+    mut replies: lapin::Consumer,
+    correlation: &str,
+    limit: Duration,
+    broker: impl Fn(lapin::Error) -> Error,
+) -> Result<Completion> {
+    tokio::time::timeout(limit, async {
         while let Some(delivery) = replies.next().await {
-            let delivery = delivery.map_err(broker)?;
+            let delivery = delivery.map_err(&broker)?;
             let matches = delivery
                 .properties
                 .correlation_id()
@@ -175,7 +196,5 @@ pub async fn send(
         ))
     })
     .await
-    .map_err(|_| Error::new(ErrorCode::Internal, format!("no answer within {limit:?}")))??;
-    let _ = conn.close(200, "bye".into()).await;
-    Ok(Some(answer))
+    .map_err(|_| Error::new(ErrorCode::Internal, format!("no answer within {limit:?}")))?
 }

@@ -169,38 +169,7 @@ async fn run_child(
     progress: &(dyn Fn(u64) + Sync),
     pace: Option<&Pace>,
 ) -> Result<Digests, StreamFailure> {
-    let memory = limits.memory;
-    let exe = "/proc/self/exe"; // the running binary, also after it was replaced on disk
-    let mut cmd = tokio::process::Command::new(exe);
-    cmd.arg("convert-child").arg(src).arg(dst);
-    if sha512 {
-        cmd.arg("--sha512");
-    }
-    if let Some(total) = grow_to {
-        cmd.arg("--grow-to").arg(total.to_string());
-    }
-    cmd.env("MALLOC_ARENA_MAX", "2")
-        .env("RUST_LOG", "error")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
-    // SAFETY: only async-signal-safe calls between fork and exec.
-    unsafe {
-        cmd.pre_exec(move || {
-            // rustix issues the system calls directly: no allocation, no lock.
-            let lim = Some(memory);
-            let lim = rustix::process::Rlimit {
-                current: lim,
-                maximum: lim,
-            };
-            let _ = rustix::process::setrlimit(rustix::process::Resource::As, lim);
-            let _ = rustix::process::set_parent_process_death_signal(Some(
-                rustix::process::Signal::KILL,
-            ));
-            Ok(())
-        });
-    }
+    let mut cmd = child_command(src, dst, sha512, grow_to, limits.memory);
     let mut child = cmd.spawn().map_err(|e| Error::io("start converter", e))?;
     let (Some(stdout), Some(mut stderr)) = (child.stdout.take(), child.stderr.take()) else {
         return Err(Error::new(ErrorCode::Internal, "converter pipes missing").into());
@@ -211,25 +180,7 @@ async fn run_child(
         text
     });
     let run = async {
-        let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
-        let mut report = None;
-        while let Ok(Some(line)) = lines.next_line().await {
-            match serde_json::from_str::<ChildReport>(&line) {
-                Ok(ChildReport::Progress { progress: done }) => progress(done),
-                Ok(ChildReport::Source { source }) => {
-                    if let Some(pace) = pace {
-                        pace.reader_at(source);
-                    }
-                }
-                Ok(ChildReport::Waiting { .. }) => {
-                    if let Some(pace) = pace {
-                        pace.reader_waiting();
-                    }
-                }
-                Ok(other) => report = Some(other),
-                Err(_) => {}
-            }
-        }
+        let report = read_reports(stdout, progress, pace).await;
         (child.wait().await, report)
     };
     let (status, report) = match tokio::time::timeout(timeout, run).await {
@@ -263,20 +214,100 @@ async fn run_child(
             })
         }
         _ => {
-            use std::os::unix::process::ExitStatusExt;
-            let stderr = stderr_text.await.unwrap_or_default();
-            let tail: String = stderr.lines().rev().take(3).collect::<Vec<_>>().join(" | ");
-            let how = match status.signal() {
-                Some(sig) => format!("killed by signal {sig}"),
-                None => format!("exited with {status}"),
-            };
             let _ = std::fs::remove_file(dst);
-            Err(StreamFailure::Conclusive(Error::new(
-                ErrorCode::CorruptImage,
-                format!("qcow2 reader {how} on this image: {tail}"),
+            Err(StreamFailure::Conclusive(child_died(
+                status,
+                stderr_text.await.unwrap_or_default(),
             )))
         }
     }
+}
+
+/// The converter child: this binary (from `/proc/self/exe`, the running
+/// one also after it was replaced on disk) under an address-space limit and
+/// killed when the worker dies.
+fn child_command(
+    src: &Path,
+    dst: &Path,
+    sha512: bool,
+    grow_to: Option<u64>,
+    memory: u64,
+) -> tokio::process::Command {
+    let mut cmd = tokio::process::Command::new("/proc/self/exe");
+    cmd.arg("convert-child").arg(src).arg(dst);
+    if sha512 {
+        cmd.arg("--sha512");
+    }
+    if let Some(total) = grow_to {
+        cmd.arg("--grow-to").arg(total.to_string());
+    }
+    cmd.env("MALLOC_ARENA_MAX", "2")
+        .env("RUST_LOG", "error")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            // rustix issues the system calls directly: no allocation, no lock.
+            let lim = Some(memory);
+            let lim = rustix::process::Rlimit {
+                current: lim,
+                maximum: lim,
+            };
+            let _ = rustix::process::setrlimit(rustix::process::Resource::As, lim);
+            let _ = rustix::process::set_parent_process_death_signal(Some(
+                rustix::process::Signal::KILL,
+            ));
+            Ok(())
+        });
+    }
+    cmd
+}
+
+/// Follows the child's report lines: progress and the download pace as they
+/// come, and its last verdict (done or failed), if it gave one.
+async fn read_reports(
+    stdout: tokio::process::ChildStdout,
+    progress: &(dyn Fn(u64) + Sync),
+    pace: Option<&Pace>,
+) -> Option<ChildReport> {
+    let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
+    let mut report = None;
+    while let Ok(Some(line)) = lines.next_line().await {
+        match serde_json::from_str::<ChildReport>(&line) {
+            Ok(ChildReport::Progress { progress: done }) => progress(done),
+            Ok(ChildReport::Source { source }) => {
+                if let Some(pace) = pace {
+                    pace.reader_at(source);
+                }
+            }
+            Ok(ChildReport::Waiting { .. }) => {
+                if let Some(pace) = pace {
+                    pace.reader_waiting();
+                }
+            }
+            Ok(other) => report = Some(other),
+            Err(_) => {}
+        }
+    }
+    report
+}
+
+/// A child that died without a verdict (a crash, a signal, the memory
+/// limit) on this image: `corrupt_image`, with the end of what it printed.
+fn child_died(status: std::process::ExitStatus, stderr: String) -> Error {
+    use std::os::unix::process::ExitStatusExt;
+    let tail: String = stderr.lines().rev().take(3).collect::<Vec<_>>().join(" | ");
+    let how = match status.signal() {
+        Some(sig) => format!("killed by signal {sig}"),
+        None => format!("exited with {status}"),
+    };
+    Error::new(
+        ErrorCode::CorruptImage,
+        format!("qcow2 reader {how} on this image: {tail}"),
+    )
 }
 
 async fn qemu_img(

@@ -113,6 +113,19 @@ fn corrupt(msg: impl Into<String>) -> Error {
 /// Refuses backing files, external data files, encryption, unknown
 /// incompatible features and inconsistent tables.
 pub fn parse(head: &[u8], file_size: u64, limits: Limits) -> Result<Header> {
+    let (mut header, autoclear_features, header_length) = read_fields(head, limits)?;
+    check_features(&header, autoclear_features, header_length)?;
+    check_tables(&header, file_size)?;
+    header.compression_type = compression_type(head, &header, header_length)?;
+    let cluster_size = 1usize << header.cluster_bits;
+    check_extensions(head, header_length as usize, cluster_size)?;
+    Ok(header)
+}
+
+/// The fixed header fields, with the version, backing file, cluster size,
+/// virtual size and encryption checked as they are read; also the autoclear
+/// features and the header length, which only the checks need.
+fn read_fields(head: &[u8], limits: Limits) -> Result<(Header, u64, u32)> {
     let short = || corrupt("header is truncated");
     if head.get(0..4) != Some(b"QFI\xfb") {
         return Err(corrupt("bad magic"));
@@ -132,7 +145,6 @@ pub fn parse(head: &[u8], file_size: u64, limits: Limits) -> Result<Header> {
             "cluster_bits {cluster_bits} out of range 9..=21"
         )));
     }
-    let cluster_size = 1u64 << cluster_bits;
     let virtual_size = be64(head, 24).ok_or_else(short)?;
     if virtual_size > limits.max_virtual_size {
         return Err(unsafe_image(format!(
@@ -163,6 +175,29 @@ pub fn parse(head: &[u8], file_size: u64, limits: Limits) -> Result<Header> {
     } else {
         (0, 0, 4, 72)
     };
+    let header = Header {
+        version,
+        cluster_bits,
+        virtual_size,
+        l1_size,
+        l1_table_offset,
+        refcount_table_offset,
+        refcount_table_clusters,
+        incompatible_features,
+        nb_snapshots,
+        snapshots_offset,
+        refcount_order,
+        compression_type: 0,
+    };
+    Ok((header, autoclear_features, header_length))
+}
+
+/// Refuses external data files, images marked corrupt or dirty, unknown
+/// incompatible features and out-of-range header fields.
+fn check_features(h: &Header, autoclear_features: u64, header_length: u32) -> Result<()> {
+    let incompatible_features = h.incompatible_features;
+    let (refcount_order, version) = (h.refcount_order, h.version);
+    let cluster_size = 1u64 << h.cluster_bits;
     if autoclear_features & AUTOCLEAR_DATA_FILE_RAW != 0 {
         return Err(unsafe_image("image declares a raw external data file"));
     }
@@ -197,6 +232,24 @@ pub fn parse(head: &[u8], file_size: u64, limits: Limits) -> Result<Header> {
         )));
     }
 
+    Ok(())
+}
+
+/// The L1, refcount and snapshot tables must lie inside the file, aligned,
+/// and be no larger than qemu allows.
+fn check_tables(h: &Header, file_size: u64) -> Result<()> {
+    let cluster_size = 1u64 << h.cluster_bits;
+    let Header {
+        virtual_size,
+        l1_size,
+        l1_table_offset,
+        refcount_table_offset,
+        refcount_table_clusters,
+        incompatible_features,
+        nb_snapshots,
+        snapshots_offset,
+        ..
+    } = *h;
     let in_file = |off: u64, len: u64| {
         off.is_multiple_of(cluster_size) && off.checked_add(len).is_some_and(|end| end <= file_size)
     };
@@ -248,6 +301,13 @@ pub fn parse(head: &[u8], file_size: u64, limits: Limits) -> Result<Header> {
     {
         return Err(corrupt("snapshot table lies outside the file"));
     }
+    Ok(())
+}
+
+/// The compression type of a v3 header that declares one (zlib otherwise).
+fn compression_type(head: &[u8], h: &Header, header_length: u32) -> Result<u8> {
+    let short = || corrupt("header is truncated");
+    let (version, incompatible_features) = (h.version, h.incompatible_features);
     let declared = incompatible_features & INCOMPAT_COMPRESSION_TYPE != 0;
     let compression_type = if version == 3 && header_length > 104 {
         *head.get(104).ok_or_else(short)?
@@ -261,21 +321,7 @@ pub fn parse(head: &[u8], file_size: u64, limits: Limits) -> Result<Header> {
             "unknown or undeclared compression type {compression_type}"
         )));
     }
-    check_extensions(head, header_length as usize, cluster_size as usize)?;
-    Ok(Header {
-        version,
-        cluster_bits,
-        virtual_size,
-        l1_size,
-        l1_table_offset,
-        refcount_table_offset,
-        refcount_table_clusters,
-        incompatible_features,
-        nb_snapshots,
-        snapshots_offset,
-        refcount_order,
-        compression_type,
-    })
+    Ok(compression_type)
 }
 
 /// Walks the header extensions (they end within the first cluster): a full
