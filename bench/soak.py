@@ -372,6 +372,7 @@ class Command:
         self.state = "queued"       # queued, sent, unconfirmed, unroutable, nacked
         self.queued_at = time.monotonic()
         self.answers = []
+        self.answered_at = []
 
 
 class Node:
@@ -476,6 +477,7 @@ class Stream:
             self.tally["reply redeliveries ignored"] += 1
             return
         cmd.answers.append(body)
+        cmd.answered_at.append(time.monotonic())
         if len(cmd.answers) > 1:
             self.on_duplicate(cmd)
             return
@@ -851,6 +853,10 @@ def summary(soak, faults, run_secs):
     for c in lost[:20]:
         print(f"  lost {c.action} {c.node.uuid} corr {c.corr}")
     print(f"answered twice: {len(twice)} ({dict(collections.Counter(c.action for c in twice))})")
+    for c in twice[:5]:
+        gaps = ", ".join(f"{t - c.answered_at[0]:.1f} s" for t in c.answered_at[1:])
+        codes = [json.loads(b).get("status") for b in c.answers]
+        print(f"  {c.action} {c.node.uuid}: {len(c.answers)} answers {codes}, later ones after {gaps}")
     print(f"dead-lettered: {len(dead)} {dict(collections.Counter(r for _c, r in dead))}, "
           f"of which answered anyway {sum(1 for c in cmds if c.corr in dead_corr and c.answers)}")
     print(f"served images verified: {s.tally['served images: ok']}; wrong bytes served: {len(s.wrong)}  (must be 0)")
@@ -871,6 +877,8 @@ def summary(soak, faults, run_secs):
         print(f"  {line}")
     print(f"files present right after a cleanup's answer: {len(s.left_after_cleanup)}; "
           f"stale prepare answers after a cleanup: {len(s.stale)}")
+    for line in s.stale[:5]:
+        print(f"  {line}")
     print(f"other: {dict((k, v) for k, v in s.tally.items() if not k.startswith('served'))}")
     for slot in range(2):
         print(f"worker {slot + 1} metrics: reconnects "

@@ -41,8 +41,13 @@ class Cluster:
             os.makedirs(n, exist_ok=True)
             with open(os.path.join(n, "enabled_plugins"), "w") as f:
                 f.write("[].\n")
+            # The nodes form the cluster as they boot (no stop_app / join_cluster
+            # round, each rabbitmqctl call costs seconds on a loaded machine).
+            peers = "".join(f"cluster_formation.classic_config.nodes.{k + 1} = {node_name(k)}\n"
+                            for k in range(3))
             with open(os.path.join(n, "rabbitmq.conf"), "w") as f:
-                f.write(f"listeners.tcp.default = {port}\nloopback_users = none\n")
+                f.write(f"listeners.tcp.default = {port}\nloopback_users = none\n"
+                        f"cluster_formation.peer_discovery_backend = classic_config\n{peers}")
 
     def _dir(self, i):
         return os.path.join(self.home, f"n{i + 1}")
@@ -65,14 +70,13 @@ class Cluster:
         return out.stdout
 
     def start(self):
-        for i in range(3):
-            self.spawn(i)
-        for i in range(3):
-            self.await_startup(i)
+        # The first node boots alone, the other two then find it and join.
+        self.spawn(0)
+        self.await_startup(0)
         for i in (1, 2):
-            self.ctl(i, "stop_app")
-            self.ctl(i, "join_cluster", node_name(0))
-            self.ctl(i, "start_app")
+            self.spawn(i)
+        for i in (1, 2):
+            self.await_startup(i)
         status = json.loads(self.ctl(0, "cluster_status", "--formatter", "json"))
         running = status.get("running_nodes", [])
         assert all(node_name(i) in running for i in range(3)), status
@@ -84,13 +88,16 @@ class Cluster:
         log.close()
 
     def await_startup(self, i):
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600   # a loaded machine boots a node slowly
         while True:
-            out = subprocess.run([CTL, "-n", node_name(i), "-q", "await_startup", "--timeout", "60"],
-                                 env=self.env(i), capture_output=True, timeout=90)
-            if out.returncode == 0:
-                self.beams[i] = int(self.ctl(i, "eval", "os:getpid().").strip().strip('"'))
-                return
+            try:
+                out = subprocess.run([CTL, "-n", node_name(i), "-q", "await_startup", "--timeout", "60"],
+                                     env=self.env(i), capture_output=True, timeout=90)
+                if out.returncode == 0:
+                    self.beams[i] = int(self.ctl(i, "eval", "os:getpid().").strip().strip('"'))
+                    return
+            except subprocess.TimeoutExpired:
+                pass
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{node_name(i)} did not start; see {self.home}")
             time.sleep(0.5)
@@ -110,7 +117,9 @@ class Cluster:
             self.children[i] = None
 
     def restart(self, i):
-        self.spawn(i)
+        """Starts node i again (unless its server is still booting) and waits for it."""
+        if self.children[i] is None or self.children[i].poll() is not None:
+            self.spawn(i)
         self.await_startup(i)
 
     def pause(self, i):

@@ -54,7 +54,10 @@ class Source(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/octet-stream")
         self.end_headers()
         if body:
-            self._send(full, slow)
+            try:
+                self._send(full, slow)
+            except (BrokenPipeError, ConnectionResetError):
+                pass   # the worker gave the download up (disk full, killed)
 
     def _send(self, full, slow):
         chunk = 64 << 10
