@@ -856,7 +856,9 @@ def summary(soak, faults, run_secs):
     for c in twice[:5]:
         gaps = ", ".join(f"{t - c.answered_at[0]:.1f} s" for t in c.answered_at[1:])
         codes = [json.loads(b).get("status") for b in c.answers]
-        print(f"  {c.action} {c.node.uuid}: {len(c.answers)} answers {codes}, later ones after {gaps}")
+        first = time.strftime("%H:%M:%S", time.localtime(time.time() - (time.monotonic() - c.answered_at[0])))
+        print(f"  {c.action} {c.node.uuid} (corr {c.corr}): {len(c.answers)} answers {codes}, "
+              f"first at {first}, later ones after {gaps}")
     print(f"dead-lettered: {len(dead)} {dict(collections.Counter(r for _c, r in dead))}, "
           f"of which answered anyway {sum(1 for c in cmds if c.corr in dead_corr and c.answers)}")
     print(f"served images verified: {s.tally['served images: ok']}; wrong bytes served: {len(s.wrong)}  (must be 0)")
