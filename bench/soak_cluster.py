@@ -83,8 +83,9 @@ class Cluster:
 
     def spawn(self, i):
         log = open(os.path.join(self.home, f"n{i + 1}.out"), "ab")
+        # cwd: a node that crashes writes its erl_crash.dump beside its files.
         self.children[i] = subprocess.Popen([SERVER], env=self.env(i), stdin=subprocess.DEVNULL,
-                                            stdout=log, stderr=log)
+                                            stdout=log, stderr=log, cwd=self._dir(i))
         log.close()
 
     def await_startup(self, i):
