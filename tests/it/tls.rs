@@ -454,3 +454,74 @@ async fn wait_metric(worker: &Worker, prefix: &str, value: f64) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+#[test]
+fn tls_and_auth_options_are_checked() {
+    use ironic_image_worker::config::{Config, Files};
+    let dir = tempfile::tempdir().unwrap();
+    make_ca_and_server(dir.path(), "ca1");
+    let cert = format!(
+        "http.tls_cert_file={}",
+        dir.path().join("ca1-server.pem").display()
+    );
+    let key = format!(
+        "http.tls_key_file={}",
+        dir.path().join("ca1-server.key").display()
+    );
+    let load = |items: &[&str]| {
+        let items: Vec<String> = items.iter().map(|s| s.to_string()).collect();
+        Config::load_from(&Files::default(), &[], &items)
+    };
+    let refused: &[&[&str]] = &[
+        &[&cert],
+        &[&key],
+        &[
+            "http.tls_cert_file=/nonexistent/cert.pem",
+            "http.tls_key_file=/nonexistent/k",
+        ],
+        &[&cert, &key, "http.tls_min_version=1.1"],
+        &[&cert, &key, "deploy.http_url=http://127.0.0.1:8080"],
+        &[
+            "deploy.image_server_auth_strategy=http_basic",
+            "deploy.image_server_user=u",
+        ],
+        &[
+            "deploy.image_server_auth_strategy=http_basic",
+            "deploy.image_server_password=p",
+        ],
+        &[
+            "deploy.image_server_auth_strategy=http_basic",
+            "deploy.image_server_user=a:b",
+            "deploy.image_server_password=p",
+        ],
+        &["deploy.image_server_auth_strategy=keystone"],
+    ];
+    for items in refused {
+        assert!(load(items).is_err(), "{items:?} must be refused");
+    }
+    let c = load(&[&cert, &key, "http.listen=[::1]:8443"]).unwrap();
+    assert_eq!(c.http_url(), "https://[::1]:8443", "derived as https://");
+    assert_eq!(c.http.tls_min_version, "1.3", "Ironic's default");
+    let c = load(&[
+        "deploy.image_server_auth_strategy=http_basic",
+        "deploy.image_server_user=ironic",
+        "deploy.image_server_password=pw",
+    ])
+    .unwrap();
+    assert_eq!(c.deploy.image_server_user, "ironic");
+    // Ironic's own options, from its ironic.conf.
+    let conf = dir.path().join("ironic.conf");
+    std::fs::write(
+        &conf,
+        "[deploy]\nimage_server_auth_strategy = http_basic\nimage_server_user = ironic\n\
+         image_server_password = from-ironic\n",
+    )
+    .unwrap();
+    let files = Files {
+        ironic_conf: Some(conf),
+        ..Files::default()
+    };
+    let c = Config::load_from(&files, &[], &[]).unwrap();
+    assert_eq!(c.deploy.image_server_auth_strategy, "http_basic");
+    assert_eq!(c.deploy.image_server_password, "from-ironic");
+}
