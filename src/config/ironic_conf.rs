@@ -48,6 +48,10 @@ const SAME: &[(&str, &[(&str, Kind)])] = &[
             ("http_root", Kind::Str),
             ("http_url", Kind::Str),
             ("http_image_subdir", Kind::Str),
+            // The image server's authentication.
+            ("image_server_auth_strategy", Kind::Str),
+            ("image_server_user", Kind::Str),
+            ("image_server_password", Kind::Str),
         ],
     ),
     (

@@ -197,6 +197,15 @@ pub struct DeploySection {
     pub http_url: String,
     /// Subdirectory of `http_root` holding the per-node symlinks.
     pub http_image_subdir: String,
+    // Image server authentication (Ironic's names; Ironic hands the same
+    // credentials to the agent in its image_info).
+    /// `noauth` or `http_basic` (every image request must carry
+    /// `image_server_user` / `image_server_password`).
+    pub image_server_auth_strategy: String,
+    /// User name of `http_basic`.
+    pub image_server_user: String,
+    /// Password of `http_basic` (never logged).
+    pub image_server_password: String,
 }
 
 /// `[pxe]` options shared with Ironic.
@@ -312,6 +321,15 @@ pub struct HttpSection {
     /// the process file-descriptor limit, keeping descriptors for the
     /// pipeline, the broker and the metrics listener.
     pub max_connections: usize,
+    // HTTPS (the operations listener stays plain).
+    /// Certificate chain (PEM) of the image server; with `tls_key_file`
+    /// the server speaks only HTTPS. Reloaded when the file changes.
+    pub tls_cert_file: String,
+    /// Private key (PEM) of `tls_cert_file`; never logged.
+    pub tls_key_file: String,
+    /// Lowest TLS version accepted: `1.3` (the default, as Ironic's own
+    /// servers) or `1.2`.
+    pub tls_min_version: String,
 }
 
 /// `[metrics]`: the metrics / health listener.
@@ -413,6 +431,9 @@ impl Default for DeploySection {
             http_root: default_state_dir().join("httpboot"),
             http_url: String::new(),
             http_image_subdir: "agent_images".into(),
+            image_server_auth_strategy: "noauth".into(),
+            image_server_user: String::new(),
+            image_server_password: String::new(),
         }
     }
 }
@@ -482,6 +503,9 @@ impl Default for HttpSection {
             header_timeout: 60,
             idle_timeout: 60,
             max_connections: 0,
+            tls_cert_file: String::new(),
+            tls_key_file: String::new(),
+            tls_min_version: "1.3".into(),
         }
     }
 }
@@ -772,7 +796,68 @@ impl Config {
             ));
         }
         self.validate_served_dirs()?;
+        self.validate_image_server()?;
         self.validate_limits()
+    }
+
+    /// `[http]tls_*` and `[deploy]image_server_*`: TLS files both given and
+    /// readable, a version this TLS stack speaks, an `http_url` that speaks
+    /// TLS when the server does, credentials when `http_basic` asks for them.
+    fn validate_image_server(&self) -> Result<()> {
+        let h = &self.http;
+        if h.tls_cert_file.is_empty() != h.tls_key_file.is_empty() {
+            return Err(config_error(
+                "[http]tls_cert_file and tls_key_file go together".into(),
+            ));
+        }
+        for (name, path) in [
+            ("tls_cert_file", &h.tls_cert_file),
+            ("tls_key_file", &h.tls_key_file),
+        ] {
+            if !path.is_empty()
+                && let Err(e) = std::fs::metadata(path)
+            {
+                return Err(config_error(format!("[http]{name} {path}: {e}")));
+            }
+        }
+        if !matches!(h.tls_min_version.as_str(), "1.2" | "1.3") {
+            return Err(config_error(format!(
+                "[http]tls_min_version {:?}: 1.2 or 1.3",
+                h.tls_min_version
+            )));
+        }
+        if self.tls_enabled() && self.deploy.http_url.starts_with("http://") {
+            return Err(config_error(
+                "[deploy]http_url is http:// but the image server speaks only HTTPS \
+                 ([http]tls_cert_file is set); use https://"
+                    .into(),
+            ));
+        }
+        let d = &self.deploy;
+        match d.image_server_auth_strategy.as_str() {
+            "noauth" => Ok(()),
+            "http_basic"
+                if d.image_server_user.is_empty() || d.image_server_password.is_empty() =>
+            {
+                Err(config_error(
+                    "[deploy]image_server_auth_strategy http_basic needs image_server_user \
+                     and image_server_password"
+                        .into(),
+                ))
+            }
+            "http_basic" if d.image_server_user.contains(':') => Err(config_error(
+                "[deploy]image_server_user must not contain ':' (HTTP Basic)".into(),
+            )),
+            "http_basic" => Ok(()),
+            other => Err(config_error(format!(
+                "[deploy]image_server_auth_strategy: unknown value {other:?} (noauth or http_basic)"
+            ))),
+        }
+    }
+
+    /// Whether the image server speaks HTTPS.
+    pub fn tls_enabled(&self) -> bool {
+        !self.http.tls_cert_file.is_empty()
     }
 
     /// The master directory and `images_path` must not lie inside
@@ -925,7 +1010,8 @@ impl Config {
         } else {
             addr.ip().to_string()
         };
-        format!("http://{host}:{}", addr.port())
+        let scheme = if self.tls_enabled() { "https" } else { "http" };
+        format!("{scheme}://{host}:{}", addr.port())
     }
 
     /// The cache policy from `[pxe]image_cache_size` (MiB) and `image_cache_ttl` (minutes).

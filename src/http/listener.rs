@@ -14,6 +14,13 @@
 //! client whose request was cut gets a status line, not a reset. Each
 //! listener has its own cap, so image clients never starve `/healthz`,
 //! `/readyz` or `/metrics`.
+//!
+//! Over TLS the same bounds hold: the handshake must end within the header
+//! timeout, a connection counts as having sent a request only once its
+//! decrypted bytes arrive (so one that shook hands and sent nothing is
+//! evicted first), and the `503` of an eviction goes through TLS, followed
+//! by a `close_notify`. A connection refused at the cap is closed at once
+//! (it cannot be answered before a handshake).
 
 use axum::body::{Body, HttpBody};
 use hyper::body::Incoming;
@@ -26,7 +33,7 @@ use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, Semaphore};
 use tokio::time::Instant;
@@ -197,10 +204,18 @@ impl Registry {
     }
 }
 
+/// A listening socket and whether its connections speak TLS.
+pub(crate) struct Listener {
+    /// The bound socket.
+    pub(crate) listener: TcpListener,
+    /// TLS set-up of every connection (`None`: plain HTTP).
+    pub(crate) tls: Option<Arc<crate::http::Tls>>,
+}
+
 /// Serves `app` on `listener` within `limits` until `shutdown` completes,
 /// then lets the requests in progress finish.
 pub(crate) async fn serve(
-    listener: TcpListener,
+    Listener { listener, tls }: Listener,
     app: axum::Router,
     limits: Limits,
     stats: Option<Stats>,
@@ -227,7 +242,9 @@ pub(crate) async fn serve(
         let stream = Arc::new(stream);
         let Some((id, shared)) = admit(&registry, &stream, limits.max_connections, stats.as_ref())
         else {
-            tracker.spawn(unavailable(stream));
+            if tls.is_none() {
+                tracker.spawn(unavailable(stream));
+            }
             if let Some(s) = &stats {
                 s.dropped("refused");
             }
@@ -242,6 +259,7 @@ pub(crate) async fn serve(
             shared,
             stop: stop.clone(),
             stats: stats.clone(),
+            tls: tls.clone(),
         };
         let registry = registry.clone();
         tracker.spawn(async move {
@@ -315,13 +333,43 @@ async fn unavailable(stream: Arc<TcpStream>) {
     .await;
 }
 
+/// Answers 503 through TLS to a connection closed for capacity, sends its
+/// `close_notify`, then reads (and drops) what the client still sends, all
+/// within [`LINGER`]; beyond [`LINGER_MAX`] such connections at once,
+/// closes at once.
+async fn unavailable_tls<I: AsyncRead + AsyncWrite + Unpin>(mut io: I) {
+    let Ok(_permit) = LINGERING.try_acquire() else {
+        return;
+    };
+    let _ = tokio::time::timeout(LINGER, async {
+        io.write_all(UNAVAILABLE).await?;
+        io.shutdown().await?;
+        let mut sink = [0u8; 4096];
+        let mut left: usize = 1 << 20;
+        while left > 0 {
+            match io.read(&mut sink).await? {
+                0 => break,
+                n => left = left.saturating_sub(n),
+            }
+        }
+        Ok::<(), std::io::Error>(())
+    })
+    .await;
+}
+
 struct Connection {
     app: axum::Router,
     limits: Limits,
     shared: Arc<Shared>,
     stop: CancellationToken,
     stats: Option<Stats>,
+    tls: Option<Arc<crate::http::Tls>>,
 }
+
+/// Why a connection ended: a reason counted in
+/// `http_connections_dropped_total` (`evicted` is counted when chosen), or
+/// `None` when the client or a shutdown ended it.
+type Reason = Option<&'static str>;
 
 impl Connection {
     /// Serves the connection until it ends, times out or is closed to make
@@ -330,14 +378,80 @@ impl Connection {
     async fn run(self, registry: &Mutex<Registry>, id: u64) {
         let stream = self.shared.stream.clone();
         let _ = stream.set_nodelay(true);
-        let start = Instant::now();
-        let activity = Arc::new(AtomicU64::new(0));
-        let io = TokioIo::new(Watched {
+        let clock = Clock {
+            start: Instant::now(),
+            activity: Arc::new(AtomicU64::new(0)),
+        };
+        let watched = Watched {
             inner: stream.clone(),
-            start,
-            activity: activity.clone(),
+            clock: clock.clone(),
+        };
+        let (reason, tls_io) = match self.tls.clone() {
+            None => (self.drive(self.marked(watched), &clock).await.0, None),
+            Some(tls) => match self.handshake(&tls, watched).await {
+                Ok(io) => self.drive(self.marked(io), &clock).await,
+                Err(reason) => (reason, None),
+            },
+        };
+        registry
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .open
+            .remove(&id);
+        // Not counted as open while it lingers.
+        if let Some(s) = &self.stats {
+            s.open.dec();
+        }
+        match (reason, &self.stats) {
+            // Counted when it was chosen; evicted mid-handshake: nothing
+            // can be answered.
+            (Some("evicted"), _) => match (&self.tls, tls_io) {
+                (None, _) => unavailable(stream).await,
+                (Some(_), Some(io)) => unavailable_tls(io).await,
+                (Some(_), None) => {}
+            },
+            (Some(reason), Some(s)) => s.dropped(reason),
+            _ => {}
+        }
+    }
+
+    fn marked<T>(&self, inner: T) -> Marked<T> {
+        Marked {
+            inner,
             shared: self.shared.clone(),
-        });
+        }
+    }
+
+    /// The TLS handshake, within the header timeout; ends early when the
+    /// connection is evicted or the server stops.
+    async fn handshake(
+        &self,
+        tls: &crate::http::Tls,
+        io: Watched,
+    ) -> Result<tokio_rustls::server::TlsStream<Watched>, Reason> {
+        let acceptor = tokio_rustls::TlsAcceptor::from(tls.config());
+        tokio::select! {
+            done = tokio::time::timeout(self.limits.header_timeout, acceptor.accept(io)) => {
+                match done {
+                    Ok(Ok(stream)) => Ok(stream),
+                    Ok(Err(e)) => {
+                        tracing::debug!(error = %e, "TLS handshake failed");
+                        Err(Some("tls_handshake_failed"))
+                    }
+                    Err(_) => Err(Some("tls_handshake_timeout")),
+                }
+            }
+            _ = self.shared.close.notified() => Err(Some("evicted")),
+            _ = self.stop.cancelled() => Err(None),
+        }
+    }
+
+    /// Serves HTTP/1.1 on `io` until the connection ends; gives `io` back
+    /// when the connection is evicted (for its 503).
+    async fn drive<I>(&self, io: I, clock: &Clock) -> (Reason, Option<I>)
+    where
+        I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
         let (app, shared) = (self.app.clone(), self.shared.clone());
         let service = hyper::service::service_fn(move |req: axum::http::Request<Incoming>| {
             let guard = InFlight::enter(&shared);
@@ -357,46 +471,31 @@ impl Connection {
             .timer(TokioTimer::new())
             .header_read_timeout(self.limits.header_timeout)
             .keep_alive(true);
-        let conn = builder.serve_connection(io, service);
-        let mut conn = Box::pin(conn);
+        let mut conn = builder.serve_connection(TokioIo::new(io), service);
         let mut stopping = false;
         let reason = loop {
-            let last = Duration::from_millis(activity.load(Ordering::Relaxed));
-            let idle_until = start + last + self.limits.idle_timeout;
+            let idle_until = clock.last() + self.limits.idle_timeout;
             tokio::select! {
-                done = conn.as_mut() => break match done {
+                done = &mut conn => break match done {
                     Err(e) if e.is_timeout() => Some("header_timeout"),
                     _ => None,
                 },
                 _ = tokio::time::sleep_until(idle_until) => {
-                    let last = Duration::from_millis(activity.load(Ordering::Relaxed));
-                    if start.elapsed() >= last + self.limits.idle_timeout {
+                    if Instant::now() >= clock.last() + self.limits.idle_timeout {
                         break Some("idle_timeout");
                     }
                 }
                 _ = self.shared.close.notified() => break Some("evicted"),
                 _ = self.stop.cancelled(), if !stopping => {
                     stopping = true;
-                    conn.as_mut().graceful_shutdown();
+                    Pin::new(&mut conn).graceful_shutdown();
                 }
             }
         };
-        registry
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .open
-            .remove(&id);
-        drop(conn);
-        // Not counted as open while it lingers.
-        if let Some(s) = &self.stats {
-            s.open.dec();
+        if reason == Some("evicted") {
+            return (reason, Some(conn.into_parts().io.into_inner()));
         }
-        match (reason, &self.stats) {
-            // Counted when it was chosen.
-            (Some("evicted"), _) => unavailable(stream).await,
-            (Some(reason), Some(s)) => s.dropped(reason),
-            _ => {}
-        }
+        (reason, None)
     }
 }
 
@@ -446,22 +545,35 @@ impl HttpBody for Guarded {
     }
 }
 
-/// A socket that records when it last moved a byte (milliseconds after
-/// `start`), for the idle timeout, and when a request's bytes arrive, for
-/// eviction. It shares the socket with the accept loop (which only peeks).
-struct Watched {
-    inner: Arc<TcpStream>,
+/// When a connection was accepted and when it last moved a byte
+/// (milliseconds after `start`), for the idle timeout.
+#[derive(Clone)]
+struct Clock {
     start: Instant,
     activity: Arc<AtomicU64>,
-    shared: Arc<Shared>,
 }
 
-impl Watched {
+impl Clock {
     fn touch(&self) {
         let ms = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
         self.activity.store(ms, Ordering::Relaxed);
     }
 
+    /// When the connection last moved a byte.
+    fn last(&self) -> Instant {
+        self.start + Duration::from_millis(self.activity.load(Ordering::Relaxed))
+    }
+}
+
+/// A socket that records on its [`Clock`] when it last moved a byte, TLS
+/// records included. It shares the socket with the accept loop (which only
+/// peeks).
+struct Watched {
+    inner: Arc<TcpStream>,
+    clock: Clock,
+}
+
+impl Watched {
     /// Writes with `write` once the socket is writable.
     fn poll_write_with(
         &self,
@@ -474,7 +586,7 @@ impl Watched {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
                 Ok(n) => {
                     if n > 0 {
-                        self.touch();
+                        self.clock.touch();
                     }
                     return Poll::Ready(Ok(n));
                 }
@@ -497,8 +609,7 @@ impl AsyncRead for Watched {
                 Ok(n) => {
                     buf.advance(n);
                     if n > 0 {
-                        self.touch();
-                        self.shared.state.store(REQUEST, Ordering::Release);
+                        self.clock.touch();
                     }
                     return Poll::Ready(Ok(()));
                 }
@@ -538,6 +649,59 @@ impl AsyncWrite for Watched {
             rustix::net::shutdown(&*self.inner, rustix::net::Shutdown::Write)
                 .map_err(std::io::Error::from),
         )
+    }
+}
+
+/// The connection's HTTP bytes (decrypted, over TLS): the first of them
+/// mark a request as arriving, for eviction.
+struct Marked<T> {
+    inner: T,
+    shared: Arc<Shared>,
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Marked<T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        std::task::ready!(Pin::new(&mut this.inner).poll_read(cx, buf))?;
+        if buf.filled().len() > before {
+            this.shared.state.store(REQUEST, Ordering::Release);
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Marked<T> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
     }
 }
 

@@ -11,15 +11,20 @@
 //! bounded connection acceptor with its timeouts (`listener`), the open of a
 //! request's file beneath the served directories (`open`), the response
 //! from that file (`body`) and the conditional / Range / If-Range rules
-//! (`ranges`). Must not know the broker or the pipeline's
-//! internals.
+//! (`ranges`), HTTPS with certificates reloaded as they change (`tls`) and
+//! HTTP Basic authentication (`auth`). Must not know the broker or the
+//! pipeline's internals.
 
+pub mod auth;
 mod body;
 pub(crate) mod listener;
 mod open;
 pub(crate) mod ranges;
+pub mod tls;
 
+pub use crate::http::auth::BasicAuth;
 pub use crate::http::listener::Limits;
+pub use crate::http::tls::Tls;
 use crate::metrics::Metrics;
 use axum::Router;
 use axum::body::{Body, HttpBody};
@@ -66,31 +71,55 @@ impl ImageRoots {
     }
 }
 
+/// What the image server asks of its clients beyond plain HTTP (nothing by
+/// default).
+#[derive(Debug, Clone, Default)]
+pub struct Security {
+    /// HTTPS with this certificate (reloaded as it changes).
+    pub tls: Option<Arc<Tls>>,
+    /// HTTP Basic credentials every request must carry.
+    pub auth: Option<BasicAuth>,
+}
+
 struct ImageState {
     roots: ImageRoots,
     metrics: Arc<Metrics>,
+    auth: Option<BasicAuth>,
 }
 
-/// Serves images from `roots` on `listener` within `limits` until
-/// `shutdown` completes.
+/// Serves images from `roots` on `listener` within `limits`, with
+/// `security`, until `shutdown` completes.
 pub async fn serve_images(
     listener: TcpListener,
     roots: ImageRoots,
     metrics: Arc<Metrics>,
     limits: Limits,
+    security: Security,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let stats = crate::http::listener::Stats {
         open: metrics.http_connections.clone(),
         dropped: metrics.http_connections_dropped.clone(),
     };
-    let state = Arc::new(ImageState { roots, metrics });
+    let state = Arc::new(ImageState {
+        roots,
+        metrics,
+        auth: security.auth,
+    });
     let app = Router::new().fallback(serve_image).with_state(state);
+    let listener = crate::http::listener::Listener {
+        listener,
+        tls: security.tls,
+    };
     crate::http::listener::serve(listener, app, limits, Some(stats), shutdown).await
 }
 
 async fn serve_image(State(state): State<Arc<ImageState>>, req: Request) -> Response {
-    let response = if req.method() != Method::GET && req.method() != Method::HEAD {
+    let response = if let Some(auth) = &state.auth
+        && !auth.allows(req.headers())
+    {
+        BasicAuth::challenge()
+    } else if req.method() != Method::GET && req.method() != Method::HEAD {
         let mut r = StatusCode::METHOD_NOT_ALLOWED.into_response();
         r.headers_mut()
             .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
@@ -219,5 +248,9 @@ pub async fn serve_ops(
             }),
         )
         .with_state(state);
+    let listener = crate::http::listener::Listener {
+        listener,
+        tls: None,
+    };
     crate::http::listener::serve(listener, app, limits, None, shutdown).await
 }

@@ -30,6 +30,8 @@ pub struct Metrics {
     pub http_connections: IntGauge,
     /// Image server connections closed by its limits, by reason.
     pub http_connections_dropped: IntCounterVec,
+    /// Reloads of the image server's TLS certificate, by result.
+    pub http_tls_reloads: IntCounterVec,
     /// 1 while connected to the broker.
     pub amqp_connected: IntGauge,
     /// Reconnection attempts to the broker.
@@ -177,8 +179,15 @@ impl Metrics {
             http_connections_dropped: r.counter_vec(
                 "http_connections_dropped_total",
                 "Image server connections closed by the server: header_timeout, idle_timeout, \
-                 evicted (to make room at the cap), refused (at the cap, all busy).",
+                 evicted (to make room at the cap), refused (at the cap, all busy), \
+                 tls_handshake_timeout, tls_handshake_failed.",
                 &["reason"],
+            ),
+            http_tls_reloads: r.counter_vec(
+                "http_tls_reloads_total",
+                "Reloads of the image server's certificate after its files changed: ok, or \
+                 error (the previous certificate stays in use).",
+                &["result"],
             ),
             amqp_connected: r.gauge(
                 "amqp_connected",

@@ -30,6 +30,7 @@ pub async fn serve(config: Config) -> Result<()> {
     )
     .map_err(|e| Error::io("resolve served directories", e))?;
     let limits = image_server_limits(&config);
+    let security = image_server_security(&config, &metrics)?;
     let brokers = crate::broker::Brokers::new(&config)?;
     let image_listener = bind(config.http.listen).await?;
     let ops_listener = bind(config.metrics.listen).await?;
@@ -39,6 +40,8 @@ pub async fn serve(config: Config) -> Result<()> {
         metrics = %config.metrics.listen,
         http_url = %config.http_url(),
         max_connections = limits.max_connections,
+        tls = security.tls.is_some(),
+        basic_auth = security.auth.is_some(),
         "ironic-image-worker serving"
     );
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -62,6 +65,7 @@ pub async fn serve(config: Config) -> Result<()> {
         roots,
         metrics.clone(),
         limits,
+        security,
         stopped(stop_rx.clone()),
     ));
     let ops = tokio::spawn(http::serve_ops(
@@ -145,6 +149,29 @@ fn image_server_limits(config: &Config) -> http::Limits {
             headroom,
         ),
     }
+}
+
+/// The image server's TLS (`[http]tls_*`) and Basic authentication
+/// (`[deploy]image_server_*`); a certificate that does not load stops the
+/// start.
+fn image_server_security(config: &Config, metrics: &Metrics) -> Result<http::Security> {
+    let tls = if config.tls_enabled() {
+        let files = http::tls::TlsFiles {
+            cert: config.http.tls_cert_file.clone().into(),
+            key: config.http.tls_key_file.clone().into(),
+            min_version: http::tls::MinVersion::parse(&config.http.tls_min_version)
+                .unwrap_or(http::tls::MinVersion::Tls13),
+        };
+        let tls = http::Tls::load(files, Some(metrics.http_tls_reloads.clone()))
+            .map_err(|e| Error::new(ErrorCode::Internal, format!("configuration: {e}")))?;
+        Some(Arc::new(tls))
+    } else {
+        None
+    };
+    let d = &config.deploy;
+    let auth = (d.image_server_auth_strategy == "http_basic")
+        .then(|| http::BasicAuth::new(&d.image_server_user, &d.image_server_password));
+    Ok(http::Security { tls, auth })
 }
 
 async fn bind(addr: std::net::SocketAddr) -> Result<TcpListener> {

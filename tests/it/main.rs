@@ -24,4 +24,5 @@ mod notifications;
 mod pipeline;
 mod rabbitmq_definitions;
 mod systemd;
+mod tls;
 mod web_servers;
