@@ -183,9 +183,14 @@ class WorkerClient(object):
         connection = self._connect(node_uuid)
         try:
             channel = connection.channel()
+            # When it was issued: the worker refuses a prepare older than
+            # a later cleanup of the node (stale_request).
+            sent = time.time()
             properties = {'content_type': 'application/json',
                           'delivery_mode': 2,
-                          'correlation_id': correlation_id}
+                          'correlation_id': correlation_id,
+                          'application_headers': {
+                              'timestamp_in_ms': int(sent * 1000)}}
             if timeout is not None:
                 reply_queue, _, _ = channel.queue_declare(
                     queue='', exclusive=True, auto_delete=True)
