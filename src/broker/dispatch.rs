@@ -347,7 +347,12 @@ impl Dispatcher {
         match inbound {
             Inbound::Work(mut request) => {
                 let key = format!("{identity:016x}");
-                if redelivered && self.pipeline.answered_before(&request.node_uuid, &key).await {
+                if redelivered
+                    && self
+                        .pipeline
+                        .answered_before(&request.node_uuid, &key)
+                        .await
+                {
                     tracing::info!("a redelivered copy of work answered by a process of this host");
                     self.ignore(source, "answered_elsewhere", identity, &tracked)
                         .await;
@@ -357,8 +362,7 @@ impl Dispatcher {
                     match self.prepare_slot().await {
                         Some(slot) => Some(slot),
                         None => {
-                            let properties =
-                                super::stamp::with_issue_time(properties, received_ms);
+                            let properties = super::stamp::with_issue_time(properties, received_ms);
                             self.defer(identity, &tracked, &body, properties).await;
                             return;
                         }

@@ -47,7 +47,10 @@ pub fn with_issue_time(properties: BasicProperties, received_ms: u64) -> BasicPr
     if stamped_ms(&properties).is_some() {
         return properties;
     }
-    let mut headers = properties.headers().clone().unwrap_or_else(FieldTable::default);
+    let mut headers = properties
+        .headers()
+        .clone()
+        .unwrap_or_else(FieldTable::default);
     headers.insert(HEADER.into(), AMQPValue::LongLongInt(received_ms as i64));
     properties.with_headers(headers)
 }
@@ -63,7 +66,11 @@ mod tests {
         let seconds = BasicProperties::default().with_timestamp(5);
         assert_eq!(issued_ms(&seconds, 7_000), 5_000);
         let stamped = with_issue_time(seconds.clone(), 9);
-        assert_eq!(issued_ms(&stamped, 7_000), 5_000, "an existing time is kept");
+        assert_eq!(
+            issued_ms(&stamped, 7_000),
+            5_000,
+            "an existing time is kept"
+        );
         let copy = with_issue_time(bare, 1234);
         assert_eq!(issued_ms(&copy, 99_999), 1234);
     }

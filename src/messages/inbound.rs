@@ -668,7 +668,10 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        assert_eq!(start.issued_ms, notification_time_ms("2026-11-30 04:06:26.656506"));
+        assert_eq!(
+            start.issued_ms,
+            notification_time_ms("2026-11-30 04:06:26.656506")
+        );
         assert_eq!(
             notification_time_ms("1970-01-01 00:00:01.5"),
             Some(1500),

@@ -131,8 +131,7 @@ impl Pipeline {
     /// (node images are then copies, not hard links).
     pub fn recover(&self) -> Result<()> {
         let cache = self.cache.recover()?;
-        let removed =
-            cache.temporaries + self.links.remove_stale_temps()? + self.ledger.expire();
+        let removed = cache.temporaries + self.links.remove_stale_temps()? + self.ledger.expire();
         if removed > 0 {
             tracing::info!(
                 removed,

@@ -178,9 +178,8 @@ impl Ledger {
             let gone = if name.starts_with(fsutil::TEMP_PREFIX) {
                 is_older_than(&path, STALE_TEMP_AFTER)
             } else if name.ends_with(".json") {
-                read_record(&path).is_none_or(|r| {
-                    r.newest().saturating_add(TTL.as_millis() as u64) < now
-                })
+                read_record(&path)
+                    .is_none_or(|r| r.newest().saturating_add(TTL.as_millis() as u64) < now)
             } else {
                 false
             };
@@ -243,7 +242,10 @@ mod tests {
         }
         let r = ledger.read(&node());
         assert_eq!(r.answered.len(), MAX_ANSWERED);
-        assert_eq!(r.answered.last().unwrap().0, format!("k{}", MAX_ANSWERED + 9));
+        assert_eq!(
+            r.answered.last().unwrap().0,
+            format!("k{}", MAX_ANSWERED + 9)
+        );
         assert!(!r.answered.iter().any(|(k, _)| k == "k0"), "oldest dropped");
         let size = std::fs::metadata(ledger.path(&node())).unwrap().len();
         assert!(size < MAX_RECORD_BYTES, "{size}");
@@ -267,7 +269,9 @@ mod tests {
         };
         std::fs::write(ledger.path(&node()), serde_json::to_vec(&record).unwrap()).unwrap();
         assert_eq!(ledger.read(&node()), Record::default(), "past the TTL");
-        let big = dir.path().join("l/0e4c5a8e-03f2-4d2e-ae87-c02d7f33c123.json");
+        let big = dir
+            .path()
+            .join("l/0e4c5a8e-03f2-4d2e-ae87-c02d7f33c123.json");
         std::fs::write(&big, vec![b' '; MAX_RECORD_BYTES as usize + 1]).unwrap();
         ledger.note_moved(&node(), now_ms()).unwrap();
         assert_eq!(ledger.expire(), 1, "only the oversized one goes");

@@ -76,7 +76,11 @@ async fn a_deferred_prepare_never_runs_after_a_later_cleanup() {
         )
         .await;
     let (got, ev) = broker.next_reply(WAIT).await;
-    assert_eq!(got.as_deref(), Some(cleanup.as_str()), "cleanup first: {ev}");
+    assert_eq!(
+        got.as_deref(),
+        Some(cleanup.as_str()),
+        "cleanup first: {ev}"
+    );
     assert_eq!(ev["status"], "success", "{ev}");
 
     // The slot frees when the blocking download is done; then the deferred
