@@ -6,7 +6,7 @@
 //! a deferred prepare's copy carries its first receipt time along.
 
 use lapin::BasicProperties;
-use lapin::types::{AMQPValue, FieldTable};
+use lapin::types::AMQPValue;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// The header carrying a command's issue time, in ms since the epoch.
@@ -50,7 +50,7 @@ pub fn with_issue_time(properties: BasicProperties, received_ms: u64) -> BasicPr
     let mut headers = properties
         .headers()
         .clone()
-        .unwrap_or_else(FieldTable::default);
+        .unwrap_or_default();
     headers.insert(HEADER.into(), AMQPValue::LongLongInt(received_ms as i64));
     properties.with_headers(headers)
 }
