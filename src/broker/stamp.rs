@@ -47,10 +47,7 @@ pub fn with_issue_time(properties: BasicProperties, received_ms: u64) -> BasicPr
     if stamped_ms(&properties).is_some() {
         return properties;
     }
-    let mut headers = properties
-        .headers()
-        .clone()
-        .unwrap_or_default();
+    let mut headers = properties.headers().clone().unwrap_or_default();
     headers.insert(HEADER.into(), AMQPValue::LongLongInt(received_ms as i64));
     properties.with_headers(headers)
 }
