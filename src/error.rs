@@ -34,11 +34,14 @@ pub enum ErrorCode {
     InsufficientDiskSpace,
     /// Anything else: a bug or an unexpected local failure.
     Internal,
+    /// The request is older than a later cleanup, `deployed` or transition
+    /// of its node (or than its age limit): refused, nothing done.
+    StaleRequest,
 }
 
 impl ErrorCode {
     /// Every code, in schema order; the schema test checks both lists agree.
-    pub const ALL: [ErrorCode; 12] = [
+    pub const ALL: [ErrorCode; 13] = [
         ErrorCode::InvalidMessage,
         ErrorCode::InvalidNodeUuid,
         ErrorCode::SourceNotFound,
@@ -51,6 +54,7 @@ impl ErrorCode {
         ErrorCode::CorruptImage,
         ErrorCode::InsufficientDiskSpace,
         ErrorCode::Internal,
+        ErrorCode::StaleRequest,
     ];
 
     /// The wire name of the code (as in the schema).
@@ -68,6 +72,7 @@ impl ErrorCode {
             ErrorCode::CorruptImage => "corrupt_image",
             ErrorCode::InsufficientDiskSpace => "insufficient_disk_space",
             ErrorCode::Internal => "internal",
+            ErrorCode::StaleRequest => "stale_request",
         }
     }
 }

@@ -355,9 +355,13 @@ class WorkerClient(object):
             body['options'] = options
         routing_key = '%s.node.%s' % (self.host, action)
         correlation_id = body['request_id']
+        # When it was issued: the worker refuses a prepare older than a
+        # later cleanup of the node (stale_request).
         properties = {'content_type': 'application/json',
                       'delivery_mode': 2,
-                      'correlation_id': correlation_id}
+                      'correlation_id': correlation_id,
+                      'application_headers': {
+                          'timestamp_in_ms': int(time.time() * 1000)}}
         link = [self._connect(node_uuid)]
         reply = None
         sent = False

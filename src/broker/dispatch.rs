@@ -111,6 +111,10 @@ pub(super) struct Job {
     /// The delivery's bytes and properties, to put a deferred prepare back.
     body: Vec<u8>,
     properties: lapin::BasicProperties,
+    /// The broker delivered it before (to this process or another one).
+    redelivered: bool,
+    /// When this process received it (ms since the epoch).
+    received_ms: u64,
 }
 
 /// Prepare slots for a prefetch: a quarter of the deliveries (at least one)
@@ -177,13 +181,18 @@ impl Dispatcher {
         }
         let from_ironic = delivery.exchange.as_str() == self.notification_exchange;
         let config = self.pipeline.config();
-        let inbound = inbound::parse(
+        let received_ms = super::stamp::now_ms();
+        let mut inbound = inbound::parse(
             &delivery.data,
             from_ironic,
             &self.host,
             &config.notifications.deploy_interfaces,
             config.amqp.max_message_bytes,
         );
+        if let Inbound::Work(req) = &mut inbound {
+            let command_time = super::stamp::issued_ms(&delivery.properties, received_ms);
+            req.issued_ms.get_or_insert(command_time);
+        }
         let tracked = Arc::new(Tracked {
             acker: Mutex::new(Some((session, delivery.acker.clone()))),
             answered: AtomicBool::new(false),
@@ -212,10 +221,12 @@ impl Dispatcher {
             tracked,
             body: delivery.data.clone(),
             properties: delivery.properties.clone(),
+            redelivered: delivery.redelivered,
+            received_ms,
         };
         let node = match &job.inbound {
             Inbound::Work(req) => req.node_uuid.clone(),
-            Inbound::Ignore(_) => {
+            Inbound::Ignore(_) | Inbound::Moved { .. } => {
                 let d = self.clone();
                 self.tracker.spawn(async move { d.settle(job).await });
                 return;
@@ -330,13 +341,28 @@ impl Dispatcher {
             tracked,
             body,
             properties,
+            redelivered,
+            received_ms,
         } = job;
         match inbound {
             Inbound::Work(mut request) => {
+                let key = format!("{identity:016x}");
+                if redelivered
+                    && self
+                        .pipeline
+                        .answered_before(&request.node_uuid, &key)
+                        .await
+                {
+                    tracing::info!("a redelivered copy of work answered by a process of this host");
+                    self.ignore(source, "answered_elsewhere", identity, &tracked)
+                        .await;
+                    return;
+                }
                 let slot = if request.action == Action::Prepare {
                     match self.prepare_slot().await {
                         Some(slot) => Some(slot),
                         None => {
+                            let properties = super::stamp::with_issue_time(properties, received_ms);
                             self.defer(identity, &tracked, &body, properties).await;
                             return;
                         }
@@ -362,6 +388,7 @@ impl Dispatcher {
                     .answer(&done, reply_to.as_deref(), correlation_id.as_deref())
                     .await
                 {
+                    self.pipeline.note_answered(&request.node_uuid, &key).await;
                     self.finish(identity, &tracked, true).await;
                 }
             }
@@ -378,6 +405,10 @@ impl Dispatcher {
                 }
             }
             Inbound::Ignore(why) => self.ignore(source, why, identity, &tracked).await,
+            Inbound::Moved { node, at_ms } => {
+                self.pipeline.note_moved(&node, at_ms).await;
+                self.ignore(source, "no_action", identity, &tracked).await;
+            }
         }
     }
 
@@ -578,6 +609,9 @@ impl Dispatcher {
             .lock()
             .unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
         tracked.answered.store(true, Ordering::Release);
+        if let Some(delay) = test_ack_delay() {
+            tokio::time::sleep(delay).await;
+        }
         let held = tracked.take_acker();
         let settled = match held {
             None => tracked.acked_early.load(Ordering::Acquire),
@@ -617,6 +651,19 @@ impl Dispatcher {
             }
         }
     }
+}
+
+/// Test-only: `IRONIC_IMAGE_WORKER_TEST_ACK_DELAY_MS` delays every
+/// acknowledgement after an answer by that long, so a test can kill a
+/// worker between its answer and its ack (docs/architecture.md, Tests).
+fn test_ack_delay() -> Option<Duration> {
+    static DELAY: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
+    *DELAY.get_or_init(|| {
+        std::env::var("IRONIC_IMAGE_WORKER_TEST_ACK_DELAY_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map(Duration::from_millis)
+    })
 }
 
 /// What identifies a delivery across redeliveries: exchange, routing key,

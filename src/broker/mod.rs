@@ -7,7 +7,8 @@
 //!   (next broker at once, then capped backoff);
 //! * `dispatch`: deliveries in, routed to per-node work, answered, then
 //!   acknowledged (or dead-lettered when unusable); work outlives a
-//!   connection and a redelivered copy is adopted, not run twice.
+//!   connection and a redelivered copy is adopted, not run twice;
+//! * `stamp`: when a command was issued, from its AMQP message.
 //!
 //! One connection with two channels (consume/ack, and publish with
 //! confirms). A delivery is acknowledged only after its completion event is
@@ -23,6 +24,7 @@ mod connect;
 mod dispatch;
 mod publisher;
 mod session;
+mod stamp;
 pub mod topology;
 
 pub use connect::Brokers;

@@ -235,6 +235,8 @@ fn request(action: Action, node: NodeArgs, image: Option<ImageArgs>) -> Request 
         options,
         only_if_prepared: false,
         slow: Default::default(),
+        issued_ms: None,
+        notified: false,
     }
 }
 

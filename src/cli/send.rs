@@ -52,9 +52,21 @@ pub async fn send(
     let topology = Topology::new(config);
     let (reply, replies) = reply_queue(&channel, &topology).await.map_err(broker)?;
     let correlation = req.request_id.clone().unwrap_or_default();
+    // When it was issued, so the worker orders it against the node's other
+    // commands (docs/contract.md, "Order of a node's commands").
+    let sent = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let mut headers = FieldTable::default();
+    headers.insert(
+        "timestamp_in_ms".into(),
+        lapin::types::AMQPValue::LongLongInt(sent.as_millis() as i64),
+    );
     let props = BasicProperties::default()
         .with_content_type("application/json".into())
         .with_delivery_mode(2)
+        .with_timestamp(sent.as_secs())
+        .with_headers(headers)
         .with_reply_to(reply)
         .with_correlation_id(correlation.as_str().into());
     let key = format!("{host}.node.{}", req.action.as_str());

@@ -66,12 +66,17 @@ pub struct NotificationsSection {
     /// acted on; `*` means every node.
     #[serde(deserialize_with = "list_opt")]
     pub deploy_interfaces: Vec<String>,
+    /// Seconds after which a notification's prepare is not started any
+    /// more (the deploy interface has given up on it by then; its
+    /// `[image_worker]prepare_timeout` is 1800).
+    pub max_age: u64,
 }
 
 impl Default for NotificationsSection {
     fn default() -> Self {
         NotificationsSection {
             deploy_interfaces: vec!["direct-worker".into()],
+            max_age: 1800,
         }
     }
 }

@@ -23,6 +23,16 @@ pub enum Inbound {
     /// Not for this worker (another conductor, an irrelevant notification):
     /// acknowledge without answering. The string says why, for metrics.
     Ignore(&'static str),
+    /// A notification of a delegating node's transition that asks for no
+    /// work (`deploy failed`, `wait call-back`, ...): nothing to answer, but
+    /// the node moved on at `at_ms`, so a prepare issued before that is
+    /// stale (docs/contract.md, "Order of a node's commands").
+    Moved {
+        /// The node (a canonical UUID).
+        node: String,
+        /// The notification's `timestamp`, ms since the epoch.
+        at_ms: u64,
+    },
 }
 
 /// Parses a delivery: notifications (from Ironic's exchange, or shaped like
@@ -206,6 +216,8 @@ pub fn parse_command(body: &[u8], host: &str) -> Inbound {
         options: cmd.options.unwrap_or_default(),
         only_if_prepared: false,
         slow: Default::default(),
+        issued_ms: None,
+        notified: false,
     }))
 }
 
@@ -287,6 +299,7 @@ struct Notification<'a> {
     message_id: Text,
     publisher_id: Text,
     event_type: Text,
+    timestamp: Text,
     #[serde(borrow)]
     payload: Option<&'a RawValue>,
 }
@@ -358,7 +371,19 @@ pub fn parse_notification(body: &[u8], host: &str, deploy_interfaces: &[String])
         Ok(None) => NodeData::default(),
         Err(e) => return bad(message_id, format!("provision_set payload: {e}")),
     };
-    node_notification(data, message_id, host, deploy_interfaces)
+    let at_ms = msg.timestamp.0.as_deref().and_then(notification_time_ms);
+    node_notification(data, message_id, at_ms, host, deploy_interfaces)
+}
+
+/// oslo.messaging's notification `timestamp` (`2026-11-30 04:06:26.656506`,
+/// UTC without an offset) in ms since the epoch.
+fn notification_time_ms(s: &str) -> Option<u64> {
+    use time::format_description::well_known::Rfc3339;
+    let iso = s.trim().replacen(' ', "T", 1);
+    let parsed = time::OffsetDateTime::parse(&iso, &Rfc3339)
+        .or_else(|_| time::OffsetDateTime::parse(&format!("{iso}Z"), &Rfc3339))
+        .ok()?;
+    u64::try_from(parsed.unix_timestamp_nanos() / 1_000_000).ok()
 }
 
 /// The rest of [`parse_notification`], once the notification is a
@@ -366,6 +391,7 @@ pub fn parse_notification(body: &[u8], host: &str, deploy_interfaces: &[String])
 fn node_notification(
     data: NodeData,
     message_id: Option<String>,
+    at_ms: Option<u64>,
     host: &str,
     deploy_interfaces: &[String],
 ) -> Inbound {
@@ -379,15 +405,22 @@ fn node_notification(
         previous: data.previous_provision_state.0.unwrap_or_default(),
         event: data.event.0.unwrap_or_default(),
     };
+    let delegating = delegates(data.deploy_interface.0.as_deref(), deploy_interfaces);
     let Some((action, only_if_prepared)) = action_for(&transition) else {
-        return Inbound::Ignore("no_action");
+        return match (NodeUuid::parse(&node_uuid), at_ms) {
+            (Ok(node), Some(at_ms)) if delegating => Inbound::Moved {
+                node: node.to_string(),
+                at_ms,
+            },
+            _ => Inbound::Ignore("no_action"),
+        };
     };
     if let Err(e) = NodeUuid::parse(&node_uuid) {
         return Inbound::Invalid(Box::new(
             Completion::new(action, node, message_id, host).failed(&e),
         ));
     }
-    if !delegates(data.deploy_interface.0.as_deref(), deploy_interfaces) {
+    if !delegating {
         return Inbound::Ignore("other_deploy_interface");
     }
     let instance_info = data.instance_info.map_or("null", RawValue::get);
@@ -419,6 +452,8 @@ fn node_notification(
         options: Options::default(),
         only_if_prepared,
         slow: Default::default(),
+        issued_ms: at_ms,
+        notified: true,
     }))
 }
 
@@ -625,10 +660,24 @@ mod tests {
             Action::Deployed
         );
 
-        assert!(matches!(
-            parse(ERROR.as_bytes(), true, "testhost"),
-            Inbound::Ignore("no_action")
-        ));
+        // deploy failed asks for nothing, but the node moved on then.
+        match parse(ERROR.as_bytes(), true, "testhost") {
+            Inbound::Moved { node, at_ms } => {
+                assert_eq!(node, "1be26c0b-03f2-4d2e-ae87-c02d7f33c199");
+                assert!(at_ms > start.issued_ms.unwrap(), "{at_ms}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            start.issued_ms,
+            notification_time_ms("2026-11-30 04:06:26.656506")
+        );
+        assert_eq!(
+            notification_time_ms("1970-01-01 00:00:01.5"),
+            Some(1500),
+            "UTC, milliseconds"
+        );
+        assert!(start.notified);
         assert!(matches!(
             parse(START.as_bytes(), true, "otherhost"),
             Inbound::Ignore("other_publisher")

@@ -5,7 +5,8 @@
 //! This file holds the request-level API and the order of a request's steps
 //! (deployed, cleanup, the dispatch of every action); preparing a node is
 //! in `prepare`, making a new master in `fetch`, converting while
-//! downloading in `stream`, the cache housekeeping in `keeper`.
+//! downloading in `stream`, the cache housekeeping in `keeper`, the order
+//! of a node's commands (stale prepares, answers given) in `order`.
 
 use crate::config::Config;
 use crate::error::{Error, ErrorCode, Result};
@@ -15,6 +16,7 @@ use crate::node::NodeUuid;
 use crate::sources::Fetcher;
 use crate::store::cache::Cache;
 use crate::store::fsutil;
+use crate::store::ledger::Ledger;
 use crate::store::link::NodeLinks;
 use crate::store::lock::Locks;
 use std::sync::Arc;
@@ -24,6 +26,7 @@ use tracing::Instrument;
 mod attempt;
 mod fetch;
 mod keeper;
+mod order;
 mod prepare;
 mod stream;
 
@@ -36,6 +39,8 @@ pub struct Pipeline {
     cache: Cache,
     links: NodeLinks,
     node_locks: Locks,
+    /// Per-node records of moves and answers (see `order`).
+    ledger: Ledger,
     fetcher: Fetcher,
     metrics: Arc<Metrics>,
 }
@@ -60,6 +65,14 @@ pub struct Request {
     /// Raised when the request's download turns out slow (see
     /// [`SlowSignal`]).
     pub slow: SlowSignal,
+    /// When the request was issued, in ms since the epoch: the sender's
+    /// stamp on a command, a notification's `timestamp`, else when it
+    /// arrived; `None` is now (one-shot commands). Orders it against the
+    /// node's cleanups (see `order`).
+    pub issued_ms: Option<u64>,
+    /// Inferred from an Ironic notification (whose prepare is not started
+    /// past `[notifications]max_age`).
+    pub notified: bool,
 }
 
 /// How a slow download tells whoever runs its request that it no longer
@@ -97,6 +110,7 @@ impl Pipeline {
             cache.owner(),
         )?;
         let node_locks = Locks::new(config.pxe.images_path.join(".locks"))?;
+        let ledger = Ledger::open(config.pxe.images_path.join(".ledger"))?;
         Ok(Pipeline {
             http_url: config.http_url(),
             fetcher: Fetcher::new(&config)?,
@@ -104,6 +118,7 @@ impl Pipeline {
             cache,
             links,
             node_locks,
+            ledger,
             metrics,
         })
     }
@@ -116,7 +131,7 @@ impl Pipeline {
     /// (node images are then copies, not hard links).
     pub fn recover(&self) -> Result<()> {
         let cache = self.cache.recover()?;
-        let removed = cache.temporaries + self.links.remove_stale_temps()?;
+        let removed = cache.temporaries + self.links.remove_stale_temps()? + self.ledger.expire();
         if removed > 0 {
             tracing::info!(
                 removed,
@@ -160,6 +175,9 @@ impl Pipeline {
         all_unused: bool,
         dry_run: bool,
     ) -> Result<crate::store::eviction::Report> {
+        if !dry_run {
+            self.ledger.expire();
+        }
         self.keeper().clean(amount, all_unused, dry_run)
     }
 
@@ -261,8 +279,8 @@ impl Pipeline {
                 done.node_uuid = Some(node.to_string());
                 match req.action {
                     Action::Prepare => self.prepare(&node, req, &mut done).await,
-                    Action::Deployed => self.release(&node, false, false).await,
-                    Action::Cleanup => self.release(&node, true, req.only_if_prepared).await,
+                    Action::Deployed => self.release(&node, req, false).await,
+                    Action::Cleanup => self.release(&node, req, true).await,
                     Action::Unknown => Err(Error::new(ErrorCode::InvalidMessage, "unknown action")),
                 }
             }
@@ -281,14 +299,12 @@ impl Pipeline {
     /// deployed: withdraw the URL and the node's link; cleanup: also remove
     /// the node's directory. Doing it twice changes nothing. With
     /// `only_if_prepared`, a node without files here is left alone (decided
-    /// under the node lock).
-    async fn release(
-        &self,
-        node: &NodeUuid,
-        whole_dir: bool,
-        only_if_prepared: bool,
-    ) -> Result<Released> {
+    /// under the node lock). Either way the node's ledger records that it
+    /// moved on, so an older prepare still queued is refused (`order`).
+    async fn release(&self, node: &NodeUuid, req: &Request, whole_dir: bool) -> Result<Released> {
+        let only_if_prepared = whole_dir && req.only_if_prepared;
         let mut node_lock = self.node_locks.acquire(node.as_str()).await?;
+        self.note_released(node, req).await;
         // The node's lock file goes with its files (when it never had any
         // here, or has none left); a failed removal keeps it.
         if only_if_prepared && !self.has_node_files(node.as_str()) {

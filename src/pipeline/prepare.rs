@@ -29,6 +29,8 @@ impl Pipeline {
         req: &Request,
         done: &mut Completion,
     ) -> Result<Released> {
+        // Before any work; again under the node lock before linking.
+        self.check_not_stale(node, req)?;
         let info = &req.instance_info;
         let href = info
             .image_source
@@ -105,7 +107,7 @@ impl Pipeline {
         };
         let mut node_lock = self.node_locks.acquire(node.as_str()).await?;
         let mut master_lock = self.cache.lock(&name).await?;
-        let result = self.prepare_locked(node, &job, done).await;
+        let result = self.prepare_locked(node, req, &job, done).await;
         // Lock files stay while what they guard exists: a failure that
         // leaves no master, or no files of the node, removes them.
         if result.is_err() {
@@ -124,6 +126,7 @@ impl Pipeline {
     async fn prepare_locked(
         &self,
         node: &NodeUuid,
+        req: &Request,
         job: &MasterFetch<'_>,
         done: &mut Completion,
     ) -> Result<()> {
@@ -170,6 +173,9 @@ impl Pipeline {
                 &self.config.conductor.permitted_image_formats,
             )?;
         }
+        // The node may have moved on while the image was made (a cleanup
+        // waits for this lock; a notification does not).
+        self.check_not_stale(node, req)?;
         let linked_here = match outcome {
             CacheOutcome::Hit => !linked,
             CacheOutcome::Miss => !self.links.disk_is(node, &master.path, &master.meta.sha256),

@@ -1,7 +1,8 @@
 //! What is on disk.
 //!
 //! Holds the master cache and its sidecars (`cache`), Ironic's eviction
-//! policy (`eviction`), per-node links (`link`), named locks (`lock`), write-
+//! policy (`eviction`), per-node links (`link`), named locks (`lock`), the per-node command
+//! ledger (`ledger`), write-
 //! and-hash (`sink`), checksums (`checksum`, `md5`) and file-system helpers
 //! (`fsutil`). Must not know any transport (AMQP, HTTP).
 
@@ -9,6 +10,7 @@ pub(crate) mod cache;
 pub(crate) mod checksum;
 pub(crate) mod eviction;
 pub(crate) mod fsutil;
+pub(crate) mod ledger;
 pub(crate) mod link;
 pub(crate) mod lock;
 pub(crate) mod md5;

@@ -19,6 +19,7 @@ mod glance;
 mod http_hostile;
 mod ironic_cache;
 mod ironic_plugin;
+mod ledger;
 mod metrics;
 mod notifications;
 mod pipeline;

@@ -1,0 +1,108 @@
+//! The order of a node's commands, across the processes of a host and
+//! across restarts, decided from the node's ledger record
+//! (`store/ledger.rs`).
+//!
+//! Why: a prepare can be handled long after it was issued (deferred while
+//! every prepare slot was busy, queued while the worker was stopped) and
+//! after its node moved on: Ironic timed the deploy out and cleaned up, or
+//! the node reached `deploy failed`. Linking and publishing its image then
+//! would answer nobody and pin the master against eviction. So a prepare
+//! issued before the node's last cleanup, `deployed` or later transition is
+//! refused with `stale_request`, checked when it starts and again, under
+//! the node lock, just before it links; and a notification's prepare older
+//! than `[notifications]max_age` (the deploy interface gave up on it) is
+//! refused too. The same record keeps the deliveries answered, so that a
+//! copy redelivered to any process of the host is not answered twice.
+
+use super::{Pipeline, Request, blocking};
+use crate::error::{Error, ErrorCode, Result};
+use crate::node::NodeUuid;
+use crate::store::ledger::{self, now_ms};
+
+impl Pipeline {
+    /// When `req` was issued, never later than now (a sender's clock ahead
+    /// of ours must not refuse the node's later prepares).
+    pub(super) fn issued_ms(req: &Request) -> u64 {
+        let now = now_ms();
+        req.issued_ms.map_or(now, |at| at.min(now))
+    }
+
+    /// Fails with `stale_request` when the prepare `req` of `node` was
+    /// issued before the node last moved on, is a notification's prepare
+    /// past `[notifications]max_age`, or is older than the ledger keeps
+    /// records. Blocking: one small read.
+    pub(super) fn check_not_stale(&self, node: &NodeUuid, req: &Request) -> Result<()> {
+        let issued = Self::issued_ms(req);
+        let age_s = now_ms().saturating_sub(issued) / 1000;
+        let max_age = self.config.notifications.max_age;
+        if req.notified && age_s > max_age {
+            return Err(stale(format!(
+                "the notification is {age_s} s old, more than [notifications]max_age = {max_age}"
+            )));
+        }
+        if age_s > ledger::TTL.as_secs() {
+            return Err(stale(format!(
+                "the request is {age_s} s old, older than the node records kept"
+            )));
+        }
+        let moved = self.ledger.read(node).moved_ms;
+        if issued < moved {
+            return Err(stale(format!(
+                "issued {} ms before a later cleanup, deployed or transition of the node",
+                moved - issued
+            )));
+        }
+        Ok(())
+    }
+
+    /// Records that `node` moved on when `req` (a cleanup or `deployed`)
+    /// was issued; called under the node lock. A failure is logged: the
+    /// release itself goes on.
+    pub(super) async fn note_released(&self, node: &NodeUuid, req: &Request) {
+        self.note_moved_at(node, Self::issued_ms(req)).await;
+    }
+
+    async fn note_moved_at(&self, node: &NodeUuid, at_ms: u64) {
+        let (ledger, owned) = (self.ledger.clone(), node.clone());
+        let at_ms = at_ms.min(now_ms());
+        if let Err(e) = blocking(move || ledger.note_moved(&owned, at_ms)).await {
+            tracing::warn!(%node, error = %e, "could not record the node's move in its ledger");
+        }
+    }
+
+    /// A notification says `node` moved on at `at_ms` (a transition that asks
+    /// for no work): its prepares issued before that are stale from now on.
+    pub async fn note_moved(&self, node: &str, at_ms: u64) {
+        if let Ok(node) = NodeUuid::parse(node) {
+            self.note_moved_at(&node, at_ms).await;
+        }
+    }
+
+    /// Whether the delivery `key` of `node` was answered already, by any
+    /// process of this host (within the ledger's bounds).
+    pub async fn answered_before(&self, node: &str, key: &str) -> bool {
+        let Ok(node) = NodeUuid::parse(node) else {
+            return false;
+        };
+        let (ledger, key) = (self.ledger.clone(), key.to_string());
+        blocking(move || Ok(ledger.read(&node).answered.iter().any(|(k, _)| *k == key)))
+            .await
+            .unwrap_or(false)
+    }
+
+    /// Records that the delivery `key` of `node` was answered (after the
+    /// broker confirmed the answer, before the delivery is acknowledged).
+    pub async fn note_answered(&self, node: &str, key: &str) {
+        let Ok(node) = NodeUuid::parse(node) else {
+            return;
+        };
+        let (ledger, owned, key) = (self.ledger.clone(), node.clone(), key.to_string());
+        if let Err(e) = blocking(move || ledger.note_answered(&owned, &key, now_ms())).await {
+            tracing::warn!(%node, error = %e, "could not record an answer in the node's ledger");
+        }
+    }
+}
+
+fn stale(message: String) -> Error {
+    Error::new(ErrorCode::StaleRequest, message)
+}

@@ -1,0 +1,244 @@
+//! The per-node command ledger: a prepare never runs after a later cleanup
+//! or transition of its node, and a command is answered once across the
+//! worker processes of a host.
+
+use crate::common;
+
+use common::*;
+use serde_json::{Value, json};
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(90);
+
+/// Waits until the worker's metric `sample` reaches `at_least`.
+async fn wait_metric(worker: &Worker, sample: &str, at_least: f64) -> String {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let text = worker.metrics_text().await;
+        if metric(&text, sample).is_some_and(|v| v >= at_least) {
+            return text;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{sample} never reached {at_least}: {text}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn assert_nothing_for(env: &Env, node: &str) {
+    assert!(
+        !env.images_dir().join(node).exists(),
+        "no files for the node"
+    );
+    assert!(
+        env.link_dir().join(node).symlink_metadata().is_err(),
+        "nothing published for the node"
+    );
+}
+
+/// Slots busy -> the prepare is deferred -> a cleanup of its node is
+/// answered -> when a slot frees, the deferred prepare is refused
+/// (`stale_request`): nothing linked, nothing published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deferred_prepare_never_runs_after_a_later_cleanup() {
+    // prefetch 2: one prepare slot.
+    let env = Env::new("[amqp]\nprefetch = 2\n");
+    let src = env.root().join("src");
+    random_file(&src.join("block.img"), 2 << 20, 61);
+    random_file(&src.join("disk.img"), 1 << 20, 62);
+    // About 100 KiB/s: the slot stays busy for some 20 s.
+    let faults = FaultServer::start(&src, 100_000).await;
+    let worker = env.serve().await;
+    let broker = Broker::connect().await;
+    broker
+        .command(
+            &env.host,
+            prepare_cmd(&node(), &faults.url("slow", "block.img")),
+        )
+        .await;
+    env.wait_for_temporary(WAIT).await;
+
+    let x = node();
+    let prepare = broker
+        .command(&env.host, prepare_cmd(&x, &faults.url("fast", "disk.img")))
+        .await;
+    wait_metric(
+        &worker,
+        "ironic_image_worker_ignored_messages_total{reason=\"deferred_prepare\"}",
+        1.0,
+    )
+    .await;
+    let cleanup = broker
+        .command(
+            &env.host,
+            json!({"action": "cleanup", "node_uuid": x, "request_id": "c"}),
+        )
+        .await;
+    let (got, ev) = broker.next_reply(WAIT).await;
+    assert_eq!(
+        got.as_deref(),
+        Some(cleanup.as_str()),
+        "cleanup first: {ev}"
+    );
+    assert_eq!(ev["status"], "success", "{ev}");
+
+    // The slot frees when the blocking download is done; then the deferred
+    // prepare comes to run, and is refused.
+    let answers = broker.replies(2, WAIT * 2).await;
+    let ev = &answers[&prepare];
+    assert_eq!(ev["status"], "error", "{ev}");
+    assert_eq!(ev["error"]["code"], "stale_request", "{ev}");
+    assert_nothing_for(&env, &x);
+    assert_eq!(faults.count("fast", "disk.img"), 0, "nothing downloaded");
+}
+
+/// The notifications of a deploy that failed while the worker was stopped
+/// (`deploying`, then `deploy failed`): started again, the worker does not
+/// link or publish the image of a node in `deploy failed`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_notification_is_dropped_when_the_node_moved_on() {
+    let env = Env::new("");
+    let src = env.root().join("src");
+    random_file(&src.join("a.img"), 4 << 20, 63);
+    // 1 MiB/s: the download outlasts the delivery of the next notification.
+    let faults = FaultServer::start(&src, 1 << 20).await;
+    let broker = Broker::connect().await;
+    let tap = EventTap::new(&broker).await;
+    // The queue and its bindings exist; then the worker is down.
+    assert!(env.serve().await.terminate().await.success());
+    let x = node();
+    let info = json!({"image_source": faults.url("slow", "a.img")});
+    emit_notifications(
+        &env.host,
+        &[
+            notification(&x, "start", "available", "deploying", "deploy", &info),
+            notification(&x, "error", "deploying", "deploy failed", "fail", &info),
+        ],
+    );
+    let worker = env.serve().await;
+    let ev = tap.collect(&env.host, 1, WAIT).await;
+    assert_eq!(ev.len(), 1, "the prepare is answered");
+    assert_eq!(ev[0]["action"], "prepare", "{}", ev[0]);
+    assert_eq!(ev[0]["error"]["code"], "stale_request", "{}", ev[0]);
+    assert_nothing_for(&env, &x);
+    let text = worker.metrics_text().await;
+    assert_eq!(
+        metric(
+            &text,
+            "ironic_image_worker_ignored_messages_total{reason=\"no_action\"}"
+        ),
+        Some(1.0),
+        "{text}"
+    );
+}
+
+/// A notification older than `[notifications]max_age` (the deploy
+/// interface gave up on it) starts nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_notification_past_its_age_starts_nothing() {
+    let env = Env::new("[notifications]\nmax_age = 1\n");
+    random_file(&env.root().join("src/a.img"), 1 << 20, 64);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let broker = Broker::connect().await;
+    let tap = EventTap::new(&broker).await;
+    assert!(env.serve().await.terminate().await.success());
+    let x = node();
+    let info = json!({"image_source": server.url("a.img")});
+    emit_notifications(
+        &env.host,
+        &[notification(
+            &x,
+            "start",
+            "available",
+            "deploying",
+            "deploy",
+            &info,
+        )],
+    );
+    // Setting up the age, not measuring anything.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let _worker = env.serve().await;
+    let ev = tap.collect(&env.host, 1, WAIT).await;
+    assert_eq!(ev.len(), 1);
+    assert_eq!(ev[0]["error"]["code"], "stale_request", "{}", ev[0]);
+    assert!(
+        ev[0]["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("max_age")),
+        "{}",
+        ev[0]
+    );
+    assert_nothing_for(&env, &x);
+    assert_eq!(server.count("GET", "a.img"), 0, "nothing downloaded");
+}
+
+/// A command answered by one worker process and redelivered (the process
+/// died before its acknowledgement) to another process of the same host,
+/// on the same queue and directories, is not answered again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_is_answered_once_across_the_processes_of_a_host() {
+    let env = Env::new("");
+    let first = env
+        .serve_with(&[], &[("IRONIC_IMAGE_WORKER_TEST_ACK_DELAY_MS", "600000")])
+        .await;
+    let broker = Broker::connect().await;
+    let x = node();
+    let corr = broker
+        .command(
+            &env.host,
+            json!({"action": "cleanup", "node_uuid": x, "request_id": "once"}),
+        )
+        .await;
+    let (got, ev) = broker.next_reply(WAIT).await;
+    assert_eq!(got.as_deref(), Some(corr.as_str()));
+    assert_eq!(ev["status"], "success", "{ev}");
+    // Answered, not acknowledged: the second process cannot have it yet.
+    let second = env.serve_another(&[]).await;
+    first.kill9().await;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let consumed = |outcome: &str, action: &str| {
+        format!(
+            "ironic_image_worker_messages_consumed_total{{action=\"{action}\",outcome=\"{outcome}\",source=\"command\"}}"
+        )
+    };
+    loop {
+        let text = second.metrics_text().await;
+        assert_eq!(
+            metric(&text, &consumed("success", "cleanup")),
+            None,
+            "answered a second time"
+        );
+        if metric(&text, &consumed("ignored", "none")) == Some(1.0) {
+            assert_eq!(
+                metric(
+                    &text,
+                    "ironic_image_worker_ignored_messages_total{reason=\"answered_elsewhere\"}"
+                ),
+                Some(1.0),
+                "{text}"
+            );
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the redelivered copy never reached the second process: {text}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let extra = tokio::time::timeout(Duration::from_secs(2), broker.next_reply(WAIT)).await;
+    assert!(extra.is_err(), "answered once");
+}
+
+fn notification(
+    node: &str,
+    status: &str,
+    prev: &str,
+    state: &str,
+    event: &str,
+    info: &Value,
+) -> Value {
+    json!({"node": node, "status": status, "prev_state": prev, "state": state,
+           "target": if state == "deploying" { json!("active") } else { Value::Null },
+           "event": event, "instance_info": info})
+}
