@@ -19,6 +19,7 @@
 //! messages; it must not know how images are fetched, converted or stored
 //! (that is the pipeline's business), nor anything of HTTP serving.
 
+mod ack;
 mod connect;
 mod dispatch;
 mod publisher;
