@@ -4,24 +4,31 @@
 //! A job holds at most one delivery copy to settle (its connection and
 //! acker). The copy changes hands: a redelivered copy is adopted when the
 //! connection that brought the first one died, the job's end takes it to
-//! acknowledge it, an early acknowledgement takes it before the end.
+//! acknowledge it, an early acknowledgement (the copy's consumer-timeout
+//! timer, or a slow download) takes it before the end. Every change is made
+//! under one lock, so a copy is never installed after the job has ended,
+//! and exactly one path settles each copy.
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
+use tokio::task::AbortHandle;
 
 /// One job's acknowledgement state; `A` is the acker of a copy.
 pub(super) struct Tracked<A> {
-    /// The copy to acknowledge when done: its connection and acker.
-    acker: Mutex<Option<(u64, A)>>,
-    /// The answer was published (confirmed by the broker).
-    answered: AtomicBool,
-    /// Acknowledged before the answer (long work, consumer timeout).
-    acked_early: AtomicBool,
+    state: Mutex<State<A>>,
     /// Settled by dead-lettering (an unusable message), not by an ack.
     pub(super) dead_letter: bool,
-    /// When the answer went out, for forgetting it.
-    answered_at: Mutex<Option<Instant>>,
+}
+
+struct State<A> {
+    /// The copy to acknowledge when done: its connection and acker.
+    copy: Option<(u64, A)>,
+    /// When the answer went out (confirmed by the broker), if it did.
+    answered_at: Option<Instant>,
+    /// Acknowledged before the answer (consumer timeout, slow download).
+    acked_early: bool,
+    /// The early-acknowledgement timer of the copy held.
+    timer: Option<AbortHandle>,
 }
 
 /// What became of a redelivered copy offered to a job.
@@ -38,49 +45,63 @@ impl<A> Tracked<A> {
     /// A job holding the copy of connection `session`.
     pub(super) fn new(session: u64, acker: A, dead_letter: bool) -> Tracked<A> {
         Tracked {
-            acker: Mutex::new(Some((session, acker))),
-            answered: AtomicBool::new(false),
-            acked_early: AtomicBool::new(false),
+            state: Mutex::new(State {
+                copy: Some((session, acker)),
+                answered_at: None,
+                acked_early: false,
+                timer: None,
+            }),
             dead_letter,
-            answered_at: Mutex::new(None),
         }
     }
 
-    /// Takes the copy to acknowledge, so exactly one path settles it.
-    pub(super) fn take_acker(&self) -> Option<(u64, A)> {
-        self.acker.lock().unwrap_or_else(|p| p.into_inner()).take()
+    fn state(&self) -> std::sync::MutexGuard<'_, State<A>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Whether the copy held is not of connection `session` (or none is).
-    fn is_stale(&self, session: u64) -> bool {
-        self.acker
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .is_none_or(|(s, _)| *s != session)
+    /// Takes the copy to acknowledge (and stops its timer), so exactly one
+    /// path settles it.
+    pub(super) fn take_acker(&self) -> Option<(u64, A)> {
+        let mut st = self.state();
+        if let Some(timer) = st.timer.take() {
+            timer.abort();
+        }
+        st.copy.take()
     }
 
     /// When the answer went out, if it did.
     pub(super) fn answered_at(&self) -> Option<Instant> {
-        *self.answered_at.lock().unwrap_or_else(|p| p.into_inner())
+        self.state().answered_at
     }
 
     /// Whether the job was answered.
     pub(super) fn answered(&self) -> bool {
-        self.answered.load(Ordering::Acquire)
+        self.state().answered_at.is_some()
     }
 
-    /// Offers a redelivered copy of connection `session`. `racer` runs
-    /// where another task could slip in (tests).
+    /// Acknowledged early and not answered yet: the broker holds no copy,
+    /// so only this process can still answer it.
+    pub(super) fn accepted_unanswered(&self) -> bool {
+        let st = self.state();
+        st.acked_early && st.answered_at.is_none()
+    }
+
+    /// Offers a redelivered copy of connection `session`, deciding and
+    /// installing in one critical section. `racer` runs where another task
+    /// could slip in: before it (tests).
     pub(super) fn adopt_with(&self, session: u64, acker: A, racer: impl FnOnce()) -> Adoption<A> {
-        if !self.is_stale(session) {
+        racer();
+        let mut st = self.state();
+        if st.copy.as_ref().is_some_and(|(s, _)| *s == session) {
             return Adoption::NotStale(acker);
         }
-        if self.answered.load(Ordering::Acquire) || self.acked_early.load(Ordering::Acquire) {
+        if st.answered_at.is_some() || st.acked_early {
             return Adoption::SettleNow(acker);
         }
-        racer();
-        *self.acker.lock().unwrap_or_else(|p| p.into_inner()) = Some((session, acker));
+        if let Some(timer) = st.timer.take() {
+            timer.abort();
+        }
+        st.copy = Some((session, acker));
         Adoption::Adopted
     }
 
@@ -89,19 +110,46 @@ impl<A> Tracked<A> {
         self.adopt_with(session, acker, || {})
     }
 
-    /// Acknowledged before the end: takes the copy held, if any.
-    pub(super) fn ack_early(&self) -> Option<(u64, A)> {
-        self.acked_early.store(true, Ordering::Release);
-        self.take_acker()
+    /// Makes `timer` the early acknowledgement of the copy of `session`;
+    /// stopped at once if that copy is no longer held.
+    pub(super) fn arm(&self, session: u64, timer: AbortHandle) {
+        let mut st = self.state();
+        if st.copy.as_ref().is_some_and(|(s, _)| *s == session) {
+            if let Some(old) = st.timer.replace(timer) {
+                old.abort();
+            }
+        } else {
+            timer.abort();
+        }
+    }
+
+    /// Acknowledged before the end: takes the copy held (only the copy of
+    /// `session`, when given: a timer's own copy). The timer is let go,
+    /// not stopped: it may be the caller.
+    pub(super) fn ack_early(&self, session: Option<u64>) -> Option<(u64, A)> {
+        let mut st = self.state();
+        let mine = match (&st.copy, session) {
+            (Some((s, _)), Some(want)) => *s == want,
+            (Some(_), None) => true,
+            (None, _) => false,
+        };
+        if !mine || st.answered_at.is_some() {
+            return None;
+        }
+        st.acked_early = true;
+        st.timer = None;
+        st.copy.take()
     }
 
     /// The answer went out: takes the copy to settle. `Err(acked_early)`
     /// when there is none.
     pub(super) fn finish(&self) -> Result<(u64, A), bool> {
-        *self.answered_at.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
-        self.answered.store(true, Ordering::Release);
-        self.take_acker()
-            .ok_or_else(|| self.acked_early.load(Ordering::Acquire))
+        let mut st = self.state();
+        st.answered_at = Some(Instant::now());
+        if let Some(timer) = st.timer.take() {
+            timer.abort();
+        }
+        st.copy.take().ok_or(st.acked_early)
     }
 }
 
@@ -125,5 +173,20 @@ mod tests {
             "the redelivered copy is left unacknowledged (still held: {still_held:?})"
         );
         assert!(still_held.is_none());
+    }
+
+    /// An early acknowledgement settles the copy once; the end then has
+    /// nothing to settle and a later copy is settled at once.
+    #[test]
+    fn acked_early_is_settled_once() {
+        let job = Tracked::new(1, "first", false);
+        assert!(job.ack_early(Some(2)).is_none(), "not the timer's copy");
+        assert_eq!(job.ack_early(Some(1)), Some((1, "first")));
+        assert_eq!(job.ack_early(None), None);
+        assert!(matches!(
+            job.adopt(2, "second"),
+            Adoption::SettleNow("second")
+        ));
+        assert_eq!(job.finish(), Err(true));
     }
 }
