@@ -32,6 +32,9 @@ pub enum ErrorCode {
     CorruptImage,
     /// Not enough disk space for the download or the conversion.
     InsufficientDiskSpace,
+    /// The command's deadline (its AMQP `expiration`, counted from its first
+    /// delivery) passed before its work could start: nobody waits for it.
+    Expired,
     /// Anything else: a bug or an unexpected local failure.
     Internal,
     /// The request is older than a later cleanup, `deployed` or transition
@@ -41,7 +44,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in schema order; the schema test checks both lists agree.
-    pub const ALL: [ErrorCode; 13] = [
+    pub const ALL: [ErrorCode; 14] = [
         ErrorCode::InvalidMessage,
         ErrorCode::InvalidNodeUuid,
         ErrorCode::SourceNotFound,
@@ -53,6 +56,7 @@ impl ErrorCode {
         ErrorCode::UnsafeImage,
         ErrorCode::CorruptImage,
         ErrorCode::InsufficientDiskSpace,
+        ErrorCode::Expired,
         ErrorCode::Internal,
         ErrorCode::StaleRequest,
     ];
@@ -71,6 +75,7 @@ impl ErrorCode {
             ErrorCode::UnsafeImage => "unsafe_image",
             ErrorCode::CorruptImage => "corrupt_image",
             ErrorCode::InsufficientDiskSpace => "insufficient_disk_space",
+            ErrorCode::Expired => "expired",
             ErrorCode::Internal => "internal",
             ErrorCode::StaleRequest => "stale_request",
         }
@@ -91,6 +96,9 @@ pub struct Error {
     pub code: ErrorCode,
     /// A message for the operator (no secrets: URLs are stripped of credentials).
     pub message: String,
+    /// The OS error number of a local I/O failure, so callers can tell a
+    /// condition that goes away (read-only, full) without reading text.
+    pub os_error: Option<i32>,
 }
 
 impl Error {
@@ -99,6 +107,7 @@ impl Error {
         Error {
             code,
             message: message.into(),
+            os_error: None,
         }
     }
 
@@ -111,7 +120,10 @@ impl Error {
             _ if err.kind() == std::io::ErrorKind::StorageFull => ErrorCode::InsufficientDiskSpace,
             _ => ErrorCode::Internal,
         };
-        Error::new(code, format!("{context}: {err}"))
+        Error {
+            os_error: err.raw_os_error(),
+            ..Error::new(code, format!("{context}: {err}"))
+        }
     }
 }
 
@@ -123,14 +135,19 @@ impl fmt::Display for Error {
 
 impl std::error::Error for Error {}
 
-/// The error and its causes on one line, for messages: library errors
-/// (reqwest, hyper, I/O) keep the useful part in their sources.
+/// The error and its causes on one line, `outer: inner: innermost`, for
+/// messages and logs: library errors (reqwest, hyper, lapin, I/O) keep the
+/// useful part (refused, TLS, timeout) in their sources. A cause whose
+/// text the line already holds is not repeated.
 pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut cur = e.source();
     while let Some(inner) = cur {
-        text.push_str(": ");
-        text.push_str(&inner.to_string());
+        let more = inner.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
         cur = inner.source();
     }
     text

@@ -12,7 +12,10 @@
 //! answered once, even when the quorum queue dead-letters the copy after
 //! too many redeliveries.
 
+use super::ack::{Adoption, Tracked};
+use super::deadline;
 use super::publisher::Publisher;
+use crate::error::{Error, ErrorCode};
 use crate::messages::inbound::{self, Inbound};
 use crate::messages::{Action, Completion};
 use crate::metrics::Metrics;
@@ -22,7 +25,7 @@ use lapin::message::Delivery;
 use lapin::options::*;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{Notify, mpsc, watch};
@@ -58,13 +61,15 @@ pub(super) struct Dispatcher {
     host: String,
     /// Ironic's notification exchange (deliveries from it are notifications).
     notification_exchange: String,
-    /// Work running longer than this is acknowledged early (the broker's
-    /// consumer timeout would otherwise close the channel).
-    ack_early_after: Option<Duration>,
+    /// The broker's consumer timeout in force, in milliseconds (0: none):
+    /// `[amqp]consumer_timeout`, or the value the broker reported when it
+    /// closed a channel over it. A delivery still unacknowledged three
+    /// quarters of it after it arrived is acknowledged early.
+    consumer_timeout_ms: AtomicU64,
     /// Per-node FIFO queues: deliveries for one node run in order.
     nodes: Mutex<HashMap<String, mpsc::UnboundedSender<Job>>>,
     /// Jobs not yet acknowledged, by delivery identity (see [`identity`]).
-    pending: Mutex<HashMap<u64, Vec<Arc<Tracked>>>>,
+    pending: Mutex<HashMap<u64, Vec<Arc<Tracked<Acker>>>>>,
     /// The live connection, `None` while disconnected.
     link: watch::Sender<Option<Link>>,
     next_session: AtomicU64,
@@ -79,27 +84,6 @@ pub(super) struct Dispatcher {
     queue: String,
 }
 
-/// The acknowledgement state of one job.
-struct Tracked {
-    /// The copy to acknowledge when done: its connection and acker.
-    acker: Mutex<Option<(u64, Acker)>>,
-    /// The answer was published (confirmed by the broker).
-    answered: AtomicBool,
-    /// Acknowledged before the answer (long work, consumer timeout).
-    acked_early: AtomicBool,
-    /// Settled by dead-lettering (an unusable message), not by an ack.
-    dead_letter: bool,
-    /// When the answer went out, for forgetting it.
-    answered_at: Mutex<Option<Instant>>,
-}
-
-impl Tracked {
-    /// Takes the copy to acknowledge, so exactly one path settles it.
-    fn take_acker(&self) -> Option<(u64, Acker)> {
-        self.acker.lock().unwrap_or_else(|p| p.into_inner()).take()
-    }
-}
-
 /// A delivery and what it was parsed into.
 pub(super) struct Job {
     inbound: Inbound,
@@ -107,7 +91,9 @@ pub(super) struct Job {
     reply_to: Option<String>,
     correlation_id: Option<String>,
     identity: u64,
-    tracked: Arc<Tracked>,
+    tracked: Arc<Tracked<Acker>>,
+    /// When the sender stops waiting for the answer (see [`deadline`]).
+    deadline: Option<u64>,
     /// The delivery's bytes and properties, to put a deferred prepare back.
     body: Vec<u8>,
     properties: lapin::BasicProperties,
@@ -134,7 +120,7 @@ impl Dispatcher {
         Dispatcher {
             host: config.default.host.clone(),
             notification_exchange: config.amqp.notification_exchange.clone(),
-            ack_early_after: (timeout > 0).then(|| Duration::from_secs(timeout) * 3 / 4),
+            consumer_timeout_ms: AtomicU64::new(timeout.saturating_mul(1000)),
             pipeline,
             metrics,
             nodes: Mutex::new(HashMap::new()),
@@ -171,59 +157,50 @@ impl Dispatcher {
         });
     }
 
+    /// The broker closed a channel over its consumer timeout and said which
+    /// value it enforces: from now on early acknowledgements follow it.
+    pub(super) fn broker_consumer_timeout(&self, enforced: Duration) {
+        let ms = u64::try_from(enforced.as_millis()).unwrap_or(u64::MAX);
+        let before = self.consumer_timeout_ms.swap(ms, Ordering::Relaxed);
+        if before != ms {
+            tracing::warn!(
+                enforced_ms = ms,
+                configured_ms = before,
+                "the broker enforces another consumer_timeout than [amqp]consumer_timeout: \
+                 acting on the broker's from now on (set [amqp]consumer_timeout to it)"
+            );
+        }
+    }
+
+    /// Jobs acknowledged early and not answered yet (lost if the process
+    /// stops before they end: the broker holds no copy of them).
+    pub(super) fn accepted_unanswered(&self) -> usize {
+        let pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        pending
+            .values()
+            .flatten()
+            .filter(|t| t.accepted_unanswered())
+            .count()
+    }
+
+    /// How long after its arrival a delivery is acknowledged early.
+    fn ack_early_after(&self) -> Option<Duration> {
+        let ms = self.consumer_timeout_ms.load(Ordering::Relaxed);
+        (ms > 0).then(|| Duration::from_millis(ms) * 3 / 4)
+    }
+
     /// Routes a delivery of connection `session`: a redelivered copy of a
     /// known job is adopted, unusable and ignored messages are settled at
-    /// once, work goes to its node's FIFO queue.
+    /// once, work goes to its node's FIFO queue. Each copy held is
+    /// acknowledged early once it has been unacknowledged for three
+    /// quarters of the consumer timeout, queued or running.
     pub(super) fn dispatch(self: &Arc<Self>, session: u64, delivery: Delivery) {
+        let received = Instant::now();
         let identity = identity(&delivery);
-        if delivery.redelivered && self.adopt(session, identity, &delivery.acker) {
+        if delivery.redelivered && self.adopt(session, identity, &delivery.acker, received) {
             return;
         }
-        let from_ironic = delivery.exchange.as_str() == self.notification_exchange;
-        let config = self.pipeline.config();
-        let received_ms = super::stamp::now_ms();
-        let mut inbound = inbound::parse(
-            &delivery.data,
-            from_ironic,
-            &self.host,
-            &config.notifications.deploy_interfaces,
-            config.amqp.max_message_bytes,
-        );
-        if let Inbound::Work(req) = &mut inbound {
-            let command_time = super::stamp::issued_ms(&delivery.properties, received_ms);
-            req.issued_ms.get_or_insert(command_time);
-        }
-        let tracked = Arc::new(Tracked {
-            acker: Mutex::new(Some((session, delivery.acker.clone()))),
-            answered: AtomicBool::new(false),
-            acked_early: AtomicBool::new(false),
-            dead_letter: matches!(inbound, Inbound::Invalid(_)),
-            answered_at: Mutex::new(None),
-        });
-        let job = Job {
-            source: if from_ironic {
-                "notification"
-            } else {
-                "command"
-            },
-            reply_to: delivery
-                .properties
-                .reply_to()
-                .as_ref()
-                .map(|s| s.as_str().to_string()),
-            correlation_id: delivery
-                .properties
-                .correlation_id()
-                .as_ref()
-                .map(|s| s.as_str().to_string()),
-            inbound,
-            identity,
-            tracked,
-            body: delivery.data.clone(),
-            properties: delivery.properties.clone(),
-            redelivered: delivery.redelivered,
-            received_ms,
-        };
+        let job = self.job(session, identity, delivery);
         let node = match &job.inbound {
             Inbound::Work(req) => req.node_uuid.clone(),
             Inbound::Ignore(_) | Inbound::Moved { .. } => {
@@ -239,6 +216,50 @@ impl Dispatcher {
             }
         };
         self.remember(&job);
+        self.arm_early_ack(&job.tracked, session, received);
+        self.enqueue(node, job);
+    }
+
+    /// A delivery parsed into a job holding its copy.
+    fn job(&self, session: u64, identity: u64, delivery: Delivery) -> Job {
+        let from_ironic = delivery.exchange.as_str() == self.notification_exchange;
+        let config = self.pipeline.config();
+        let received_ms = super::stamp::now_ms();
+        let mut inbound = inbound::parse(
+            &delivery.data,
+            from_ironic,
+            &self.host,
+            &config.notifications.deploy_interfaces,
+            config.amqp.max_message_bytes,
+        );
+        if let Inbound::Work(req) = &mut inbound {
+            let command_time = super::stamp::issued_ms(&delivery.properties, received_ms);
+            req.issued_ms.get_or_insert(command_time);
+        }
+        let dead_letter = matches!(inbound, Inbound::Invalid(_));
+        let text = |s: &Option<lapin::types::ShortString>| s.as_ref().map(|s| s.to_string());
+        Job {
+            source: if from_ironic {
+                "notification"
+            } else {
+                "command"
+            },
+            reply_to: text(delivery.properties.reply_to()),
+            correlation_id: text(delivery.properties.correlation_id()),
+            inbound,
+            identity,
+            tracked: Arc::new(Tracked::new(session, delivery.acker, dead_letter)),
+            deadline: deadline::of(&delivery.properties, received_ms),
+            body: delivery.data,
+            properties: delivery.properties,
+            redelivered: delivery.redelivered,
+            received_ms,
+        }
+    }
+
+    /// Puts `job` at the tail of its node's FIFO queue, starting the
+    /// queue's task when the node has none.
+    fn enqueue(self: &Arc<Self>, node: String, job: Job) {
         let mut nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner());
         let job = match nodes.get(&node) {
             Some(tx) => match tx.send(job) {
@@ -265,14 +286,36 @@ impl Dispatcher {
         });
     }
 
+    /// Starts the early acknowledgement of the copy of `session` held by
+    /// `tracked`, due three quarters of the consumer timeout after the copy
+    /// was `received`, whether the job runs by then or still waits behind
+    /// another of its node (the broker counts from the delivery). From
+    /// then on the job is answered when done, and a crash loses it.
+    fn arm_early_ack(&self, tracked: &Arc<Tracked<Acker>>, session: u64, received: Instant) {
+        let Some(after) = self.ack_early_after() else {
+            return;
+        };
+        let t = tracked.clone();
+        let timer = tokio::spawn(async move {
+            tokio::time::sleep_until((received + after).into()).await;
+            if let Some((_, acker)) = t.ack_early(Some(session)) {
+                tracing::info!(
+                    "unacknowledged for three quarters of the consumer timeout: acknowledged early"
+                );
+                let _ = acker.ack(BasicAckOptions::default()).await;
+            }
+        });
+        tracked.arm(session, timer.abort_handle());
+    }
+
     /// Registers a job as awaiting acknowledgement, forgetting answered
     /// ones older than [`ANSWERED_MEMORY`].
     fn remember(&self, job: &Job) {
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
         pending.retain(|_, jobs| {
             jobs.retain(|t| {
-                let at = *t.answered_at.lock().unwrap_or_else(|p| p.into_inner());
-                at.is_none_or(|at| at.elapsed() < ANSWERED_MEMORY)
+                t.answered_at()
+                    .is_none_or(|at| at.elapsed() < ANSWERED_MEMORY)
             });
             !jobs.is_empty()
         });
@@ -285,35 +328,34 @@ impl Dispatcher {
     /// A redelivered copy: if a job of an earlier connection has the same
     /// identity, it takes this copy's acker (or, answered already or
     /// acknowledged early, this copy is acknowledged now). True if adopted.
-    fn adopt(&self, session: u64, identity: u64, acker: &Acker) -> bool {
-        let tracked = {
+    fn adopt(&self, session: u64, identity: u64, acker: &Acker, received: Instant) -> bool {
+        let (tracked, adoption) = {
             let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
             let Some(jobs) = pending.get_mut(&identity) else {
                 return false;
             };
-            let stale = jobs.iter().position(|t| {
-                t.acker
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .as_ref()
-                    .is_none_or(|(s, _)| *s != session)
-            });
-            let Some(i) = stale else {
+            let found =
+                jobs.iter()
+                    .enumerate()
+                    .find_map(|(i, t)| match t.adopt(session, acker.clone()) {
+                        Adoption::NotStale(_) => None,
+                        adoption => Some((i, adoption)),
+                    });
+            let Some((i, adoption)) = found else {
                 return false;
             };
             let t = jobs[i].clone();
-            if t.answered.load(Ordering::Acquire) {
+            if t.answered() {
                 jobs.remove(i);
             }
-            t
+            (t, adoption)
         };
         self.metrics
             .ignored
             .with_label_values(&["redelivered_in_progress"])
             .inc();
-        if tracked.answered.load(Ordering::Acquire) || tracked.acked_early.load(Ordering::Acquire) {
+        if let Adoption::SettleNow(acker) = adoption {
             tracing::info!("a redelivered copy of work already answered or accepted: settled");
-            let acker = acker.clone();
             let dead_letter = tracked.dead_letter;
             self.tracker.spawn(async move {
                 let _ = if dead_letter {
@@ -324,91 +366,87 @@ impl Dispatcher {
             });
         } else {
             tracing::info!("a redelivered copy of work still running here: adopted");
-            *tracked.acker.lock().unwrap_or_else(|p| p.into_inner()) =
-                Some((session, acker.clone()));
+            self.arm_early_ack(&tracked, session, received);
         }
         true
     }
 
     /// Handles one job to the end: answer, then ack (or dead-letter).
-    async fn settle(&self, job: Job) {
-        let Job {
-            inbound,
-            source,
-            reply_to,
-            correlation_id,
-            identity,
-            tracked,
-            body,
-            properties,
-            redelivered,
-            received_ms,
-        } = job;
+    async fn settle(&self, mut job: Job) {
+        let inbound = std::mem::replace(&mut job.inbound, Inbound::Ignore("settled"));
         match inbound {
-            Inbound::Work(mut request) => {
-                let key = format!("{identity:016x}");
-                if redelivered
-                    && self
-                        .pipeline
-                        .answered_before(&request.node_uuid, &key)
-                        .await
-                {
-                    tracing::info!("a redelivered copy of work answered by a process of this host");
-                    self.ignore(source, "answered_elsewhere", identity, &tracked)
-                        .await;
-                    return;
-                }
-                let slot = if request.action == Action::Prepare {
-                    match self.prepare_slot().await {
-                        Some(slot) => Some(slot),
-                        None => {
-                            let properties = super::stamp::with_issue_time(properties, received_ms);
-                            self.defer(identity, &tracked, &body, properties).await;
-                            return;
-                        }
-                    }
-                } else {
-                    None
-                };
-                // A stray cleanup (node not prepared here) is decided under
-                // the node lock, inside the pipeline.
-                let slow = slot.as_ref().map(|_| {
-                    let (signal, slow) = crate::pipeline::SlowSignal::new();
-                    request.slow = signal;
-                    slow
-                });
-                let Some(done) = self.run(&request, &tracked, slot, slow).await else {
-                    self.ignore(source, "not_prepared_here", identity, &tracked)
-                        .await;
-                    return;
-                };
-                self.metrics
-                    .consumed(source, done.action.as_str(), done.status.as_str());
-                if self
-                    .answer(&done, reply_to.as_deref(), correlation_id.as_deref())
-                    .await
-                {
-                    self.pipeline.note_answered(&request.node_uuid, &key).await;
-                    self.finish(identity, &tracked, true).await;
-                }
-            }
+            Inbound::Work(request) => self.work(*request, &job).await,
             Inbound::Invalid(done) => {
-                tracing::warn!(source, error = ?done.error, "dead-lettering an unusable message");
+                tracing::warn!(source = job.source, error = ?done.error, "dead-lettering an unusable message");
                 self.metrics.record(&done);
                 self.metrics
-                    .consumed(source, done.action.as_str(), "invalid");
-                if self
-                    .answer(&done, reply_to.as_deref(), correlation_id.as_deref())
-                    .await
-                {
-                    self.finish(identity, &tracked, false).await;
+                    .consumed(job.source, done.action.as_str(), "invalid");
+                if self.answer(&done, &job).await {
+                    self.finish(job.identity, &job.tracked, false).await;
                 }
             }
-            Inbound::Ignore(why) => self.ignore(source, why, identity, &tracked).await,
+            Inbound::Ignore(why) => {
+                self.ignore(job.source, why, job.identity, &job.tracked)
+                    .await
+            }
             Inbound::Moved { node, at_ms } => {
                 self.pipeline.note_moved(&node, at_ms).await;
-                self.ignore(source, "no_action", identity, &tracked).await;
+                self.ignore(job.source, "no_action", job.identity, &job.tracked)
+                    .await;
             }
+        }
+    }
+
+    /// Runs a command or notification: waits for a prepare slot (or
+    /// defers the prepare), refuses it past its deadline, runs it, answers.
+    async fn work(&self, mut request: crate::pipeline::Request, job: &Job) {
+        let key = format!("{:016x}", job.identity);
+        if job.redelivered
+            && self
+                .pipeline
+                .answered_before(&request.node_uuid, &key)
+                .await
+        {
+            tracing::info!("a redelivered copy of work answered by a process of this host");
+            return self
+                .ignore(job.source, "answered_elsewhere", job.identity, &job.tracked)
+                .await;
+        }
+        let expired = || job.deadline.is_some_and(|at| super::stamp::now_ms() >= at);
+        let slot = if request.action == Action::Prepare {
+            match self.prepare_slot().await {
+                Some(slot) => Some(slot),
+                None if !expired() => return self.defer(job).await,
+                None => None,
+            }
+        } else {
+            None
+        };
+        let done = if expired() {
+            drop(slot);
+            let done = expired_answer(&request, &self.host);
+            self.metrics.record(&done);
+            done
+        } else {
+            // A stray cleanup (node not prepared here) is decided under
+            // the node lock, inside the pipeline.
+            let slow = slot.as_ref().map(|_| {
+                let (signal, slow) = crate::pipeline::SlowSignal::new();
+                request.slow = signal;
+                slow
+            });
+            let Some(done) = self.run(&request, &job.tracked, slot, slow).await else {
+                return self
+                    .ignore(job.source, "not_prepared_here", job.identity, &job.tracked)
+                    .await;
+            };
+            done
+        };
+        self.metrics
+            .consumed(job.source, done.action.as_str(), done.status.as_str());
+        if self.answer(&done, job).await {
+            self.pipeline.note_answered(&request.node_uuid, &key).await;
+            self.finish(job.identity, &job.tracked, true).await;
         }
     }
 
@@ -418,7 +456,7 @@ impl Dispatcher {
         source: &'static str,
         why: &'static str,
         identity: u64,
-        tracked: &Arc<Tracked>,
+        tracked: &Arc<Tracked<Acker>>,
     ) {
         self.metrics.ignored.with_label_values(&[why]).inc();
         self.metrics.consumed(source, "none", "ignored");
@@ -441,70 +479,63 @@ impl Dispatcher {
     }
 
     /// Every prepare slot is busy (long downloads): the prepare goes back
-    /// to the tail of the queue (a confirmed copy, then this delivery is
-    /// acknowledged), so the delivery slot serves other actions meanwhile.
-    /// If that fails, the prepare simply waits for a slot.
-    async fn defer(
-        &self,
-        identity: u64,
-        tracked: &Arc<Tracked>,
-        body: &[u8],
-        properties: lapin::BasicProperties,
-    ) {
+    /// to the tail of the queue (a confirmed copy carrying the command's
+    /// deadline, then this delivery is acknowledged), so the delivery slot
+    /// serves other actions meanwhile. A copy whose connection is gone
+    /// comes back by itself, as new work; if putting it back fails on the
+    /// live connection, that connection is renewed and the copy comes back.
+    async fn defer(&self, job: &Job) {
         let link = self.link.borrow().clone();
-        let acker = tracked.take_acker();
+        let acker = job.tracked.take_acker();
+        // The redelivered copy is new work, not a copy of running work.
+        self.forget(job.identity, &job.tracked);
         let (Some(link), Some((session, acker))) = (link, acker) else {
-            // Disconnected: the delivery comes back as new work.
-            self.forget(identity, tracked);
             return;
         };
-        if session == link.session
-            && link
-                .publisher
-                .requeue_copy(&self.queue, body, properties)
-                .await
-                .is_ok()
-            && acker.ack(BasicAckOptions::default()).await.is_ok()
-        {
-            self.metrics
-                .ignored
-                .with_label_values(&["deferred_prepare"])
-                .inc();
-            self.forget(identity, tracked);
+        if session != link.session {
+            tracing::info!("a prepare to defer came through a connection now gone: it comes back");
             return;
         }
-        tracing::warn!("could not defer a prepare; it will be redelivered");
-        link.broken.notify_one();
-        // The redelivered copy is new work, not a copy of running work.
-        self.forget(identity, tracked);
+        let issued = super::stamp::with_issue_time(job.properties.clone(), job.received_ms);
+        let copy = deadline::carried(&issued, job.deadline);
+        let put_back = match link
+            .publisher
+            .requeue_copy(&self.queue, &job.body, copy)
+            .await
+        {
+            Ok(()) => acker
+                .ack(BasicAckOptions::default())
+                .await
+                .map(|_| ())
+                .map_err(|e| crate::error::error_chain(&e)),
+            Err(e) => Err(e.to_string()),
+        };
+        match put_back {
+            Ok(()) => self
+                .metrics
+                .ignored
+                .with_label_values(&["deferred_prepare"])
+                .inc(),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not defer a prepare; reconnecting, it will be redelivered");
+                link.broken.notify_one();
+            }
+        }
     }
 
-    /// Runs the pipeline for `request`. Work still running after
-    /// `ack_early_after` is acknowledged then (and answered when done).
     /// Runs the work of a delivery, holding `slot` (a prepare's) while it
-    /// runs. Beside it: work running longer than three quarters of the
-    /// broker's consumer timeout is acknowledged early, and a prepare whose
-    /// download is slow (`slow` notified) moves to the slow lane when it has
-    /// room: it gives back its prepare slot and is acknowledged early, so
-    /// that neither prepare slots nor the prefetch fill with slow sources.
+    /// runs. Beside it, a prepare whose download is slow (`slow` notified)
+    /// moves to the slow lane when it has room: it gives back its prepare
+    /// slot and is acknowledged early, so that neither prepare slots nor
+    /// the prefetch fill with slow sources. (Work outlasting the consumer
+    /// timeout is acknowledged by its copy's timer, see `arm_early_ack`.)
     async fn run(
         &self,
         request: &crate::pipeline::Request,
-        tracked: &Tracked,
+        tracked: &Tracked<Acker>,
         slot: Option<tokio::sync::OwnedSemaphorePermit>,
         slow: Option<Arc<Notify>>,
     ) -> Option<Completion> {
-        let early = async {
-            match self.ack_early_after {
-                Some(after) => tokio::time::sleep(after).await,
-                None => std::future::pending().await,
-            }
-            self.ack_early(
-                tracked,
-                "work running for three quarters of [amqp]consumer_timeout",
-            )
-            .await;
-        };
         let slowed = async move {
             let Some(slow) = slow else {
                 return std::future::pending().await;
@@ -514,20 +545,19 @@ impl Dispatcher {
                 Ok(lane) => {
                     drop(slot);
                     self.metrics.slow_lane.inc();
-                    self.ack_early(tracked, "slow download moved to the slow lane")
-                        .await;
+                    if let Some((_, acker)) = tracked.ack_early(None) {
+                        tracing::info!("slow download moved to the slow lane: acknowledged early");
+                        let _ = acker.ack(BasicAckOptions::default()).await;
+                    }
                     Some(lane)
                 }
                 Err(_) => slot,
             };
             std::future::pending::<()>().await
         };
-        let beside = async {
-            tokio::join!(early, slowed);
-        };
         tokio::select! {
             done = self.handle_retrying(request) => done,
-            () = beside => None,
+            () = slowed => None,
         }
     }
 
@@ -544,7 +574,7 @@ impl Dispatcher {
                 && done
                     .error
                     .as_ref()
-                    .is_some_and(|e| is_transient_io(&e.message));
+                    .is_some_and(|e| is_transient_io(e.os_error));
             if !transient || started.elapsed() + delay > RELEASE_RETRY_FOR {
                 return Some(done);
             }
@@ -560,27 +590,11 @@ impl Dispatcher {
         }
     }
 
-    /// Acknowledges a long-running job before it is done, so the broker's
-    /// consumer timeout never closes the channel over it (which would
-    /// redeliver it again and again). From here a crash loses the command.
-    async fn ack_early(&self, tracked: &Tracked, why: &str) {
-        tracked.acked_early.store(true, Ordering::Release);
-        let acker = tracked.take_acker();
-        if let Some((_, acker)) = acker {
-            tracing::info!("{why}: acknowledged early");
-            let _ = acker.ack(BasicAckOptions::default()).await;
-        }
-    }
-
     /// Publishes `done` through the live connection, waiting for one and
     /// trying again on the next if publishing fails. False only when the
     /// worker stops first (the copy is then redelivered after a restart).
-    async fn answer(
-        &self,
-        done: &Completion,
-        reply_to: Option<&str>,
-        correlation_id: Option<&str>,
-    ) -> bool {
+    async fn answer(&self, done: &Completion, job: &Job) -> bool {
+        let (reply_to, correlation_id) = (job.reply_to.as_deref(), job.correlation_id.as_deref());
         let mut links = self.link.subscribe();
         loop {
             let link = match links.wait_for(|l| l.is_some()).await {
@@ -603,26 +617,20 @@ impl Dispatcher {
     /// now. If that copy's connection is gone, the job stays known as
     /// answered, so its redelivered copy is acknowledged without a second
     /// answer.
-    async fn finish(&self, identity: u64, tracked: &Arc<Tracked>, ack: bool) {
-        *tracked
-            .answered_at
-            .lock()
-            .unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
-        tracked.answered.store(true, Ordering::Release);
+    async fn finish(&self, identity: u64, tracked: &Arc<Tracked<Acker>>, ack: bool) {
         if let Some(delay) = test_ack_delay() {
             tokio::time::sleep(delay).await;
         }
-        let held = tracked.take_acker();
-        let settled = match held {
-            None => tracked.acked_early.load(Ordering::Acquire),
-            Some((session, acker)) => {
+        let settled = match tracked.finish() {
+            Err(acked_early) => acked_early,
+            Ok((session, acker)) => {
                 let result = if ack {
                     acker.ack(BasicAckOptions::default()).await
                 } else {
                     acker.reject(BasicRejectOptions { requeue: false }).await
                 }
                 .map(|_| ())
-                .map_err(|e| super::chain(&e));
+                .map_err(|e| crate::error::error_chain(&e));
                 match result {
                     Ok(()) => true,
                     Err(e) => {
@@ -642,7 +650,7 @@ impl Dispatcher {
     }
 
     /// Drops a settled job from the jobs awaiting acknowledgement.
-    fn forget(&self, identity: u64, tracked: &Arc<Tracked>) {
+    fn forget(&self, identity: u64, tracked: &Arc<Tracked<Acker>>) {
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(jobs) = pending.get_mut(&identity) {
             jobs.retain(|t| !Arc::ptr_eq(t, tracked));
@@ -688,18 +696,28 @@ fn identity(delivery: &Delivery) -> u64 {
     h.finish()
 }
 
-/// Whether an error message reports a file-system condition that goes away
-/// (read-only file system, I/O error, no space, quota), as `std::io`
-/// formats it.
-fn is_transient_io(message: &str) -> bool {
-    [
-        "(os error 30)",
-        "(os error 5)",
-        "(os error 28)",
-        "(os error 122)",
-    ]
-    .iter()
-    .any(|code| message.contains(code))
+/// Whether an I/O failure's OS error is a file-system condition that goes
+/// away (read-only file system, I/O error, no space, quota).
+fn is_transient_io(os_error: Option<i32>) -> bool {
+    os_error.is_some_and(|e| [libc::EROFS, libc::EIO, libc::ENOSPC, libc::EDQUOT].contains(&e))
+}
+
+/// The answer to a command whose sender stopped waiting before its work
+/// could start.
+fn expired_answer(request: &crate::pipeline::Request, host: &str) -> Completion {
+    let err = Error::new(
+        ErrorCode::Expired,
+        "the command's deadline (its expiration, counted from its first delivery) \
+         passed before its work could start",
+    );
+    tracing::warn!(node = %request.node_uuid, action = request.action.as_str(), "refusing a command past its deadline");
+    Completion::new(
+        request.action,
+        Some(request.node_uuid.clone()),
+        request.request_id.clone(),
+        host,
+    )
+    .failed(&err)
 }
 
 #[cfg(test)]
@@ -708,13 +726,14 @@ mod tests {
 
     #[test]
     fn transient_file_system_errors() {
-        assert!(is_transient_io(
-            "remove /httpboot/agent_images/x: Read-only file system (os error 30)"
-        ));
-        assert!(is_transient_io("write: Input/output error (os error 5)"));
-        assert!(!is_transient_io(
-            "remove x: Permission denied (os error 13)"
-        ));
-        assert!(!is_transient_io("unknown action"));
+        let io = |errno| {
+            let e = crate::error::Error::io("remove x", std::io::Error::from_raw_os_error(errno));
+            e.os_error
+        };
+        assert!(is_transient_io(io(libc::EROFS)));
+        assert!(is_transient_io(io(libc::EIO)));
+        assert!(is_transient_io(io(libc::ENOSPC)));
+        assert!(!is_transient_io(io(libc::EACCES)));
+        assert!(!is_transient_io(None));
     }
 }

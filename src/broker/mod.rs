@@ -3,6 +3,8 @@
 //! * [`topology`]: the exchanges, queues and bindings the worker declares;
 //! * `publisher`: completion events out, with publisher confirms;
 //! * `connect`: the broker list, heartbeat and TLS;
+//! * `ack`: one job's acknowledgement state (which copy settles it);
+//! * `deadline`: a command's deadline, kept when a prepare is deferred;
 //! * `session`: one connection's lifetime and the reconnect loop around it
 //!   (next broker at once, then capped backoff);
 //! * `dispatch`: deliveries in, routed to per-node work, answered, then
@@ -12,15 +14,17 @@
 //!
 //! One connection with two channels (consume/ack, and publish with
 //! confirms). A delivery is acknowledged only after its completion event is
-//! confirmed by the broker (except work running longer than the broker's
-//! consumer timeout allows). Deliveries for one node run in order, different
+//! confirmed by the broker (except a delivery kept longer than the broker's
+//! consumer timeout allows, queued or running: it is acknowledged early). Deliveries for one node run in order, different
 //! nodes concurrently, bounded by the prefetch.
 //!
 //! This layer turns messages into pipeline requests and completions into
 //! messages; it must not know how images are fetched, converted or stored
 //! (that is the pipeline's business), nor anything of HTTP serving.
 
+mod ack;
 mod connect;
+mod deadline;
 mod dispatch;
 mod publisher;
 mod session;
@@ -31,18 +35,69 @@ pub use connect::Brokers;
 pub use session::run;
 pub use topology::Topology;
 
-/// An error with its causes, `outer: inner: innermost`, so that a broker
-/// failure's reason (refused, TLS, timeout) is never lost in logs.
-pub fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        let more = cause.to_string();
-        if !text.contains(&more) {
-            text.push_str(": ");
-            text.push_str(&more);
-        }
-        source = cause.source();
+/// The AMQP reply code of a broker's refusal (404 NOT_FOUND, 406
+/// PRECONDITION_FAILED, ...), read from the error itself rather than its
+/// text.
+fn reply_code(e: &lapin::Error) -> Option<u16> {
+    match e.kind() {
+        lapin::ErrorKind::ProtocolError(err) => Some(err.get_id()),
+        _ => None,
     }
-    text
+}
+
+/// The consumer timeout the broker enforces, from the channel close it
+/// sends when a delivery stayed unacknowledged longer (RabbitMQ: 406,
+/// "... timed out. Timeout value used: 10000 ms ..."), the only place the
+/// broker tells its value.
+fn consumer_timeout_of(e: &lapin::Error) -> Option<std::time::Duration> {
+    const VALUE: &str = "Timeout value used: ";
+    let lapin::ErrorKind::ProtocolError(err) = e.kind() else {
+        return None;
+    };
+    if err.get_id() != 406 {
+        return None;
+    }
+    let text = err.get_message().as_str();
+    let rest = &text[text.find(VALUE)? + VALUE.len()..];
+    let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+    let ms: u64 = rest[..digits].parse().ok()?;
+    let unit = rest[digits..].trim_start();
+    (unit.starts_with("ms") && ms > 0).then(|| std::time::Duration::from_millis(ms))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lapin::protocol::{AMQPError, AMQPErrorKind, AMQPSoftError};
+
+    fn refusal(kind: AMQPSoftError, text: &str) -> lapin::Error {
+        let err = AMQPError::new(AMQPErrorKind::Soft(kind), text.into());
+        lapin::ErrorKind::ProtocolError(err).into()
+    }
+
+    #[test]
+    fn the_broker_tells_its_consumer_timeout() {
+        let closed = refusal(
+            AMQPSoftError::PRECONDITIONFAILED,
+            "PRECONDITION_FAILED - delivery acknowledgement on channel 1 timed out. \
+             Timeout value used: 10000 ms. This timeout value can be configured, \
+             see consumers doc guide to learn more",
+        );
+        assert_eq!(
+            consumer_timeout_of(&closed),
+            Some(std::time::Duration::from_secs(10))
+        );
+        assert_eq!(reply_code(&closed), Some(406));
+        let other = refusal(
+            AMQPSoftError::PRECONDITIONFAILED,
+            "PRECONDITION_FAILED - inequivalent arg",
+        );
+        assert_eq!(consumer_timeout_of(&other), None);
+        let gone = refusal(
+            AMQPSoftError::NOTFOUND,
+            "NOT_FOUND - no queue 'q' in vhost '/'",
+        );
+        assert_eq!(reply_code(&gone), Some(404));
+        assert_eq!(consumer_timeout_of(&gone), None);
+    }
 }

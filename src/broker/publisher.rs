@@ -54,28 +54,9 @@ impl Publisher {
                 format!("node.{}.{}", done.action.as_str(), done.status.as_str()),
             ),
         };
-        let broker =
-            |e: lapin::Error| Error::new(ErrorCode::Internal, format!("publish completion: {e}"));
-        let confirm = self
-            .channel
-            .basic_publish(
-                exchange.as_str().into(),
-                key.as_str().into(),
-                BasicPublishOptions::default(),
-                &body,
-                props,
-            )
+        self.confirmed(&exchange, &key, false, &body, props)
             .await
-            .map_err(broker)?
-            .await
-            .map_err(broker)?;
-        match confirm {
-            Confirmation::Ack(_) | Confirmation::NotRequested => Ok(()),
-            Confirmation::Nack(_) => Err(Error::new(
-                ErrorCode::Internal,
-                "broker refused the completion event",
-            )),
-        }
+            .map_err(|e| Error::new(ErrorCode::Internal, format!("publish completion: {e}")))
     }
 
     /// Puts a copy of a delivery back at the tail of `queue` (through the
@@ -87,34 +68,38 @@ impl Publisher {
         body: &[u8],
         properties: BasicProperties,
     ) -> Result<()> {
-        let broker = |e: lapin::Error| {
-            Error::new(
-                ErrorCode::Internal,
-                format!("requeue: {}", super::chain(&e)),
-            )
+        self.confirmed("", queue, true, body, properties.with_delivery_mode(2))
+            .await
+            .map_err(|e| Error::new(ErrorCode::Internal, format!("requeue: {e}")))
+    }
+
+    /// Publishes one message and waits for the broker's confirmation: a
+    /// refusal (nack) or, when `mandatory`, a message no queue took is an
+    /// error, as is a failed channel.
+    async fn confirmed(
+        &self,
+        exchange: &str,
+        key: &str,
+        mandatory: bool,
+        body: &[u8],
+        props: BasicProperties,
+    ) -> std::result::Result<(), String> {
+        let options = BasicPublishOptions {
+            mandatory,
+            ..BasicPublishOptions::default()
         };
+        let chain = |e: lapin::Error| crate::error::error_chain(&e);
         let confirm = self
             .channel
-            .basic_publish(
-                "".into(),
-                queue.into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..BasicPublishOptions::default()
-                },
-                body,
-                properties.with_delivery_mode(2),
-            )
+            .basic_publish(exchange.into(), key.into(), options, body, props)
             .await
-            .map_err(broker)?
+            .map_err(chain)?
             .await
-            .map_err(broker)?;
+            .map_err(chain)?;
         match confirm {
             Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
-            _ => Err(Error::new(
-                ErrorCode::Internal,
-                "the broker refused the copy",
-            )),
+            Confirmation::Ack(Some(_)) => Err("no queue took the message".into()),
+            Confirmation::Nack(_) => Err("the broker refused the message".into()),
         }
     }
 }

@@ -74,7 +74,7 @@ pub async fn run(
         match &outcome {
             Ok(_) => declared = true,
             // The queue is gone (deleted, broker reset): declare it again.
-            Err(e) if e.contains("NOT_FOUND") => declared = false,
+            Err(e) if e.reply_code == Some(NOT_FOUND) => declared = false,
             Err(_) => {}
         }
         let delay = match outcome {
@@ -90,7 +90,7 @@ pub async fn run(
             }
             Err(e) => {
                 failed_in_row += 1;
-                tracing::warn!(broker = %brokers.name(index), error = %e, "broker unavailable");
+                tracing::warn!(broker = %brokers.name(index), error = %e.text, "broker unavailable");
                 if failed_in_row.is_multiple_of(brokers.len()) {
                     backoff.next().unwrap_or(MAX_DELAY).min(MAX_DELAY)
                 } else {
@@ -111,16 +111,45 @@ pub async fn run(
     // Stopped while disconnected: jobs still running get the grace period
     // (their answers need a connection; what stays unacknowledged is
     // redelivered after the restart).
+    drain(&dispatcher, &config).await;
+}
+
+/// Lets in-flight work finish within `[amqp]shutdown_grace`, taking no new
+/// work; what is still unacknowledged after it is redelivered, what was
+/// acknowledged early is lost (said in the log, with how many).
+async fn drain(dispatcher: &Dispatcher, config: &Config) {
     dispatcher.tracker.close();
     let grace = Duration::from_secs(config.amqp.shutdown_grace);
     if tokio::time::timeout(grace, dispatcher.tracker.wait())
         .await
         .is_err()
     {
+        let lost = dispatcher.accepted_unanswered();
         tracing::warn!(
             ?grace,
-            "in-flight work did not finish in the grace period; it will be redelivered"
+            acknowledged_early = lost,
+            "in-flight work did not finish in the grace period: unacknowledged work will be \
+             redelivered, work acknowledged early is dropped unanswered (its callers time out)"
         );
+    }
+}
+
+/// AMQP's reply code for a missing queue or exchange.
+const NOT_FOUND: u16 = 404;
+
+/// Why a session could not get going.
+struct Failed {
+    text: String,
+    /// The broker's reply code, when it refused something.
+    reply_code: Option<u16>,
+}
+
+impl Failed {
+    fn of(e: &lapin::Error) -> Failed {
+        Failed {
+            text: crate::error::error_chain(e),
+            reply_code: super::reply_code(e),
+        }
     }
 }
 
@@ -212,7 +241,7 @@ async fn session(
     index: usize,
     declare: bool,
     stop: &mut watch::Receiver<bool>,
-) -> Result<Ended, String> {
+) -> Result<Ended, Failed> {
     let Shared {
         brokers,
         dispatcher,
@@ -225,92 +254,102 @@ async fn session(
     let opened = tokio::select! {
         opened = tokio::time::timeout(limit, open(brokers, index, declare, config, &step)) => match opened {
             Ok(Ok(opened)) => opened,
-            Ok(Err(e)) => return Err(super::chain(&e)),
+            Ok(Err(e)) => return Err(Failed::of(&e)),
             Err(_) => {
                 let at = STEPS[step.load(Ordering::Relaxed).min(STEPS.len() - 1)];
-                return Err(format!("no connection within {limit:?} ([amqp]connect_timeout), stuck at: {at}"));
+                let text = format!("no connection within {limit:?} ([amqp]connect_timeout), stuck at: {at}");
+                return Err(Failed { text, reply_code: None });
             }
         },
         _ = stop.wait_for(|s| *s) => return Ok(Ended::StoppedConnecting),
     };
-    let Opened {
-        conn,
-        probe_channel,
-        consume_channel,
-        mut consumer,
-        publisher,
-    } = opened;
-    let link = dispatcher.connected(publisher);
+    let link = dispatcher.connected(opened.publisher.clone());
     connected.store(true, Ordering::Relaxed);
     metrics.amqp_connected.set(1);
     tracing::info!(
         broker = %brokers.name(index),
-        heartbeat = conn.configuration().heartbeat(),
+        heartbeat = opened.conn.configuration().heartbeat(),
         queue = %Topology::new(config).queue,
         "consuming"
     );
-    let dead_letter_queue = Topology::new(config).dead_letter_queue;
-    let mut census = tokio::time::interval(DEAD_LETTER_CENSUS);
-    let ended = loop {
-        let census_due = tokio::select! {
-            _ = census.tick() => true,
-            next = consumer.next() => match next {
-                Some(Ok(delivery)) => {
-                    dispatcher.dispatch(link.session, delivery);
-                    false
-                }
-                Some(Err(e)) => {
-                    tracing::warn!(broker = %brokers.name(index), error = %super::chain(&e), "connection lost");
-                    break Ended::Lost;
-                }
-                None => break Ended::Lost,
-            },
-            _ = link.broken.notified() => break Ended::Lost,
-            _ = stop.wait_for(|s| *s) => break Ended::Stopped,
-        };
-        if census_due {
-            let passive = QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            };
-            let declared = tokio::time::timeout(
-                DEAD_LETTER_CENSUS,
-                probe_channel.queue_declare(
-                    dead_letter_queue.as_str().into(),
-                    passive,
-                    FieldTable::default(),
-                ),
-            )
-            .await;
-            if let Ok(Ok(q)) = declared {
-                metrics.amqp_dead_letters.set(i64::from(q.message_count()));
-            }
-        }
-    };
+    let mut opened = opened;
+    let ended = consume(shared, index, &mut opened, &link, stop).await;
     connected.store(false, Ordering::Relaxed);
     metrics.amqp_connected.set(0);
     if let Ended::Stopped = ended {
         // Stop taking work, let in-flight work finish within the grace
         // period while this connection still carries its answers.
-        let _ = consume_channel
-            .basic_cancel(consumer.tag(), BasicCancelOptions::default())
+        let _ = opened
+            .consume_channel
+            .basic_cancel(opened.consumer.tag(), BasicCancelOptions::default())
             .await;
-        dispatcher.tracker.close();
-        let grace = Duration::from_secs(config.amqp.shutdown_grace);
-        if tokio::time::timeout(grace, dispatcher.tracker.wait())
-            .await
-            .is_err()
-        {
-            tracing::warn!(
-                ?grace,
-                "in-flight work did not finish in the grace period; it will be redelivered"
-            );
-        }
+        drain(dispatcher, config).await;
     }
     // Work goes on; answers wait for the next connection.
     dispatcher.disconnected(link.session);
-    let _ = tokio::time::timeout(Duration::from_secs(5), conn.close(200, "bye".into())).await;
+    let close = opened.conn.close(200, "bye".into());
+    let _ = tokio::time::timeout(Duration::from_secs(5), close).await;
     Ok(ended)
+}
+
+/// Hands deliveries to the dispatcher and reads the dead-letter queue's
+/// depth until the connection is lost or `stop` turns true. A channel the
+/// broker closed over its consumer timeout teaches the dispatcher the
+/// value the broker enforces.
+async fn consume(
+    shared: &Shared<'_>,
+    index: usize,
+    opened: &mut Opened,
+    link: &super::dispatch::Link,
+    stop: &mut watch::Receiver<bool>,
+) -> Ended {
+    let dead_letter_queue = Topology::new(shared.config).dead_letter_queue;
+    let mut census = tokio::time::interval(DEAD_LETTER_CENSUS);
+    loop {
+        // Deliveries (and the consumer's error) first: a consumer timeout
+        // also fails acknowledgements, which signal `broken`, and its
+        // value is only in the consumer's error.
+        let census_due = tokio::select! {
+            biased;
+            next = opened.consumer.next() => match next {
+                Some(Ok(delivery)) => {
+                    shared.dispatcher.dispatch(link.session, delivery);
+                    false
+                }
+                Some(Err(e)) => {
+                    if let Some(enforced) = super::consumer_timeout_of(&e) {
+                        shared.dispatcher.broker_consumer_timeout(enforced);
+                    }
+                    let error = crate::error::error_chain(&e);
+                    tracing::warn!(broker = %shared.brokers.name(index), %error, "connection lost");
+                    return Ended::Lost;
+                }
+                None => return Ended::Lost,
+            },
+            _ = link.broken.notified() => return Ended::Lost,
+            _ = stop.wait_for(|s| *s) => return Ended::Stopped,
+            _ = census.tick() => true,
+        };
+        if census_due {
+            dead_letter_census(shared.metrics, &opened.probe_channel, &dead_letter_queue).await;
+        }
+    }
+}
+
+/// Reads the dead-letter queue's depth into `amqp_dead_letter_messages`.
+async fn dead_letter_census(metrics: &Metrics, probe: &lapin::Channel, queue: &str) {
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let declared = tokio::time::timeout(
+        DEAD_LETTER_CENSUS,
+        probe.queue_declare(queue.into(), passive, FieldTable::default()),
+    )
+    .await;
+    if let Ok(Ok(q)) = declared {
+        metrics.amqp_dead_letters.set(i64::from(q.message_count()));
+    }
 }
 
 #[cfg(test)]

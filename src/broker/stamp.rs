@@ -19,20 +19,25 @@ pub fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-/// The issue time `properties` carry, if any.
-fn stamped_ms(properties: &BasicProperties) -> Option<u64> {
-    let header = properties
+/// A header of `properties` holding milliseconds since the epoch (an AMQP
+/// integer of any width, or a timestamp), if it is there.
+pub(super) fn header_ms(properties: &BasicProperties, name: &str) -> Option<u64> {
+    properties
         .headers()
         .as_ref()
-        .and_then(|h| h.inner().get(HEADER))
+        .and_then(|h| h.inner().get(name))
         .and_then(|v| match v {
             AMQPValue::LongLongInt(v) => u64::try_from(*v).ok(),
             AMQPValue::Timestamp(v) => Some(*v),
             AMQPValue::LongUInt(v) => Some(u64::from(*v)),
             AMQPValue::LongInt(v) => u64::try_from(*v).ok(),
             _ => None,
-        });
-    header.or_else(|| properties.timestamp().map(|s| s.saturating_mul(1000)))
+        })
+}
+
+/// The issue time `properties` carry, if any.
+fn stamped_ms(properties: &BasicProperties) -> Option<u64> {
+    header_ms(properties, HEADER).or_else(|| properties.timestamp().map(|s| s.saturating_mul(1000)))
 }
 
 /// When the command of `properties`, received at `received_ms`, was issued.

@@ -82,6 +82,16 @@ impl Topology {
                 )
                 .await?;
         }
+        self.declare_queues(channel, config).await?;
+        if self.notification_bindings.is_empty() {
+            return Ok(());
+        }
+        self.bind_notifications(conn, channel, config).await
+    }
+
+    /// The dead-letter queue, then the work queue dead-lettering into it,
+    /// bound to the command exchange.
+    async fn declare_queues(&self, channel: &Channel, config: &Config) -> lapin::Result<()> {
         let queue_type = AMQPValue::LongString(config.amqp.queue_type.as_str().into());
         let mut dead_args = FieldTable::default();
         dead_args.insert("x-queue-type".into(), queue_type.clone());
@@ -128,9 +138,17 @@ impl Topology {
                 FieldTable::default(),
             )
             .await?;
-        if self.notification_bindings.is_empty() {
-            return Ok(());
-        }
+        Ok(())
+    }
+
+    /// Binds the work queue to Ironic's notification exchange, creating the
+    /// exchange (as oslo.messaging would) only when it does not exist.
+    async fn bind_notifications(
+        &self,
+        conn: &Connection,
+        channel: &Channel,
+        config: &Config,
+    ) -> lapin::Result<()> {
         let probe = conn.create_channel().await?;
         let passive = ExchangeDeclareOptions {
             passive: true,

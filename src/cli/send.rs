@@ -41,7 +41,7 @@ pub async fn send(
     let broker = |e: lapin::Error| {
         Error::new(
             ErrorCode::Internal,
-            format!("broker {name}: {}", crate::broker::chain(&e)),
+            format!("broker {name}: {}", crate::error::error_chain(&e)),
         )
     };
     let channel = conn.create_channel().await.map_err(broker)?;
@@ -153,7 +153,7 @@ async fn connect_first(config: &Config) -> Result<(lapin::Connection, String)> {
             Ok(Err(e)) => failures.push(format!(
                 "{}: {}",
                 brokers.name(index),
-                crate::broker::chain(&e)
+                crate::error::error_chain(&e)
             )),
             Err(_) => failures.push(format!("{}: no connection in time", brokers.name(index))),
         }

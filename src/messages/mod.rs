@@ -175,6 +175,10 @@ pub struct ErrorBody {
     pub code: ErrorCode,
     /// Human message.
     pub message: String,
+    /// The OS error number behind a local I/O failure (not on the wire):
+    /// lets the broker layer retry a release on a transient one.
+    #[serde(skip)]
+    pub os_error: Option<i32>,
 }
 
 /// The completion event (docs/contract.md, "Completion events"): one per handled request.
@@ -267,6 +271,7 @@ impl Completion {
         self.error = Some(ErrorBody {
             code: err.code,
             message: err.message.clone(),
+            os_error: err.os_error,
         });
         self
     }

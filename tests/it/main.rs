@@ -7,6 +7,7 @@
 
 mod common;
 
+mod acks;
 mod amqp;
 mod cache;
 mod cluster;
