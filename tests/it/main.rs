@@ -20,6 +20,7 @@ mod http_hostile;
 mod ironic_cache;
 mod ironic_plugin;
 mod metrics;
+mod node_files;
 mod notifications;
 mod pipeline;
 mod rabbitmq_definitions;
