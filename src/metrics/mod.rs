@@ -55,6 +55,8 @@ pub struct Metrics {
     pub cache_linked: IntGauge,
     /// Masters evicted.
     pub evictions: IntCounter,
+    /// Nodes whose files expired (`[cache]node_files_ttl`).
+    pub node_files_expired: IntCounter,
     /// Published node symlinks.
     pub active_links: IntGauge,
     /// Requests being handled, by action.
@@ -229,6 +231,10 @@ impl Metrics {
                 "Masters linked by at least one node (never evicted).",
             ),
             evictions: r.counter("cache_evictions_total", "Masters evicted from the cache."),
+            node_files_expired: r.counter(
+                "node_files_expired_total",
+                "Nodes whose files no command asked for within [cache]node_files_ttl, removed.",
+            ),
             active_links: r.gauge("active_links", "Published node symlinks under http_root."),
             in_flight: r.gauge_vec(
                 "operations_in_flight",

@@ -60,6 +60,9 @@ struct Current {
     stat: SourceStat,
     /// Bytes covered by the free space made sure of so far.
     room_until: u64,
+    /// Room being made ahead (see [`Pipeline::keep_room_ahead`]): the bytes
+    /// it covers once made, and the eviction making it.
+    ahead: Option<(u64, tokio::task::JoinHandle<Result<()>>)>,
 }
 
 /// The views the conversion follows: `None` while no attempt is valid.
@@ -202,19 +205,43 @@ impl Pipeline {
             file,
             sink,
             room_until: stat.size.map_or(GROWTH_STEP, |_| u64::MAX),
+            ahead: None,
             stat,
         })
     }
 
     /// Writes (and hashes) the next bytes of the attempt, making sure of
-    /// more room every [`GROWTH_STEP`] when the length was not announced.
+    /// more room as it grows when the length was not announced.
     async fn write_bytes(&self, cur: &mut Current, bytes: &[u8]) -> Result<()> {
         cur.sink.write(bytes).await?;
         let size = cur.sink.size();
         cur.view.state.received(size);
-        if size > cur.room_until {
-            self.off_thread(|k| k.make_room(GROWTH_STEP)).await?;
-            cur.room_until = size.saturating_add(GROWTH_STEP);
+        self.keep_room_ahead(cur, size).await
+    }
+
+    /// Room for a download of unannounced length, made ahead: once within
+    /// half a [`GROWTH_STEP`] of what is made sure of, a background
+    /// eviction makes sure of a step more (unlinking large masters takes
+    /// a while: the download goes on meanwhile), and the download waits
+    /// for it only when it reaches the end of the room made sure of, so
+    /// it never writes past room that was not made. `GROWTH_STEP` bytes
+    /// free when the eviction checks cover the step beyond the size the
+    /// download had when it started.
+    async fn keep_room_ahead(&self, cur: &mut Current, size: u64) -> Result<()> {
+        if cur.room_until == u64::MAX {
+            return Ok(());
+        }
+        if cur.ahead.is_none() && size.saturating_add(GROWTH_STEP / 2) > cur.room_until {
+            let keeper = self.keeper();
+            let task = tokio::task::spawn_blocking(move || keeper.make_room(GROWTH_STEP));
+            cur.ahead = Some((size.saturating_add(GROWTH_STEP), task));
+        }
+        if size > cur.room_until
+            && let Some((until, task)) = cur.ahead.take()
+        {
+            task.await
+                .map_err(|e| Error::new(ErrorCode::Internal, format!("eviction task: {e}")))??;
+            cur.room_until = until;
         }
         Ok(())
     }

@@ -226,21 +226,28 @@ impl Pipeline {
         temp: TempGuard,
         meta: MasterMeta,
     ) -> Result<(Master, TempGuard)> {
-        // Durable before it becomes a master; the writers sync what they
-        // write (then this is cheap), except a download they were told is
-        // scratch (one that is converted), which is never committed itself.
-        std::fs::File::open(temp.path())
-            .and_then(|f| f.sync_data())
-            .map_err(|e| Error::io("sync the new master", e))?;
         let hold = TempGuard::new(self.cache.temp_path(name)?);
-        std::fs::hard_link(temp.path(), hold.path())
-            .map_err(|e| Error::io("hold the new master", e))?;
         let (cache, path, owned_name) = (
             self.cache.clone(),
             temp.path().to_path_buf(),
             name.to_string(),
         );
-        let master = blocking(move || cache.commit(&path, &owned_name, meta)).await?;
+        let hold_path = hold.path().to_path_buf();
+        // All on a blocking thread: the sync may write back gigabytes
+        // (qemu-img writes its output through the page cache, unsynced).
+        let master = blocking(move || {
+            // Durable before it becomes a master; the writers sync what
+            // they write (then this is cheap), except a download they were
+            // told is scratch (one that is converted), never committed
+            // itself, and qemu-img.
+            std::fs::File::open(&path)
+                .and_then(|f| f.sync_data())
+                .map_err(|e| Error::io("sync the new master", e))?;
+            std::fs::hard_link(&path, &hold_path)
+                .map_err(|e| Error::io("hold the new master", e))?;
+            cache.commit(&path, &owned_name, meta)
+        })
+        .await?;
         temp.keep();
         Ok((master, hold))
     }

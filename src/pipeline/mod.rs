@@ -108,6 +108,7 @@ impl Pipeline {
             &config.deploy.http_root,
             &config.deploy.http_image_subdir,
             cache.owner(),
+            config.cache.shared_dirs()?,
         )?;
         let node_locks = Locks::new(config.pxe.images_path.join(".locks"))?;
         let ledger = Ledger::open(config.pxe.images_path.join(".ledger"))?;
@@ -179,6 +180,25 @@ impl Pipeline {
             self.ledger.expire();
         }
         self.keeper().clean(amount, all_unused, dry_run)
+    }
+
+    /// Removes the worker's files of nodes no command asked for within
+    /// `[cache]node_files_ttl` (files a conductor takeover left here; see
+    /// `store::expiry`), skipping nodes whose lock is held; returns how
+    /// many nodes (blocking: file-system work).
+    pub fn expire_node_files(&self) -> Result<usize> {
+        let ttl = self.config.cache.node_files_ttl;
+        if ttl == 0 {
+            return Ok(0);
+        }
+        let expired = crate::store::expiry::NodeFiles {
+            links: &self.links,
+            cache: &self.cache,
+            locks: &self.node_locks,
+        }
+        .expire(std::time::Duration::from_secs(ttl))?;
+        self.metrics.node_files_expired.inc_by(expired.len() as u64);
+        Ok(expired.len())
     }
 
     /// Refreshes the cache and link gauges from the directories (blocking).

@@ -200,6 +200,8 @@ impl Pipeline {
                 return Err(e);
             }
         }
+        // Asked for now: not expired for another [cache]node_files_ttl.
+        self.links.touch(node);
         if outcome == CacheOutcome::Miss {
             self.after_growth().await;
             self.refresh_cache_gauges().await;

@@ -108,7 +108,9 @@ pub async fn serve(config: Config) -> Result<()> {
 }
 
 /// Applies the cache policy every `[cache]clean_interval` seconds (not only
-/// when an image is used) and refreshes the cache gauges every few seconds.
+/// when an image is used), after expiring node files no command asked for
+/// (`[cache]node_files_ttl`), and refreshes the cache gauges every few
+/// seconds.
 async fn housekeeping(pipeline: Arc<Pipeline>, mut stop: watch::Receiver<bool>) {
     const GAUGES_EVERY: std::time::Duration = std::time::Duration::from_secs(15);
     let every = pipeline.config().cache.clean_interval;
@@ -121,6 +123,11 @@ async fn housekeeping(pipeline: Arc<Pipeline>, mut stop: watch::Receiver<bool>) 
         }
         let p = pipeline.clone();
         let _ = tokio::task::spawn_blocking(move || {
+            // Node files first: a master they alone kept linked can then
+            // be evicted in the same pass.
+            if due && let Err(e) = p.expire_node_files() {
+                tracing::warn!(error = %e, "periodic expiry of node files failed");
+            }
             if due && let Err(e) = p.clean_cache(0, false, false) {
                 tracing::warn!(error = %e, "periodic cache clean-up failed");
             }

@@ -33,6 +33,12 @@ const SIDECAR_MODE: u32 = 0o600;
 /// Subdirectory of the temporaries.
 const TEMP_DIR: &str = ".tmp";
 
+/// The extended attribute every master gets when it is committed (its
+/// name): a node's `disk` carrying it is a hard link of a master the worker
+/// made, even once that master was replaced, so the expiry of node files
+/// knows it for the worker's own.
+pub const MASTER_MARK: &str = "user.ironic-image-worker.master";
+
 /// What the sidecar records about a master. A digest that was not computed
 /// is absent (never an empty string), so it can be computed later.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -327,6 +333,14 @@ impl Cache {
         }
         let stat = std::fs::metadata(temp).map_err(|e| Error::io("stat new master", e))?;
         meta.inode = stat.ino();
+        if let Err(e) = rustix::fs::setxattr(
+            temp,
+            MASTER_MARK,
+            name.as_bytes(),
+            rustix::fs::XattrFlags::empty(),
+        ) {
+            tracing::debug!(error = %e, "cannot mark the new master as the worker's");
+        }
         std::fs::rename(temp, &path)
             .map_err(|e| Error::io(format!("rename into {}", path.display()), e))?;
         self.write_meta(name, &meta)?;
@@ -362,6 +376,21 @@ impl Cache {
                     .filter(|m| !m.starts_with('.'))
                     .map(str::to_string)
             })
+            .collect()
+    }
+
+    /// Device and inode of every master (plain files at the top of the
+    /// directory): what a node's `disk` made by the worker links.
+    pub fn master_inodes(&self) -> std::collections::HashSet<(u64, u64)> {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return Default::default();
+        };
+        entries
+            .flatten()
+            .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
+            .filter_map(|e| e.metadata().ok())
+            .filter(|m| m.is_file())
+            .map(|m| (m.dev(), m.ino()))
             .collect()
     }
 

@@ -13,27 +13,96 @@ pub fn set_mode(file: &File, mode: u32) -> Result<()> {
         .map_err(|e| Error::io("chmod", e))
 }
 
+/// The mode (and group) of the directories the worker makes. The worker's
+/// own get 0755; those shared with Ironic (`images_path/<node>/`,
+/// `http_root/<subdir>/`) may get a group both users are in and a mode
+/// such as 2775, so that Ironic, running as another user, can remove the
+/// worker's node files and create its own symlinks there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DirMode {
+    /// Permission bits, the setgid bit included (never setuid or sticky).
+    pub mode: u32,
+    /// Group given to new directories; `None` keeps the one they got.
+    pub gid: Option<u32>,
+}
+
+impl DirMode {
+    /// 0755, group as created: what nobody else writes to.
+    pub const PRIVATE: DirMode = DirMode {
+        mode: 0o755,
+        gid: None,
+    };
+
+    /// Gives the existing directory `dir` this group and mode.
+    pub fn apply(&self, dir: &Path) -> Result<()> {
+        if let Some(gid) = self.gid {
+            rustix::fs::chown(dir, None, Some(rustix::fs::Gid::from_raw(gid))).map_err(|e| {
+                Error::io(format!("chgrp {} to group {gid}", dir.display()), e.into())
+            })?;
+        }
+        std::fs::set_permissions(dir, Permissions::from_mode(self.mode))
+            .map_err(|e| Error::io(format!("chmod {:o} {}", self.mode, dir.display()), e))
+    }
+
+    /// True when the existing directory `dir` already has this group and
+    /// mode.
+    pub fn is_on(&self, dir: &std::fs::Metadata) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        dir.mode() & 0o7777 == self.mode && self.gid.is_none_or(|g| dir.gid() == g)
+    }
+}
+
+/// The id of the group `name` (a name from the system's group database,
+/// or a number), if it exists.
+pub fn group_id(name: &str) -> Option<u32> {
+    if let Ok(gid) = name.parse::<u32>() {
+        return Some(gid);
+    }
+    let cname = std::ffi::CString::new(name).ok()?;
+    let mut buf = vec![0u8; 16 << 10];
+    let mut group: libc::group = unsafe { std::mem::zeroed() };
+    let mut found: *mut libc::group = std::ptr::null_mut();
+    // SAFETY: every pointer is valid for the call; `buf` outlives it and
+    // only `gr_gid`, a plain integer, is read afterwards.
+    let rc = unsafe {
+        libc::getgrnam_r(
+            cname.as_ptr(),
+            &mut group,
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            &mut found,
+        )
+    };
+    (rc == 0 && !found.is_null()).then_some(group.gr_gid)
+}
+
 /// Creates `dir` and its missing parents with mode 0755 whatever the umask.
 pub fn ensure_dir(dir: &Path) -> Result<()> {
+    ensure_dir_with(dir, DirMode::PRIVATE)
+}
+
+/// Creates `dir` and its missing parents with `mode` whatever the umask.
+pub fn ensure_dir_with(dir: &Path, mode: DirMode) -> Result<()> {
     if dir.is_dir() {
         return Ok(());
     }
     if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
-        ensure_dir(parent)?;
+        ensure_dir_with(parent, mode)?;
     }
     match std::fs::create_dir(dir) {
-        Ok(()) => chmod_dir(dir),
+        Ok(()) => mode.apply(dir),
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => Ok(()),
         Err(e) => Err(Error::io(format!("create directory {}", dir.display()), e)),
     }
 }
 
-/// Creates `dir` (mode 0755 whatever the umask) where it is usually new: one
-/// `mkdir` where [`ensure_dir`] looks first; any failure is left to it.
-pub fn create_dir_fresh(dir: &Path) -> Result<()> {
+/// Creates `dir` (with `mode` whatever the umask) where it is usually new:
+/// one `mkdir` where [`ensure_dir_with`] looks first; any failure is left
+/// to it.
+pub fn create_dir_fresh(dir: &Path, mode: DirMode) -> Result<()> {
     match std::fs::create_dir(dir) {
-        Ok(()) => chmod_dir(dir),
-        Err(_) => ensure_dir(dir),
+        Ok(()) => mode.apply(dir),
+        Err(_) => ensure_dir_with(dir, mode),
     }
 }
 
@@ -50,11 +119,6 @@ pub fn ensure_private_dir(dir: &Path) -> Result<()> {
         ensure_dir(dir)?;
     }
     std::fs::set_permissions(dir, Permissions::from_mode(0o700))
-        .map_err(|e| Error::io(format!("chmod {}", dir.display()), e))
-}
-
-fn chmod_dir(dir: &Path) -> Result<()> {
-    std::fs::set_permissions(dir, Permissions::from_mode(0o755))
         .map_err(|e| Error::io(format!("chmod {}", dir.display()), e))
 }
 

@@ -5,7 +5,8 @@
 
 use crate::error::{Error, Result};
 use crate::node::NodeUuid;
-use crate::store::fsutil::{self, TempOwner};
+use crate::store::fsutil::{self, DirMode, TempOwner};
+use std::collections::HashSet;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -17,25 +18,48 @@ pub struct NodeLinks {
     images_path: PathBuf,
     link_dir: PathBuf,
     owner: Arc<TempOwner>,
+    dirs: DirMode,
 }
 
 impl NodeLinks {
-    /// Creates the directories (0755) if needed; temporaries are named
-    /// after `owner`.
+    /// Creates the directories (with `dirs`, the group and mode of the
+    /// directories shared with Ironic) if needed; with a shared group, an
+    /// existing one of them that the worker owns is given it too (made by
+    /// an earlier version, 0755). Temporaries are named after `owner`.
     pub fn open(
         images_path: &Path,
         http_root: &Path,
         subdir: &str,
         owner: Arc<TempOwner>,
+        dirs: DirMode,
     ) -> Result<NodeLinks> {
         let link_dir = http_root.join(subdir);
-        fsutil::ensure_dir(images_path)?;
-        fsutil::ensure_dir(&link_dir)?;
+        for dir in [images_path, &link_dir] {
+            fsutil::ensure_dir_with(dir, dirs)?;
+            if dirs.gid.is_some()
+                && let Ok(m) = std::fs::metadata(dir)
+                && m.uid() == rustix::process::geteuid().as_raw()
+                && !dirs.is_on(&m)
+            {
+                dirs.apply(dir)?;
+            }
+        }
         Ok(NodeLinks {
             images_path: images_path.to_path_buf(),
             link_dir,
             owner,
+            dirs,
         })
+    }
+
+    /// Directory of the nodes' cached images (`[pxe]images_path`).
+    pub fn images_path(&self) -> &Path {
+        &self.images_path
+    }
+
+    /// Directory of the published symlinks.
+    pub fn link_dir(&self) -> &Path {
+        &self.link_dir
     }
 
     /// Directory of a node's cached image.
@@ -91,7 +115,7 @@ impl NodeLinks {
     /// See [`NodeLinks::link_disk`]: `copy` is the master's SHA-256 where a
     /// copy may be made, `None` where only a hard link will do.
     fn replace_disk(&self, node: &NodeUuid, master: &Path, copy: Option<&str>) -> Result<bool> {
-        fsutil::create_dir_fresh(&self.node_dir(node))?;
+        fsutil::create_dir_fresh(&self.node_dir(node), self.dirs)?;
         let disk = self.disk_path(node);
         // A node's first image is linked straight under its name (atomic
         // too); anything else (an existing `disk`, another file system, an
@@ -136,12 +160,61 @@ impl NodeLinks {
         if current.as_deref() == Some(target.as_path()) {
             return Ok(false);
         }
-        fsutil::ensure_dir(&self.link_dir)?;
+        fsutil::ensure_dir_with(&self.link_dir, self.dirs)?;
         let temp = self.owner.temp_next_to(&link)?;
         fsutil::replace_via_temp(&link, &temp, |temp| {
             std::os::unix::fs::symlink(&target, temp)
         })?;
         Ok(current.is_none())
+    }
+
+    /// Records that a command asked for the node's files now (the mtime of
+    /// its directory, one `utimensat`; the symlink's where the directory is
+    /// not the worker's to touch): what [`crate::store::expiry`] reads.
+    pub fn touch(&self, node: &NodeUuid) {
+        use rustix::fs::{AtFlags, CWD, Timespec, Timestamps, UTIME_NOW};
+        let now = Timespec {
+            tv_sec: 0,
+            tv_nsec: UTIME_NOW,
+        };
+        let times = Timestamps {
+            last_access: now,
+            last_modification: now,
+        };
+        if rustix::fs::utimensat(CWD, self.node_dir(node), &times, AtFlags::empty()).is_err() {
+            let link = self.symlink_path(node);
+            let _ = rustix::fs::utimensat(CWD, link, &times, AtFlags::SYMLINK_NOFOLLOW);
+        }
+    }
+
+    /// True when the node's symlink is one the worker makes: the worker's
+    /// (its owner), to the node's `disk` in `images_path`.
+    pub fn symlink_is_ours(&self, node: &NodeUuid) -> bool {
+        let link = self.symlink_path(node);
+        let mine = std::fs::symlink_metadata(&link)
+            .is_ok_and(|m| m.uid() == rustix::process::geteuid().as_raw());
+        let Some(target) = std::fs::read_link(&link).ok().filter(|_| mine) else {
+            return false;
+        };
+        std::path::absolute(self.disk_path(node)).is_ok_and(|ours| ours == target)
+            || fsutil::same_path(&target, &self.disk_path(node))
+    }
+
+    /// True when the node's `disk` is one the worker makes: a hard link of
+    /// one of its masters (`masters`: their device and inode, or the mark
+    /// every master gets, see [`crate::store::cache::MASTER_MARK`]), or a
+    /// copy of one (its [`COPY_OF`] record).
+    pub fn disk_is_ours(&self, node: &NodeUuid, masters: &HashSet<(u64, u64)>) -> bool {
+        let path = self.disk_path(node);
+        let Ok(m) = std::fs::symlink_metadata(&path) else {
+            return false;
+        };
+        let mut buf = [0u8; 256];
+        m.is_file()
+            && (masters.contains(&(m.dev(), m.ino()))
+                || rustix::fs::getxattr(&path, crate::store::cache::MASTER_MARK, &mut buf[..])
+                    .is_ok()
+                || recorded_copy_of(&path).is_some())
     }
 
     /// Published node symlinks (temporaries excluded).

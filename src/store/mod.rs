@@ -1,14 +1,16 @@
 //! What is on disk.
 //!
 //! Holds the master cache and its sidecars (`cache`), Ironic's eviction
-//! policy (`eviction`), per-node links (`link`), named locks (`lock`), the per-node command
-//! ledger (`ledger`), write-
-//! and-hash (`sink`), checksums (`checksum`, `md5`) and file-system helpers
+//! policy (`eviction`), per-node links (`link`) and their expiry
+//! (`expiry`), named locks (`lock`), the per-node command ledger
+//! (`ledger`), write-and-hash (`sink`), checksums (`checksum`, `md5`) and
+//! file-system helpers
 //! (`fsutil`). Must not know any transport (AMQP, HTTP).
 
 pub(crate) mod cache;
 pub(crate) mod checksum;
 pub(crate) mod eviction;
+pub(crate) mod expiry;
 pub(crate) mod fsutil;
 pub(crate) mod ledger;
 pub(crate) mod link;

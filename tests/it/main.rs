@@ -22,6 +22,7 @@ mod ironic_cache;
 mod ironic_plugin;
 mod ledger;
 mod metrics;
+mod node_files;
 mod notifications;
 mod pipeline;
 mod rabbitmq_definitions;
