@@ -21,6 +21,7 @@ mod ironic_cache;
 mod ironic_plugin;
 mod metrics;
 mod notifications;
+mod oci;
 mod pipeline;
 mod rabbitmq_definitions;
 mod systemd;
