@@ -93,7 +93,11 @@ pub struct NodeInfo {
 impl NodeInfo {
     /// Refuses values longer than any real one (see `schemas/command.v1.json`).
     pub fn check_lengths(&self) -> Result<(), String> {
-        if self.cpu_arch.as_ref().is_some_and(|a| a.len() > MAX_NAME_LEN) {
+        if self
+            .cpu_arch
+            .as_ref()
+            .is_some_and(|a| a.len() > MAX_NAME_LEN)
+        {
             return Err(format!(
                 "properties.cpu_arch is longer than {MAX_NAME_LEN} bytes"
             ));

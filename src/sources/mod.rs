@@ -610,7 +610,10 @@ pub enum Delivery {
 fn unresolved(source: &Source) -> Error {
     Error::new(
         ErrorCode::Internal,
-        format!("{}: OCI reference used before it was resolved", source.display()),
+        format!(
+            "{}: OCI reference used before it was resolved",
+            source.display()
+        ),
     )
 }
 

@@ -142,8 +142,9 @@ impl OciRef {
         let repo_ok = !repo.is_empty()
             && repo.split('/').all(|c| {
                 !c.is_empty()
-                    && c.bytes()
-                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-".contains(&b))
+                    && c.bytes().all(|b| {
+                        b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-".contains(&b)
+                    })
                     && c.as_bytes()[0].is_ascii_alphanumeric()
             });
         if !repo_ok {
@@ -239,7 +240,10 @@ pub fn credential_from_config(path: &str, hosts: &[&str]) -> Option<Credential> 
     let text = match std::fs::read(path) {
         Ok(t) if t.len() <= 1 << 20 => t,
         Ok(_) => {
-            tracing::error!(path, "[oci]authentication_config is larger than 1 MiB, ignored");
+            tracing::error!(
+                path,
+                "[oci]authentication_config is larger than 1 MiB, ignored"
+            );
             return None;
         }
         Err(e) => {
@@ -395,7 +399,10 @@ mod tests {
         let r = OciRef::parse("oci://reg/img").unwrap();
         assert_eq!(r.reference, Reference::Tag("latest".into()));
         let r = OciRef::parse(&format!("oci://reg/img@{D}")).unwrap();
-        assert_eq!(r.at(&Digest::parse(D).unwrap()), format!("oci://reg/img@{D}"));
+        assert_eq!(
+            r.at(&Digest::parse(D).unwrap()),
+            format!("oci://reg/img@{D}")
+        );
         for bad in [
             "oci://reg",
             "oci:///img:v1",
@@ -418,7 +425,10 @@ mod tests {
         assert_eq!(Credential::from_secret(&pair).0, pair);
         assert_eq!(Credential::from_secret("user:pass").0, pair);
         assert_eq!(Credential::from_secret("tok").0, b64.encode(":tok"));
-        assert_eq!(format!("{:?}", Credential::from_secret("user:pass")), "Credential(***)");
+        assert_eq!(
+            format!("{:?}", Credential::from_secret("user:pass")),
+            "Credential(***)"
+        );
     }
 
     fn entry(disktype: Option<&str>, arch: Option<&str>, digest: &str) -> Descriptor {

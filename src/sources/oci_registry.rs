@@ -291,12 +291,18 @@ impl Registry {
         source: &Source,
         bounded: bool,
     ) -> std::result::Result<reqwest::Response, Failure> {
-        let origin = (url.host_str().map(str::to_string), url.port_or_known_default());
+        let origin = (
+            url.host_str().map(str::to_string),
+            url.port_or_known_default(),
+        );
         let mut url = url.clone();
         let mut hops = 0;
         loop {
             let mut req = self.client.get(url.clone());
-            let same = (url.host_str().map(str::to_string), url.port_or_known_default()) == origin;
+            let same = (
+                url.host_str().map(str::to_string),
+                url.port_or_known_default(),
+            ) == origin;
             if let Some(a) = authorization.filter(|_| same || self.secure_cdn(&url)) {
                 req = req.header(AUTHORIZATION, a);
             }
@@ -323,7 +329,10 @@ impl Registry {
                 ))
             };
             let Some(next) = next else {
-                return Err(refuse(format!("{} redirects to no usable Location", resp.status())));
+                return Err(refuse(format!(
+                    "{} redirects to no usable Location",
+                    resp.status()
+                )));
             };
             if hops > self.max_redirects {
                 return Err(refuse(format!(
@@ -332,9 +341,15 @@ impl Registry {
                 )));
             }
             if !matches!(next.scheme(), "http" | "https") {
-                return Err(refuse(format!("redirect to scheme {:?} refused", next.scheme())));
+                return Err(refuse(format!(
+                    "redirect to scheme {:?} refused",
+                    next.scheme()
+                )));
             }
-            if !self.allow_local && http_client::is_local_host(&next) && !http_client::is_local_host(&url) {
+            if !self.allow_local
+                && http_client::is_local_host(&next)
+                && !http_client::is_local_host(&url)
+            {
                 return Err(refuse(format!(
                     "redirect to the local address {} refused ([source]allow_local_redirects)",
                     next.host_str().unwrap_or_default()
@@ -419,7 +434,10 @@ impl Registry {
                 )));
             }
         };
-        *session.authorization.lock().unwrap_or_else(|e| e.into_inner()) = Some(value);
+        *session
+            .authorization
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(value);
         Ok(())
     }
 
@@ -459,7 +477,10 @@ impl Registry {
                 Some(_) => oci_error(
                     ErrorCode::SourceNotAllowed,
                     r,
-                    format!("the token service refused the credentials ({})", resp.status()),
+                    format!(
+                        "the token service refused the credentials ({})",
+                        resp.status()
+                    ),
                 ),
                 None => needs_credentials(r),
             }));
@@ -474,14 +495,22 @@ impl Registry {
         }
         let body = read_bounded(resp, MAX_TOKEN_BODY, &source, "token answer").await?;
         let answer: Answer = serde_json::from_slice(&body).map_err(|e| {
-            Failure::Fatal(oci_error(ErrorCode::SourceUnreachable, r, format!("unreadable token answer: {e}")))
+            Failure::Fatal(oci_error(
+                ErrorCode::SourceUnreachable,
+                r,
+                format!("unreadable token answer: {e}"),
+            ))
         })?;
         answer
             .token
             .or(answer.access_token)
             .filter(|t| !t.is_empty() && t.len() < 64 << 10 && !t.contains(['\r', '\n']))
             .ok_or_else(|| {
-                Failure::Fatal(oci_error(ErrorCode::SourceUnreachable, r, "the token service answered no usable token"))
+                Failure::Fatal(oci_error(
+                    ErrorCode::SourceUnreachable,
+                    r,
+                    "the token service answered no usable token",
+                ))
             })
     }
 
@@ -523,7 +552,11 @@ impl Registry {
             )));
         }
         let doc: Document = serde_json::from_slice(&body).map_err(|e| {
-            Failure::Fatal(oci_error(ErrorCode::SourceUnreachable, r, format!("unreadable manifest {reference}: {e}")))
+            Failure::Fatal(oci_error(
+                ErrorCode::SourceUnreachable,
+                r,
+                format!("unreadable manifest {reference}: {e}"),
+            ))
         })?;
         Ok((doc, ctype, got))
     }
@@ -603,7 +636,9 @@ async fn read_bounded(
 
 /// Parses a `WWW-Authenticate` challenge: its scheme (lowercase) and its
 /// `key="value"` parameters (quoted values may hold commas).
-pub(crate) fn parse_challenge(header: &str) -> (String, std::collections::BTreeMap<String, String>) {
+pub(crate) fn parse_challenge(
+    header: &str,
+) -> (String, std::collections::BTreeMap<String, String>) {
     let header = header.trim();
     let (scheme, mut rest) = header.split_once(' ').unwrap_or((header, ""));
     let mut params = std::collections::BTreeMap::new();

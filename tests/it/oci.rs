@@ -42,15 +42,34 @@ fn make_certs(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
     tool(
         "openssl",
         &[
-            "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
-            "/CN=iiw-oci-test-ca", "-keyout", &p("ca.key"), "-out", &p("ca.pem"),
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=iiw-oci-test-ca",
+            "-keyout",
+            &p("ca.key"),
+            "-out",
+            &p("ca.pem"),
         ],
     );
     tool(
         "openssl",
         &[
-            "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost", "-keyout",
-            &p("server.key"), "-out", &p("server.csr"),
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=localhost",
+            "-keyout",
+            &p("server.key"),
+            "-out",
+            &p("server.csr"),
         ],
     );
     std::fs::write(
@@ -61,12 +80,28 @@ fn make_certs(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
     tool(
         "openssl",
         &[
-            "x509", "-req", "-in", &p("server.csr"), "-CA", &p("ca.pem"), "-CAkey",
-            &p("ca.key"), "-CAcreateserial", "-days", "2", "-extfile", &p("server.ext"),
-            "-out", &p("server.pem"),
+            "x509",
+            "-req",
+            "-in",
+            &p("server.csr"),
+            "-CA",
+            &p("ca.pem"),
+            "-CAkey",
+            &p("ca.key"),
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            &p("server.ext"),
+            "-out",
+            &p("server.pem"),
         ],
     );
-    (dir.join("ca.pem"), dir.join("server.pem"), dir.join("server.key"))
+    (
+        dir.join("ca.pem"),
+        dir.join("server.pem"),
+        dir.join("server.key"),
+    )
 }
 
 impl Registry {
@@ -123,7 +158,10 @@ impl Registry {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        panic!("the registry did not start: {:?}", std::fs::read_to_string(dir.join("registry.log")));
+        panic!(
+            "the registry did not start: {:?}",
+            std::fs::read_to_string(dir.join("registry.log"))
+        );
     }
 
     fn url(&self, path: &str) -> String {
@@ -147,13 +185,19 @@ impl Registry {
     async fn blob(&self, repo: &str, data: &[u8]) -> String {
         let digest = format!("sha256:{}", hex::encode(sha2::Sha256::digest(data)));
         let r = self
-            .req(reqwest::Method::POST, &self.url(&format!("{repo}/blobs/uploads/")))
+            .req(
+                reqwest::Method::POST,
+                &self.url(&format!("{repo}/blobs/uploads/")),
+            )
             .send()
             .await
             .unwrap();
         assert_eq!(r.status(), 202, "upload start");
         let loc = r.headers()["location"].to_str().unwrap().to_string();
-        let loc = reqwest::Url::parse(&self.url("")).unwrap().join(&loc).unwrap();
+        let loc = reqwest::Url::parse(&self.url(""))
+            .unwrap()
+            .join(&loc)
+            .unwrap();
         let sep = if loc.query().is_some() { '&' } else { '?' };
         let r = self
             .req(reqwest::Method::PUT, &format!("{loc}{sep}digest={digest}"))
@@ -168,13 +212,22 @@ impl Registry {
 
     /// Puts a manifest or index under `reference` (a tag, or its digest
     /// when `None`) and returns its digest.
-    async fn manifest(&self, repo: &str, reference: Option<&str>, doc: &Value, media: &str) -> String {
+    async fn manifest(
+        &self,
+        repo: &str,
+        reference: Option<&str>,
+        doc: &Value,
+        media: &str,
+    ) -> String {
         let body = serde_json::to_vec(doc).unwrap();
         let digest = format!("sha256:{}", hex::encode(sha2::Sha256::digest(&body)));
         let r = self
             .req(
                 reqwest::Method::PUT,
-                &self.url(&format!("{repo}/manifests/{}", reference.unwrap_or(&digest))),
+                &self.url(&format!(
+                    "{repo}/manifests/{}",
+                    reference.unwrap_or(&digest)
+                )),
             )
             .header("Content-Type", media)
             .body(body)
@@ -220,8 +273,10 @@ impl Registry {
     /// The file the registry stores blob `digest` in.
     fn stored_blob(&self, digest: &str) -> PathBuf {
         let hex = digest.strip_prefix("sha256:").unwrap();
-        self.storage
-            .join(format!("docker/registry/v2/blobs/sha256/{}/{hex}/data", &hex[..2]))
+        self.storage.join(format!(
+            "docker/registry/v2/blobs/sha256/{}/{hex}/data",
+            &hex[..2]
+        ))
     }
 }
 
@@ -236,15 +291,20 @@ fn disk(dir: &Path, name: &str, seed: u64) -> (PathBuf, PathBuf) {
 
 /// The served bytes of a successful prepare match its completion's
 /// checksums and the `want` reference file.
-async fn assert_serves(env: &Env, done: &Value, want: &Path) {
+fn assert_serves(env: &Env, done: &Value, want: &Path) {
     let served = env.link_dir().join(done["node_uuid"].as_str().unwrap());
     assert_eq!(md5sum(&served), md5sum(want), "served bytes");
     assert_eq!(done["image_checksum"], md5sum(want));
     assert_eq!(done["image_os_hash_algo"], "sha256");
     assert_eq!(done["image_os_hash_value"], sha256sum(want));
+    assert_eq!(done["image_size"], std::fs::metadata(want).unwrap().len());
+}
+
+/// Also fetches what a running worker serves at `image_url`.
+async fn assert_http_serves(done: &Value, want: &Path) {
     let (status, body) = get(done["image_url"].as_str().unwrap()).await;
     assert_eq!(status, 200);
-    assert_eq!(body.len() as u64, std::fs::metadata(want).unwrap().len());
+    assert_eq!(body, std::fs::read(want).unwrap(), "bytes served over HTTP");
 }
 
 fn plain_env() -> Env {
@@ -256,23 +316,35 @@ async fn tag_and_digests_resolve_to_one_cached_master() {
     let env = plain_env();
     let reg = Registry::start(&env.root().join("registry"), None, false).await;
     let (raw, qcow2) = disk(env.root(), "disk", 1);
-    let (manifest, size, _) = reg.artifact("img/disk", &qcow2, "application/octet-stream").await;
-    let index = reg.index("img/disk", "v1", &[(&manifest, size, "qcow2", "amd64")]).await;
+    let (manifest, size, _) = reg
+        .artifact("img/disk", &qcow2, "application/octet-stream")
+        .await;
+    let index = reg
+        .index("img/disk", "v1", &[(&manifest, size, "qcow2", "amd64")])
+        .await;
 
     let (ok, done) = env.prepare(&node(), &reg.oci("img/disk:v1"), &[]).await;
     assert!(ok, "{done}");
     assert_eq!(done["cache"], "miss");
     assert_eq!(done["converted"], true);
-    assert_eq!(done["oci_image_manifest_url"], reg.oci(&format!("img/disk@{manifest}")));
-    assert_serves(&env, &done, &raw).await;
+    assert_eq!(
+        done["oci_image_manifest_url"],
+        reg.oci(&format!("img/disk@{manifest}"))
+    );
+    assert_serves(&env, &done, &raw);
 
     // The manifest's digest and the index's name the same blob: one master.
     for digest in [&manifest, &index] {
-        let (ok, again) = env.prepare(&node(), &reg.oci(&format!("img/disk@{digest}")), &[]).await;
+        let (ok, again) = env
+            .prepare(&node(), &reg.oci(&format!("img/disk@{digest}")), &[])
+            .await;
         assert!(ok, "{again}");
         assert_eq!(again["cache"], "hit", "{digest}");
-        assert_eq!(again["oci_image_manifest_url"], done["oci_image_manifest_url"]);
-        assert_serves(&env, &again, &raw).await;
+        assert_eq!(
+            again["oci_image_manifest_url"],
+            done["oci_image_manifest_url"]
+        );
+        assert_serves(&env, &again, &raw);
     }
     assert_eq!(env.masters().len(), 1, "{:?}", env.masters());
 
@@ -288,13 +360,23 @@ async fn index_choice_follows_disktype_and_cpu_arch() {
     let (raw_amd64, _) = disk(env.root(), "raw-amd64", 11);
     let (q_amd64_raw, q_amd64) = disk(env.root(), "q-amd64", 12);
     let (q_arm64_raw, q_arm64) = disk(env.root(), "q-arm64", 13);
-    let (ra, ras, _) = reg.artifact("os", &raw_amd64, "application/octet-stream").await;
-    let (qa, qas, _) = reg.artifact("os", &q_amd64, "application/octet-stream").await;
-    let (qr, qrs, _) = reg.artifact("os", &q_arm64, "application/octet-stream").await;
+    let (ra, ras, _) = reg
+        .artifact("os", &raw_amd64, "application/octet-stream")
+        .await;
+    let (qa, qas, _) = reg
+        .artifact("os", &q_amd64, "application/octet-stream")
+        .await;
+    let (qr, qrs, _) = reg
+        .artifact("os", &q_arm64, "application/octet-stream")
+        .await;
     reg.index(
         "os",
         "multi",
-        &[(&ra, ras, "raw", "amd64"), (&qa, qas, "qcow2", "amd64"), (&qr, qrs, "qcow2", "arm64")],
+        &[
+            (&ra, ras, "raw", "amd64"),
+            (&qa, qas, "qcow2", "amd64"),
+            (&qr, qrs, "qcow2", "arm64"),
+        ],
     )
     .await;
     let worker = env.serve().await;
@@ -312,8 +394,13 @@ async fn index_choice_follows_disktype_and_cpu_arch() {
         let done = broker.call(&env.host, cmd).await;
         assert_valid_completion(&done);
         assert_eq!(done["status"], "success", "{arch} {mode}: {done}");
-        assert_eq!(done["oci_image_manifest_url"], reg.oci(&format!("os@{manifest}")), "{arch} {mode}");
-        assert_serves(&env, &done, want).await;
+        assert_eq!(
+            done["oci_image_manifest_url"],
+            reg.oci(&format!("os@{manifest}")),
+            "{arch} {mode}"
+        );
+        assert_serves(&env, &done, want);
+        assert_http_serves(&done, want).await;
     }
     let mut cmd = prepare_cmd(&node(), &reg.oci("os:multi"));
     cmd["properties"] = json!({"cpu_arch": "s390x"});
@@ -336,15 +423,17 @@ async fn zstd_layers_are_decompressed_and_served_converted() {
     let (ok, done) = env.prepare(&node(), &reg.oci("z"), &[]).await;
     assert!(ok, "{done}");
     assert_eq!(done["converted"], true);
-    assert_serves(&env, &done, &raw).await;
+    assert_serves(&env, &done, &raw);
 }
 
 #[tokio::test]
-async fn blobs_and_manifests_not_matching_their_digest_are_refused() {
+async fn blobs_not_matching_their_digest_are_refused() {
     let env = plain_env();
     let reg = Registry::start(&env.root().join("registry"), None, false).await;
     let (_, qcow2) = disk(env.root(), "bad", 31);
-    let (m, s, blob) = reg.artifact("bad", &qcow2, "application/octet-stream").await;
+    let (m, s, blob) = reg
+        .artifact("bad", &qcow2, "application/octet-stream")
+        .await;
     reg.index("bad", "v1", &[(&m, s, "qcow2", "amd64")]).await;
     // The registry's storage goes bad: same length, one byte changed.
     let stored = reg.stored_blob(&blob);
@@ -354,23 +443,25 @@ async fn blobs_and_manifests_not_matching_their_digest_are_refused() {
     let (ok, done) = env.prepare(&node(), &reg.oci("bad:v1"), &[]).await;
     assert!(!ok);
     assert_eq!(done["error"]["code"], "checksum_mismatch", "{done}");
-    assert!(env.masters().is_empty(), "nothing cached: {:?}", env.masters());
+    assert!(
+        env.masters().is_empty(),
+        "nothing cached: {:?}",
+        env.masters()
+    );
     assert!(env.temporaries().is_empty(), "{:?}", env.temporaries());
-
-    let stored = reg.stored_blob(&m);
-    let mut doc = std::fs::read(&stored).unwrap();
-    let at = doc.len() - 3;
-    doc[at] = b' ';
-    std::fs::write(&stored, doc).unwrap();
-    let (ok, done) = env.prepare(&node(), &reg.oci(&format!("bad@{m}")), &[]).await;
-    assert!(!ok);
-    assert_eq!(done["error"]["code"], "checksum_mismatch", "{done}");
+    // (A manifest gone bad is not served at all by this registry: it checks
+    // manifests itself and answers 500.)
 }
 
 #[tokio::test]
 async fn credentials_over_tls_and_refusals() {
     let dir = tempfile::tempdir().unwrap();
-    let reg = Registry::start(&dir.path().join("registry"), Some(("puller", "s3cret-pw")), true).await;
+    let reg = Registry::start(
+        &dir.path().join("registry"),
+        Some(("puller", "s3cret-pw")),
+        true,
+    )
+    .await;
     let auth_file = dir.path().join("config.json");
     let env = Env::new(&format!(
         "[oci]\nverify_ca = \"{}\"\nauthentication_config = \"{}\"\n",
@@ -378,32 +469,48 @@ async fn credentials_over_tls_and_refusals() {
         auth_file.display()
     ));
     let (raw, qcow2) = disk(env.root(), "priv", 41);
-    let (m, s, _) = reg.artifact("priv/os", &qcow2, "application/octet-stream").await;
-    reg.index("priv/os", "v1", &[(&m, s, "qcow2", "amd64")]).await;
+    let (m, s, _) = reg
+        .artifact("priv/os", &qcow2, "application/octet-stream")
+        .await;
+    reg.index("priv/os", "v1", &[(&m, s, "qcow2", "amd64")])
+        .await;
     let src = reg.oci("priv/os:v1");
 
     // No credentials anywhere: a clear refusal.
     let (ok, done) = env.prepare(&node(), &src, &[]).await;
     assert!(!ok);
     assert_eq!(done["error"]["code"], "source_not_allowed", "{done}");
-    assert!(done["error"]["message"].as_str().unwrap().contains("requires credentials"), "{done}");
+    assert!(
+        done["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("requires credentials"),
+        "{done}"
+    );
 
     // The config file, read on use (written after the worker started).
     let b64 = base64::engine::general_purpose::STANDARD;
     let registry = format!("127.0.0.1:{}", reg.port);
     let write_auth = |pw: &str| {
-        let auth = json!({"auths": {registry.clone(): {"auth": b64.encode(format!("puller:{pw}"))}}});
+        let auth =
+            json!({"auths": {registry.clone(): {"auth": b64.encode(format!("puller:{pw}"))}}});
         std::fs::write(&auth_file, auth.to_string()).unwrap();
     };
     write_auth("wrong");
     let (ok, done) = env.prepare(&node(), &src, &[]).await;
     assert!(!ok);
     assert_eq!(done["error"]["code"], "source_not_allowed", "{done}");
-    assert!(done["error"]["message"].as_str().unwrap().contains("refused"), "{done}");
+    assert!(
+        done["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("refused"),
+        "{done}"
+    );
     write_auth("s3cret-pw");
     let (ok, done) = env.prepare(&node(), &src, &[]).await;
     assert!(ok, "{done}");
-    assert_serves(&env, &done, &raw).await;
+    assert_serves(&env, &done, &raw);
     std::fs::remove_file(&auth_file).unwrap();
 
     // Pull secrets in the command: instance_info's (base64, as Metal3
@@ -428,7 +535,10 @@ async fn credentials_over_tls_and_refusals() {
         assert_valid_completion(&done);
         assert_eq!(done["status"], want, "{ii:?} {di:?}: {done}");
         let text = done.to_string();
-        assert!(!text.contains("s3cret") && !text.contains(&good), "secret echoed: {text}");
+        assert!(
+            !text.contains("s3cret") && !text.contains(&good),
+            "secret echoed: {text}"
+        );
     }
     worker.terminate().await;
 
@@ -437,7 +547,10 @@ async fn credentials_over_tls_and_refusals() {
         let name = entry.to_string_lossy();
         if name.ends_with(".json") || name.ends_with(".log") {
             let text = std::fs::read_to_string(&entry).unwrap_or_default();
-            assert!(!text.contains("s3cret") && !text.contains(&good), "secret in {name}");
+            assert!(
+                !text.contains("s3cret") && !text.contains(&good),
+                "secret in {name}"
+            );
         }
     }
 }
