@@ -29,34 +29,13 @@ impl Pipeline {
         req: &Request,
         done: &mut Completion,
     ) -> Result<Released> {
-        let info = &req.instance_info;
-        let href = info
-            .image_source
-            .as_deref()
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-            .ok_or_else(|| {
-                Error::new(
-                    ErrorCode::InvalidMessage,
-                    "instance_info.image_source is required",
-                )
-            })?;
-        let mut source = Source::parse(href, &self.config)?;
-        let mode = info
+        let mode = req
+            .instance_info
             .image_download_source
             .clone()
             .unwrap_or_else(|| self.config.agent.image_download_source.clone());
-        let mut info = info.clone();
-        if let Source::Oci(r) = &source {
-            source = Box::pin(self.resolve_oci(r, req, &mode, &mut info, done)).await?;
-        }
-        // `<id>` and `glance://<id>` are one image: recorded by its id; an
-        // OCI blob by its digest.
-        let href = match &source {
-            Source::Glance(id) => id.clone(),
-            Source::OciBlob(b) => b.display(),
-            _ => href.to_string(),
-        };
+        let mut info = req.instance_info.clone();
+        let (source, href) = Box::pin(self.source_of(req, &mode, &mut info, done)).await?;
         let href = href.as_str();
         Box::pin(self.complete_from_glance(&source, &mut info)).await?;
         let info = &info;
@@ -291,6 +270,40 @@ impl Pipeline {
             info.image_disk_format = meta.disk_format;
         }
         Ok(())
+    }
+
+    /// The request's source and the name its master is recorded under:
+    /// `<id>` and `glance://<id>` are one image, recorded by its id; an
+    /// `oci://` reference is resolved to its blob, recorded by its digest.
+    async fn source_of(
+        &self,
+        req: &Request,
+        mode: &str,
+        info: &mut InstanceInfo,
+        done: &mut Completion,
+    ) -> Result<(Source, String)> {
+        let href = req
+            .instance_info
+            .image_source
+            .as_deref()
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorCode::InvalidMessage,
+                    "instance_info.image_source is required",
+                )
+            })?;
+        let source = match Source::parse(href, &self.config)? {
+            Source::Oci(r) => self.resolve_oci(&r, req, mode, info, done).await?,
+            other => other,
+        };
+        let href = match &source {
+            Source::Glance(id) => id.clone(),
+            Source::OciBlob(b) => b.display(),
+            _ => href.to_string(),
+        };
+        Ok((source, href))
     }
 
     /// For an `oci://` source: the blob it resolves to (with the request's
