@@ -233,6 +233,7 @@ fn request(action: Action, node: NodeArgs, image: Option<ImageArgs>) -> Request 
         request_id: node.request_id,
         instance_info,
         options,
+        node_info: Default::default(),
         only_if_prepared: false,
         slow: Default::default(),
         issued_ms: None,

@@ -91,6 +91,15 @@ const SAME: &[(&str, &[(&str, Kind)])] = &[
             ("insecure", Kind::Bool),
         ],
     ),
+    (
+        "oci",
+        &[
+            ("authentication_config", Kind::Str),
+            ("verify_ca", Kind::Str),
+            ("permit_fallback_to_http_transport", Kind::Bool),
+            ("secure_cdn_registries", Kind::List),
+        ],
+    ),
 ];
 
 /// ironic.conf options the worker keeps under another name:

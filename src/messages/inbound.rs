@@ -143,6 +143,24 @@ struct CommandBody {
     instance_info: Option<InstanceInfo>,
     #[serde(default)]
     options: Option<Options>,
+    #[serde(default)]
+    driver_info: Option<DriverInfo>,
+    #[serde(default)]
+    properties: Option<Properties>,
+}
+
+/// The command's `driver_info`: the keys the worker reads.
+#[derive(Debug, Default, Deserialize)]
+struct DriverInfo {
+    #[serde(default)]
+    image_pull_secret: Option<super::Secret>,
+}
+
+/// The command's `properties`: the keys the worker reads.
+#[derive(Debug, Default, Deserialize)]
+struct Properties {
+    #[serde(default)]
+    cpu_arch: Option<String>,
 }
 
 /// What an unusable command echoes: its action, node and request id, read
@@ -200,6 +218,13 @@ pub fn parse_command(body: &[u8], host: &str) -> Inbound {
     if let Err(why) = instance_info.check_lengths() {
         return invalid(action, node, request_id, host, why);
     }
+    let node_info = super::NodeInfo {
+        cpu_arch: cmd.properties.and_then(|p| p.cpu_arch),
+        image_pull_secret: cmd.driver_info.and_then(|d| d.image_pull_secret),
+    };
+    if let Err(why) = node_info.check_lengths() {
+        return invalid(action, node, request_id, host, why);
+    }
     let has_source = instance_info
         .image_source
         .as_deref()
@@ -214,6 +239,7 @@ pub fn parse_command(body: &[u8], host: &str) -> Inbound {
         request_id: cmd.request_id,
         instance_info,
         options: cmd.options.unwrap_or_default(),
+        node_info,
         only_if_prepared: false,
         slow: Default::default(),
         issued_ms: None,
@@ -450,6 +476,7 @@ fn node_notification(
         request_id: message_id,
         instance_info,
         options: Options::default(),
+        node_info: Default::default(),
         only_if_prepared,
         slow: Default::default(),
         issued_ms: at_ms,

@@ -71,6 +71,61 @@ pub struct InstanceInfo {
     /// Per-node override of `[agent]image_download_source`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_download_source: Option<String>,
+    /// Credentials for an `oci://` registry (`user:pass`, its base64 as in
+    /// a docker `config.json`, or a pre-shared token).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_pull_secret: Option<Secret>,
+}
+
+/// What a command says of the node beyond `instance_info`, as Ironic keeps
+/// it (`driver_info`, `properties`): only what choosing an OCI artifact needs.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeInfo {
+    /// `properties.cpu_arch` (`x86_64`, `aarch64`, ...), which picks the
+    /// artifact of a multi-architecture OCI index.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_arch: Option<String>,
+    /// `driver_info.image_pull_secret`, used when `instance_info` has none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_pull_secret: Option<Secret>,
+}
+
+impl NodeInfo {
+    /// Refuses values longer than any real one (see `schemas/command.v1.json`).
+    pub fn check_lengths(&self) -> Result<(), String> {
+        if self
+            .cpu_arch
+            .as_ref()
+            .is_some_and(|a| a.len() > MAX_NAME_LEN)
+        {
+            return Err(format!(
+                "properties.cpu_arch is longer than {MAX_NAME_LEN} bytes"
+            ));
+        }
+        let max = crate::sources::MAX_URL_LEN;
+        if self
+            .image_pull_secret
+            .as_ref()
+            .is_some_and(|s| s.0.len() > max)
+        {
+            return Err(format!(
+                "driver_info.image_pull_secret is longer than {max} bytes"
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A credential from a message: serialized as it is (a forwarded command
+/// keeps it), but never shown by `Debug`, so no log line can carry it.
+#[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(pub String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(***)")
+    }
 }
 
 /// Longest `request_id` (or notification `message_id`) accepted; it is
@@ -101,6 +156,15 @@ impl InstanceInfo {
                 MAX_NAME_LEN,
             ),
         ];
+        if self
+            .image_pull_secret
+            .as_ref()
+            .is_some_and(|s| s.0.len() > url)
+        {
+            return Err(format!(
+                "instance_info.image_pull_secret is longer than {url} bytes"
+            ));
+        }
         for (name, value, max) in fields {
             if let Some(v) = value
                 && v.len() > max
@@ -221,6 +285,10 @@ pub struct Completion {
     /// Cache hit or miss (prepare only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache: Option<CacheOutcome>,
+    /// For an `oci://` source: the manifest the served artifact came from
+    /// (`oci://<registry>/<repo>@sha256:<digest>`), as Ironic records it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oci_image_manifest_url: Option<String>,
     /// Handling time.
     pub duration_ms: u64,
     /// Present only on error.
@@ -251,6 +319,7 @@ impl Completion {
             image_size: None,
             converted: None,
             cache: None,
+            oci_image_manifest_url: None,
             duration_ms: 0,
             error: None,
         }
@@ -268,6 +337,7 @@ impl Completion {
         self.image_size = None;
         self.converted = None;
         self.cache = None;
+        self.oci_image_manifest_url = None;
         self.error = Some(ErrorBody {
             code: err.code,
             message: err.message.clone(),

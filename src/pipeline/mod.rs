@@ -58,6 +58,8 @@ pub struct Request {
     pub instance_info: InstanceInfo,
     /// Per-request overrides.
     pub options: Options,
+    /// What the command says of the node beyond `instance_info`.
+    pub node_info: crate::messages::NodeInfo,
     /// A cleanup inferred from a notification that is only wanted when the
     /// node has files here (stray cleaning/available transitions of nodes
     /// this worker never prepared are not answered).

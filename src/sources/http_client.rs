@@ -64,6 +64,17 @@ pub(crate) fn build(
     purpose: Purpose,
     accept_invalid_certs: bool,
 ) -> Result<reqwest::Client> {
+    build_with(config, purpose, accept_invalid_certs, |b| b)
+}
+
+/// [`build`], with `customize` applied to the builder last (the OCI client
+/// follows redirects itself and may trust its own CA bundle).
+pub(crate) fn build_with(
+    config: &Config,
+    purpose: Purpose,
+    accept_invalid_certs: bool,
+    customize: impl FnOnce(reqwest::ClientBuilder) -> reqwest::ClientBuilder,
+) -> Result<reqwest::Client> {
     let s = &config.source;
     let mut builder = reqwest::Client::builder()
         .connect_timeout(Duration::from_secs(s.connect_timeout))
@@ -81,7 +92,7 @@ pub(crate) fn build(
             }))
             .connector_layer(OwnListenerGuard);
     }
-    builder
+    customize(builder)
         .build()
         .map_err(|e| Error::new(ErrorCode::Internal, format!("HTTP client: {e}")))
 }

@@ -8,11 +8,14 @@
 //!
 //! Holds `http(s)://` and `file://` sources (this module), the shared HTTP
 //! client with its redirect policy and bounded body reads (`http_client`) and
-//! Glance with its Keystone token (`glance`). Must not know the cache layout
-//! or conversion.
+//! Glance with its Keystone token (`glance`), OCI registries: references,
+//! credentials and the artifact choice (`oci`), their HTTP side
+//! (`oci_registry`). Must not know the cache layout or conversion.
 
 pub(crate) mod glance;
 pub(crate) mod http_client;
+pub(crate) mod oci;
+pub(crate) mod oci_registry;
 
 use crate::config::{Config, redact_url};
 use crate::error::{Error, ErrorCode, Result, error_chain};
@@ -41,7 +44,20 @@ pub enum Source {
     File(FileSource),
     /// A Glance image id, fetched through the Image API.
     Glance(String),
+    /// An `oci://` reference, to be resolved to a blob
+    /// ([`Fetcher::resolve_oci`]) before anything is fetched.
+    Oci(oci::OciRef),
+    /// The blob an `oci://` reference resolved to.
+    OciBlob(oci_registry::OciBlob),
 }
+
+impl PartialEq for oci_registry::OciBlob {
+    fn eq(&self, other: &Self) -> bool {
+        self.url == other.url && self.digest == other.digest
+    }
+}
+
+impl Eq for oci_registry::OciBlob {}
 
 /// An open `file://` source.
 #[derive(Debug, Clone)]
@@ -79,6 +95,7 @@ pub struct Fetcher {
     /// Whole-request limit for small documents (checksum files, HEAD).
     small_timeout: Duration,
     glance: Arc<Glance>,
+    oci: Arc<oci_registry::Registry>,
 }
 
 enum Failure {
@@ -108,6 +125,9 @@ impl Source {
         if let Some(id) = crate::store::cache::glance_id(href) {
             return Ok(Source::Glance(id));
         }
+        if href.starts_with("oci://") {
+            return Ok(Source::Oci(oci::OciRef::parse(href)?));
+        }
         let url = reqwest::Url::parse(href).map_err(|e| {
             Error::new(
                 ErrorCode::InvalidMessage,
@@ -130,7 +150,7 @@ impl Source {
             }
             other => Err(Error::new(
                 ErrorCode::SourceNotAllowed,
-                format!("image_source scheme {other:?} is not supported (http, https, file)"),
+                format!("image_source scheme {other:?} is not supported (http, https, file, oci)"),
             )),
         }
     }
@@ -149,6 +169,8 @@ impl Source {
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default(),
             Source::Glance(id) => id.clone(),
+            Source::Oci(r) => r.repo.rsplit('/').next().unwrap_or_default().to_string(),
+            Source::OciBlob(b) => b.digest.hex.clone(),
         }
     }
 
@@ -158,6 +180,8 @@ impl Source {
             Source::Http(url) => redact_url(url.as_str()),
             Source::File(f) => format!("file://{}", f.path.display()),
             Source::Glance(id) => format!("glance://{id}"),
+            Source::Oci(r) => r.display(),
+            Source::OciBlob(b) => b.display(),
         }
     }
 }
@@ -263,12 +287,26 @@ impl Fetcher {
             deadline: secs(s.download_deadline),
             small_timeout,
             glance,
+            oci: Arc::new(oci_registry::Registry::new(config)?),
         })
     }
 
     /// The Glance client, for image metadata.
     pub fn glance(&self) -> &Glance {
         &self.glance
+    }
+
+    /// Resolves an `oci://` reference to its blob (see
+    /// [`oci_registry::Registry`]), retrying what may pass (timeouts, 5xx).
+    pub async fn resolve_oci(
+        &self,
+        r: &oci::OciRef,
+        credential: Option<oci::Credential>,
+        local: bool,
+        cpu_arch: Option<&str>,
+    ) -> Result<oci_registry::Resolved> {
+        self.retrying(|| self.oci.resolve(r, credential.clone(), local, cpu_arch))
+            .await
     }
 
     fn backoff(&self) -> ExponentialBuilder {
@@ -300,6 +338,11 @@ impl Fetcher {
     /// Asks the source for its metadata (HTTP `HEAD`, file `stat`).
     pub async fn stat(&self, source: &Source) -> Result<SourceStat> {
         match source {
+            Source::Oci(_) => Err(unresolved(source)),
+            Source::OciBlob(b) => Ok(SourceStat {
+                last_modified: None,
+                size: Some(b.size),
+            }),
             Source::Glance(id) => {
                 let meta = self.glance.image(id).await?;
                 Ok(SourceStat {
@@ -409,6 +452,11 @@ impl Fetcher {
                     let req = self.glance.data_request(id).await?;
                     self.get_http(source, req, to).await
                 }
+                Source::OciBlob(b) => {
+                    let resp = self.oci.blob_response(b, source).await?;
+                    self.stream_response(source, resp, to).await
+                }
+                Source::Oci(_) => Err(Failure::Fatal(unresolved(source))),
             }
         });
         match self.deadline {
@@ -487,6 +535,16 @@ impl Fetcher {
             )));
         }
         check_status(source, resp.status())?;
+        self.stream_response(source, resp, to).await
+    }
+
+    /// Streams a successful response's body as one attempt.
+    async fn stream_response(
+        &self,
+        source: &Source,
+        resp: reqwest::Response,
+        to: &mpsc::Sender<Delivery>,
+    ) -> std::result::Result<SourceStat, Failure> {
         let stat = SourceStat {
             last_modified: resp
                 .headers()
@@ -546,6 +604,17 @@ pub enum Delivery {
     Bytes(bytes::Bytes),
     /// The current attempt got every byte: nothing more follows.
     Complete,
+}
+
+/// The error of an `oci://` reference used before it was resolved (a bug).
+fn unresolved(source: &Source) -> Error {
+    Error::new(
+        ErrorCode::Internal,
+        format!(
+            "{}: OCI reference used before it was resolved",
+            source.display()
+        ),
+    )
 }
 
 /// Size of the reads from a `file://` source.

@@ -24,6 +24,7 @@ mod ledger;
 mod metrics;
 mod node_files;
 mod notifications;
+mod oci;
 mod pipeline;
 mod rabbitmq_definitions;
 mod systemd;
