@@ -34,6 +34,7 @@ pub(crate) mod broker;
 pub mod cli;
 pub mod config;
 pub mod error;
+pub(crate) mod fsutil;
 pub(crate) mod http;
 pub mod image;
 pub(crate) mod messages;

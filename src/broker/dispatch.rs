@@ -399,7 +399,7 @@ impl Dispatcher {
 
     /// Runs a command or notification: waits for a prepare slot (or
     /// defers the prepare), refuses it past its deadline, runs it, answers.
-    async fn work(&self, mut request: crate::pipeline::Request, job: &Job) {
+    async fn work(&self, mut request: crate::messages::Request, job: &Job) {
         let key = format!("{:016x}", job.identity);
         if job.redelivered
             && self
@@ -431,7 +431,7 @@ impl Dispatcher {
             // A stray cleanup (node not prepared here) is decided under
             // the node lock, inside the pipeline.
             let slow = slot.as_ref().map(|_| {
-                let (signal, slow) = crate::pipeline::SlowSignal::new();
+                let (signal, slow) = crate::messages::SlowSignal::new();
                 request.slow = signal;
                 slow
             });
@@ -531,7 +531,7 @@ impl Dispatcher {
     /// timeout is acknowledged by its copy's timer, see `arm_early_ack`.)
     async fn run(
         &self,
-        request: &crate::pipeline::Request,
+        request: &crate::messages::Request,
         tracked: &Tracked<Acker>,
         slot: Option<tokio::sync::OwnedSemaphorePermit>,
         slow: Option<Arc<Notify>>,
@@ -565,7 +565,7 @@ impl Dispatcher {
     /// file system is read-only, failing or full is tried again with
     /// backoff for up to [`RELEASE_RETRY_FOR`], so the node is released once
     /// the file system is back instead of being answered and forgotten.
-    async fn handle_retrying(&self, request: &crate::pipeline::Request) -> Option<Completion> {
+    async fn handle_retrying(&self, request: &crate::messages::Request) -> Option<Completion> {
         let started = Instant::now();
         let mut delay = Duration::from_millis(500);
         loop {
@@ -704,7 +704,7 @@ fn is_transient_io(os_error: Option<i32>) -> bool {
 
 /// The answer to a command whose sender stopped waiting before its work
 /// could start.
-fn expired_answer(request: &crate::pipeline::Request, host: &str) -> Completion {
+fn expired_answer(request: &crate::messages::Request, host: &str) -> Completion {
     let err = Error::new(
         ErrorCode::Expired,
         "the command's deadline (its expiration, counted from its first delivery) \

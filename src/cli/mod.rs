@@ -13,9 +13,10 @@ pub(crate) mod send;
 
 use crate::config::Config;
 use crate::error::Result;
+use crate::messages::Request;
 use crate::messages::{Action, Completion, InstanceInfo, Options, Status};
 use crate::metrics::Metrics;
-use crate::pipeline::{Pipeline, Request};
+use crate::pipeline::Pipeline;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::io::IsTerminal;
 use std::path::PathBuf;

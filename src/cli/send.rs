@@ -5,8 +5,8 @@
 use crate::broker::{Brokers, Topology};
 use crate::config::Config;
 use crate::error::{Error, ErrorCode, Result};
+use crate::messages::Request;
 use crate::messages::{Action, Completion};
-use crate::pipeline::Request;
 use futures_util::StreamExt;
 use lapin::options::*;
 use lapin::types::FieldTable;

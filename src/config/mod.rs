@@ -232,7 +232,7 @@ impl CacheSection {
     /// the worker keeps owner rwx, no setuid or sticky bit (a sticky
     /// directory would stop Ironic removing the worker's files), and a
     /// shared group needs group write access to be of any use.
-    pub fn shared_dirs(&self) -> Result<crate::store::fsutil::DirMode> {
+    pub fn shared_dirs(&self) -> Result<crate::fsutil::DirMode> {
         let bad = |why: &str| {
             config_error(format!(
                 "[cache]shared_dir_mode = {:?}: {why}",
@@ -250,14 +250,14 @@ impl CacheSection {
         let gid =
             match self.shared_group.as_str() {
                 "" => None,
-                name => Some(crate::store::fsutil::group_id(name).ok_or_else(|| {
+                name => Some(crate::fsutil::group_id(name).ok_or_else(|| {
                     config_error(format!("[cache]shared_group: no group {name:?}"))
                 })?),
             };
         if gid.is_some() && mode & 0o070 != 0o070 {
             return Err(bad("a shared group needs rwx (for example 2775)"));
         }
-        Ok(crate::store::fsutil::DirMode { mode, gid })
+        Ok(crate::fsutil::DirMode { mode, gid })
     }
 }
 
@@ -959,12 +959,12 @@ impl Config {
     /// `http_root`: everything there is served by path (masters, sidecars,
     /// lock files, temporaries), not only the published symlinks.
     fn validate_served_dirs(&self) -> Result<()> {
-        let root = crate::store::fsutil::resolve(&self.deploy.http_root);
+        let root = crate::fsutil::resolve(&self.deploy.http_root);
         for (name, dir) in [
             ("[pxe]instance_master_path", &self.pxe.instance_master_path),
             ("[pxe]images_path", &self.pxe.images_path),
         ] {
-            if crate::store::fsutil::resolve(dir).starts_with(&root) {
+            if crate::fsutil::resolve(dir).starts_with(&root) {
                 return Err(config_error(format!(
                     "{name} {} is inside [deploy]http_root {}, which would serve its files; \
                      use a directory outside it",
@@ -1080,7 +1080,7 @@ impl Config {
     /// `[pxe]instance_master_path`): Ironic's clean-up deletes every unlinked
     /// file there and its downloads collide with the worker's.
     pub fn check_master_not_ironics(&self, ironic: &std::path::Path) -> Result<()> {
-        if crate::store::fsutil::same_path(&self.pxe.instance_master_path, ironic) {
+        if crate::fsutil::same_path(&self.pxe.instance_master_path, ironic) {
             return Err(config_error(format!(
                 "[pxe]instance_master_path {} is Ironic's master image directory; the worker \
                  needs a directory of its own (default {SYSTEM_MASTER_PATH}, on the same file \

@@ -192,7 +192,7 @@ impl Health {
             problems.push("broker: not connected".to_string());
         }
         for dir in &self.dirs {
-            let probe = crate::store::fsutil::temp_path(&dir.join("readyz"));
+            let probe = crate::fsutil::temp_path(&dir.join("readyz"));
             match std::fs::File::create(&probe) {
                 Ok(_) => {
                     let _ = std::fs::remove_file(&probe);

@@ -176,7 +176,7 @@ fn open_beneath(
 ) -> rustix::io::Result<OwnedFd> {
     let resolve = ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS | extra;
     match rustix::fs::openat2(dir, rel, flags, Mode::empty(), resolve) {
-        Err(Errno::NOSYS) => crate::store::fsutil::open_beneath_nofollow(dir, rel, flags),
+        Err(Errno::NOSYS) => crate::fsutil::open_beneath_nofollow(dir, rel, flags),
         other => other,
     }
 }

@@ -349,7 +349,7 @@ async fn qemu_img(
         };
         return Err(Error::new(code, format!("qemu-img convert: {msg}")));
     }
-    crate::store::fsutil::set_mode(
+    crate::fsutil::set_mode(
         &std::fs::File::open(dst).map_err(|e| Error::io("open converted image", e))?,
         0o644,
     )?;
@@ -364,7 +364,7 @@ const FULL_DISK_SLACK: u64 = 16 << 20;
 /// this process.
 fn disk_full_at(path: &Path) -> bool {
     let dir = path.parent().unwrap_or(Path::new("."));
-    crate::store::fsutil::free_space(dir).is_ok_and(|free| free < FULL_DISK_SLACK)
+    crate::fsutil::free_space(dir).is_ok_and(|free| free < FULL_DISK_SLACK)
 }
 
 /// Digests of an existing file, read once: its holes (found with

@@ -134,6 +134,13 @@ pub fn is_zstd(header: &[u8]) -> bool {
     header.starts_with(&[0x28, 0xb5, 0x2f, 0xfd])
 }
 
+/// True when a download whose first chunk is `first` will not be served as
+/// it is (a format converted under force_raw, or zstd, always decompressed):
+/// its writer keeps it in the page cache for the reader that follows.
+pub fn will_be_converted(first: &[u8]) -> bool {
+    detect(first).needs_conversion() || is_zstd(first)
+}
+
 /// Reads the first [`HEADER_LEN`] bytes of `path` and its size.
 pub fn read_header(path: &Path) -> Result<(Vec<u8>, u64)> {
     let file = File::open(path).map_err(|e| Error::io(format!("open {}", path.display()), e))?;

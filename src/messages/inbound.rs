@@ -6,9 +6,9 @@
 //! completion plus a dead-letter, never a dropped message.
 
 use crate::error::{Error, ErrorCode};
+use crate::messages::Request;
 use crate::messages::{Action, Completion, InstanceInfo, MAX_REQUEST_ID_LEN, Options};
 use crate::node::NodeUuid;
-use crate::pipeline::Request;
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 use serde_json::value::RawValue;

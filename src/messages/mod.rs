@@ -9,6 +9,9 @@
 //! channels or files.
 
 pub(crate) mod inbound;
+mod request;
+
+pub use request::{Request, SlowSignal};
 
 use crate::error::{Error, ErrorCode};
 use serde::{Deserialize, Serialize};
@@ -102,7 +105,7 @@ impl NodeInfo {
                 "properties.cpu_arch is longer than {MAX_NAME_LEN} bytes"
             ));
         }
-        let max = crate::sources::MAX_URL_LEN;
+        let max = MAX_URL_LEN;
         if self
             .image_pull_secret
             .as_ref()
@@ -132,6 +135,10 @@ impl std::fmt::Debug for Secret {
 /// logged with every line of the request and echoed in its event.
 pub const MAX_REQUEST_ID_LEN: usize = 255;
 
+/// Longest `image_source` (or checksum URL) accepted: longer ones are not
+/// URLs any HTTP stack takes, and would only fill logs.
+pub const MAX_URL_LEN: usize = 8192;
+
 /// Longest short `instance_info` value (formats, algorithm names, modes).
 pub const MAX_NAME_LEN: usize = 64;
 
@@ -140,7 +147,7 @@ impl InstanceInfo {
     /// `maxLength`): a 10 MB `image_source` would otherwise be logged and
     /// echoed with every line about the request.
     pub fn check_lengths(&self) -> Result<(), String> {
-        let url = crate::sources::MAX_URL_LEN;
+        let url = MAX_URL_LEN;
         let fields = [
             ("image_source", &self.image_source, url),
             ("image_checksum", &self.image_checksum, url),

@@ -288,17 +288,19 @@ impl Metrics {
     }
 
     /// Records a finished conversion (`mode`: `while_downloading` or
-    /// `after_download`) that produced `d` in `took`.
+    /// `after_download`) that wrote `bytes` in `took`, `hashing` of it
+    /// spent hashing.
     pub fn conversion(
         &self,
         mode: &str,
-        d: &crate::store::sink::Digests,
+        bytes: u64,
+        hashing: std::time::Duration,
         took: std::time::Duration,
     ) {
         self.conversions.with_label_values(&[mode]).inc();
-        self.convert_bytes.inc_by(d.size);
+        self.convert_bytes.inc_by(bytes);
         self.convert_seconds.observe(took.as_secs_f64());
-        self.hash_seconds.observe(d.hash_micros as f64 / 1e6);
+        self.hash_seconds.observe(hashing.as_secs_f64());
     }
 
     /// Counts a completion event.
@@ -318,13 +320,12 @@ impl Metrics {
         }
     }
 
-    /// Sets the cache gauges from a listing.
-    pub fn cache_state(&self, entries: &[crate::store::eviction::Entry]) {
-        self.cache_bytes
-            .set(entries.iter().map(|e| e.size as i64).sum());
-        self.cache_files.set(entries.len() as i64);
-        self.cache_linked
-            .set(entries.iter().filter(|e| e.linked_nodes > 0).count() as i64);
+    /// Sets the cache gauges: total `bytes` of `files` masters, `linked` of
+    /// them linked by a node.
+    pub fn cache_state(&self, bytes: u64, files: usize, linked: usize) {
+        self.cache_bytes.set(bytes.min(i64::MAX as u64) as i64);
+        self.cache_files.set(files as i64);
+        self.cache_linked.set(linked as i64);
     }
 
     /// Counts a consumed message.

@@ -12,10 +12,10 @@ use super::Pipeline;
 use super::fetch::MasterFetch;
 use super::stream::DownloadState;
 use crate::error::{Error, ErrorCode, Result};
+use crate::fsutil::TempGuard;
 use crate::image::convert;
 use crate::metrics::progress::Transfer;
 use crate::sources::{Delivery, SourceStat};
-use crate::store::fsutil::TempGuard;
 use crate::store::sink::{Digests, Hashes, Pace, Sink};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -186,6 +186,7 @@ impl Pipeline {
         let hashes = Hashes {
             sha512: job.sha512,
             lazy_if_converted: job.force_raw,
+            converted: Some(crate::image::inspect::will_be_converted),
             keep: job.expected.map(|e| e.algo),
             pace: converting.then(|| pace.clone()),
         };

@@ -9,6 +9,7 @@
 use super::attempt::{Streamed, Written};
 use super::{Pipeline, blocking};
 use crate::error::{Error, ErrorCode, Result};
+use crate::fsutil::TempGuard;
 use crate::image::convert;
 use crate::image::inspect;
 use crate::messages::InstanceInfo;
@@ -16,7 +17,6 @@ use crate::metrics::progress::Transfer;
 use crate::sources::{Source, SourceStat};
 use crate::store::cache::{self, Master, MasterMeta};
 use crate::store::checksum::Expected;
-use crate::store::fsutil::TempGuard;
 use crate::store::sink::Digests;
 use std::path::Path;
 use std::time::{Instant, SystemTime};
@@ -39,7 +39,7 @@ pub(super) struct MasterFetch<'a> {
     /// Ironic's `instance_info` (the declared disk format).
     pub(super) info: &'a InstanceInfo,
     /// Raised when the download turns out slow.
-    pub(super) slow: &'a super::SlowSignal,
+    pub(super) slow: &'a crate::messages::SlowSignal,
 }
 
 /// A verified download: its digests, what the source said about it, when
@@ -75,7 +75,8 @@ impl Pipeline {
                 out,
                 result: Ok((d, took)),
             }) => {
-                self.metrics.conversion("while_downloading", &d, took);
+                self.metrics
+                    .conversion("while_downloading", d.size, d.hashing(), took);
                 check_converted(out.path(), &d, &found)?;
                 (out, d, true)
             }
@@ -213,7 +214,7 @@ impl Pipeline {
         .await?;
         drop(transfer);
         self.metrics
-            .conversion("after_download", &d, started.elapsed());
+            .conversion("after_download", d.size, d.hashing(), started.elapsed());
         check_converted(out.path(), &d, found)?;
         Ok((out, d))
     }

@@ -4,9 +4,9 @@
 //! the broker or HTTP serving.
 
 use crate::error::Result;
+use crate::fsutil;
 use crate::metrics::Metrics;
 use crate::store::cache::Cache;
-use crate::store::fsutil;
 use std::sync::Arc;
 
 /// The cache housekeeping (eviction, free space, gauges): cheap to clone,
@@ -57,7 +57,9 @@ impl Keeper {
             .cache_limit
             .set(self.policy.size_limit.min(i64::MAX as u64) as i64);
         if let Ok(entries) = crate::store::eviction::list(&self.cache) {
-            self.metrics.cache_state(&entries);
+            let bytes = entries.iter().map(|e| e.size).sum();
+            let linked = entries.iter().filter(|e| e.linked_nodes > 0).count();
+            self.metrics.cache_state(bytes, entries.len(), linked);
         }
     }
 }

@@ -80,7 +80,11 @@ impl Pipeline {
                 .stream_raw
                 .unwrap_or(self.config.agent.stream_raw_images)
             && info.is_whole_disk();
-        let name = cache::master_name(href, force_raw);
+        let glance = match &source {
+            Source::Glance(id) => Some(id.as_str()),
+            _ => None,
+        };
+        let name = cache::master_name(href, glance, force_raw);
         let job = MasterFetch {
             source: &source,
             href,

@@ -29,9 +29,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 use tokio::sync::mpsc;
 
-/// Longest `image_source` (or checksum URL) accepted: longer ones are not
-/// URLs any HTTP stack takes, and would only fill logs.
-pub const MAX_URL_LEN: usize = 8192;
+use crate::messages::MAX_URL_LEN;
 
 /// A parsed `image_source`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -109,6 +107,15 @@ impl From<Error> for Failure {
     }
 }
 
+/// The image id when `href` names a Glance image (`<uuid>` or `glance://<uuid>`).
+fn glance_id(href: &str) -> Option<String> {
+    let id = href.strip_prefix("glance://").unwrap_or(href);
+    uuid::Uuid::try_parse(id)
+        .ok()
+        .filter(|_| id.len() == 36)
+        .map(|u| u.to_string())
+}
+
 impl Source {
     /// Parses `href`, refusing schemes the worker cannot fetch and `file://`
     /// paths outside the allowed directories or that are not regular files.
@@ -122,7 +129,7 @@ impl Source {
                 ),
             ));
         }
-        if let Some(id) = crate::store::cache::glance_id(href) {
+        if let Some(id) = glance_id(href) {
             return Ok(Source::Glance(id));
         }
         if href.starts_with("oci://") {
@@ -250,9 +257,7 @@ fn open_allowed(path: &Path, allowed: &[PathBuf]) -> Result<FileSource> {
         Mode::empty(),
         ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS,
     ) {
-        Err(rustix::io::Errno::NOSYS) => {
-            crate::store::fsutil::open_beneath_nofollow(&dirfd, &rel, flags)
-        }
+        Err(rustix::io::Errno::NOSYS) => crate::fsutil::open_beneath_nofollow(&dirfd, &rel, flags),
         other => other,
     }
     .map_err(io_error)?;

@@ -11,7 +11,7 @@
 //! `.owners/` lock files.
 
 use crate::error::{Error, ErrorCode, Result};
-use crate::store::fsutil::{self, TempOwner};
+use crate::fsutil::{self, TempOwner};
 use crate::store::lock::{LockGuard, Locks};
 use serde::{Deserialize, Deserializer, Serialize};
 use std::os::unix::fs::MetadataExt;
@@ -195,10 +195,10 @@ impl Sidecars {
     }
 }
 
-/// The master file name Ironic uses: the Glance image id, or
+/// The master file name Ironic uses: the Glance image id (`glance`), or
 /// `uuid5(NAMESPACE_URL, href)`, plus `.converted` when force_raw applies.
-pub fn master_name(href: &str, force_raw: bool) -> String {
-    let base = glance_id(href).unwrap_or_else(|| {
+pub fn master_name(href: &str, glance: Option<&str>, force_raw: bool) -> String {
+    let base = glance.map(str::to_string).unwrap_or_else(|| {
         uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_URL, href.as_bytes()).to_string()
     });
     if force_raw {
@@ -206,15 +206,6 @@ pub fn master_name(href: &str, force_raw: bool) -> String {
     } else {
         base
     }
-}
-
-/// The image id when `href` names a Glance image (`<uuid>` or `glance://<uuid>`).
-pub fn glance_id(href: &str) -> Option<String> {
-    let id = href.strip_prefix("glance://").unwrap_or(href);
-    uuid::Uuid::try_parse(id)
-        .ok()
-        .filter(|_| id.len() == 36)
-        .map(|u| u.to_string())
 }
 
 /// Unix seconds of `t`.
@@ -490,11 +481,15 @@ mod tests {
     fn names_match_ironic() {
         // python3 -c "import uuid; print(uuid.uuid5(uuid.NAMESPACE_URL, 'http://example.com/disk.img'))"
         assert_eq!(
-            master_name("http://example.com/disk.img", false),
+            master_name("http://example.com/disk.img", None, false),
             "ba594cc3-f78b-5c7d-b9b7-b04f6357922e"
         );
         assert_eq!(
-            master_name("2c2e2c7e-08a4-4f0a-8f8a-6a8f3c9f3a11", true),
+            master_name(
+                "2c2e2c7e-08a4-4f0a-8f8a-6a8f3c9f3a11",
+                Some("2c2e2c7e-08a4-4f0a-8f8a-6a8f3c9f3a11"),
+                true
+            ),
             "2c2e2c7e-08a4-4f0a-8f8a-6a8f3c9f3a11.converted"
         );
     }

@@ -133,7 +133,7 @@ pub fn clean(
             _ => continue,
         }
         cache.remove_meta(&name)?;
-        let removed = crate::store::fsutil::remove_file_if_exists(&path)?;
+        let removed = crate::fsutil::remove_file_if_exists(&path)?;
         guard.remove_file();
         if removed {
             tracing::info!(master = %name, bytes = size, "evicted from the image cache");

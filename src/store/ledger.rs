@@ -22,8 +22,8 @@
 //! what must be remembered.
 
 use crate::error::{Error, Result};
+use crate::fsutil;
 use crate::node::NodeUuid;
-use crate::store::fsutil;
 use serde::{Deserialize, Serialize};
 use std::fs::File;
 use std::io::Read;

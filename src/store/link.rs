@@ -4,8 +4,8 @@
 //! temporary name and renamed into place, so readers never see a half state.
 
 use crate::error::{Error, Result};
+use crate::fsutil::{self, DirMode, TempOwner};
 use crate::node::NodeUuid;
-use crate::store::fsutil::{self, DirMode, TempOwner};
 use std::collections::HashSet;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};

@@ -12,7 +12,7 @@
 //! file it locked (else it locked a removed file and opens the path again).
 
 use crate::error::{Error, ErrorCode, Result};
-use crate::store::fsutil;
+use crate::fsutil;
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::MetadataExt;

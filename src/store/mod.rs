@@ -3,15 +3,13 @@
 //! Holds the master cache and its sidecars (`cache`), Ironic's eviction
 //! policy (`eviction`), per-node links (`link`) and their expiry
 //! (`expiry`), named locks (`lock`), the per-node command ledger
-//! (`ledger`), write-and-hash (`sink`), checksums (`checksum`, `md5`) and
-//! file-system helpers
-//! (`fsutil`). Must not know any transport (AMQP, HTTP).
+//! (`ledger`), write-and-hash (`sink`) and checksums (`checksum`, `md5`).
+//! Must not know any transport (AMQP, HTTP).
 
 pub(crate) mod cache;
 pub(crate) mod checksum;
 pub(crate) mod eviction;
 pub(crate) mod expiry;
-pub(crate) mod fsutil;
 pub(crate) mod ledger;
 pub(crate) mod link;
 pub(crate) mod lock;

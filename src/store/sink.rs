@@ -44,6 +44,13 @@ pub struct Digests {
 }
 
 impl Digests {
+    /// The time the hashers spent (the slowest of them).
+    pub fn hashing(&self) -> std::time::Duration {
+        std::time::Duration::from_micros(self.hash_micros)
+    }
+}
+
+impl Digests {
     /// The digest for `algo`, when it was computed.
     pub fn get(&self, algo: Algo) -> Option<&str> {
         match algo {
@@ -67,18 +74,26 @@ enum Piece {
 /// Zeros fed to the hashers for [`Piece::Zeros`].
 static ZEROS: [u8; 64 * 1024] = [0; 64 * 1024];
 
+/// The pipeline's test of a download's first chunk: true when the bytes
+/// will be converted rather than served as they are.
+pub type Converted = fn(&[u8]) -> bool;
+
 /// Which digests a [`Sink`] computes.
 #[derive(Debug, Clone, Default)]
 pub struct Hashes {
     /// Compute SHA-512 too.
     pub sha512: bool,
     /// For a download that will be converted when it turns out to be a
-    /// convertible format (seen in its first chunk): skip every digest but
+    /// convertible format (`converted`): skip every digest but
     /// `keep`, since the served bytes are hashed by the conversion and the
     /// source is only verified with the algorithm Ironic named. Skipped
     /// digests are empty strings. Such a file is scratch, read once by the
     /// converter and removed: it is neither written back early nor synced.
     pub lazy_if_converted: bool,
+    /// How the first chunk tells bytes that will be converted (read back at
+    /// once) from bytes served as they are: the pipeline's test, from
+    /// `image/`. `None`: everything is served as it is.
+    pub converted: Option<Converted>,
     /// The digest always computed (the expected checksum's algorithm).
     pub keep: Option<Algo>,
     /// The converter reading a scratch file while it is written: the writer
@@ -162,12 +177,6 @@ impl Pace {
     }
 }
 
-/// True when the first chunk shows bytes that will not be served as they
-/// are (a format converted under force_raw, or zstd).
-fn will_be_converted(first: &[u8]) -> bool {
-    crate::image::inspect::detect(first).needs_conversion() || crate::image::inspect::is_zstd(first)
-}
-
 enum Output {
     Written,
     Digest(Algo, String, std::time::Duration),
@@ -237,7 +246,7 @@ impl Sink {
             .mode(0o644)
             .open(path)
             .map_err(|e| Error::io(format!("create {}", path.display()), e))?;
-        crate::store::fsutil::set_mode(&file, 0o644)?;
+        crate::fsutil::set_mode(&file, 0o644)?;
         // A second descriptor bypassing the page cache, where the file
         // system supports it (not tmpfs): see `write_file`.
         let direct = std::fs::OpenOptions::new()
@@ -269,7 +278,8 @@ impl Sink {
         };
         if let Some((file, direct)) = file {
             let (scratch, pace) = (hashes.lazy_if_converted, hashes.pace.clone());
-            sink.spawn(move |rx| write_file(file, direct, scratch, pace, rx));
+            let converted = hashes.converted;
+            sink.spawn(move |rx| write_file(file, direct, (scratch, converted), pace, rx));
         }
         let mut algos = vec![Algo::Md5, Algo::Sha256];
         if hashes.sha512 {
@@ -277,6 +287,7 @@ impl Sink {
         }
         for algo in algos {
             let lazy = hashes.lazy_if_converted && hashes.keep != Some(algo);
+            let converted = hashes.converted;
             sink.spawn(move |mut rx| {
                 let mut hasher = Hasher::new(algo);
                 let mut busy = std::time::Duration::ZERO;
@@ -286,7 +297,7 @@ impl Sink {
                         Piece::Data(chunk) => chunk,
                         Piece::Zeros(_) => &ZEROS,
                     };
-                    if *skip.get_or_insert_with(|| lazy && will_be_converted(first)) {
+                    if *skip.get_or_insert_with(|| lazy && converted.is_some_and(|c| c(first))) {
                         continue;
                     }
                     let t = std::time::Instant::now();
@@ -447,7 +458,7 @@ async fn join(task: JoinHandle<Result<Output>>) -> Result<Output> {
 fn write_file(
     file: File,
     direct: Option<File>,
-    scratch: bool,
+    (scratch, converted): (bool, Option<Converted>),
     mut pace: Option<Arc<Pace>>,
     mut rx: mpsc::Receiver<Piece>,
 ) -> Result<Output> {
@@ -467,7 +478,7 @@ fn write_file(
                 continue;
             }
         };
-        if std::mem::take(&mut first) && will_be_converted(&chunk) {
+        if std::mem::take(&mut first) && converted.is_some_and(|c| c(&chunk)) {
             direct = None;
             durable = !scratch;
             held = if scratch { pace.take() } else { None };
@@ -475,7 +486,7 @@ fn write_file(
         if let Some(pace) = &held {
             pace.hold(offset);
         }
-        if !is_zero(&chunk) {
+        if !crate::fsutil::is_zero(&chunk) {
             write_at(&file, direct.as_ref(), &chunk, offset).map_err(|e| io("write", e))?;
         }
         offset += chunk.len() as u64;
@@ -615,13 +626,6 @@ fn start_writeback(file: &File, offset: u64, len: u64) {
     }
 }
 
-/// True when every byte of `data` is zero (checked a word at a time).
-pub fn is_zero(data: &[u8]) -> bool {
-    // SAFETY: u128 has no invalid bit patterns; align_to handles the edges.
-    let (head, body, tail) = unsafe { data.align_to::<u128>() };
-    head.iter().all(|&b| b == 0) && body.iter().all(|&w| w == 0) && tail.iter().all(|&b| b == 0)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -670,6 +674,7 @@ mod tests {
         let hashes = Hashes {
             sha512: false,
             lazy_if_converted: true,
+            converted: Some(|first: &[u8]| first.starts_with(b"QFI\xfb")),
             keep: Some(Algo::Sha256),
             pace: None,
         };

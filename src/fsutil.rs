@@ -1,5 +1,7 @@
-//! Small file-system helpers shared by the cache and the node links: explicit
-//! permissions whatever the umask, atomic replacement, free space.
+//! Small file-system helpers every layer may use (they know no layout):
+//! explicit permissions whatever the umask, atomic replacement, free space,
+//! path comparison, sparse copies and the O_NOFOLLOW walk beneath a
+//! directory that both file sources and the image server open files with.
 
 use crate::error::{Error, ErrorCode, Result};
 use std::fs::{File, Permissions};
@@ -417,6 +419,13 @@ impl Drop for TempGuard {
     }
 }
 
+/// True when every byte of `data` is zero (checked a word at a time).
+pub fn is_zero(data: &[u8]) -> bool {
+    // SAFETY: u128 has no invalid bit patterns; align_to handles the edges.
+    let (head, body, tail) = unsafe { data.align_to::<u128>() };
+    head.iter().all(|&b| b == 0) && body.iter().all(|&w| w == 0) && tail.iter().all(|&b| b == 0)
+}
+
 /// Copies the `len` bytes of `from` into the empty file `to` keeping its
 /// holes: each data extent (found with `SEEK_DATA`/`SEEK_HOLE`) is copied
 /// with `copy_file_range` (read/write where the kernel cannot copy between
@@ -493,7 +502,7 @@ fn copy_extent_rw(from: &File, to: &File, at: u64, len: u64) -> std::io::Result<
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e),
         };
-        if !crate::store::sink::is_zero(&buf[..n]) {
+        if !is_zero(&buf[..n]) {
             to.write_all_at(&buf[..n], off)?;
         }
         off += n as u64;

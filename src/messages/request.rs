@@ -1,0 +1,60 @@
+//! A request as the pipeline sees it, whatever carried it (a command, a
+//! notification, the one-shot CLI): what the broker layer and the CLI build
+//! and the pipeline runs.
+
+use crate::messages::{Action, InstanceInfo, NodeInfo, Options};
+use std::sync::Arc;
+
+/// A request as the pipeline sees it.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// What to do.
+    pub action: Action,
+    /// The node UUID as received (validated by the pipeline).
+    pub node_uuid: String,
+    /// Command `request_id` or notification `message_id`.
+    pub request_id: Option<String>,
+    /// Ironic's `instance_info` (prepare only).
+    pub instance_info: InstanceInfo,
+    /// Per-request overrides.
+    pub options: Options,
+    /// What the command says of the node beyond `instance_info`.
+    pub node_info: NodeInfo,
+    /// A cleanup inferred from a notification that is only wanted when the
+    /// node has files here (stray cleaning/available transitions of nodes
+    /// this worker never prepared are not answered).
+    pub only_if_prepared: bool,
+    /// Raised when the request's download turns out slow (see
+    /// [`SlowSignal`]).
+    pub slow: SlowSignal,
+    /// When the request was issued, in ms since the epoch: the sender's
+    /// stamp on a command, a notification's `timestamp`, else when it
+    /// arrived; `None` is now (one-shot commands). Orders it against the
+    /// node's cleanups (see the pipeline's `order`).
+    pub issued_ms: Option<u64>,
+    /// Inferred from an Ironic notification (whose prepare is not started
+    /// past `[notifications]max_age`).
+    pub notified: bool,
+}
+
+/// How a slow download tells whoever runs its request that it no longer
+/// needs its share of the worker's prepare slots: the broker layer then
+/// moves it to its slow lane, so a few slow sources never hold every slot.
+/// Requests run without a listener (one-shot commands) ignore it.
+#[derive(Debug, Clone, Default)]
+pub struct SlowSignal(Option<Arc<tokio::sync::Notify>>);
+
+impl SlowSignal {
+    /// A signal and the notification its listener waits on.
+    pub fn new() -> (SlowSignal, Arc<tokio::sync::Notify>) {
+        let notify = Arc::new(tokio::sync::Notify::new());
+        (SlowSignal(Some(notify.clone())), notify)
+    }
+
+    /// The download is slow (raised once per download).
+    pub(crate) fn raise(&self) {
+        if let Some(n) = &self.0 {
+            n.notify_one();
+        }
+    }
+}
