@@ -26,6 +26,7 @@ mod fetch;
 mod keeper;
 mod prepare;
 mod stream;
+mod validated;
 
 use keeper::Keeper;
 

@@ -55,9 +55,12 @@ impl Pipeline {
             info.image_os_hash_algo.as_deref(),
             info.image_os_hash_value.as_deref(),
         )?;
+        // As Ironic's get_image_download_source: an empty value is unset.
         let mode = info
             .image_download_source
             .as_deref()
+            .map(str::trim)
+            .filter(|m| !m.is_empty())
             .unwrap_or(&self.config.agent.image_download_source);
         match (mode, &source) {
             ("swift", _) => {
@@ -65,6 +68,14 @@ impl Pipeline {
                     ErrorCode::SourceNotAllowed,
                     "image_download_source=swift is not handled by this worker",
                 ));
+            }
+            ("http", Source::Http(_)) if self.validates_http_sources() => {
+                let expected = match spec {
+                    None => None,
+                    Some(spec) => Some(Box::pin(self.resolve_checksum(spec, &source)).await?),
+                };
+                let validated = self.validated_pass_through(&source, href, expected, req, info, done);
+                return Box::pin(validated).await.map(|()| Released::Done);
             }
             ("http", Source::Http(_)) => {
                 return Box::pin(self.pass_through(&source, href, spec, done))
@@ -164,11 +175,7 @@ impl Pipeline {
                 inspect::Format::from_name(&master.meta.source_format).ok_or_else(|| {
                     Error::new(ErrorCode::Internal, "cache sidecar names an unknown format")
                 })?;
-            inspect::check_format(
-                format,
-                job.info.image_disk_format.as_deref(),
-                &self.config.conductor.permitted_image_formats,
-            )?;
+            self.check_declared_format(format, job.info)?;
         }
         let linked_here = match outcome {
             CacheOutcome::Hit => !linked,
@@ -314,19 +321,43 @@ impl Pipeline {
         Ok(())
     }
 
-    async fn resolve_checksum(&self, spec: ChecksumSpec, source: &Source) -> Result<Expected> {
-        match spec {
-            ChecksumSpec::Value(e) => Ok(e),
+    /// The digest the source bytes must have, fetched from its checksum
+    /// file when it is one, under Ironic's checksum policy: no checksum
+    /// file with `[conductor]disable_support_for_checksum_files`, no MD5
+    /// without `[agent]allow_md5_checksum` (whether given inline or found
+    /// in a checksum file).
+    pub(super) async fn resolve_checksum(&self, spec: ChecksumSpec, source: &Source) -> Result<Expected> {
+        let expected = match spec {
+            ChecksumSpec::Value(e) => e,
             ChecksumSpec::Url { url, algo } => {
+                if self.config.conductor.disable_support_for_checksum_files {
+                    return Err(Error::new(
+                        ErrorCode::ChecksumNotPermitted,
+                        format!(
+                            "the checksum is a checksum file URL ({}) and \
+                             [conductor]disable_support_for_checksum_files is true",
+                            crate::config::redact_url(&url)
+                        ),
+                    ));
+                }
                 let text = self.fetcher.fetch_text(&url).await?;
-                parse_checksum_file(&text, &source.file_name(), algo)
+                parse_checksum_file(&text, &source.file_name(), algo)?
             }
+        };
+        if expected.algo == Algo::Md5 && !self.config.agent.allow_md5_checksum {
+            return Err(Error::new(
+                ErrorCode::ChecksumNotPermitted,
+                "the only checksum given is MD5 and [agent]allow_md5_checksum is false; \
+                 give a SHA-256 or SHA-512 one (image_os_hash_algo/image_os_hash_value, \
+                 or sha256:<hex>)",
+            ));
         }
+        Ok(expected)
     }
 
     /// Ironic's staleness rule for a master without an expected checksum: the
     /// source must say when it changed, and not after the master was fetched.
-    async fn is_fresh(&self, source: &Source, meta: &MasterMeta) -> Result<bool> {
+    pub(super) async fn is_fresh(&self, source: &Source, meta: &MasterMeta) -> Result<bool> {
         let stat = self.fetcher.stat(source).await?;
         Ok(stat
             .last_modified
@@ -342,7 +373,7 @@ fn matches_expected(meta: &MasterMeta, expected: Option<&Expected>) -> bool {
 }
 
 /// The recorded digest of the source bytes for `algo`, when computed.
-fn source_digest(meta: &MasterMeta, algo: Algo) -> Option<&str> {
+pub(super) fn source_digest(meta: &MasterMeta, algo: Algo) -> Option<&str> {
     match algo {
         Algo::Md5 => meta.source_md5.as_deref(),
         Algo::Sha256 => meta.source_sha256.as_deref(),

@@ -42,7 +42,6 @@ impl Pipeline {
         inspect::check_qcow2_tables_blocking(temp, &header, total).await?;
         let needed = self
             .config
-            .convert
             .raw_size_estimate(total, header.virtual_size);
         self.off_thread(move |k| k.make_room(needed)).await?;
         tracing::info!(

@@ -14,12 +14,13 @@
 pub(crate) mod glance;
 pub(crate) mod http_client;
 
-use crate::config::{Config, redact_url};
+use crate::config::{Config, blocked_dir, redact_url};
 use crate::error::{Error, ErrorCode, Result, error_chain};
 use crate::sources::glance::Glance;
 use backon::{ExponentialBuilder, Retryable};
 use futures_util::StreamExt;
 use http_client::{BodyError, Purpose};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
@@ -179,6 +180,10 @@ fn open_allowed(path: &Path, allowed: &[PathBuf]) -> Result<FileSource> {
         )
     };
     let outside = || not_allowed("not under [conductor]file_url_allowed_paths");
+    let blocked = |dir: &str| not_allowed(&format!("file URLs are never read under {dir}"));
+    if let Some(dir) = blocked_dir(path) {
+        return Err(blocked(dir));
+    }
     if !path.is_absolute()
         || path
             .components()
@@ -236,6 +241,13 @@ fn open_allowed(path: &Path, allowed: &[PathBuf]) -> Result<FileSource> {
     if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
         return Err(not_allowed("not a regular file"));
     }
+    // Where the descriptor really leads (an allowed directory may be `/`,
+    // and a symlink beneath it lead into a blocked one).
+    let opened = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+        .map_err(|e| Error::io(path.display(), e))?;
+    if let Some(dir) = blocked_dir(&opened) {
+        return Err(blocked(dir));
+    }
     Ok(FileSource {
         path: path.to_path_buf(),
         file: Arc::new(std::fs::File::from(fd)),
@@ -246,8 +258,10 @@ impl Fetcher {
     /// Builds the shared client from `[source]`.
     pub fn new(config: &Config) -> Result<Fetcher> {
         let s = &config.source;
-        let client = http_client::build(config, Purpose::Message, !s.verify_tls)?;
-        let small_timeout = Duration::from_secs(s.connect_timeout.saturating_add(s.read_timeout));
+        let insecure_sources = config.source_tls() == crate::config::SourceTls::Insecure;
+        let client = http_client::build(config, Purpose::Message, insecure_sources)?;
+        let (connect, read) = config.source_timeouts();
+        let small_timeout = Duration::from_secs(connect.saturating_add(read));
         let insecure = config.glance.insecure || !s.verify_tls;
         let glance = Arc::new(Glance::new(
             config.glance.clone(),

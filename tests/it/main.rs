@@ -18,6 +18,7 @@ mod faults;
 mod glance;
 mod http_hostile;
 mod ironic_cache;
+mod ironic_options;
 mod ironic_plugin;
 mod metrics;
 mod notifications;
