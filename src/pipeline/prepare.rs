@@ -55,39 +55,20 @@ impl Pipeline {
             info.image_os_hash_algo.as_deref(),
             info.image_os_hash_value.as_deref(),
         )?;
-        // As Ironic's get_image_download_source: an empty value is unset.
-        let mode = info
-            .image_download_source
-            .as_deref()
-            .map(str::trim)
-            .filter(|m| !m.is_empty())
-            .unwrap_or(&self.config.agent.image_download_source);
-        match (mode, &source) {
-            ("swift", _) => {
-                return Err(Error::new(
-                    ErrorCode::SourceNotAllowed,
-                    "image_download_source=swift is not handled by this worker",
-                ));
+        match self.download_mode(info, &source)? {
+            Mode::Cache => {}
+            Mode::PassThrough => {
+                let answer = self.pass_through(&source, href, spec, done);
+                return Box::pin(answer).await.map(|()| Released::Done);
             }
-            ("http", Source::Http(_)) if self.validates_http_sources() => {
+            Mode::Validate => {
                 let expected = match spec {
                     None => None,
                     Some(spec) => Some(Box::pin(self.resolve_checksum(spec, &source)).await?),
                 };
-                let validated = self.validated_pass_through(&source, href, expected, req, info, done);
+                let validated =
+                    self.validated_pass_through(&source, href, expected, req, info, done);
                 return Box::pin(validated).await.map(|()| Released::Done);
-            }
-            ("http", Source::Http(_)) => {
-                return Box::pin(self.pass_through(&source, href, spec, done))
-                    .await
-                    .map(|()| Released::Done);
-            }
-            ("local" | "http", _) => {}
-            (other, _) => {
-                return Err(Error::new(
-                    ErrorCode::InvalidMessage,
-                    format!("unknown image_download_source {other:?}"),
-                ));
             }
         }
         let expected = match spec {
@@ -128,6 +109,31 @@ impl Pipeline {
             }
         }
         result.map(|()| Released::Done)
+    }
+
+    /// What `image_download_source` (the request's, else `[agent]`'s; an
+    /// empty value is unset, as in Ironic's get_image_download_source) asks
+    /// for this source.
+    fn download_mode(&self, info: &InstanceInfo, source: &Source) -> Result<Mode> {
+        let mode = info
+            .image_download_source
+            .as_deref()
+            .map(str::trim)
+            .filter(|m| !m.is_empty())
+            .unwrap_or(&self.config.agent.image_download_source);
+        match (mode, source) {
+            ("swift", _) => Err(Error::new(
+                ErrorCode::SourceNotAllowed,
+                "image_download_source=swift is not handled by this worker",
+            )),
+            ("http", Source::Http(_)) if self.validates_http_sources() => Ok(Mode::Validate),
+            ("http", Source::Http(_)) => Ok(Mode::PassThrough),
+            ("local" | "http", _) => Ok(Mode::Cache),
+            (other, _) => Err(Error::new(
+                ErrorCode::InvalidMessage,
+                format!("unknown image_download_source {other:?}"),
+            )),
+        }
     }
 
     /// The part of a prepare made under the node's and the master's locks:
@@ -326,7 +332,11 @@ impl Pipeline {
     /// file with `[conductor]disable_support_for_checksum_files`, no MD5
     /// without `[agent]allow_md5_checksum` (whether given inline or found
     /// in a checksum file).
-    pub(super) async fn resolve_checksum(&self, spec: ChecksumSpec, source: &Source) -> Result<Expected> {
+    pub(super) async fn resolve_checksum(
+        &self,
+        spec: ChecksumSpec,
+        source: &Source,
+    ) -> Result<Expected> {
         let expected = match spec {
             ChecksumSpec::Value(e) => e,
             ChecksumSpec::Url { url, algo } => {
@@ -363,6 +373,17 @@ impl Pipeline {
             .last_modified
             .is_some_and(|t| cache::unix_secs(t) <= meta.fetched_at))
     }
+}
+
+/// How a prepare answers, from `image_download_source` and the source.
+enum Mode {
+    /// Cache (and convert) the image and serve it.
+    Cache,
+    /// `http` mode: answer the http(s) source's own URL after a HEAD check.
+    PassThrough,
+    /// `http` mode with `conductor_always_validates_images`: download and
+    /// inspect first, then answer the source's own URL.
+    Validate,
 }
 
 /// True when the master's recorded source digest equals what Ironic expects

@@ -90,9 +90,10 @@ impl Pipeline {
                 None => Box::pin(self.is_fresh(job.source, &m.meta)).await?,
             };
             if good {
-                let format = inspect::Format::from_name(&m.meta.source_format).ok_or_else(|| {
-                    Error::new(ErrorCode::Internal, "cache sidecar names an unknown format")
-                })?;
+                let format =
+                    inspect::Format::from_name(&m.meta.source_format).ok_or_else(|| {
+                        Error::new(ErrorCode::Internal, "cache sidecar names an unknown format")
+                    })?;
                 self.check_declared_format(format, job.info)?;
                 return Ok(m);
             }

@@ -180,9 +180,10 @@ fn open_allowed(path: &Path, allowed: &[PathBuf]) -> Result<FileSource> {
         )
     };
     let outside = || not_allowed("not under [conductor]file_url_allowed_paths");
-    let blocked = |dir: &str| not_allowed(&format!("file URLs are never read under {dir}"));
     if let Some(dir) = blocked_dir(path) {
-        return Err(blocked(dir));
+        return Err(not_allowed(&format!(
+            "file URLs are never read under {dir}"
+        )));
     }
     if !path.is_absolute()
         || path
@@ -241,17 +242,30 @@ fn open_allowed(path: &Path, allowed: &[PathBuf]) -> Result<FileSource> {
     if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
         return Err(not_allowed("not a regular file"));
     }
-    // Where the descriptor really leads (an allowed directory may be `/`,
-    // and a symlink beneath it lead into a blocked one).
-    let opened = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
-        .map_err(|e| Error::io(path.display(), e))?;
-    if let Some(dir) = blocked_dir(&opened) {
-        return Err(blocked(dir));
-    }
+    check_not_blocked(path, &fd)?;
     Ok(FileSource {
         path: path.to_path_buf(),
         file: Arc::new(std::fs::File::from(fd)),
     })
+}
+
+/// Refuses the open `file://` source `fd` when the file it really is (an
+/// allowed directory may be `/`, and a symlink beneath it lead there) lies
+/// under a directory Ironic never reads file URLs from.
+fn check_not_blocked(path: &Path, fd: &impl AsRawFd) -> Result<()> {
+    let opened = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+        .map_err(|e| Error::io(path.display(), e))?;
+    match blocked_dir(&opened) {
+        Some(dir) => Err(Error::new(
+            ErrorCode::SourceNotAllowed,
+            format!(
+                "{}: leads to {}, and file URLs are never read under {dir}",
+                path.display(),
+                opened.display()
+            ),
+        )),
+        None => Ok(()),
+    }
 }
 
 impl Fetcher {

@@ -115,8 +115,7 @@ async fn md5_only_checksums_are_refused_when_md5_is_not_allowed() {
     ];
     for (flags, vars) in refused {
         for checksum in [md5.clone(), format!("md5:{md5}"), server.url("MD5SUMS")] {
-            let (ok, ev) =
-                prepare_with(&env, flags, vars, &url, &["--checksum", &checksum]).await;
+            let (ok, ev) = prepare_with(&env, flags, vars, &url, &["--checksum", &checksum]).await;
             assert!(!ok, "{flags:?} {vars:?} {checksum}: {ev}");
             assert_eq!(code(&ev), "checksum_not_permitted", "{ev}");
         }
@@ -197,15 +196,28 @@ async fn disabled_deep_inspection_skips_the_format_checks_only() {
 
     let (_, ev) = prepare_with(&env, &[], &[], &file("disk.vmdk"), &[]).await;
     assert_eq!(code(&ev), "format_not_permitted", "{ev}");
-    let (_, ev) = prepare_with(&env, &[], &[], &file("disk.qcow2"), &["--disk-format", "raw"]).await;
+    let (_, ev) = prepare_with(
+        &env,
+        &[],
+        &[],
+        &file("disk.qcow2"),
+        &["--disk-format", "raw"],
+    )
+    .await;
     assert_eq!(code(&ev), "format_mismatch", "{ev}");
 
     let (ok, ev) = prepare_with(&env, &off, &[], &file("disk.vmdk"), &[]).await;
     assert!(ok, "{ev}");
     assert_eq!(ev["converted"], true);
     assert_eq!(ev["image_os_hash_value"], sha256sum(&raw));
-    let (ok, ev) =
-        prepare_with(&env, &off, &[], &file("disk.qcow2"), &["--disk-format", "raw"]).await;
+    let (ok, ev) = prepare_with(
+        &env,
+        &off,
+        &[],
+        &file("disk.qcow2"),
+        &["--disk-format", "raw"],
+    )
+    .await;
     assert!(ok, "{ev}");
     assert_eq!(ev["converted"], true);
     assert_eq!(ev["image_os_hash_value"], sha256sum(&raw));
@@ -264,7 +276,10 @@ async fn http_mode_inspects_sources_when_the_conductor_always_validates() {
     assert_eq!(ev["image_url"], good, "the agent downloads from the source");
     assert_eq!(ev["image_disk_format"], "qcow2");
     assert_eq!(ev["converted"], false);
-    assert_eq!(ev["image_os_hash_value"], sha256sum(&src.join("disk.qcow2")));
+    assert_eq!(
+        ev["image_os_hash_value"],
+        sha256sum(&src.join("disk.qcow2"))
+    );
     assert_eq!(server.count("GET", "disk.qcow2"), 1);
     // Verified once: a repeat with the checksum is not downloaded again.
     let sha = sha256sum(&src.join("disk.qcow2"));
@@ -322,23 +337,55 @@ fn https_server(dir: &Path, certs: &Path) -> (std::process::Child, String) {
     tool(
         "openssl",
         &[
-            "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
-            "/CN=test CA", "-keyout", &p("ca.key"), "-out", &p("ca.pem"),
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=test CA",
+            "-keyout",
+            &p("ca.key"),
+            "-out",
+            &p("ca.pem"),
         ],
     );
     tool(
         "openssl",
         &[
-            "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout",
-            &p("srv.key"), "-out", &p("srv.csr"),
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-keyout",
+            &p("srv.key"),
+            "-out",
+            &p("srv.csr"),
         ],
     );
     std::fs::write(certs.join("ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
     tool(
         "openssl",
         &[
-            "x509", "-req", "-in", &p("srv.csr"), "-CA", &p("ca.pem"), "-CAkey", &p("ca.key"),
-            "-CAcreateserial", "-days", "2", "-extfile", &p("ext"), "-out", &p("srv.pem"),
+            "x509",
+            "-req",
+            "-in",
+            &p("srv.csr"),
+            "-CA",
+            &p("ca.pem"),
+            "-CAkey",
+            &p("ca.key"),
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            &p("ext"),
+            "-out",
+            &p("srv.pem"),
         ],
     );
     let port = free_port();
@@ -394,17 +441,21 @@ async fn webserver_verify_ca_decides_how_https_sources_are_verified() {
 async fn webserver_connection_timeout_bounds_the_wait_for_a_source() {
     let env = Env::new("");
     let src = env.root().join("src");
-    random_file(&src.join("disk.img"), 1 << 20, 267);
-    let sha256 = sha256sum(&src.join("disk.img"));
+    random_file(&src.join("a.img"), 1 << 20, 267);
+    // One name per case: a verified master would be a cache hit.
+    for name in ["b.img", "c.img"] {
+        std::fs::copy(src.join("a.img"), src.join(name)).unwrap();
+    }
+    let sha256 = sha256sum(&src.join("a.img"));
     let base = odd_server(&src).await;
-    let url = format!("{base}/pause/disk.img");
+    let url = |name: &str| format!("{base}/pause/{name}");
     let sum = ["--checksum", sha256.as_str()];
     let once = ["--set", "source.retries=0"];
 
-    let (ok, ev) = prepare_with(&env, &once, &[], &url, &sum).await;
+    let (ok, ev) = prepare_with(&env, &once, &[], &url("a.img"), &sum).await;
     assert!(ok, "3 s within read_timeout: {ev}");
     let short = [("OS_DEFAULT__WEBSERVER_CONNECTION_TIMEOUT", "1")];
-    let (ok, ev) = prepare_with(&env, &once, &short, &url, &sum).await;
+    let (ok, ev) = prepare_with(&env, &once, &short, &url("b.img"), &sum).await;
     assert!(!ok, "{ev}");
     assert_eq!(code(&ev), "source_unreachable", "{ev}");
     let long = [
@@ -415,8 +466,9 @@ async fn webserver_connection_timeout_bounds_the_wait_for_a_source() {
         "--set",
         "DEFAULT.webserver_connection_timeout=10",
     ];
-    let (ok, ev) = prepare_with(&env, &long, &[], &url, &sum).await;
+    let (ok, ev) = prepare_with(&env, &long, &[], &url("c.img"), &sum).await;
     assert!(ok, "{ev}");
+    assert_eq!(ev["cache"], "miss");
 }
 
 /// `file://` sources under `/dev`, `/sys`, `/proc`, `/boot`, `/run` or
@@ -426,10 +478,13 @@ async fn webserver_connection_timeout_bounds_the_wait_for_a_source() {
 async fn file_urls_are_never_read_under_system_directories() {
     let env = Env::new("");
     let everywhere = ["--set", "conductor.file_url_allowed_paths=/"];
-    let link = env.root().join("allowed/hostname");
-    std::os::unix::fs::symlink("/etc/hostname", &link).unwrap();
+    // A relative link (`openat2` refuses absolute ones on its own).
+    let link = env.root().join("allowed/passwd");
+    let up = "../".repeat(link.parent().unwrap().components().count() - 1);
+    std::os::unix::fs::symlink(format!("{up}etc/passwd"), &link).unwrap();
+    assert!(std::fs::read(&link).is_ok());
     for source in [
-        "file:///etc/hostname".to_string(),
+        "file:///etc/passwd".to_string(),
         "file:///proc/self/status".to_string(),
         format!("file://{}", link.display()),
     ] {
@@ -469,7 +524,12 @@ async fn gzip_encoded_sources_are_decoded() {
     let sha256 = sha256sum(&src.join("disk.img"));
     let base = odd_server(&src).await;
     let source = format!("{base}/gzip/disk.img");
-    let sum = ["--os-hash-algo", "sha256", "--os-hash-value", sha256.as_str()];
+    let sum = [
+        "--os-hash-algo",
+        "sha256",
+        "--os-hash-value",
+        sha256.as_str(),
+    ];
     let (ok, ev) = prepare_with(&env, &[], &[], &source, &sum).await;
     assert!(ok, "{ev}");
     assert_eq!(ev["image_size"], decoded.len());
