@@ -331,7 +331,7 @@ async fn raw_image_growth_factor_sizes_the_conversion_space_check() {
 
 /// Makes a CA and a certificate for 127.0.0.1 signed by it (openssl), and
 /// serves `dir` over HTTPS with `openssl s_server -WWW`.
-fn https_server(dir: &Path, certs: &Path) -> (std::process::Child, String) {
+fn https_server(dir: &Path, certs: &Path) -> (Killed, String) {
     let p = |n: &str| certs.join(n).to_str().unwrap().to_string();
     std::fs::create_dir_all(certs).unwrap();
     tool(
@@ -404,7 +404,17 @@ fn https_server(dir: &Path, certs: &Path) -> (std::process::Child, String) {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    (child, format!("https://127.0.0.1:{port}"))
+    (Killed(child), format!("https://127.0.0.1:{port}"))
+}
+
+/// A server process killed when dropped (a failed assertion included).
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// `[DEFAULT]webserver_verify_ca`: a CA bundle path, or False, for https
@@ -415,7 +425,7 @@ async fn webserver_verify_ca_decides_how_https_sources_are_verified() {
     let src = env.root().join("src");
     random_file(&src.join("disk.img"), 1 << 20, 266);
     let sha256 = sha256sum(&src.join("disk.img"));
-    let (mut server, base) = https_server(&src, &env.root().join("certs"));
+    let (_server, base) = https_server(&src, &env.root().join("certs"));
     let url = format!("{base}/disk.img");
     let ca = env.root().join("certs/ca.pem");
     let sum = ["--checksum", sha256.as_str()];
@@ -430,8 +440,6 @@ async fn webserver_verify_ca_decides_how_https_sources_are_verified() {
     let no = [("OS_DEFAULT__WEBSERVER_VERIFY_CA", "False")];
     let (ok, ev) = prepare_with(&env, &[], &no, &url, &sum).await;
     assert!(ok, "{ev}");
-    let _ = server.kill();
-    let _ = server.wait();
 }
 
 /// `[DEFAULT]webserver_connection_timeout`: the longest wait for a byte of
