@@ -37,6 +37,9 @@ async fn prepare_with(
     completion_of(&out)
 }
 
+/// Environment variables of one run.
+type Vars<'a> = &'a [(&'a str, &'a str)];
+
 fn code(ev: &Value) -> &str {
     ev["error"]["code"].as_str().unwrap_or("")
 }
@@ -108,7 +111,7 @@ async fn md5_only_checksums_are_refused_when_md5_is_not_allowed() {
     let ironic_conf = env.root().join("ironic.conf");
     std::fs::write(&ironic_conf, "[agent]\nallow_md5_checksum = False\n").unwrap();
     let conf = ironic_conf.to_str().unwrap();
-    let refused: [(&[&str], &[(&str, &str)]); 3] = [
+    let refused: [(&[&str], Vars); 3] = [
         (&["--set", "agent.allow_md5_checksum=false"], &[]),
         (&[], &[("OS_AGENT__ALLOW_MD5_CHECKSUM", "false")]),
         (&["--ironic-config", conf], &[]),
