@@ -22,6 +22,10 @@ pub enum ErrorCode {
     SourceNotAllowed,
     /// The downloaded bytes do not match the expected checksum.
     ChecksumMismatch,
+    /// The checksum given is of a kind the configuration refuses, as Ironic
+    /// does: MD5 with `[agent]allow_md5_checksum = false`, a checksum file
+    /// URL with `[conductor]disable_support_for_checksum_files = true`.
+    ChecksumNotPermitted,
     /// The detected format differs from the declared `image_disk_format`.
     FormatMismatch,
     /// The detected format is not in `[conductor]permitted_image_formats`.
@@ -44,13 +48,14 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in schema order; the schema test checks both lists agree.
-    pub const ALL: [ErrorCode; 14] = [
+    pub const ALL: [ErrorCode; 15] = [
         ErrorCode::InvalidMessage,
         ErrorCode::InvalidNodeUuid,
         ErrorCode::SourceNotFound,
         ErrorCode::SourceUnreachable,
         ErrorCode::SourceNotAllowed,
         ErrorCode::ChecksumMismatch,
+        ErrorCode::ChecksumNotPermitted,
         ErrorCode::FormatMismatch,
         ErrorCode::FormatNotPermitted,
         ErrorCode::UnsafeImage,
@@ -70,6 +75,7 @@ impl ErrorCode {
             ErrorCode::SourceUnreachable => "source_unreachable",
             ErrorCode::SourceNotAllowed => "source_not_allowed",
             ErrorCode::ChecksumMismatch => "checksum_mismatch",
+            ErrorCode::ChecksumNotPermitted => "checksum_not_permitted",
             ErrorCode::FormatMismatch => "format_mismatch",
             ErrorCode::FormatNotPermitted => "format_not_permitted",
             ErrorCode::UnsafeImage => "unsafe_image",

@@ -26,6 +26,7 @@ enum Kind {
     Str,
     Bool,
     Int,
+    Float,
     List,
 }
 
@@ -33,13 +34,22 @@ enum Kind {
 const SAME: &[(&str, &[(&str, Kind)])] = &[
     (
         "DEFAULT",
-        &[("host", Kind::Str), ("force_raw_images", Kind::Bool)],
+        &[
+            ("host", Kind::Str),
+            ("force_raw_images", Kind::Bool),
+            // Ironic options that change the image path (docs/contract.md,
+            // "Ironic's image options").
+            ("raw_image_growth_factor", Kind::Float),
+            ("webserver_verify_ca", Kind::Str),
+            ("webserver_connection_timeout", Kind::Int),
+        ],
     ),
     (
         "agent",
         &[
             ("image_download_source", Kind::Str),
             ("stream_raw_images", Kind::Bool),
+            ("allow_md5_checksum", Kind::Bool),
         ],
     ),
     (
@@ -67,6 +77,9 @@ const SAME: &[(&str, &[(&str, Kind)])] = &[
         &[
             ("permitted_image_formats", Kind::List),
             ("file_url_allowed_paths", Kind::List),
+            ("disable_deep_image_inspection", Kind::Bool),
+            ("disable_support_for_checksum_files", Kind::Bool),
+            ("conductor_always_validates_images", Kind::Bool),
         ],
     ),
     (
@@ -161,6 +174,7 @@ const RENAMED: &[(&str, &str, &str, &str, Kind)] = &[
 const IRONIC_DEFAULTS: &[(&str, &str, &str)] = &[
     ("deploy", "http_root", "/httpboot"),
     ("pxe", "images_path", "/var/lib/ironic/images/"),
+    ("conductor", "file_url_allowed_paths", "/var/lib/ironic"),
     ("DEFAULT", "state_path", "/var/lib/ironic"),
 ];
 
@@ -364,30 +378,96 @@ pub fn amqp_url_from_transport(transport: &str, ssl: bool) -> Result<Vec<String>
         .collect()
 }
 
-/// Ironic's own master image directory as the ironic.conf at `path` sets it
-/// (`[pxe]instance_master_path`, default `$state_path/master_images`), so
-/// the worker can refuse to share it.
-pub fn ironic_master_path(path: &Path) -> Result<std::path::PathBuf> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| conf_error(format!("cannot read {}: {e}", path.display())))?;
-    let ini = IniFile::parse(&text)?;
-    let value = match ini.get("pxe", "instance_master_path")? {
-        Some(v) => v,
-        None => ini.substitute("pxe", "$state_path/master_images", 0)?,
+/// Prefix of oslo.config's environment source: `OS_<GROUP>__<OPTION>`,
+/// group and option upper-cased (`OS_DEFAULT__HOST`,
+/// `OS_AGENT__ALLOW_MD5_CHECKSUM`), as Metal3 configures Ironic.
+pub const OSLO_ENV_PREFIX: &str = "OS_";
+
+/// Options read from ironic.conf beside the shared ones (the broker, the
+/// path substitutions, Ironic's master directory).
+const OTHER_READ: &[(&str, &str)] = &[
+    ("DEFAULT", "transport_url"),
+    ("DEFAULT", "state_path"),
+    ("oslo_messaging_rabbit", "ssl"),
+    ("oslo_messaging_notifications", "transport_url"),
+    ("pxe", "instance_master_path"),
+];
+
+/// The environment variable oslo.config reads for `[group]option`.
+pub fn oslo_env_name(group: &str, option: &str) -> String {
+    format!(
+        "{OSLO_ENV_PREFIX}{}__{}",
+        group.to_ascii_uppercase(),
+        option.to_ascii_uppercase()
+    )
+}
+
+impl IniFile {
+    /// Sets over the file's values those of oslo.config's environment
+    /// source, for every option the worker reads of ironic.conf: as in
+    /// oslo.config, `OS_<GROUP>__<OPTION>` wins over the file. Other `OS_`
+    /// variables (an OpenStack client's `OS_AUTH_URL`...) are not read.
+    /// Returns how many were taken.
+    pub fn overlay_env(&mut self, env: &[(String, String)]) -> usize {
+        let shared = SAME
+            .iter()
+            .flat_map(|(sec, opts)| opts.iter().map(move |(key, _)| (*sec, *key)));
+        let renamed = RENAMED.iter().map(|(sec, key, ..)| (*sec, *key));
+        let mut taken = 0;
+        for (sec, key) in shared.chain(renamed).chain(OTHER_READ.iter().copied()) {
+            let name = oslo_env_name(sec, key);
+            if let Some((_, value)) = env.iter().rev().find(|(n, _)| *n == name) {
+                *self.values_mut(sec, key) = vec![value.clone()];
+                taken += 1;
+            }
+        }
+        taken
+    }
+}
+
+/// What the worker takes of Ironic's own configuration: the ironic.conf
+/// given (if any) with oslo.config's environment variables over it.
+#[derive(Debug, Default)]
+pub struct IronicLayer {
+    /// The worker's options, as a TOML table (the lowest layer).
+    pub table: toml::Table,
+    /// Ironic's `[pxe]instance_master_path`, when known, which the worker
+    /// must not share.
+    pub master_path: Option<std::path::PathBuf>,
+}
+
+/// Reads the ironic.conf at `path` (when given) and the `OS_` variables of
+/// `env`. Without a file, only the options the variables set are taken
+/// (none of Ironic's path defaults).
+pub fn load(path: Option<&Path>, env: &[(String, String)]) -> Result<IronicLayer> {
+    let mut ini = match path {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| conf_error(format!("cannot read {}: {e}", path.display())))?;
+            IniFile::parse(&text)?
+        }
+        None => IniFile::default(),
     };
-    Ok(std::path::PathBuf::from(value))
+    let from_env = ini.overlay_env(env);
+    if path.is_none() && from_env == 0 {
+        return Ok(IronicLayer::default());
+    }
+    let master_path = match ini.get("pxe", "instance_master_path")? {
+        Some(v) => Some(v),
+        None if path.is_some() => Some(ini.substitute("pxe", "$state_path/master_images", 0)?),
+        None => None,
+    };
+    Ok(IronicLayer {
+        table: map_options(&ini, path.is_some())?,
+        master_path: master_path.map(std::path::PathBuf::from),
+    })
 }
 
-/// The worker configuration layer taken from an ironic.conf file: a TOML
-/// table with the worker's sections and options.
-pub fn load(path: &Path) -> Result<toml::Table> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| conf_error(format!("cannot read {}: {e}", path.display())))?;
-    to_table(&IniFile::parse(&text)?)
-}
-
-/// Maps the shared options of a parsed ironic.conf to the worker's options.
-pub fn to_table(ini: &IniFile) -> Result<toml::Table> {
+/// Maps the shared options of a parsed ironic.conf to the worker's options;
+/// `whole_file` adds what a real ironic.conf implies beyond its lines
+/// (Ironic's path defaults, the worker's own master directory), which
+/// options from the environment alone do not.
+fn map_options(ini: &IniFile, whole_file: bool) -> Result<toml::Table> {
     let mut table = toml::Table::new();
     let mut put = |section: &str, key: &str, value: toml::Value| {
         if let toml::Value::Table(t) = table
@@ -400,14 +480,16 @@ pub fn to_table(ini: &IniFile) -> Result<toml::Table> {
     // The worker's masters never live in Ironic's `[pxe]instance_master_path`
     // (Ironic's clean-up deletes every unlinked file there): that option is
     // not taken from ironic.conf.
-    put(
-        "pxe",
-        "instance_master_path",
-        toml::Value::String(crate::config::SYSTEM_MASTER_PATH.to_string()),
-    );
-    for (section, key, value) in IRONIC_DEFAULTS {
-        if *section != "DEFAULT" && ini.raw(section, key).is_none() {
-            put(section, key, toml::Value::String((*value).to_string()));
+    if whole_file {
+        put(
+            "pxe",
+            "instance_master_path",
+            toml::Value::String(crate::config::SYSTEM_MASTER_PATH.to_string()),
+        );
+        for (section, key, value) in IRONIC_DEFAULTS {
+            if *section != "DEFAULT" && ini.raw(section, key).is_none() {
+                put(section, key, toml::Value::String((*value).to_string()));
+            }
         }
     }
     let same = SAME.iter().flat_map(|(sec, opts)| {
@@ -425,6 +507,11 @@ pub fn to_table(ini: &IniFile) -> Result<toml::Table> {
                 v.trim()
                     .parse()
                     .map_err(|_| conf_error(format!("[{isec}]{ikey}: {v:?} is not an integer")))?,
+            ),
+            Kind::Float => toml::Value::Float(
+                v.trim()
+                    .parse()
+                    .map_err(|_| conf_error(format!("[{isec}]{ikey}: {v:?} is not a number")))?,
             ),
             Kind::List => toml::Value::Array(
                 v.split([',', '\n'])
@@ -513,7 +600,7 @@ mod tests {
 
     #[test]
     fn unset_paths_take_ironic_defaults() {
-        let table = to_table(&IniFile::parse("[DEFAULT]\nhost = c\n").unwrap()).unwrap();
+        let table = map_options(&IniFile::parse("[DEFAULT]\nhost = c\n").unwrap(), true).unwrap();
         assert_eq!(table["deploy"]["http_root"].as_str(), Some("/httpboot"));
         assert!(
             table.get("agent").is_none(),

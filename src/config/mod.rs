@@ -1,9 +1,13 @@
 //! Configuration: one TOML file using Ironic's own section and option names,
 //! overridden by environment variables and command-line `--set` flags.
 //!
-//! Precedence (lowest first): built-in defaults, the TOML file, environment
-//! variables `IRONIC_IMAGE_WORKER__<SECTION>__<OPTION>`, then `--set
-//! section.option=value` flags. With no file at all every path defaults to a
+//! Precedence (lowest first): built-in defaults; what the worker reads of
+//! Ironic's own configuration (an ironic.conf, then oslo.config's
+//! `OS_<GROUP>__<OPTION>` environment variables over it, as oslo.config
+//! orders them); the worker's TOML file; environment variables
+//! `IRONIC_IMAGE_WORKER__<SECTION>__<OPTION>`; then `--set
+//! section.option=value` flags. The worker's own settings win over what it
+//! reads of Ironic's. With no file at all every path defaults to a
 //! directory the current user can write, so the worker starts without root.
 //!
 //! # This folder
@@ -17,7 +21,7 @@ pub(crate) mod ironic_conf;
 use crate::error::{Error, ErrorCode, Result};
 use serde::{Deserialize, Deserializer};
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Prefix of the environment variables that override configuration options.
 pub const ENV_PREFIX: &str = "IRONIC_IMAGE_WORKER__";
@@ -121,6 +125,19 @@ impl Default for NotificationsSection {
             max_age: 1800,
         }
     }
+}
+
+/// The directories Ironic never reads a `file://` source from, whatever
+/// `[conductor]file_url_allowed_paths` says (Ironic's
+/// `BLOCKED_FILE_URL_PATHS`, OSSA-2025-001): the path as written and the
+/// file actually opened must lie outside them.
+pub const BLOCKED_FILE_URL_PATHS: [&str; 6] = ["/dev", "/sys", "/proc", "/boot", "/etc", "/run"];
+
+/// The blocked directory `path` is in (or is), if any.
+pub fn blocked_dir(path: &Path) -> Option<&'static str> {
+    BLOCKED_FILE_URL_PATHS
+        .into_iter()
+        .find(|dir| path.starts_with(dir))
 }
 
 /// Where the worker keeps its masters when it reads an ironic.conf and its
@@ -269,6 +286,22 @@ pub struct DefaultSection {
     pub host: String,
     /// Ironic's `force_raw_images` (default true, as in Ironic).
     pub force_raw_images: bool,
+    /// Ironic's `raw_image_growth_factor` (default 2.0, at least 1.0): when
+    /// the virtual size of an image to convert does not fit, the raw size
+    /// is estimated as the image size times this (capped by the virtual
+    /// size) for the space check.
+    pub raw_image_growth_factor: f64,
+    /// Ironic's `webserver_verify_ca` for http(s) sources and checksum
+    /// files: a boolean (`True`/`False`, as oslo spells them) or the path
+    /// of a CA bundle (a path that does not exist means `True`, as in
+    /// Ironic). Unset: `[source]verify_tls` decides.
+    #[serde(deserialize_with = "bool_or_string")]
+    pub webserver_verify_ca: Option<String>,
+    /// Ironic's `webserver_connection_timeout`, seconds: requests' single
+    /// `timeout`, so both the connect timeout and the longest wait for a
+    /// byte of an http(s) source. Unset: `[source]connect_timeout` and
+    /// `read_timeout` decide.
+    pub webserver_connection_timeout: Option<u64>,
 }
 
 /// `[agent]` options shared with Ironic.
@@ -279,6 +312,10 @@ pub struct AgentSection {
     pub image_download_source: String,
     /// Ironic's `stream_raw_images` (default true).
     pub stream_raw_images: bool,
+    /// Ironic's `allow_md5_checksum` (default true): when false, a request
+    /// whose only checksum is MD5 (inline or in a checksum file) is refused
+    /// with `checksum_not_permitted`.
+    pub allow_md5_checksum: bool,
 }
 
 /// `[deploy]` options shared with Ironic.
@@ -323,9 +360,24 @@ pub struct ConductorSection {
     /// Formats a detected image may have.
     #[serde(deserialize_with = "list_opt")]
     pub permitted_image_formats: Vec<String>,
-    /// Directories under which `file://` sources are allowed.
+    /// Directories under which `file://` sources are allowed (never
+    /// under Ironic's always-refused system directories, see
+    /// [`BLOCKED_FILE_URL_PATHS`]).
     #[serde(deserialize_with = "path_list_opt")]
     pub file_url_allowed_paths: Vec<PathBuf>,
+    /// Ironic's `disable_deep_image_inspection` (default false): when true,
+    /// the detected format is neither matched against `image_disk_format`
+    /// nor against `permitted_image_formats`. The structural checks the
+    /// converter relies on (backing and data files, encryption) stay.
+    pub disable_deep_image_inspection: bool,
+    /// Ironic's `disable_support_for_checksum_files` (default false): when
+    /// true, a checksum given as an http(s) URL is refused with
+    /// `checksum_not_permitted`.
+    pub disable_support_for_checksum_files: bool,
+    /// Ironic's `conductor_always_validates_images` (default false): with
+    /// `image_download_source = http`, an http(s) source is downloaded,
+    /// verified and inspected before its URL is answered.
+    pub conductor_always_validates_images: bool,
 }
 
 /// `[amqp]`: the worker's broker settings.
@@ -506,6 +558,9 @@ impl Default for DefaultSection {
         DefaultSection {
             host: system_hostname(),
             force_raw_images: true,
+            raw_image_growth_factor: 2.0,
+            webserver_verify_ca: None,
+            webserver_connection_timeout: None,
         }
     }
 }
@@ -515,6 +570,7 @@ impl Default for AgentSection {
         AgentSection {
             image_download_source: "local".into(),
             stream_raw_images: true,
+            allow_md5_checksum: true,
         }
     }
 }
@@ -557,6 +613,9 @@ impl Default for ConductorSection {
             ]
             .map(PathBuf::from)
             .to_vec(),
+            disable_deep_image_inspection: false,
+            disable_support_for_checksum_files: false,
+            conductor_always_validates_images: false,
         }
     }
 }
@@ -625,9 +684,9 @@ pub struct ConvertSection {
     pub min_rate_mib: u64,
     /// Largest virtual size of an image, GiB.
     pub max_virtual_size_gib: u64,
-    /// Ironic's `raw_image_growth_factor`: the raw size is estimated as the
-    /// image size times this (capped by the virtual size) for space checks.
-    pub raw_image_growth_factor: f64,
+    /// The earlier name of `[DEFAULT]raw_image_growth_factor`, still
+    /// accepted: when set it wins (it is the worker's own setting).
+    pub raw_image_growth_factor: Option<f64>,
     /// Convert a qcow2 from an http(s)/Glance source while it downloads
     /// (the result is used only once the download is verified).
     pub stream_while_downloading: bool,
@@ -640,7 +699,7 @@ impl Default for ConvertSection {
             min_timeout: 300,
             min_rate_mib: 20,
             max_virtual_size_gib: 1024,
-            raw_image_growth_factor: 2.0,
+            raw_image_growth_factor: None,
             stream_while_downloading: true,
         }
     }
@@ -654,12 +713,6 @@ impl ConvertSection {
             min_timeout: std::time::Duration::from_secs(self.min_timeout),
             min_rate: self.min_rate_mib.saturating_mul(1 << 20),
         }
-    }
-
-    /// Ironic's estimate of the raw size of an image of `file_size` bytes
-    /// describing `virtual_size` bytes, for space checks before converting.
-    pub fn raw_size_estimate(&self, file_size: u64, virtual_size: u64) -> u64 {
-        ((file_size as f64 * self.raw_image_growth_factor) as u64).min(virtual_size)
     }
 
     /// The limits of the qcow2 header check.
@@ -706,6 +759,21 @@ fn list_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
         .map(|s| s.trim().to_string())
         .filter(|s| !s.is_empty())
         .collect())
+}
+
+/// An option that is a boolean or a string (`webserver_verify_ca`): a TOML
+/// boolean is kept as its text.
+fn bool_or_string<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Either {
+        Bool(bool),
+        Text(String),
+    }
+    Ok(Some(match Either::deserialize(d)? {
+        Either::Bool(b) => b.to_string(),
+        Either::Text(s) => s,
+    }))
 }
 
 /// `[amqp]url`: a TOML array of URLs, or one string holding a
@@ -812,10 +880,8 @@ impl Config {
         env: &[(String, String)],
         overrides: &[String],
     ) -> Result<Config> {
-        let mut table = match &files.ironic_conf {
-            Some(path) => crate::config::ironic_conf::load(path)?,
-            None => toml::Table::new(),
-        };
+        let ironic = crate::config::ironic_conf::load(files.ironic_conf.as_deref(), env)?;
+        let mut table = ironic.table;
         if let Some(path) = &files.toml {
             let text = std::fs::read_to_string(path)
                 .map_err(|e| config_error(format!("cannot read {}: {e}", path.display())))?;
@@ -859,9 +925,8 @@ impl Config {
             .try_into()
             .map_err(|e: toml::de::Error| config_error(e.to_string()))?;
         config.validate()?;
-        if let Some(path) = &files.ironic_conf {
-            let ironic = crate::config::ironic_conf::ironic_master_path(path)?;
-            config.check_master_not_ironics(&ironic)?;
+        if let Some(path) = &ironic.master_path {
+            config.check_master_not_ironics(path)?;
         }
         Ok(config)
     }
@@ -892,6 +957,7 @@ impl Config {
         self.validate_served_dirs()?;
         self.validate_image_server()?;
         self.cache.shared_dirs()?;
+        self.validate_file_url_paths()?;
         self.validate_limits()
     }
 
@@ -976,6 +1042,37 @@ impl Config {
         Ok(())
     }
 
+    /// `[conductor]file_url_allowed_paths` holds absolute paths without
+    /// `.` or `..` (Ironic's `ExplicitAbsolutePath`); one inside a directory
+    /// Ironic never reads file URLs from is only warned about (Ironic
+    /// starts with it too), as no file there is ever read.
+    fn validate_file_url_paths(&self) -> Result<()> {
+        for dir in &self.conductor.file_url_allowed_paths {
+            let explicit = dir.is_absolute()
+                && dir.components().all(|c| {
+                    !matches!(
+                        c,
+                        std::path::Component::ParentDir | std::path::Component::CurDir
+                    )
+                });
+            if !explicit {
+                return Err(config_error(format!(
+                    "[conductor]file_url_allowed_paths: {} is not an absolute path without \
+                     . or ..",
+                    dir.display()
+                )));
+            }
+            if let Some(blocked) = blocked_dir(dir) {
+                tracing::warn!(
+                    "[conductor]file_url_allowed_paths: {} is under {blocked}, from which \
+                     file URLs are never read",
+                    dir.display()
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// Limits must be limits: no zero that means "unlimited" to the broker,
     /// no unit conversion that overflows (and would wrap to a tiny limit).
     fn validate_limits(&self) -> Result<()> {
@@ -1013,10 +1110,11 @@ impl Config {
                 i32::MAX
             )));
         }
-        let factor = self.convert.raw_image_growth_factor;
-        if !factor.is_finite() || factor <= 0.0 {
+        let factor = self.raw_image_growth_factor();
+        if !factor.is_finite() || factor < 1.0 {
             return Err(config_error(format!(
-                "[convert]raw_image_growth_factor = {factor} must be a positive number"
+                "[DEFAULT]raw_image_growth_factor = {factor} must be a number of at least 1.0 \
+                 (as in Ironic)"
             )));
         }
         if self.source.min_rate > 0 && self.source.min_rate_window == 0 {
@@ -1091,6 +1189,58 @@ impl Config {
         Ok(())
     }
 
+    /// `[DEFAULT]raw_image_growth_factor`, or its earlier name
+    /// `[convert]raw_image_growth_factor` when that is set.
+    pub fn raw_image_growth_factor(&self) -> f64 {
+        self.convert
+            .raw_image_growth_factor
+            .unwrap_or(self.default.raw_image_growth_factor)
+    }
+
+    /// Ironic's estimate of the raw size of an image of `file_size` bytes
+    /// describing `virtual_size` bytes, for space checks before converting.
+    pub fn raw_size_estimate(&self, file_size: u64, virtual_size: u64) -> u64 {
+        ((file_size as f64 * self.raw_image_growth_factor()) as u64).min(virtual_size)
+    }
+
+    /// How http(s) sources and checksum files verify TLS certificates:
+    /// `[DEFAULT]webserver_verify_ca` when set (oslo's booleans, or a CA
+    /// bundle path; a path that does not exist means the system store, as
+    /// Ironic documents), else `[source]verify_tls`.
+    pub fn source_tls(&self) -> SourceTls {
+        let Some(value) = self.default.webserver_verify_ca.as_deref() else {
+            return match self.source.verify_tls {
+                true => SourceTls::System,
+                false => SourceTls::Insecure,
+            };
+        };
+        match parse_oslo_bool(value) {
+            Some(true) => SourceTls::System,
+            Some(false) => SourceTls::Insecure,
+            None if Path::new(value.trim()).exists() => {
+                SourceTls::Bundle(PathBuf::from(value.trim()))
+            }
+            None => {
+                tracing::warn!(
+                    "[DEFAULT]webserver_verify_ca {value:?} is neither a boolean nor an existing \
+                     file: the system trust store is used, as in Ironic"
+                );
+                SourceTls::System
+            }
+        }
+    }
+
+    /// Connect timeout and longest wait for a byte of http(s) sources, in
+    /// seconds: `[DEFAULT]webserver_connection_timeout` for both when set
+    /// (requests' single `timeout`, as Ironic passes it), else
+    /// `[source]connect_timeout` and `read_timeout`.
+    pub fn source_timeouts(&self) -> (u64, u64) {
+        match self.default.webserver_connection_timeout {
+            Some(t) => (t, t),
+            None => (self.source.connect_timeout, self.source.read_timeout),
+        }
+    }
+
     /// The URL prefix published for node images: `http_url` or, when unset,
     /// one derived from the image server's listen address.
     pub fn http_url(&self) -> String {
@@ -1125,6 +1275,27 @@ impl Config {
             .map(|u| redact_url_list(u))
             .collect::<Vec<_>>()
             .join(",")
+    }
+}
+
+/// How TLS certificates of http(s) sources are verified.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SourceTls {
+    /// Against the system trust store.
+    System,
+    /// Not at all.
+    Insecure,
+    /// Against this CA bundle (PEM) only, as requests' `verify=<path>`.
+    Bundle(PathBuf),
+}
+
+/// oslo.utils' `bool_from_string` (strict): `1/t/true/on/y/yes` and
+/// `0/f/false/off/n/no`, any case; anything else is not a boolean.
+pub fn parse_oslo_bool(value: &str) -> Option<bool> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "t" | "true" | "on" | "y" | "yes" => Some(true),
+        "0" | "f" | "false" | "off" | "n" | "no" => Some(false),
+        _ => None,
     }
 }
 
@@ -1228,7 +1399,127 @@ fn option_accepts(section: &str, key: &str, value: &toml::Value) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::redact_url;
+    use super::{Config, Files, SourceTls, redact_url};
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    fn ironic_conf(text: &str) -> (tempfile::TempDir, Files) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ironic.conf");
+        std::fs::write(&path, text).unwrap();
+        let files = Files {
+            ironic_conf: Some(path),
+            toml: None,
+        };
+        (dir, files)
+    }
+
+    /// oslo.config's environment source: `OS_<GROUP>__<OPTION>`, over the
+    /// ironic.conf and below the worker's own settings.
+    #[test]
+    fn oslo_environment_variables_are_read_as_oslo_reads_them() {
+        let c = Config::load_from(
+            &Files::default(),
+            &env(&[
+                ("OS_AGENT__ALLOW_MD5_CHECKSUM", "false"),
+                ("OS_CONDUCTOR__DISABLE_DEEP_IMAGE_INSPECTION", "yes"),
+                ("OS_DEFAULT__RAW_IMAGE_GROWTH_FACTOR", "1.5"),
+                ("OS_DEFAULT__WEBSERVER_CONNECTION_TIMEOUT", "7"),
+                ("OS_AUTH_URL", "http://keystone/"),
+                ("OS_AGENT__NOT_AN_OPTION_OF_OURS", "1"),
+            ]),
+            &[],
+        )
+        .unwrap();
+        assert!(!c.agent.allow_md5_checksum);
+        assert!(c.conductor.disable_deep_image_inspection);
+        assert_eq!(c.raw_image_growth_factor(), 1.5);
+        assert_eq!(c.source_timeouts(), (7, 7));
+        // Without an ironic.conf, the variables bring no Ironic path default.
+        assert_ne!(c.deploy.http_root, std::path::PathBuf::from("/httpboot"));
+
+        let (_dir, files) = ironic_conf(
+            "[agent]\nallow_md5_checksum = true\n[conductor]\ndisable_support_for_checksum_files = true\n",
+        );
+        let over_file = Config::load_from(
+            &files,
+            &env(&[("OS_AGENT__ALLOW_MD5_CHECKSUM", "false")]),
+            &["pxe.instance_master_path=/tmp/iiw-unit-master".into()],
+        )
+        .unwrap();
+        assert!(!over_file.agent.allow_md5_checksum, "env over ironic.conf");
+        assert!(over_file.conductor.disable_support_for_checksum_files);
+        assert_eq!(
+            over_file.conductor.file_url_allowed_paths,
+            [std::path::PathBuf::from("/var/lib/ironic")],
+            "Ironic's default when its file does not set it"
+        );
+        let worker_wins = Config::load_from(
+            &files,
+            &env(&[
+                ("OS_AGENT__ALLOW_MD5_CHECKSUM", "false"),
+                ("IRONIC_IMAGE_WORKER__AGENT__ALLOW_MD5_CHECKSUM", "true"),
+            ]),
+            &["pxe.instance_master_path=/tmp/iiw-unit-master".into()],
+        )
+        .unwrap();
+        assert!(worker_wins.agent.allow_md5_checksum);
+
+        for bad in [
+            ("OS_DEFAULT__RAW_IMAGE_GROWTH_FACTOR", "0.5"),
+            ("OS_AGENT__ALLOW_MD5_CHECKSUM", "maybe"),
+            ("OS_CONDUCTOR__FILE_URL_ALLOWED_PATHS", "/var/lib/../etc"),
+        ] {
+            assert!(
+                Config::load_from(&Files::default(), &env(&[bad]), &[]).is_err(),
+                "{bad:?}"
+            );
+        }
+        // Ironic's own master directory, named by the environment, is refused.
+        let shared = Config::load_from(
+            &Files::default(),
+            &env(&[("OS_PXE__INSTANCE_MASTER_PATH", "/tmp/iiw-unit-master")]),
+            &["pxe.instance_master_path=/tmp/iiw-unit-master".into()],
+        );
+        assert!(shared.is_err());
+    }
+
+    #[test]
+    fn webserver_verify_ca_is_a_boolean_or_a_bundle() {
+        let tls = |v: &str| {
+            Config::load_from(
+                &Files::default(),
+                &env(&[("OS_DEFAULT__WEBSERVER_VERIFY_CA", v)]),
+                &[],
+            )
+            .unwrap()
+            .source_tls()
+        };
+        assert_eq!(tls("False"), SourceTls::Insecure);
+        assert_eq!(tls("n"), SourceTls::Insecure);
+        assert_eq!(tls("True"), SourceTls::System);
+        assert_eq!(tls("/nonexistent/ca.pem"), SourceTls::System);
+        let dir = tempfile::tempdir().unwrap();
+        let bundle = dir.path().join("ca.pem");
+        std::fs::write(&bundle, "x").unwrap();
+        assert_eq!(
+            tls(bundle.to_str().unwrap()),
+            SourceTls::Bundle(bundle.clone())
+        );
+        let unset = Config::load_from(&Files::default(), &[], &["source.verify_tls=false".into()]);
+        assert_eq!(unset.unwrap().source_tls(), SourceTls::Insecure);
+        let toml_bool = Config::load_from(
+            &Files::default(),
+            &[],
+            &["DEFAULT.webserver_verify_ca=false".into()],
+        );
+        assert_eq!(toml_bool.unwrap().source_tls(), SourceTls::Insecure);
+    }
 
     #[test]
     fn user_info_and_signed_query_parameters_are_masked() {

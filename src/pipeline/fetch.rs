@@ -169,15 +169,36 @@ impl Pipeline {
         temp: &Path,
     ) -> Result<(inspect::Inspection, Option<crate::image::qcow2::Header>)> {
         let found = inspect::inspect_file(temp)?;
-        inspect::check_format(
-            found.format,
-            job.info.image_disk_format.as_deref(),
-            &self.config.conductor.permitted_image_formats,
-        )?;
+        self.check_declared_format(found.format, job.info)?;
         let qcow2 =
             inspect::safety_check_blocking(temp, &found, self.config.convert.qcow2_limits())
                 .await?;
         Ok((found, qcow2))
+    }
+
+    /// The detected format must be the declared one and permitted, unless
+    /// `[conductor]disable_deep_image_inspection` is set: then, as in
+    /// Ironic, the detected format is only what decides the conversion
+    /// (the structural checks of `inspect::safety_check_blocking` stay).
+    pub(super) fn check_declared_format(
+        &self,
+        format: inspect::Format,
+        info: &InstanceInfo,
+    ) -> Result<()> {
+        let c = &self.config.conductor;
+        if c.disable_deep_image_inspection {
+            tracing::warn!(
+                format = format.name(),
+                "[conductor]disable_deep_image_inspection: the declared and permitted formats \
+                 are not checked"
+            );
+            return Ok(());
+        }
+        inspect::check_format(
+            format,
+            info.image_disk_format.as_deref(),
+            &c.permitted_image_formats,
+        )
     }
 
     /// Converts the complete download to raw (after making room for it)
@@ -191,7 +212,6 @@ impl Pipeline {
     ) -> Result<(TempGuard, Digests)> {
         let needed = self
             .config
-            .convert
             .raw_size_estimate(found.file_size, found.virtual_size);
         self.off_thread(move |k| k.make_room(needed)).await?;
         let out = TempGuard::new(self.cache.temp_path(job.name)?);

@@ -29,6 +29,7 @@ mod keeper;
 mod order;
 mod prepare;
 mod stream;
+mod validated;
 
 use keeper::Keeper;
 

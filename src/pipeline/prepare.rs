@@ -31,11 +31,7 @@ impl Pipeline {
     ) -> Result<Released> {
         // Before any work; again under the node lock before linking.
         self.check_not_stale(node, req)?;
-        let mode = req
-            .instance_info
-            .image_download_source
-            .clone()
-            .unwrap_or_else(|| self.config.agent.image_download_source.clone());
+        let mode = self.download_source(&req.instance_info).to_string();
         let mut info = req.instance_info.clone();
         let (source, href) = Box::pin(self.source_of(req, &mode, &mut info, done)).await?;
         let href = href.as_str();
@@ -46,25 +42,20 @@ impl Pipeline {
             info.image_os_hash_algo.as_deref(),
             info.image_os_hash_value.as_deref(),
         )?;
-        let mode = mode.as_str();
-        match (mode, &source) {
-            ("swift", _) => {
-                return Err(Error::new(
-                    ErrorCode::SourceNotAllowed,
-                    "image_download_source=swift is not handled by this worker",
-                ));
+        match self.download_mode(&mode, &source)? {
+            Mode::Cache => {}
+            Mode::PassThrough => {
+                let answer = self.pass_through(&source, href, spec, done);
+                return Box::pin(answer).await.map(|()| Released::Done);
             }
-            ("http", Source::Http(_)) => {
-                return Box::pin(self.pass_through(&source, href, spec, done))
-                    .await
-                    .map(|()| Released::Done);
-            }
-            ("local" | "http", _) => {}
-            (other, _) => {
-                return Err(Error::new(
-                    ErrorCode::InvalidMessage,
-                    format!("unknown image_download_source {other:?}"),
-                ));
+            Mode::Validate => {
+                let expected = match spec {
+                    None => None,
+                    Some(spec) => Some(Box::pin(self.resolve_checksum(spec, &source)).await?),
+                };
+                let validated =
+                    self.validated_pass_through(&source, href, expected, req, info, done);
+                return Box::pin(validated).await.map(|()| Released::Done);
             }
         }
         let expected = match spec {
@@ -109,6 +100,35 @@ impl Pipeline {
             }
         }
         result.map(|()| Released::Done)
+    }
+
+    /// The node's `image_download_source` (an empty one counts as unset, as
+    /// in Ironic), else `[agent]`'s.
+    fn download_source<'a>(&'a self, info: &'a InstanceInfo) -> &'a str {
+        info.image_download_source
+            .as_deref()
+            .map(str::trim)
+            .filter(|m| !m.is_empty())
+            .unwrap_or(&self.config.agent.image_download_source)
+    }
+
+    /// What `image_download_source` (the request's, else `[agent]`'s; an
+    /// empty value is unset, as in Ironic's get_image_download_source) asks
+    /// for this source.
+    fn download_mode(&self, mode: &str, source: &Source) -> Result<Mode> {
+        match (mode, source) {
+            ("swift", _) => Err(Error::new(
+                ErrorCode::SourceNotAllowed,
+                "image_download_source=swift is not handled by this worker",
+            )),
+            ("http", Source::Http(_)) if self.validates_http_sources() => Ok(Mode::Validate),
+            ("http", Source::Http(_)) => Ok(Mode::PassThrough),
+            ("local" | "http", _) => Ok(Mode::Cache),
+            (other, _) => Err(Error::new(
+                ErrorCode::InvalidMessage,
+                format!("unknown image_download_source {other:?}"),
+            )),
+        }
     }
 
     /// The part of a prepare made under the node's and the master's locks:
@@ -157,11 +177,7 @@ impl Pipeline {
                 inspect::Format::from_name(&master.meta.source_format).ok_or_else(|| {
                     Error::new(ErrorCode::Internal, "cache sidecar names an unknown format")
                 })?;
-            inspect::check_format(
-                format,
-                job.info.image_disk_format.as_deref(),
-                &self.config.conductor.permitted_image_formats,
-            )?;
+            self.check_declared_format(format, job.info)?;
         }
         // The node may have moved on while the image was made (a cleanup
         // waits for this lock; a notification does not).
@@ -388,24 +404,63 @@ impl Pipeline {
         Ok(())
     }
 
-    async fn resolve_checksum(&self, spec: ChecksumSpec, source: &Source) -> Result<Expected> {
-        match spec {
-            ChecksumSpec::Value(e) => Ok(e),
+    /// The digest the source bytes must have, fetched from its checksum
+    /// file when it is one, under Ironic's checksum policy: no checksum
+    /// file with `[conductor]disable_support_for_checksum_files`, no MD5
+    /// without `[agent]allow_md5_checksum` (whether given inline or found
+    /// in a checksum file).
+    pub(super) async fn resolve_checksum(
+        &self,
+        spec: ChecksumSpec,
+        source: &Source,
+    ) -> Result<Expected> {
+        let expected = match spec {
+            ChecksumSpec::Value(e) => e,
             ChecksumSpec::Url { url, algo } => {
+                if self.config.conductor.disable_support_for_checksum_files {
+                    return Err(Error::new(
+                        ErrorCode::ChecksumNotPermitted,
+                        format!(
+                            "the checksum is a checksum file URL ({}) and \
+                             [conductor]disable_support_for_checksum_files is true",
+                            crate::config::redact_url(&url)
+                        ),
+                    ));
+                }
                 let text = self.fetcher.fetch_text(&url).await?;
-                parse_checksum_file(&text, &source.file_name(), algo)
+                parse_checksum_file(&text, &source.file_name(), algo)?
             }
+        };
+        if expected.algo == Algo::Md5 && !self.config.agent.allow_md5_checksum {
+            return Err(Error::new(
+                ErrorCode::ChecksumNotPermitted,
+                "the only checksum given is MD5 and [agent]allow_md5_checksum is false; \
+                 give a SHA-256 or SHA-512 one (image_os_hash_algo/image_os_hash_value, \
+                 or sha256:<hex>)",
+            ));
         }
+        Ok(expected)
     }
 
     /// Ironic's staleness rule for a master without an expected checksum: the
     /// source must say when it changed, and not after the master was fetched.
-    async fn is_fresh(&self, source: &Source, meta: &MasterMeta) -> Result<bool> {
+    pub(super) async fn is_fresh(&self, source: &Source, meta: &MasterMeta) -> Result<bool> {
         let stat = self.fetcher.stat(source).await?;
         Ok(stat
             .last_modified
             .is_some_and(|t| cache::unix_secs(t) <= meta.fetched_at))
     }
+}
+
+/// How a prepare answers, from `image_download_source` and the source.
+enum Mode {
+    /// Cache (and convert) the image and serve it.
+    Cache,
+    /// `http` mode: answer the http(s) source's own URL after a HEAD check.
+    PassThrough,
+    /// `http` mode with `conductor_always_validates_images`: download and
+    /// inspect first, then answer the source's own URL.
+    Validate,
 }
 
 /// True when the master's recorded source digest equals what Ironic expects
@@ -416,7 +471,7 @@ fn matches_expected(meta: &MasterMeta, expected: Option<&Expected>) -> bool {
 }
 
 /// The recorded digest of the source bytes for `algo`, when computed.
-fn source_digest(meta: &MasterMeta, algo: Algo) -> Option<&str> {
+pub(super) fn source_digest(meta: &MasterMeta, algo: Algo) -> Option<&str> {
     match algo {
         Algo::Md5 => meta.source_md5.as_deref(),
         Algo::Sha256 => meta.source_sha256.as_deref(),

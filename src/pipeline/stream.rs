@@ -40,10 +40,7 @@ impl Pipeline {
         }
         wait_for(header.l1_table_offset + header.l1_size as u64 * 8).await?;
         inspect::check_qcow2_tables_blocking(temp, &header, total).await?;
-        let needed = self
-            .config
-            .convert
-            .raw_size_estimate(total, header.virtual_size);
+        let needed = self.config.raw_size_estimate(total, header.virtual_size);
         self.off_thread(move |k| k.make_room(needed)).await?;
         tracing::info!(
             virtual_size = header.virtual_size,

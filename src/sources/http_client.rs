@@ -76,12 +76,22 @@ pub(crate) fn build_with(
     customize: impl FnOnce(reqwest::ClientBuilder) -> reqwest::ClientBuilder,
 ) -> Result<reqwest::Client> {
     let s = &config.source;
+    // Message URLs follow Ironic's `[DEFAULT]webserver_*` options when set.
+    let (connect, read) = match purpose {
+        Purpose::Message => config.source_timeouts(),
+        Purpose::Operator => (s.connect_timeout, s.read_timeout),
+    };
     let mut builder = reqwest::Client::builder()
-        .connect_timeout(Duration::from_secs(s.connect_timeout))
-        .read_timeout(Duration::from_secs(s.read_timeout))
+        .connect_timeout(Duration::from_secs(connect))
+        .read_timeout(Duration::from_secs(read))
         .tls_danger_accept_invalid_certs(accept_invalid_certs)
         .redirect(redirect_policy(s.max_redirects, s.allow_local_redirects))
         .user_agent(concat!("ironic-image-worker/", env!("CARGO_PKG_VERSION")));
+    if purpose == Purpose::Message
+        && let crate::config::SourceTls::Bundle(path) = config.source_tls()
+    {
+        builder = builder.tls_certs_only(ca_bundle(&path)?);
+    }
     if purpose == Purpose::Message {
         for addr in [config.http.listen, config.metrics.listen] {
             note_listener(addr);
@@ -95,6 +105,25 @@ pub(crate) fn build_with(
     customize(builder)
         .build()
         .map_err(|e| Error::new(ErrorCode::Internal, format!("HTTP client: {e}")))
+}
+
+/// The certificates of a PEM CA bundle (`[DEFAULT]webserver_verify_ca`).
+fn ca_bundle(path: &std::path::Path) -> Result<Vec<reqwest::Certificate>> {
+    let bad = |why: String| {
+        Error::new(
+            ErrorCode::Internal,
+            format!(
+                "configuration: [DEFAULT]webserver_verify_ca {}: {why}",
+                path.display()
+            ),
+        )
+    };
+    let pem = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
+    let certs = reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| bad(e.to_string()))?;
+    if certs.is_empty() {
+        return Err(bad("no PEM certificate in it".into()));
+    }
+    Ok(certs)
 }
 
 /// Redirects: at most `max`, only to http(s), and (unless `allow_local`) not

@@ -17,12 +17,13 @@ pub(crate) mod http_client;
 pub(crate) mod oci;
 pub(crate) mod oci_registry;
 
-use crate::config::{Config, redact_url};
+use crate::config::{Config, blocked_dir, redact_url};
 use crate::error::{Error, ErrorCode, Result, error_chain};
 use crate::sources::glance::Glance;
 use backon::{ExponentialBuilder, Retryable};
 use futures_util::StreamExt;
 use http_client::{BodyError, Purpose};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
@@ -210,6 +211,11 @@ fn open_allowed(path: &Path, allowed: &[PathBuf]) -> Result<FileSource> {
         )
     };
     let outside = || not_allowed("not under [conductor]file_url_allowed_paths");
+    if let Some(dir) = blocked_dir(path) {
+        return Err(not_allowed(&format!(
+            "file URLs are never read under {dir}"
+        )));
+    }
     if !path.is_absolute()
         || path
             .components()
@@ -265,18 +271,40 @@ fn open_allowed(path: &Path, allowed: &[PathBuf]) -> Result<FileSource> {
     if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
         return Err(not_allowed("not a regular file"));
     }
+    check_not_blocked(path, &fd)?;
     Ok(FileSource {
         path: path.to_path_buf(),
         file: Arc::new(std::fs::File::from(fd)),
     })
 }
 
+/// Refuses the open `file://` source `fd` when the file it really is (an
+/// allowed directory may be `/`, and a symlink beneath it lead there) lies
+/// under a directory Ironic never reads file URLs from.
+fn check_not_blocked(path: &Path, fd: &impl AsRawFd) -> Result<()> {
+    let opened = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+        .map_err(|e| Error::io(path.display(), e))?;
+    match blocked_dir(&opened) {
+        Some(dir) => Err(Error::new(
+            ErrorCode::SourceNotAllowed,
+            format!(
+                "{}: leads to {}, and file URLs are never read under {dir}",
+                path.display(),
+                opened.display()
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
 impl Fetcher {
     /// Builds the shared client from `[source]`.
     pub fn new(config: &Config) -> Result<Fetcher> {
         let s = &config.source;
-        let client = http_client::build(config, Purpose::Message, !s.verify_tls)?;
-        let small_timeout = Duration::from_secs(s.connect_timeout.saturating_add(s.read_timeout));
+        let insecure_sources = config.source_tls() == crate::config::SourceTls::Insecure;
+        let client = http_client::build(config, Purpose::Message, insecure_sources)?;
+        let (connect, read) = config.source_timeouts();
+        let small_timeout = Duration::from_secs(connect.saturating_add(read));
         let insecure = config.glance.insecure || !s.verify_tls;
         let glance = Arc::new(Glance::new(
             config.glance.clone(),

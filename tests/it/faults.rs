@@ -302,8 +302,12 @@ async fn racing_prepare_and_cleanup_stay_consistent() {
         broker.command(&env.host, cmd).await;
     }
     let replies = broker.replies(40, MINUTE).await;
+    // A prepare that one worker reaches after the other ran the cleanup
+    // sent after it is refused (it never takes effect after a later
+    // cleanup); everything else succeeds.
     assert!(
-        replies.values().all(|r| r["status"] == "success"),
+        replies.values().all(|r| r["status"] == "success"
+            || (r["action"] == "prepare" && r["error"]["code"] == "stale_request")),
         "{replies:?}"
     );
     let link = env.link_dir().join(&node);

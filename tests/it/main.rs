@@ -19,6 +19,7 @@ mod faults;
 mod glance;
 mod http_hostile;
 mod ironic_cache;
+mod ironic_options;
 mod ironic_plugin;
 mod ledger;
 mod metrics;

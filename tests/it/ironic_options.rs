@@ -1,0 +1,550 @@
+//! The ironic.conf options that change Ironic's image path, each honoured
+//! as Ironic 39 honours it, whether set in the worker's TOML (`--set`), in
+//! an ironic.conf or as oslo.config's `OS_<GROUP>__<OPTION>` variables
+//! (docs/contract.md, "Ironic's image options"). One-shot prepares against
+//! real servers and images made by qemu-img; each test fails when its
+//! option is ignored.
+
+use crate::common;
+
+use common::*;
+use serde_json::Value;
+use std::path::Path;
+use std::time::Duration;
+
+/// A one-shot `prepare` with extra global flags (`--set`, `--ironic-config`)
+/// and environment variables.
+async fn prepare_with(
+    env: &Env,
+    flags: &[&str],
+    vars: &[(&str, &str)],
+    source: &str,
+    extra: &[&str],
+) -> (bool, Value) {
+    let node = node();
+    let mut cmd = tokio::process::Command::new(BIN);
+    cmd.arg("--config").arg(&env.config).args(flags);
+    cmd.args(["prepare", "--node", &node, "--image-source", source])
+        .args(extra)
+        .env_remove("IRONIC_IMAGE_WORKER_CONFIG");
+    for (k, v) in vars {
+        cmd.env(k, v);
+    }
+    let out = tokio::time::timeout(Duration::from_secs(120), cmd.output())
+        .await
+        .expect("worker command timed out")
+        .unwrap();
+    completion_of(&out)
+}
+
+/// Environment variables of one run.
+type Vars<'a> = &'a [(&'a str, &'a str)];
+
+fn code(ev: &Value) -> &str {
+    ev["error"]["code"].as_str().unwrap_or("")
+}
+
+/// A plain HTTP server for what `SourceServer` does not do: `/gzip/NAME`
+/// answers `NAME.gz` with `Content-Encoding: gzip`; `/pause/NAME` sends its
+/// header, then nothing for 3 s, then `NAME`.
+async fn odd_server(dir: &Path) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let dir = dir.to_path_buf();
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            let dir = dir.clone();
+            tokio::spawn(async move {
+                let mut req = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match sock.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => req.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let text = String::from_utf8_lossy(&req).to_string();
+                let mut words = text.split_whitespace();
+                let (method, path) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
+                let (mode, name) = path.trim_start_matches('/').split_once('/').unwrap();
+                let (file, encoding) = match mode {
+                    "gzip" => (format!("{name}.gz"), "Content-Encoding: gzip\r\n"),
+                    _ => (name.to_string(), ""),
+                };
+                let data = std::fs::read(dir.join(file)).unwrap();
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n{encoding}Connection: close\r\n\r\n",
+                    data.len()
+                );
+                let _ = sock.write_all(head.as_bytes()).await;
+                if method == "HEAD" {
+                    return;
+                }
+                if mode == "pause" {
+                    tokio::time::sleep(Duration::from_secs(3)).await;
+                }
+                let _ = sock.write_all(&data).await;
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+/// `[agent]allow_md5_checksum = false`: an MD5-only checksum (inline or
+/// from a checksum file) is refused, whichever way the option is set;
+/// SHA-256 still works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn md5_only_checksums_are_refused_when_md5_is_not_allowed() {
+    let env = Env::new("");
+    let src = env.root().join("src");
+    random_file(&src.join("disk.img"), 1 << 20, 261);
+    let md5 = md5sum(&src.join("disk.img"));
+    let sha256 = sha256sum(&src.join("disk.img"));
+    std::fs::write(src.join("MD5SUMS"), format!("{md5}  disk.img\n")).unwrap();
+    let server = SourceServer::start(&src).await;
+    let url = server.url("disk.img");
+
+    let (ok, ev) = prepare_with(&env, &[], &[], &url, &["--checksum", &md5]).await;
+    assert!(ok, "MD5 is allowed by default: {ev}");
+
+    let ironic_conf = env.root().join("ironic.conf");
+    std::fs::write(&ironic_conf, "[agent]\nallow_md5_checksum = False\n").unwrap();
+    let conf = ironic_conf.to_str().unwrap();
+    let refused: [(&[&str], Vars); 3] = [
+        (&["--set", "agent.allow_md5_checksum=false"], &[]),
+        (&[], &[("OS_AGENT__ALLOW_MD5_CHECKSUM", "false")]),
+        (&["--ironic-config", conf], &[]),
+    ];
+    for (flags, vars) in refused {
+        for checksum in [md5.clone(), format!("md5:{md5}"), server.url("MD5SUMS")] {
+            let (ok, ev) = prepare_with(&env, flags, vars, &url, &["--checksum", &checksum]).await;
+            assert!(!ok, "{flags:?} {vars:?} {checksum}: {ev}");
+            assert_eq!(code(&ev), "checksum_not_permitted", "{ev}");
+        }
+    }
+    let (ok, ev) = prepare_with(
+        &env,
+        &[],
+        &[("OS_AGENT__ALLOW_MD5_CHECKSUM", "false")],
+        &url,
+        &["--os-hash-algo", "sha256", "--os-hash-value", &sha256],
+    )
+    .await;
+    assert!(ok, "{ev}");
+}
+
+/// `[conductor]disable_support_for_checksum_files = true`: a checksum file
+/// URL is refused before it is fetched; the digest itself still works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checksum_file_urls_are_refused_when_disabled() {
+    let env = Env::new("");
+    let src = env.root().join("src");
+    random_file(&src.join("disk.img"), 1 << 20, 262);
+    let sha256 = sha256sum(&src.join("disk.img"));
+    std::fs::write(src.join("SHA256SUMS"), format!("{sha256}  disk.img\n")).unwrap();
+    let server = SourceServer::start(&src).await;
+    let url = server.url("disk.img");
+    let sums = server.url("SHA256SUMS");
+
+    let (ok, ev) = prepare_with(&env, &[], &[], &url, &["--checksum", &sums]).await;
+    assert!(ok, "{ev}");
+    assert_eq!(server.count("GET", "SHA256SUMS"), 1);
+    let off = [("OS_CONDUCTOR__DISABLE_SUPPORT_FOR_CHECKSUM_FILES", "true")];
+    let (ok, ev) = prepare_with(&env, &[], &off, &url, &["--checksum", &sums]).await;
+    assert!(!ok, "{ev}");
+    assert_eq!(code(&ev), "checksum_not_permitted", "{ev}");
+    assert_eq!(server.count("GET", "SHA256SUMS"), 1, "not fetched");
+    let (ok, ev) = prepare_with(&env, &[], &off, &url, &["--checksum", &sha256]).await;
+    assert!(ok, "{ev}");
+}
+
+/// `[conductor]disable_deep_image_inspection = true`: the declared and
+/// permitted formats are not checked (the detected format still decides
+/// the conversion); the structural checks stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disabled_deep_inspection_skips_the_format_checks_only() {
+    let env = Env::new("");
+    let allowed = env.root().join("allowed");
+    let raw = env.root().join("disk.raw");
+    patchy_raw(&raw, 8 << 20, 263);
+    tool(
+        "qemu-img",
+        &[
+            "convert",
+            "-f",
+            "raw",
+            "-O",
+            "vmdk",
+            raw.to_str().unwrap(),
+            allowed.join("disk.vmdk").to_str().unwrap(),
+        ],
+    );
+    qcow2_from(&raw, &allowed.join("disk.qcow2"), &[]);
+    tool(
+        "qemu-img",
+        &[
+            "create",
+            "-f",
+            "qcow2",
+            "-F",
+            "raw",
+            "-b",
+            raw.to_str().unwrap(),
+            allowed.join("backed.qcow2").to_str().unwrap(),
+        ],
+    );
+    let file = |n: &str| format!("file://{}", allowed.join(n).display());
+    let off = ["--set", "conductor.disable_deep_image_inspection=true"];
+
+    let (_, ev) = prepare_with(&env, &[], &[], &file("disk.vmdk"), &[]).await;
+    assert_eq!(code(&ev), "format_not_permitted", "{ev}");
+    let (_, ev) = prepare_with(
+        &env,
+        &[],
+        &[],
+        &file("disk.qcow2"),
+        &["--disk-format", "raw"],
+    )
+    .await;
+    assert_eq!(code(&ev), "format_mismatch", "{ev}");
+
+    let (ok, ev) = prepare_with(&env, &off, &[], &file("disk.vmdk"), &[]).await;
+    assert!(ok, "{ev}");
+    assert_eq!(ev["converted"], true);
+    assert_eq!(ev["image_os_hash_value"], sha256sum(&raw));
+    let (ok, ev) = prepare_with(
+        &env,
+        &off,
+        &[],
+        &file("disk.qcow2"),
+        &["--disk-format", "raw"],
+    )
+    .await;
+    assert!(ok, "{ev}");
+    assert_eq!(ev["converted"], true);
+    assert_eq!(ev["image_os_hash_value"], sha256sum(&raw));
+    let (_, ev) = prepare_with(&env, &off, &[], &file("backed.qcow2"), &[]).await;
+    assert_eq!(code(&ev), "unsafe_image", "{ev}");
+}
+
+/// `[conductor]conductor_always_validates_images = true` in `http` mode:
+/// an http(s) source is downloaded and inspected before its own URL is
+/// answered (unless deep inspection is disabled). An empty
+/// `instance_info.image_download_source` is unset, as in Ironic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_mode_inspects_sources_when_the_conductor_always_validates() {
+    let env = Env::new("");
+    let src = env.root().join("src");
+    let raw = env.root().join("disk.raw");
+    patchy_raw(&raw, 8 << 20, 264);
+    qcow2_from(&raw, &src.join("disk.qcow2"), &[]);
+    tool(
+        "qemu-img",
+        &[
+            "create",
+            "-f",
+            "qcow2",
+            "-F",
+            "raw",
+            "-b",
+            raw.to_str().unwrap(),
+            src.join("backed.qcow2").to_str().unwrap(),
+        ],
+    );
+    let server = SourceServer::start(&src).await;
+    let http = ["--set", "agent.image_download_source=http"];
+    let validating = [
+        "--set",
+        "agent.image_download_source=http",
+        "--set",
+        "conductor.conductor_always_validates_images=true",
+    ];
+    // `""` falls back to `[agent]`, here `http`: passed through unread.
+    let mode = ["--image-download-source", ""];
+
+    let (ok, ev) = prepare_with(&env, &http, &[], &server.url("backed.qcow2"), &mode).await;
+    assert!(ok, "{ev}");
+    assert_eq!(ev["image_url"], server.url("backed.qcow2"));
+    assert_eq!(server.count("GET", "backed.qcow2"), 0);
+
+    let (ok, ev) = prepare_with(&env, &validating, &[], &server.url("backed.qcow2"), &[]).await;
+    assert!(!ok, "{ev}");
+    assert_eq!(code(&ev), "unsafe_image", "{ev}");
+    assert_eq!(server.count("GET", "backed.qcow2"), 1);
+
+    let good = server.url("disk.qcow2");
+    let (ok, ev) = prepare_with(&env, &validating, &[], &good, &["--disk-format", "qcow2"]).await;
+    assert!(ok, "{ev}");
+    assert_eq!(ev["image_url"], good, "the agent downloads from the source");
+    assert_eq!(ev["image_disk_format"], "qcow2");
+    assert_eq!(ev["converted"], false);
+    assert_eq!(
+        ev["image_os_hash_value"],
+        sha256sum(&src.join("disk.qcow2"))
+    );
+    assert_eq!(server.count("GET", "disk.qcow2"), 1);
+    // Verified once: a repeat with the checksum is not downloaded again.
+    let sha = sha256sum(&src.join("disk.qcow2"));
+    let again = ["--os-hash-algo", "sha256", "--os-hash-value", &sha];
+    let (ok, ev) = prepare_with(&env, &validating, &[], &good, &again).await;
+    assert!(ok, "{ev}");
+    assert_eq!(server.count("GET", "disk.qcow2"), 1);
+    let (_, ev) = prepare_with(&env, &validating, &[], &good, &["--disk-format", "raw"]).await;
+    assert_eq!(code(&ev), "format_mismatch", "{ev}");
+
+    // Without deep inspection nothing is inspected, as in Ironic.
+    let mut unchecked = validating.to_vec();
+    unchecked.extend(["--set", "conductor.disable_deep_image_inspection=true"]);
+    let (ok, ev) = prepare_with(&env, &unchecked, &[], &server.url("backed.qcow2"), &[]).await;
+    assert!(ok, "{ev}");
+    assert_eq!(server.count("GET", "backed.qcow2"), 1);
+}
+
+/// `[DEFAULT]raw_image_growth_factor`: the raw size estimated for the
+/// space check before a conversion.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_image_growth_factor_sizes_the_conversion_space_check() {
+    let env = Env::new("");
+    let small = env.root().join("small");
+    let _mount = Tmpfs::mount(&small, "20m");
+    let raw = env.root().join("disk.raw");
+    patchy_raw(&raw, 64 << 20, 265);
+    let image = env.root().join("allowed/disk.qcow2");
+    qcow2_from(&raw, &image, &[]);
+    let sets = [
+        format!("pxe.instance_master_path={}/master", small.display()),
+        format!("pxe.images_path={}/images", small.display()),
+        format!("deploy.http_root={}/httpboot", small.display()),
+    ];
+    let mut flags: Vec<&str> = Vec::new();
+    for s in &sets {
+        flags.extend(["--set", s.as_str()]);
+    }
+    let source = format!("file://{}", image.display());
+    // 64 MiB of virtual disk in 20 MiB: only a small estimate fits.
+    let huge = [("OS_DEFAULT__RAW_IMAGE_GROWTH_FACTOR", "1000")];
+    let (ok, ev) = prepare_with(&env, &flags, &huge, &source, &[]).await;
+    assert!(!ok, "{ev}");
+    assert_eq!(code(&ev), "insufficient_disk_space", "{ev}");
+    let (ok, ev) = prepare_with(&env, &flags, &[], &source, &[]).await;
+    assert!(ok, "{ev}");
+    assert_eq!(ev["image_os_hash_value"], sha256sum(&raw));
+}
+
+/// Makes a CA and a certificate for 127.0.0.1 signed by it (openssl), and
+/// serves `dir` over HTTPS with `openssl s_server -WWW`.
+fn https_server(dir: &Path, certs: &Path) -> (Killed, String) {
+    let p = |n: &str| certs.join(n).to_str().unwrap().to_string();
+    std::fs::create_dir_all(certs).unwrap();
+    tool(
+        "openssl",
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=test CA",
+            "-keyout",
+            &p("ca.key"),
+            "-out",
+            &p("ca.pem"),
+        ],
+    );
+    tool(
+        "openssl",
+        &[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-keyout",
+            &p("srv.key"),
+            "-out",
+            &p("srv.csr"),
+        ],
+    );
+    std::fs::write(certs.join("ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
+    tool(
+        "openssl",
+        &[
+            "x509",
+            "-req",
+            "-in",
+            &p("srv.csr"),
+            "-CA",
+            &p("ca.pem"),
+            "-CAkey",
+            &p("ca.key"),
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            &p("ext"),
+            "-out",
+            &p("srv.pem"),
+        ],
+    );
+    let port = free_port();
+    let child = std::process::Command::new("openssl")
+        .args(["s_server", "-quiet", "-WWW", "-accept"])
+        .arg(format!("127.0.0.1:{port}"))
+        .args(["-cert", &p("srv.pem"), "-key", &p("srv.key")])
+        .current_dir(dir)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    for _ in 0..100 {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    (Killed(child), format!("https://127.0.0.1:{port}"))
+}
+
+/// A server process killed when dropped (a failed assertion included).
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `[DEFAULT]webserver_verify_ca`: a CA bundle path, or False, for https
+/// sources (the system store knows nothing of the test's CA).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webserver_verify_ca_decides_how_https_sources_are_verified() {
+    let env = Env::new("");
+    let src = env.root().join("src");
+    random_file(&src.join("disk.img"), 1 << 20, 266);
+    let sha256 = sha256sum(&src.join("disk.img"));
+    let (_server, base) = https_server(&src, &env.root().join("certs"));
+    let url = format!("{base}/disk.img");
+    let ca = env.root().join("certs/ca.pem");
+    let sum = ["--checksum", sha256.as_str()];
+
+    let (ok, ev) = prepare_with(&env, &[], &[], &url, &sum).await;
+    assert!(!ok, "an unknown CA: {ev}");
+    assert_eq!(code(&ev), "source_unreachable", "{ev}");
+    let bundle = format!("DEFAULT.webserver_verify_ca={}", ca.display());
+    let (ok, ev) = prepare_with(&env, &["--set", &bundle], &[], &url, &sum).await;
+    assert!(ok, "{ev}");
+    assert_eq!(ev["image_os_hash_value"], sha256);
+    let no = [("OS_DEFAULT__WEBSERVER_VERIFY_CA", "False")];
+    let (ok, ev) = prepare_with(&env, &[], &no, &url, &sum).await;
+    assert!(ok, "{ev}");
+}
+
+/// `[DEFAULT]webserver_connection_timeout`: the longest wait for a byte of
+/// an http(s) source, over `[source]read_timeout` (5 s in these tests) in
+/// both directions; the source pauses 3 s before its body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webserver_connection_timeout_bounds_the_wait_for_a_source() {
+    let env = Env::new("");
+    let src = env.root().join("src");
+    random_file(&src.join("a.img"), 1 << 20, 267);
+    // One name per case: a verified master would be a cache hit.
+    for name in ["b.img", "c.img"] {
+        std::fs::copy(src.join("a.img"), src.join(name)).unwrap();
+    }
+    let sha256 = sha256sum(&src.join("a.img"));
+    let base = odd_server(&src).await;
+    let url = |name: &str| format!("{base}/pause/{name}");
+    let sum = ["--checksum", sha256.as_str()];
+    let once = ["--set", "source.retries=0"];
+
+    let (ok, ev) = prepare_with(&env, &once, &[], &url("a.img"), &sum).await;
+    assert!(ok, "3 s within read_timeout: {ev}");
+    let short = [("OS_DEFAULT__WEBSERVER_CONNECTION_TIMEOUT", "1")];
+    let (ok, ev) = prepare_with(&env, &once, &short, &url("b.img"), &sum).await;
+    assert!(!ok, "{ev}");
+    assert_eq!(code(&ev), "source_unreachable", "{ev}");
+    let long = [
+        "--set",
+        "source.retries=0",
+        "--set",
+        "source.read_timeout=1",
+        "--set",
+        "DEFAULT.webserver_connection_timeout=10",
+    ];
+    let (ok, ev) = prepare_with(&env, &long, &[], &url("c.img"), &sum).await;
+    assert!(ok, "{ev}");
+    assert_eq!(ev["cache"], "miss");
+}
+
+/// `file://` sources under `/dev`, `/sys`, `/proc`, `/boot`, `/run` or
+/// `/etc` are refused whatever `file_url_allowed_paths` allows, whether
+/// named so or reached through a symlink.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_urls_are_never_read_under_system_directories() {
+    let env = Env::new("");
+    let everywhere = ["--set", "conductor.file_url_allowed_paths=/"];
+    // A relative link (`openat2` refuses absolute ones on its own).
+    let link = env.root().join("allowed/passwd");
+    let up = "../".repeat(link.parent().unwrap().components().count() - 1);
+    std::os::unix::fs::symlink(format!("{up}etc/passwd"), &link).unwrap();
+    assert!(std::fs::read(&link).is_ok());
+    for source in [
+        "file:///etc/passwd".to_string(),
+        "file:///proc/self/status".to_string(),
+        format!("file://{}", link.display()),
+    ] {
+        let (ok, ev) = prepare_with(&env, &everywhere, &[], &source, &[]).await;
+        assert!(!ok, "{source}: {ev}");
+        assert_eq!(code(&ev), "source_not_allowed", "{ev}");
+        assert!(
+            ev["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("never read under"),
+            "{ev}"
+        );
+    }
+    // Other files under `/` are allowed then.
+    let image = env.root().join("src/disk.img");
+    random_file(&image, 1 << 20, 268);
+    let source = format!("file://{}", image.display());
+    let (ok, ev) = prepare_with(&env, &everywhere, &[], &source, &[]).await;
+    assert!(ok, "{ev}");
+}
+
+/// A source answering `Content-Encoding: gzip` is decoded as Ironic's
+/// download decodes it: the checksum is over the decoded bytes, and those
+/// are what is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gzip_encoded_sources_are_decoded() {
+    let env = Env::new("");
+    let src = env.root().join("src");
+    random_file(&src.join("disk.img"), 1 << 20, 269);
+    let decoded = std::fs::read(src.join("disk.img")).unwrap();
+    let gz = std::process::Command::new("gzip")
+        .args(["-c", src.join("disk.img").to_str().unwrap()])
+        .output()
+        .unwrap();
+    std::fs::write(src.join("disk.img.gz"), &gz.stdout).unwrap();
+    let sha256 = sha256sum(&src.join("disk.img"));
+    let base = odd_server(&src).await;
+    let source = format!("{base}/gzip/disk.img");
+    let sum = [
+        "--os-hash-algo",
+        "sha256",
+        "--os-hash-value",
+        sha256.as_str(),
+    ];
+    let (ok, ev) = prepare_with(&env, &[], &[], &source, &sum).await;
+    assert!(ok, "{ev}");
+    assert_eq!(ev["image_size"], decoded.len());
+    let node = ev["node_uuid"].as_str().unwrap();
+    let served = std::fs::read(env.link_dir().join(node)).unwrap();
+    assert!(served == decoded, "the decoded bytes are served");
+}
