@@ -17,6 +17,7 @@
 //! | `metrics` | Prometheus metrics and transfer progress |
 //! | [`config`] | configuration (TOML, environment, `--set`, ironic.conf) |
 //! | `node` | the validated node UUID |
+//! | `fsutil` | file-system helpers every layer may use (permissions, atomic replacement, the O_NOFOLLOW walk) |
 //! | `retry` | the jittered exponential backoff of reconnects and download retries |
 //! | [`error`] | the one error type and its closed list of codes |
 //!
@@ -24,8 +25,9 @@
 //!
 //! `broker` (or a one-shot command in `cli`) turns a delivery into a
 //! `messages` request and calls the `pipeline`, which knows nothing of AMQP or
-//! HTTP serving: `sources` streams the bytes into `store` (written and hashed
-//! in one pass, verified), `image` inspects and, when asked, converts them,
+//! HTTP serving: `sources` streams the bytes, attempt by attempt, and the pipeline writes
+//! each attempt through `store`'s sink (written and hashed in one pass,
+//! verified), `image` inspects and, when asked, converts them,
 //! `store` commits the master to the cache and links it for the node, and the
 //! `http` image server serves the published symlink. The pipeline's
 //! `Completion` goes back the way the request came.

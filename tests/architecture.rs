@@ -11,6 +11,15 @@ use std::path::{Path, PathBuf};
 /// brace).
 const MAX_FN_LINES: usize = 80;
 
+/// Functions still over the limit, to be split (`file:fn`). The list only
+/// shrinks: a function not on it over the limit fails, and so does one on it
+/// that is no longer over it (take it off).
+const STILL_LONG: &[&str] = &[
+    "metrics/mod.rs:new",
+    "pipeline/prepare.rs:prepare_locked",
+    "service/mod.rs:serve",
+];
+
 /// What each top-level module may name with `crate::`: the "uses" column of
 /// docs/architecture.md's layer table. A module may always name itself.
 const ALLOWED: &[(&str, &[&str])] = &[
@@ -295,15 +304,28 @@ fn no_function_is_longer_than_the_limit() {
     rust_files(&src, &mut files);
     files.sort();
     let mut long = BTreeSet::new();
+    let mut seen = BTreeSet::new();
     for file in &files {
         let code = code_only(&std::fs::read_to_string(file).unwrap());
+        let rel = file.strip_prefix(&src).unwrap().display().to_string();
         for (line, name, len) in function_lengths(&code) {
-            if len > MAX_FN_LINES {
-                long.insert(format!(
-                    "{}:{line}: fn {name} is {len} lines",
-                    file.strip_prefix(&src).unwrap().display()
-                ));
+            let known = STILL_LONG.contains(&format!("{rel}:{name}").as_str());
+            if len > MAX_FN_LINES && !known {
+                long.insert(format!("{rel}:{line}: fn {name} is {len} lines"));
             }
+            if known {
+                seen.insert(format!("{rel}:{name}"));
+                if len <= MAX_FN_LINES {
+                    long.insert(format!(
+                        "{rel}:{line}: fn {name} is short now: take it off STILL_LONG"
+                    ));
+                }
+            }
+        }
+    }
+    for known in STILL_LONG {
+        if !seen.contains(*known) {
+            long.insert(format!("{known}: gone: take it off STILL_LONG"));
         }
     }
     assert!(
