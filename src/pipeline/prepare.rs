@@ -186,9 +186,29 @@ impl Pipeline {
             CacheOutcome::Hit => !linked,
             CacheOutcome::Miss => !self.links.disk_is(node, &master.path, &master.meta.sha256),
         };
-        // A hard link is a few metadata operations, made here; only a copy
-        // (master and node directories on different file systems) goes to
-        // a blocking thread.
+        self.link_and_publish(node, &master, linked_here).await?;
+        // Asked for now: not expired for another [cache]node_files_ttl.
+        self.links.touch(node);
+        if outcome == CacheOutcome::Miss {
+            self.after_growth().await;
+            self.refresh_cache_gauges().await;
+        }
+        tracing::info!(cache = ?outcome, master = %master.path.display(), "prepared");
+        self.fill_answer(node, &master.meta, job.sha512, outcome, done);
+        Ok(())
+    }
+
+    /// Links `master` for `node` when `linked_here` (a hard link made here;
+    /// a copy across file systems on a blocking thread) and publishes the
+    /// node's symlink; a link made for this prepare is taken back when the
+    /// symlink cannot be published, as it would keep its master from ever
+    /// being evicted.
+    async fn link_and_publish(
+        &self,
+        node: &NodeUuid,
+        master: &Master,
+        linked_here: bool,
+    ) -> Result<()> {
         if linked_here && !self.links.hard_link_disk(node, &master.path)? {
             let (links, node, path) = (self.links.clone(), node.clone(), master.path.clone());
             let sha256 = master.meta.sha256.clone();
@@ -198,29 +218,31 @@ impl Pipeline {
             Ok(true) => self.metrics.active_links.inc(),
             Ok(false) => {}
             Err(e) => {
-                // The link made for this prepare would keep its master from
-                // ever being evicted.
                 if linked_here {
                     let _ = self.links.remove_disk(node);
                 }
                 return Err(e);
             }
         }
-        // Asked for now: not expired for another [cache]node_files_ttl.
-        self.links.touch(node);
-        if outcome == CacheOutcome::Miss {
-            self.after_growth().await;
-            self.refresh_cache_gauges().await;
-        }
-        tracing::info!(cache = ?outcome, master = %master.path.display(), "prepared");
+        Ok(())
+    }
 
-        let meta = &master.meta;
+    /// The answer of a prepare served from the master described by `meta`:
+    /// its URL and the checksums of exactly the served bytes.
+    fn fill_answer(
+        &self,
+        node: &NodeUuid,
+        meta: &MasterMeta,
+        sha512: bool,
+        outcome: CacheOutcome,
+        done: &mut Completion,
+    ) {
         done.image_url = Some(format!(
             "{}/{}/{}",
             self.http_url, self.config.deploy.http_image_subdir, node
         ));
         done.image_checksum = Some(meta.md5.clone());
-        let (algo, value) = match (&meta.sha512, job.sha512) {
+        let (algo, value) = match (&meta.sha512, sha512) {
             (Some(v), true) => ("sha512", v.clone()),
             _ => ("sha256", meta.sha256.clone()),
         };
@@ -230,7 +252,6 @@ impl Pipeline {
         done.image_size = Some(meta.size);
         done.converted = Some(meta.converted);
         done.cache = Some(outcome);
-        Ok(())
     }
 
     /// Computes from the master the digests its sidecar lacks and this

@@ -49,17 +49,7 @@ pub async fn serve(config: Config) -> Result<()> {
         let _ = rx.wait_for(|s| *s).await;
     };
     let connected = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let health = Health {
-        dirs: vec![
-            config.pxe.instance_master_path.clone(),
-            config.pxe.images_path.clone(),
-            config
-                .deploy
-                .http_root
-                .join(&config.deploy.http_image_subdir),
-        ],
-        broker: Some(connected.clone()),
-    };
+    let health = health_of(&config, &connected);
     let images = tokio::spawn(http::serve_images(
         image_listener,
         roots,
@@ -105,6 +95,22 @@ pub async fn serve(config: Config) -> Result<()> {
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// What `/readyz` checks: the directories the worker writes, and the broker
+/// connection the consumer reports in `connected`.
+fn health_of(config: &Config, connected: &Arc<std::sync::atomic::AtomicBool>) -> Health {
+    Health {
+        dirs: vec![
+            config.pxe.instance_master_path.clone(),
+            config.pxe.images_path.clone(),
+            config
+                .deploy
+                .http_root
+                .join(&config.deploy.http_image_subdir),
+        ],
+        broker: Some(connected.clone()),
+    }
 }
 
 /// Applies the cache policy every `[cache]clean_interval` seconds (not only
