@@ -419,6 +419,31 @@ impl Drop for TempGuard {
     }
 }
 
+/// What identifies one version of a file: a change of any field means new
+/// contents (files replaced by a rename get a new inode and change time).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileStamp {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    ctime: (i64, i64),
+    mtime: (i64, i64),
+}
+
+impl FileStamp {
+    /// The stamp of the file `m` describes.
+    pub fn of(m: &std::fs::Metadata) -> FileStamp {
+        use std::os::unix::fs::MetadataExt;
+        FileStamp {
+            dev: m.dev(),
+            ino: m.ino(),
+            size: m.size(),
+            ctime: (m.ctime(), m.ctime_nsec()),
+            mtime: (m.mtime(), m.mtime_nsec()),
+        }
+    }
+}
+
 /// True when every byte of `data` is zero (checked a word at a time).
 pub fn is_zero(data: &[u8]) -> bool {
     // SAFETY: u128 has no invalid bit patterns; align_to handles the edges.

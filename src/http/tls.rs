@@ -12,10 +12,10 @@
 //! the files change once more (a certificate written before its key loads
 //! on the key's write).
 
+use crate::fsutil::FileStamp;
 use rustls::ServerConfig;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
@@ -61,31 +61,8 @@ pub struct TlsFiles {
     pub min_version: MinVersion,
 }
 
-/// One file as last seen: a change of any field means new contents.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct FileId {
-    dev: u64,
-    ino: u64,
-    size: u64,
-    mtime: (i64, i64),
-    ctime: (i64, i64),
-}
-
-impl FileId {
-    fn of(path: &std::path::Path) -> std::io::Result<FileId> {
-        let m = std::fs::metadata(path)?;
-        Ok(FileId {
-            dev: m.dev(),
-            ino: m.ino(),
-            size: m.size(),
-            mtime: (m.mtime(), m.mtime_nsec()),
-            ctime: (m.ctime(), m.ctime_nsec()),
-        })
-    }
-}
-
 /// Both files as last seen (`None`: one of them could not be read).
-type Identity = Option<(FileId, FileId)>;
+type Identity = Option<(FileStamp, FileStamp)>;
 
 struct Current {
     config: Arc<ServerConfig>,
@@ -165,7 +142,8 @@ impl Tls {
 }
 
 fn identity(files: &TlsFiles) -> Identity {
-    Some((FileId::of(&files.cert).ok()?, FileId::of(&files.key).ok()?))
+    let stamp = |p: &PathBuf| std::fs::metadata(p).ok().map(|m| FileStamp::of(&m));
+    Some((stamp(&files.cert)?, stamp(&files.key)?))
 }
 
 /// The rustls server set-up from `files` (HTTP/1.1 only, as the server).

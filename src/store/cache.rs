@@ -141,37 +141,17 @@ pub struct Cache {
 /// (a new inode, a new change time) or removed, so an unchanged identity
 /// means unchanged contents.
 #[derive(Default)]
-struct Sidecars(std::sync::Mutex<std::collections::HashMap<String, (FileStamp, MasterMeta)>>);
+struct Sidecars(
+    std::sync::Mutex<std::collections::HashMap<String, (crate::fsutil::FileStamp, MasterMeta)>>,
+);
 
 /// Sidecars remembered at most (one per master; beyond that, forgotten).
 const SIDECARS_REMEMBERED: usize = 4096;
 
-/// What identifies one version of a file.
-#[derive(Clone, Copy, PartialEq, Eq)]
-struct FileStamp {
-    dev: u64,
-    ino: u64,
-    size: u64,
-    ctime: (i64, i64),
-    mtime: (i64, i64),
-}
-
-impl FileStamp {
-    fn of(m: &std::fs::Metadata) -> FileStamp {
-        FileStamp {
-            dev: m.dev(),
-            ino: m.ino(),
-            size: m.size(),
-            ctime: (m.ctime(), m.ctime_nsec()),
-            mtime: (m.mtime(), m.mtime_nsec()),
-        }
-    }
-}
-
 impl Sidecars {
     /// The sidecar at `path` for master `name`, parsed.
     fn read(&self, name: &str, path: &Path) -> Option<MasterMeta> {
-        let stamp = FileStamp::of(&std::fs::metadata(path).ok()?);
+        let stamp = crate::fsutil::FileStamp::of(&std::fs::metadata(path).ok()?);
         let mut known = self.0.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((s, meta)) = known.get(name)
             && *s == stamp
@@ -182,7 +162,7 @@ impl Sidecars {
         let mut file = std::fs::File::open(path).ok()?;
         // The identity of what was opened, not of what the path named a
         // moment earlier.
-        let stamp = FileStamp::of(&file.metadata().ok()?);
+        let stamp = crate::fsutil::FileStamp::of(&file.metadata().ok()?);
         let mut text = Vec::new();
         std::io::Read::read_to_end(&mut file, &mut text).ok()?;
         let meta: MasterMeta = serde_json::from_slice(&text).ok()?;

@@ -279,7 +279,11 @@ fn example_options(text: &str) -> std::collections::BTreeSet<String> {
             section = name.to_string();
         } else if let Some((key, _)) = line.trim_start_matches(['#', ' ']).split_once('=') {
             let key = key.trim();
-            if !key.is_empty() && key.chars().all(|c| c.is_ascii_lowercase() || c == '_') {
+            if !key.is_empty()
+                && key
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+            {
                 shown.insert(format!("{section}.{key}"));
             }
         }
