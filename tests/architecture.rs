@@ -34,27 +34,29 @@ const ALLOWED: &[(&str, &[&str])] = &[
     (
         "broker",
         &[
-            "pipeline", "messages", "metrics", "config", "retry", "error",
+            "pipeline", "messages", "metrics", "config", "retry", "peers", "error",
         ],
     ),
     (
         "pipeline",
         &[
-            "sources", "image", "store", "messages", "metrics", "config", "node", "fsutil", "error",
+            "sources", "image", "store", "messages", "metrics", "config", "node", "fsutil",
+            "peers", "error",
         ],
     ),
     ("messages", &["node", "error"]),
     (
         "sources",
-        &["messages", "config", "retry", "fsutil", "error"],
+        &["messages", "config", "retry", "fsutil", "peers", "error"],
     ),
     ("image", &["store", "fsutil", "error"]),
     ("store", &["config", "node", "fsutil", "error"]),
-    ("http", &["metrics", "fsutil", "error"]),
+    ("http", &["metrics", "fsutil", "peers", "error"]),
     ("metrics", &["messages"]),
     ("config", &["image", "store", "node", "fsutil", "error"]),
     ("fsutil", &["error"]),
     ("node", &["error"]),
+    ("peers", &[]),
     ("retry", &[]),
     ("error", &[]),
     ("lib", &[]),

@@ -17,6 +17,9 @@
 //! (`ironic_conf`). Must not know anything else of the worker.
 
 pub(crate) mod ironic_conf;
+mod peers;
+
+pub use peers::PeersSection;
 
 use crate::error::{Error, ErrorCode, Result};
 use serde::{Deserialize, Deserializer};
@@ -60,6 +63,8 @@ pub struct Config {
     pub notifications: NotificationsSection,
     /// `[oci]`: OCI registries (`oci://` sources), Ironic's option names.
     pub oci: OciSection,
+    /// `[peers]`: masters fetched from the other conductors' workers.
+    pub peers: PeersSection,
 }
 
 /// `[oci]`: how `oci://` image sources reach their registry, with the names
@@ -958,6 +963,7 @@ impl Config {
         self.validate_image_server()?;
         self.cache.shared_dirs()?;
         self.validate_file_url_paths()?;
+        self.peers.validate()?;
         self.validate_limits()
     }
 

@@ -12,13 +12,16 @@
 //! request's file beneath the served directories (`open`), the response
 //! from that file (`body`) and the conditional / Range / If-Range rules
 //! (`ranges`), HTTPS with certificates reloaded as they change (`tls`) and
-//! HTTP Basic authentication (`auth`). Must not know the broker or the
+//! HTTP Basic authentication (`auth`), and the peer listener that serves
+//! masters to the other workers on URLs signed with their shared secret
+//! (`peers`). Must not know the broker or the
 //! pipeline's internals.
 
 pub mod auth;
 mod body;
 pub(crate) mod listener;
 mod open;
+pub mod peers;
 pub(crate) mod ranges;
 pub mod tls;
 
@@ -137,15 +140,23 @@ async fn serve_image(State(state): State<Arc<ImageState>>, req: Request) -> Resp
         .with_label_values(&[&status])
         .inc();
     let sent = state.metrics.http_bytes.with_label_values(&[&status]);
-    response.map(|body| Body::new(Counted { body, sent }))
+    response.map(|body| {
+        Body::new(Counted {
+            body,
+            sent,
+            _slot: None,
+        })
+    })
 }
 
-/// A response body that adds the bytes handed to the connection to
-/// `http_response_bytes_total` as they go: nothing for HEAD, only the part
-/// sent of an aborted download.
-struct Counted {
-    body: Body,
-    sent: prometheus::IntCounter,
+/// A response body that adds the bytes handed to the connection to a
+/// counter as they go (nothing for HEAD, only the part sent of an aborted
+/// download), and holds a bounded slot, if it was given one, until it is
+/// sent or dropped.
+pub(crate) struct Counted {
+    pub(crate) body: Body,
+    pub(crate) sent: prometheus::IntCounter,
+    pub(crate) _slot: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl HttpBody for Counted {

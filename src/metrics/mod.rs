@@ -3,9 +3,10 @@
 //!
 //! # This folder
 //!
-//! Holds the registry (this module) and in-flight progress of long transfers
-//! (`progress`). Must not know who produces the figures.
+//! Holds the registry (this module), the peers' figures (`peers`) and
+//! in-flight progress of long transfers (`progress`). Must not know who produces the figures.
 
+pub(crate) mod peers;
 pub(crate) mod progress;
 
 use crate::messages::Completion;
@@ -77,6 +78,8 @@ pub struct Metrics {
     pub convert_seconds: Histogram,
     /// Time the slowest hasher of a pass spent hashing.
     pub hash_seconds: Histogram,
+    /// What crossed between workers (`[peers]`).
+    pub peers: peers::PeerMetrics,
 }
 
 const PREFIX: &str = "ironic_image_worker_";
@@ -279,6 +282,7 @@ impl Metrics {
                 "Time the slowest hasher of a pass spent hashing (it runs beside the I/O).",
                 DURATION_BUCKETS,
             ),
+            peers: peers::PeerMetrics::register(&r),
             registry: registry.clone(),
         };
         let _ = registry.register(Box::new(

@@ -65,6 +65,7 @@ pub async fn serve(config: Config) -> Result<()> {
         limits,
         stopped(stop_rx.clone()),
     ));
+    let peers = spawn_peer_listener(&config, &metrics, limits, stopped(stop_rx.clone())).await?;
     let consumer = tokio::spawn(crate::broker::run(
         pipeline.clone(),
         metrics.clone(),
@@ -86,6 +87,9 @@ pub async fn serve(config: Config) -> Result<()> {
     let servers = async {
         let _ = images.await;
         let _ = ops.await;
+        if let Some(peers) = peers {
+            let _ = peers.await;
+        }
     };
     if tokio::time::timeout(std::time::Duration::from_secs(5), servers)
         .await
@@ -95,6 +99,37 @@ pub async fn serve(config: Config) -> Result<()> {
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Starts the peer listener when `[peers]` is on: masters served to the
+/// other workers, on its own address (the management network).
+async fn spawn_peer_listener(
+    config: &Config,
+    metrics: &Arc<Metrics>,
+    limits: http::Limits,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<Option<tokio::task::JoinHandle<std::io::Result<()>>>> {
+    let (Some(listen), true) = (config.peers.listen, config.peers.enabled()) else {
+        return Ok(None);
+    };
+    let server = http::peers::PeerServer {
+        masters: config.pxe.instance_master_path.clone(),
+        secret: config.peers.load_secret()?,
+        max_uploads: config.peers.max_uploads,
+    };
+    let listener = bind(listen).await?;
+    tracing::info!(peers = %listen, "serving masters to peers");
+    let limits = http::Limits {
+        max_connections: http::listener::OPS_MAX_CONNECTIONS,
+        ..limits
+    };
+    Ok(Some(tokio::spawn(http::peers::serve_peers(
+        listener,
+        server,
+        metrics.clone(),
+        limits,
+        shutdown,
+    ))))
 }
 
 /// What `/readyz` checks: the directories the worker writes, and the broker

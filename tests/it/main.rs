@@ -26,6 +26,7 @@ mod metrics;
 mod node_files;
 mod notifications;
 mod oci;
+mod peer_listener;
 mod pipeline;
 mod rabbitmq_definitions;
 mod systemd;

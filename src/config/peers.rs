@@ -1,0 +1,124 @@
+//! `[peers]`: the other conductors' workers as a source of masters. A miss
+//! asks the peers over the broker before it goes to the image's source, and
+//! the master crosses between workers on a listener of its own, bound to
+//! the management network and authenticated by a secret every worker of a
+//! deployment shares.
+
+use super::config_error;
+use crate::error::Result;
+use serde::Deserialize;
+use std::net::SocketAddr;
+
+/// `[peers]`: off unless `listen` and a secret (`secret` or
+/// `secret_file`) are set.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PeersSection {
+    /// Where the peer listener binds (the management network, never the
+    /// provisioning network the image port faces); unset: peers off.
+    pub listen: Option<SocketAddr>,
+    /// How the other workers reach this one's peer listener
+    /// (`http://<management address>:<port>`); empty: `http://<listen>`.
+    pub url: String,
+    /// The secret every worker of the deployment shares; it signs the
+    /// short-lived URLs masters are fetched with.
+    pub secret: String,
+    /// A file holding the secret (its first line), instead of `secret`.
+    pub secret_file: String,
+    /// How long a query waits for the peers' answers, in milliseconds.
+    pub query_timeout_ms: u64,
+    /// Seconds a signed master URL stays valid.
+    pub url_ttl: u64,
+    /// Masters served to peers at once; a peer asking beyond it is told
+    /// to come back (503) and takes the master from another holder.
+    pub max_uploads: usize,
+    /// The topic exchange peer queries are published on.
+    pub exchange: String,
+}
+
+impl Default for PeersSection {
+    fn default() -> Self {
+        PeersSection {
+            listen: None,
+            url: String::new(),
+            secret: String::new(),
+            secret_file: String::new(),
+            query_timeout_ms: 500,
+            url_ttl: 60,
+            max_uploads: 4,
+            exchange: "ironic-image-worker.peers".into(),
+        }
+    }
+}
+
+impl PeersSection {
+    /// Whether peers are on: a listener and a secret are configured.
+    pub fn enabled(&self) -> bool {
+        self.listen.is_some() && !(self.secret.is_empty() && self.secret_file.is_empty())
+    }
+
+    /// The shared secret (`secret`, else the first line of `secret_file`).
+    pub fn load_secret(&self) -> Result<Vec<u8>> {
+        let secret = if self.secret_file.is_empty() {
+            self.secret.clone()
+        } else {
+            let text = std::fs::read_to_string(&self.secret_file).map_err(|e| {
+                config_error(format!("[peers]secret_file {}: {e}", self.secret_file))
+            })?;
+            text.lines().next().unwrap_or_default().trim().to_string()
+        };
+        if secret.len() < 16 {
+            return Err(config_error(
+                "[peers]secret must be at least 16 characters".to_string(),
+            ));
+        }
+        Ok(secret.into_bytes())
+    }
+
+    /// The URL peers reach this worker's listener under, without a
+    /// trailing slash.
+    pub fn advertised_url(&self) -> Option<String> {
+        let listen = self.listen?;
+        Some(if self.url.is_empty() {
+            format!("http://{listen}")
+        } else {
+            self.url.trim_end_matches('/').to_string()
+        })
+    }
+
+    /// Checks a configured `[peers]`: both or neither of listen and a
+    /// secret, one secret only, a readable secret, an http(s) URL, and
+    /// bounds that are not zero.
+    pub(super) fn validate(&self) -> Result<()> {
+        let has_secret = !(self.secret.is_empty() && self.secret_file.is_empty());
+        if self.listen.is_some() != has_secret {
+            return Err(config_error(
+                "[peers]: listen and a secret (secret or secret_file) are set together".to_string(),
+            ));
+        }
+        if !self.enabled() {
+            return Ok(());
+        }
+        if !self.secret.is_empty() && !self.secret_file.is_empty() {
+            return Err(config_error(
+                "[peers]: secret and secret_file are exclusive".to_string(),
+            ));
+        }
+        self.load_secret()?;
+        let scheme_ok = self.url.is_empty()
+            || self.url.starts_with("http://")
+            || self.url.starts_with("https://");
+        if !scheme_ok {
+            return Err(config_error(format!(
+                "[peers]url must be an http(s) URL, not {:?}",
+                self.url
+            )));
+        }
+        if self.query_timeout_ms == 0 || self.url_ttl == 0 || self.max_uploads == 0 {
+            return Err(config_error(
+                "[peers]: query_timeout_ms, url_ttl and max_uploads must be above 0".to_string(),
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,51 @@
+//! Metrics of the peers: what crossed between workers instead of from the
+//! images' sources, and how the peer listener and queries fared.
+
+use super::Registrar;
+use prometheus::{IntCounter, IntCounterVec};
+
+/// The peers' figures, beside the source's `download_bytes`.
+#[allow(dead_code)] // the fetching side is being built
+pub struct PeerMetrics {
+    /// Master bytes received from peers (and verified or not: see
+    /// `fetch_failures`).
+    pub received_bytes: IntCounter,
+    /// Peer queries by result: `answered` (some peer offered the master) or
+    /// `missed`.
+    pub queries: IntCounterVec,
+    /// Fetches from a peer that failed, by reason (`digest_mismatch`,
+    /// `unreachable`, `busy`, `refused`, `format`, ...).
+    pub fetch_failures: IntCounterVec,
+    /// Requests to the peer listener, by HTTP status.
+    pub served_requests: IntCounterVec,
+    /// Master bytes sent to peers.
+    pub served_bytes: IntCounter,
+}
+
+impl PeerMetrics {
+    /// Creates and registers the peers' metrics.
+    pub(super) fn register(r: &Registrar<'_>) -> PeerMetrics {
+        PeerMetrics {
+            received_bytes: r.counter(
+                "peer_received_bytes_total",
+                "Master bytes received from peers instead of from the image's source.",
+            ),
+            queries: r.counter_vec(
+                "peer_queries_total",
+                "Peer queries by result (answered, missed).",
+                &["result"],
+            ),
+            fetch_failures: r.counter_vec(
+                "peer_fetch_failures_total",
+                "Fetches of a master from a peer that failed, by reason.",
+                &["reason"],
+            ),
+            served_requests: r.counter_vec(
+                "peer_served_requests_total",
+                "Requests to the peer listener, by status code.",
+                &["status"],
+            ),
+            served_bytes: r.counter("peer_served_bytes_total", "Master bytes sent to peers."),
+        }
+    }
+}
