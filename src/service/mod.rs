@@ -85,10 +85,8 @@ pub async fn serve(config: Config) -> Result<()> {
     let _ = housekeeping.await;
     // Downloads by nodes may last long; give them a moment, then stop.
     let servers = async {
-        let _ = images.await;
-        let _ = ops.await;
-        if let Some(peers) = peers {
-            let _ = peers.await;
+        for server in [Some(images), Some(ops), peers].into_iter().flatten() {
+            let _ = server.await;
         }
     };
     if tokio::time::timeout(std::time::Duration::from_secs(5), servers)
