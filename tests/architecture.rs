@@ -14,7 +14,7 @@ const MAX_FN_LINES: usize = 80;
 /// Functions still over the limit, to be split (`file:fn`). The list only
 /// shrinks: a function not on it over the limit fails, and so does one on it
 /// that is no longer over it (take it off).
-const STILL_LONG: &[&str] = &["metrics/mod.rs:new"];
+const STILL_LONG: &[&str] = &[];
 
 /// What each top-level module may name with `crate::`: the "uses" column of
 /// docs/architecture.md's layer table. A module may always name itself.

@@ -70,7 +70,7 @@ pub async fn run(
         };
         let outcome = session(&shared, index, !declared, &mut stop).await;
         connected.store(false, Ordering::Relaxed);
-        metrics.amqp_connected.set(0);
+        metrics.amqp.connected.set(0);
         match &outcome {
             Ok(_) => declared = true,
             // The queue is gone (deleted, broker reset): declare it again.
@@ -99,7 +99,7 @@ pub async fn run(
             }
         };
         tracing::info!(?delay, broker = %brokers.name(next % brokers.len()), "reconnecting to the broker");
-        metrics.amqp_reconnects.inc();
+        metrics.amqp.reconnects.inc();
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}
             _ = stop.wait_for(|s| *s) => break,
@@ -265,7 +265,7 @@ async fn session(
     };
     let link = dispatcher.connected(opened.publisher.clone());
     connected.store(true, Ordering::Relaxed);
-    metrics.amqp_connected.set(1);
+    metrics.amqp.connected.set(1);
     tracing::info!(
         broker = %brokers.name(index),
         heartbeat = opened.conn.configuration().heartbeat(),
@@ -275,7 +275,7 @@ async fn session(
     let mut opened = opened;
     let ended = consume(shared, index, &mut opened, &link, stop).await;
     connected.store(false, Ordering::Relaxed);
-    metrics.amqp_connected.set(0);
+    metrics.amqp.connected.set(0);
     if let Ended::Stopped = ended {
         // Stop taking work, let in-flight work finish within the grace
         // period while this connection still carries its answers.
@@ -348,7 +348,7 @@ async fn dead_letter_census(metrics: &Metrics, probe: &lapin::Channel, queue: &s
     )
     .await;
     if let Ok(Ok(q)) = declared {
-        metrics.amqp_dead_letters.set(i64::from(q.message_count()));
+        metrics.amqp.dead_letters.set(i64::from(q.message_count()));
     }
 }
 

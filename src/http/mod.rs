@@ -101,8 +101,8 @@ pub async fn serve_images(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let stats = crate::http::listener::Stats {
-        open: metrics.http_connections.clone(),
-        dropped: metrics.http_connections_dropped.clone(),
+        open: metrics.http.connections.clone(),
+        dropped: metrics.http.connections_dropped.clone(),
     };
     let state = Arc::new(ImageState {
         roots,
@@ -136,10 +136,11 @@ async fn serve_image(State(state): State<Arc<ImageState>>, req: Request) -> Resp
     let status = response.status().as_u16().to_string();
     state
         .metrics
-        .http_requests
+        .http
+        .requests
         .with_label_values(&[&status])
         .inc();
-    let sent = state.metrics.http_bytes.with_label_values(&[&status]);
+    let sent = state.metrics.http.bytes.with_label_values(&[&status]);
     response.map(|body| {
         Body::new(Counted {
             body,

@@ -3,11 +3,17 @@
 //!
 //! # This folder
 //!
-//! Holds the registry (this module), the peers' figures (`peers`) and
+//! Holds the registry and the figures of the requests (this module), those
+//! of the image server (`http`), the broker connection (`amqp`), the cache
+//! (`cache`), finished transfers (`transfer`) and the peers (`peers`), and
 //! in-flight progress of long transfers (`progress`). Must not know who produces the figures.
 
+pub(crate) mod amqp;
+pub(crate) mod cache;
+pub(crate) mod http;
 pub(crate) mod peers;
 pub(crate) mod progress;
+pub(crate) mod transfer;
 
 use crate::messages::Completion;
 use prometheus::{
@@ -22,62 +28,26 @@ pub struct Metrics {
     pub completions: IntCounterVec,
     /// Prepare duration by cache outcome.
     pub prepare_seconds: HistogramVec,
-    /// Image server requests by HTTP status.
-    pub http_requests: IntCounterVec,
-    /// Image server response body bytes sent (as they are handed to the
-    /// connection: nothing for HEAD, the sent part of an aborted download).
-    pub http_bytes: IntCounterVec,
-    /// Connections open on the image server.
-    pub http_connections: IntGauge,
-    /// Image server connections closed by its limits, by reason.
-    pub http_connections_dropped: IntCounterVec,
-    /// Reloads of the image server's TLS certificate, by result.
-    pub http_tls_reloads: IntCounterVec,
-    /// 1 while connected to the broker.
-    pub amqp_connected: IntGauge,
-    /// Reconnection attempts to the broker.
-    pub amqp_reconnects: IntCounter,
-    /// Messages waiting in this host's dead-letter queue (read every few
-    /// seconds while connected), for alerting.
-    pub amqp_dead_letters: IntGauge,
+    /// The image server's figures.
+    pub http: http::HttpMetrics,
+    /// The broker connection's figures.
+    pub amqp: amqp::AmqpMetrics,
     /// Messages acknowledged without an answer, by reason.
     pub ignored: IntCounterVec,
     /// Prepares whose slow download gave back its prepare slot.
     pub slow_lane: IntCounter,
     /// Messages consumed, by source (command/notification), action, outcome.
     pub messages: IntCounterVec,
-    /// Bytes allocated by the master cache.
-    pub cache_bytes: IntGauge,
-    /// `[pxe]image_cache_size` in bytes, for alerting on the ratio.
-    pub cache_limit: IntGauge,
-    /// Masters in the cache.
-    pub cache_files: IntGauge,
-    /// Masters linked by at least one node.
-    pub cache_linked: IntGauge,
-    /// Masters evicted.
-    pub evictions: IntCounter,
-    /// Nodes whose files expired (`[cache]node_files_ttl`).
-    pub node_files_expired: IntCounter,
-    /// Published node symlinks.
-    pub active_links: IntGauge,
+    /// The master cache's and the node files' figures.
+    pub cache: cache::CacheMetrics,
     /// Requests being handled, by action.
     pub in_flight: IntGaugeVec,
     /// Bytes done of in-flight transfers, by stage (download, convert).
     pub in_flight_done: IntGaugeVec,
     /// Bytes expected of in-flight transfers, by stage (0 when unknown).
     pub in_flight_expected: IntGaugeVec,
-    /// Bytes downloaded from sources.
-    pub download_bytes: IntCounter,
-    /// Download durations.
-    pub download_seconds: Histogram,
-    /// Raw bytes produced by conversions.
-    pub convert_bytes: IntCounter,
-    /// Conversions by mode: `while_downloading` or `after_download`.
-    pub conversions: IntCounterVec,
-    /// Conversion durations.
-    pub convert_seconds: Histogram,
-    /// Time the slowest hasher of a pass spent hashing.
-    pub hash_seconds: Histogram,
+    /// Finished downloads and conversions.
+    pub transfer: transfer::TransferMetrics,
     /// What crossed between workers (`[peers]`).
     pub peers: peers::PeerMetrics,
 }
@@ -167,45 +137,8 @@ impl Metrics {
                 &["cache"],
                 PREPARE_BUCKETS,
             ),
-            http_requests: r.counter_vec(
-                "http_requests_total",
-                "Image server requests by status code.",
-                &["status"],
-            ),
-            http_bytes: r.counter_vec(
-                "http_response_bytes_total",
-                "Image server response body bytes sent, by status code.",
-                &["status"],
-            ),
-            http_connections: r.gauge(
-                "http_connections_open",
-                "Connections open on the image server.",
-            ),
-            http_connections_dropped: r.counter_vec(
-                "http_connections_dropped_total",
-                "Image server connections closed by the server: header_timeout, idle_timeout, \
-                 evicted (to make room at the cap), refused (at the cap, all busy), \
-                 tls_handshake_timeout, tls_handshake_failed.",
-                &["reason"],
-            ),
-            http_tls_reloads: r.counter_vec(
-                "http_tls_reloads_total",
-                "Reloads of the image server's certificate after its files changed: ok, or \
-                 error (the previous certificate stays in use).",
-                &["result"],
-            ),
-            amqp_connected: r.gauge(
-                "amqp_connected",
-                "1 while the worker is connected to the broker.",
-            ),
-            amqp_reconnects: r.counter(
-                "amqp_reconnects_total",
-                "Reconnection attempts to the broker.",
-            ),
-            amqp_dead_letters: r.gauge(
-                "amqp_dead_letter_messages",
-                "Messages in this host's dead-letter queue.",
-            ),
+            http: http::HttpMetrics::register(&r),
+            amqp: amqp::AmqpMetrics::register(&r),
             ignored: r.counter_vec(
                 "ignored_messages_total",
                 "Messages acknowledged without an answer (other conductors, irrelevant notifications), by reason.",
@@ -220,25 +153,7 @@ impl Metrics {
                 "Messages consumed from the broker by source, action and outcome.",
                 &["source", "action", "outcome"],
             ),
-            cache_bytes: r.gauge(
-                "cache_size_bytes",
-                "Bytes allocated by the master image cache.",
-            ),
-            cache_limit: r.gauge(
-                "cache_limit_bytes",
-                "The cache size limit ([pxe]image_cache_size).",
-            ),
-            cache_files: r.gauge("cache_files", "Masters in the image cache."),
-            cache_linked: r.gauge(
-                "cache_linked_files",
-                "Masters linked by at least one node (never evicted).",
-            ),
-            evictions: r.counter("cache_evictions_total", "Masters evicted from the cache."),
-            node_files_expired: r.counter(
-                "node_files_expired_total",
-                "Nodes whose files no command asked for within [cache]node_files_ttl, removed.",
-            ),
-            active_links: r.gauge("active_links", "Published node symlinks under http_root."),
+            cache: cache::CacheMetrics::register(&r),
             in_flight: r.gauge_vec(
                 "operations_in_flight",
                 "Requests being handled, by action.",
@@ -254,34 +169,7 @@ impl Metrics {
                 "Bytes expected of in-flight downloads and conversions, by stage (0 when unknown).",
                 &["stage"],
             ),
-            download_bytes: r.counter(
-                "download_bytes_total",
-                "Bytes downloaded from image sources.",
-            ),
-            download_seconds: r.histogram(
-                "download_duration_seconds",
-                "Duration of image downloads.",
-                DURATION_BUCKETS,
-            ),
-            convert_bytes: r.counter(
-                "conversion_bytes_total",
-                "Raw bytes produced by conversions.",
-            ),
-            conversions: r.counter_vec(
-                "conversions_total",
-                "Conversions to raw by mode (while_downloading, after_download).",
-                &["mode"],
-            ),
-            convert_seconds: r.histogram(
-                "conversion_duration_seconds",
-                "Duration of conversions to raw.",
-                DURATION_BUCKETS,
-            ),
-            hash_seconds: r.histogram(
-                "hashing_duration_seconds",
-                "Time the slowest hasher of a pass spent hashing (it runs beside the I/O).",
-                DURATION_BUCKETS,
-            ),
+            transfer: transfer::TransferMetrics::register(&r),
             peers: peers::PeerMetrics::register(&r),
             registry: registry.clone(),
         };
@@ -289,22 +177,6 @@ impl Metrics {
             prometheus::process_collector::ProcessCollector::for_self(),
         ));
         metrics
-    }
-
-    /// Records a finished conversion (`mode`: `while_downloading` or
-    /// `after_download`) that wrote `bytes` in `took`, `hashing` of it
-    /// spent hashing.
-    pub fn conversion(
-        &self,
-        mode: &str,
-        bytes: u64,
-        hashing: std::time::Duration,
-        took: std::time::Duration,
-    ) {
-        self.conversions.with_label_values(&[mode]).inc();
-        self.convert_bytes.inc_by(bytes);
-        self.convert_seconds.observe(took.as_secs_f64());
-        self.hash_seconds.observe(hashing.as_secs_f64());
     }
 
     /// Counts a completion event.
@@ -322,14 +194,6 @@ impl Metrics {
                 .with_label_values(&[label])
                 .observe(done.duration_ms as f64 / 1000.0);
         }
-    }
-
-    /// Sets the cache gauges: total `bytes` of `files` masters, `linked` of
-    /// them linked by a node.
-    pub fn cache_state(&self, bytes: u64, files: usize, linked: usize) {
-        self.cache_bytes.set(bytes.min(i64::MAX as u64) as i64);
-        self.cache_files.set(files as i64);
-        self.cache_linked.set(linked as i64);
     }
 
     /// Counts a consumed message.

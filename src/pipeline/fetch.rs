@@ -76,6 +76,7 @@ impl Pipeline {
                 result: Ok((d, took)),
             }) => {
                 self.metrics
+                    .transfer
                     .conversion("while_downloading", d.size, d.hashing(), took);
                 check_converted(out.path(), &d, &found)?;
                 (out, d, true)
@@ -108,11 +109,13 @@ impl Pipeline {
             stat,
             ..
         } = written;
-        self.metrics.download_bytes.inc_by(digests.size);
+        self.metrics.transfer.download_bytes.inc_by(digests.size);
         self.metrics
+            .transfer
             .download_seconds
             .observe(started.elapsed().as_secs_f64());
         self.metrics
+            .transfer
             .hash_seconds
             .observe(digests.hash_micros as f64 / 1e6);
         if let Some(e) = job.expected {
@@ -234,6 +237,7 @@ impl Pipeline {
         .await?;
         drop(transfer);
         self.metrics
+            .transfer
             .conversion("after_download", d.size, d.hashing(), started.elapsed());
         check_converted(out.path(), &d, found)?;
         Ok((out, d))

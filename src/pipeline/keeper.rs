@@ -28,7 +28,10 @@ impl Keeper {
         let report =
             crate::store::eviction::clean(&self.cache, self.policy, amount, all_unused, dry_run)?;
         if !dry_run {
-            self.metrics.evictions.inc_by(report.evicted.len() as u64);
+            self.metrics
+                .cache
+                .evictions
+                .inc_by(report.evicted.len() as u64);
         }
         Ok(report)
     }
@@ -54,12 +57,13 @@ impl Keeper {
     /// Refreshes the cache gauges from the directory.
     pub(super) fn refresh_cache_gauges(&self) {
         self.metrics
-            .cache_limit
+            .cache
+            .limit
             .set(self.policy.size_limit.min(i64::MAX as u64) as i64);
         if let Ok(entries) = crate::store::eviction::list(&self.cache) {
             let bytes = entries.iter().map(|e| e.size).sum();
             let linked = entries.iter().filter(|e| e.linked_nodes > 0).count();
-            self.metrics.cache_state(bytes, entries.len(), linked);
+            self.metrics.cache.state(bytes, entries.len(), linked);
         }
     }
 }

@@ -146,7 +146,10 @@ impl Pipeline {
             locks: &self.node_locks,
         }
         .expire(std::time::Duration::from_secs(ttl))?;
-        self.metrics.node_files_expired.inc_by(expired.len() as u64);
+        self.metrics
+            .cache
+            .node_files_expired
+            .inc_by(expired.len() as u64);
         Ok(expired.len())
     }
 
@@ -154,6 +157,7 @@ impl Pipeline {
     pub fn refresh_gauges(&self) {
         self.keeper().refresh_cache_gauges();
         self.metrics
+            .cache
             .active_links
             .set(self.links.count_published() as i64);
     }
@@ -281,7 +285,7 @@ impl Pipeline {
             return Ok(Released::Stray);
         }
         if self.links.unpublish(node)? {
-            self.metrics.active_links.dec();
+            self.metrics.cache.active_links.dec();
         }
         // Removing a node's directory and listing the cache touch the disk:
         // off the async threads.

@@ -215,7 +215,7 @@ impl Pipeline {
             blocking(move || links.link_disk(&node, &path, &sha256)).await?;
         }
         match self.links.publish(node) {
-            Ok(true) => self.metrics.active_links.inc(),
+            Ok(true) => self.metrics.cache.active_links.inc(),
             Ok(false) => {}
             Err(e) => {
                 if linked_here {

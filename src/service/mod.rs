@@ -208,7 +208,7 @@ fn image_server_security(config: &Config, metrics: &Metrics) -> Result<http::Sec
             min_version: http::tls::MinVersion::parse(&config.http.tls_min_version)
                 .unwrap_or(http::tls::MinVersion::Tls13),
         };
-        let tls = http::Tls::load(files, Some(metrics.http_tls_reloads.clone()))
+        let tls = http::Tls::load(files, Some(metrics.http.tls_reloads.clone()))
             .map_err(|e| Error::new(ErrorCode::Internal, format!("configuration: {e}")))?;
         Some(Arc::new(tls))
     } else {
