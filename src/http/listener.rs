@@ -22,7 +22,7 @@
 //! by a `close_notify`. A connection refused at the cap is closed at once
 //! (it cannot be answered before a handshake).
 
-use axum::body::{Body, HttpBody};
+use axum::body::Body;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use std::collections::BTreeMap;
@@ -459,9 +459,10 @@ impl Connection {
             async move {
                 let response = app.oneshot(req.map(Body::new)).await?;
                 Ok::<_, Infallible>(response.map(|body| {
-                    Body::new(Guarded {
+                    Body::new(crate::http::Holding {
                         body,
-                        _guard: guard,
+                        sent: None,
+                        _held: guard,
                     })
                 }))
             }
@@ -516,32 +517,6 @@ impl Drop for InFlight {
         if self.0.busy.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.0.state.store(WAITING, Ordering::Release);
         }
-    }
-}
-
-/// A response body that keeps its request counted as in progress.
-struct Guarded {
-    body: Body,
-    _guard: InFlight,
-}
-
-impl HttpBody for Guarded {
-    type Data = bytes::Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.body.size_hint()
     }
 }
 

@@ -142,25 +142,25 @@ async fn serve_image(State(state): State<Arc<ImageState>>, req: Request) -> Resp
         .inc();
     let sent = state.metrics.http.bytes.with_label_values(&[&status]);
     response.map(|body| {
-        Body::new(Counted {
+        Body::new(Holding {
             body,
-            sent,
-            _slot: None,
+            sent: Some(sent),
+            _held: (),
         })
     })
 }
 
-/// A response body that adds the bytes handed to the connection to a
-/// counter as they go (nothing for HEAD, only the part sent of an aborted
-/// download), and holds a bounded slot, if it was given one, until it is
-/// sent or dropped.
-pub(crate) struct Counted {
+/// A response body that holds `_held` (a bounded slot, a request counted
+/// as in progress) until it is sent or dropped, and adds the bytes handed to
+/// the connection to `sent`, when given, as they go (nothing for HEAD, only
+/// the part sent of an aborted download): one wrapper for every listener.
+pub(crate) struct Holding<H> {
     pub(crate) body: Body,
-    pub(crate) sent: prometheus::IntCounter,
-    pub(crate) _slot: Option<tokio::sync::OwnedSemaphorePermit>,
+    pub(crate) sent: Option<prometheus::IntCounter>,
+    pub(crate) _held: H,
 }
 
-impl HttpBody for Counted {
+impl<H: Unpin + Send + 'static> HttpBody for Holding<H> {
     type Data = bytes::Bytes;
     type Error = axum::Error;
 
@@ -171,8 +171,9 @@ impl HttpBody for Counted {
         let frame = Pin::new(&mut self.body).poll_frame(cx);
         if let Poll::Ready(Some(Ok(f))) = &frame
             && let Some(data) = f.data_ref()
+            && let Some(sent) = &self.sent
         {
-            self.sent.inc_by(data.len() as u64);
+            sent.inc_by(data.len() as u64);
         }
         frame
     }

@@ -6,7 +6,7 @@
 //! symlink), and serves at most `max_uploads` masters at once: a peer asked
 //! to come back (503) takes the master from another holder.
 
-use crate::http::Counted;
+use crate::http::Holding;
 use crate::peers::token;
 use axum::Router;
 use axum::body::Body;
@@ -68,10 +68,10 @@ async fn serve_master(State(state): State<Arc<PeerState>>, req: Request) -> Resp
         .inc();
     let sent = peers.served_bytes.clone();
     response.map(|body| {
-        Body::new(Counted {
+        Body::new(Holding {
             body,
-            sent,
-            _slot: slot,
+            sent: Some(sent),
+            _held: slot,
         })
     })
 }

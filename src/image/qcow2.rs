@@ -548,52 +548,31 @@ mod tests {
         let h = header_v3();
         assert_eq!(parse(&h, file, LIMITS).unwrap().virtual_size, 1 << 30);
 
-        let code = |mutate: &dyn Fn(&mut Vec<u8>)| {
+        // (field, value written there big-endian, the refusal)
+        let refused: [(std::ops::Range<usize>, u64, ErrorCode); 10] = [
+            (8..16, 512, ErrorCode::UnsafeImage),
+            (32..36, 2, ErrorCode::UnsafeImage),
+            (72..80, 4, ErrorCode::UnsafeImage),
+            (72..80, 1 << 40, ErrorCode::UnsafeImage),
+            (4..8, 4, ErrorCode::UnsafeImage),
+            (20..24, 30, ErrorCode::CorruptImage),
+            (24..32, 1 << 62, ErrorCode::UnsafeImage),
+            (56..60, u64::from(u32::MAX), ErrorCode::CorruptImage),
+            (36..40, 1, ErrorCode::CorruptImage),
+            // A LUKS header extension.
+            (
+                112..116,
+                u64::from(EXT_FULL_DISK_ENCRYPTION),
+                ErrorCode::UnsafeImage,
+            ),
+        ];
+        for (field, value, want) in refused {
             let mut h = header_v3();
-            mutate(&mut h);
-            parse(&h, file, LIMITS).unwrap_err().code
-        };
-        assert_eq!(
-            code(&|h| h[8..16].copy_from_slice(&512u64.to_be_bytes())),
-            ErrorCode::UnsafeImage
-        );
-        assert_eq!(
-            code(&|h| h[32..36].copy_from_slice(&2u32.to_be_bytes())),
-            ErrorCode::UnsafeImage
-        );
-        assert_eq!(
-            code(&|h| h[72..80].copy_from_slice(&4u64.to_be_bytes())),
-            ErrorCode::UnsafeImage
-        );
-        assert_eq!(
-            code(&|h| h[72..80].copy_from_slice(&(1u64 << 40).to_be_bytes())),
-            ErrorCode::UnsafeImage
-        );
-        assert_eq!(
-            code(&|h| h[4..8].copy_from_slice(&4u32.to_be_bytes())),
-            ErrorCode::UnsafeImage
-        );
-        assert_eq!(
-            code(&|h| h[20..24].copy_from_slice(&30u32.to_be_bytes())),
-            ErrorCode::CorruptImage
-        );
-        assert_eq!(
-            code(&|h| h[24..32].copy_from_slice(&(1u64 << 62).to_be_bytes())),
-            ErrorCode::UnsafeImage
-        );
-        assert_eq!(
-            code(&|h| h[56..60].copy_from_slice(&u32::MAX.to_be_bytes())),
-            ErrorCode::CorruptImage
-        );
-        assert_eq!(
-            code(&|h| h[36..40].copy_from_slice(&1u32.to_be_bytes())),
-            ErrorCode::CorruptImage
-        );
-        // A LUKS header extension.
-        assert_eq!(
-            code(&|h| h[112..116].copy_from_slice(&EXT_FULL_DISK_ENCRYPTION.to_be_bytes())),
-            ErrorCode::UnsafeImage
-        );
+            let width = field.len();
+            h[field.clone()].copy_from_slice(&value.to_be_bytes()[8 - width..]);
+            let got = parse(&h, file, LIMITS).unwrap_err().code;
+            assert_eq!(got, want, "{field:?} = {value}");
+        }
         assert_eq!(
             parse(&h[..50], file, LIMITS).unwrap_err().code,
             ErrorCode::CorruptImage

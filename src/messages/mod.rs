@@ -333,23 +333,77 @@ impl Completion {
     }
 
     /// Turns this completion into an error answer, dropping image fields that
-    /// would otherwise suggest a usable image.
-    pub fn failed(mut self, err: &Error) -> Completion {
-        self.status = Status::Error;
-        self.image_url = None;
-        self.image_checksum = None;
-        self.image_os_hash_algo = None;
-        self.image_os_hash_value = None;
-        self.image_disk_format = None;
-        self.image_size = None;
-        self.converted = None;
-        self.cache = None;
-        self.oci_image_manifest_url = None;
-        self.error = Some(ErrorBody {
-            code: err.code,
-            message: err.message.clone(),
-            os_error: err.os_error,
-        });
-        self
+    /// would otherwise suggest a usable image: it keeps only who asked, the
+    /// `image_source` asked for and the handling time, so a field added to
+    /// `Completion` is dropped too.
+    pub fn failed(self, err: &Error) -> Completion {
+        Completion {
+            status: Status::Error,
+            image_source: self.image_source,
+            duration_ms: self.duration_ms,
+            error: Some(ErrorBody {
+                code: err.code,
+                message: err.message.clone(),
+                os_error: err.os_error,
+            }),
+            ..Completion::new(
+                self.action,
+                self.node_uuid,
+                self.request_id,
+                &self.conductor_host,
+            )
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An error answer keeps who asked, what for and how long it took, and
+    /// no field that could pass for a usable image.
+    #[test]
+    fn a_failed_completion_keeps_only_the_request_and_the_error() {
+        let mut done = Completion::new(
+            Action::Prepare,
+            Some("node".into()),
+            Some("req".into()),
+            "host",
+        );
+        done.image_source = Some("http://source/img".into());
+        done.image_url = Some("http://here/node".into());
+        done.image_checksum = Some("md5".into());
+        done.image_os_hash_algo = Some("sha256".into());
+        done.image_os_hash_value = Some("hex".into());
+        done.image_disk_format = Some("raw".into());
+        done.image_size = Some(1);
+        done.converted = Some(true);
+        done.cache = Some(CacheOutcome::Hit);
+        done.oci_image_manifest_url = Some("oci://r/i@sha256:0".into());
+        done.duration_ms = 7;
+        let err = Error::new(ErrorCode::CorruptImage, "bad");
+        let json = serde_json::to_value(done.failed(&err)).unwrap();
+        let mut keys: Vec<&str> = json
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(|k| k.as_str())
+            .collect();
+        keys.sort();
+        let want = [
+            "action",
+            "conductor_host",
+            "duration_ms",
+            "error",
+            "image_source",
+            "node_uuid",
+            "request_id",
+            "status",
+        ];
+        assert_eq!(keys, want);
+        assert_eq!(json["status"], "error");
+        assert_eq!(json["duration_ms"], 7);
+        assert_eq!(json["image_source"], "http://source/img");
+        assert_eq!(json["error"]["code"], "corrupt_image");
     }
 }
