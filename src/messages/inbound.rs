@@ -582,6 +582,48 @@ mod tests {
         );
     }
 
+    /// A warm names an image and no node; every other action needs a node.
+    #[test]
+    fn warm_names_no_node() {
+        let warm = r#"{"action":"warm","request_id":"w","instance_info":{"image_source":"http://x/i"},"options":{"force_raw":false}}"#;
+        match parse_command(warm.as_bytes(), "h") {
+            Inbound::Work(r) => {
+                assert_eq!(r.action, Action::Warm);
+                assert_eq!(r.node_uuid, "");
+                assert_eq!(r.options.force_raw, Some(false));
+            }
+            other => panic!("{other:?}"),
+        }
+        let with_node = format!(
+            r#"{{"action":"warm","node_uuid":"{NODE}","instance_info":{{"image_source":"http://x/i"}}}}"#
+        );
+        match parse_command(with_node.as_bytes(), "h") {
+            Inbound::Invalid(c) => {
+                assert_eq!(c.action, Action::Warm);
+                assert_eq!(c.error.as_ref().unwrap().code, ErrorCode::InvalidMessage);
+                let wire: serde_json::Value =
+                    serde_json::from_slice(&c.to_json().unwrap()).unwrap();
+                assert!(wire.get("node_uuid").is_none(), "{wire}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let no_image = r#"{"action":"warm"}"#;
+        assert_eq!(
+            code(&parse_command(no_image.as_bytes(), "h")),
+            Some(ErrorCode::InvalidMessage)
+        );
+        let no_node = r#"{"action":"cleanup"}"#;
+        match parse_command(no_node.as_bytes(), "h") {
+            Inbound::Invalid(c) => {
+                assert_eq!(c.action, Action::Cleanup);
+                let wire: serde_json::Value =
+                    serde_json::from_slice(&c.to_json().unwrap()).unwrap();
+                assert_eq!(wire["node_uuid"], serde_json::Value::Null, "{wire}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
     /// Values longer than any real one are refused, and a huge request id
     /// or node id is not echoed back.
     #[test]
