@@ -380,3 +380,27 @@ async fn warm_in_http_mode_caches_nothing() {
     assert_eq!(server.count("GET", "disk.img"), 0);
     assert_eq!(env.masters(), Vec::<String>::new());
 }
+
+/// The command schema takes a warm without a node and refuses one with a
+/// node or without an image, and still requires a node of every other
+/// action.
+#[test]
+fn command_schema_of_warm() {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/schemas/command.v1.json"
+    ))
+    .unwrap();
+    let schema = jsonschema::validator_for(&serde_json::from_str(&text).unwrap()).unwrap();
+    let warm = warm_cmd(json!({"image_source": "http://images.example/disk.qcow2"}));
+    assert!(schema.is_valid(&warm));
+    let mut with_node = warm.clone();
+    with_node["node_uuid"] = node().into();
+    assert!(!schema.is_valid(&with_node));
+    assert!(!schema.is_valid(&warm_cmd(json!({}))));
+    assert!(!schema.is_valid(&json!({"action": "warm"})));
+    assert!(!schema.is_valid(&json!({"action": "cleanup"})));
+    assert!(schema.is_valid(&json!({"action": "cleanup", "node_uuid": node()})));
+    let prepare = prepare_cmd(&node(), "http://images.example/disk.qcow2");
+    assert!(schema.is_valid(&prepare));
+}
