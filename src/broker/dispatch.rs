@@ -66,7 +66,8 @@ pub(super) struct Dispatcher {
     /// closed a channel over it. A delivery still unacknowledged three
     /// quarters of it after it arrived is acknowledged early.
     consumer_timeout_ms: AtomicU64,
-    /// Per-node FIFO queues: deliveries for one node run in order.
+    /// Per-node FIFO queues: deliveries for one node run in order (a warm's
+    /// queue is keyed by its image source, see [`order_key`]).
     nodes: Mutex<HashMap<String, mpsc::UnboundedSender<Job>>>,
     /// Jobs not yet acknowledged, by delivery identity (see [`identity`]).
     pending: Mutex<HashMap<u64, Vec<Arc<Tracked<Acker>>>>>,
@@ -202,7 +203,7 @@ impl Dispatcher {
         }
         let job = self.job(session, identity, delivery);
         let node = match &job.inbound {
-            Inbound::Work(req) => req.node_uuid.clone(),
+            Inbound::Work(req) => order_key(req),
             Inbound::Ignore(_) | Inbound::Moved { .. } => {
                 let d = self.clone();
                 self.tracker.spawn(async move { d.settle(job).await });
@@ -413,7 +414,8 @@ impl Dispatcher {
                 .await;
         }
         let expired = || job.deadline.is_some_and(|at| super::stamp::now_ms() >= at);
-        let slot = if request.action == Action::Prepare {
+        // A warm downloads like a prepare: it shares the prepare slots.
+        let slot = if matches!(request.action, Action::Prepare | Action::Warm) {
             match self.prepare_slot().await {
                 Some(slot) => Some(slot),
                 None if !expired() => return self.defer(job).await,
@@ -711,13 +713,28 @@ fn expired_answer(request: &crate::messages::Request, host: &str) -> Completion 
          passed before its work could start",
     );
     tracing::warn!(node = %request.node_uuid, action = request.action.as_str(), "refusing a command past its deadline");
-    Completion::new(
-        request.action,
-        Some(request.node_uuid.clone()),
-        request.request_id.clone(),
-        host,
-    )
-    .failed(&err)
+    let node = (request.action != Action::Warm).then(|| request.node_uuid.clone());
+    Completion::new(request.action, node, request.request_id.clone(), host).failed(&err)
+}
+
+/// The key of the FIFO queue a request waits in: its node, so a node's
+/// commands run in order; a warm, which names no node, waits behind the
+/// warms of the same image source (two warms of one image never download
+/// it twice at once here, the master lock serialises across processes) and
+/// never behind a node's commands (a key with a space is never a UUID).
+fn order_key(request: &crate::messages::Request) -> String {
+    match request.action {
+        Action::Warm => format!(
+            "warm {}",
+            request
+                .instance_info
+                .image_source
+                .as_deref()
+                .unwrap_or("")
+                .trim()
+        ),
+        _ => request.node_uuid.clone(),
+    }
 }
 
 #[cfg(test)]

@@ -33,7 +33,7 @@ pub mod topology;
 
 pub use connect::Brokers;
 pub use session::run;
-pub use topology::Topology;
+pub use topology::{Topology, WARM_ALL_KEY};
 
 /// The AMQP reply code of a broker's refusal (404 NOT_FOUND, 406
 /// PRECONDITION_FAILED, ...), read from the error itself rather than its

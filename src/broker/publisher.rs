@@ -25,7 +25,8 @@ impl Publisher {
     }
 
     /// Publishes `done` to `reply_to` (default exchange) with `correlation_id`,
-    /// or to the events exchange as `node.<action>.<status>`, persistent, and
+    /// or to the events exchange as `node.<action>.<status>` (`image.warm.<status>`
+    /// for a warm, which names no node), persistent, and
     /// waits for the broker's confirmation.
     pub async fn publish(
         &self,
@@ -33,26 +34,21 @@ impl Publisher {
         reply_to: Option<&str>,
         correlation_id: Option<&str>,
     ) -> Result<()> {
-        let body =
-            serde_json::to_vec(done).map_err(|e| Error::new(ErrorCode::Internal, e.to_string()))?;
+        let body = done
+            .to_json()
+            .map_err(|e| Error::new(ErrorCode::Internal, e.to_string()))?;
+        let kind = done.event_kind();
         let mut props = BasicProperties::default()
             .with_content_type("application/json".into())
             .with_delivery_mode(2)
             .with_app_id("ironic-image-worker".into())
-            .with_type(
-                format!("node.{}.{}", done.action.as_str(), done.status.as_str())
-                    .as_str()
-                    .into(),
-            );
+            .with_type(kind.as_str().into());
         if let Some(id) = correlation_id {
             props = props.with_correlation_id(id.into());
         }
         let (exchange, key) = match reply_to {
             Some(queue) => (String::new(), queue.to_string()),
-            None => (
-                self.events_exchange.clone(),
-                format!("node.{}.{}", done.action.as_str(), done.status.as_str()),
-            ),
+            None => (self.events_exchange.clone(), kind),
         };
         self.confirmed(&exchange, &key, false, &body, props)
             .await

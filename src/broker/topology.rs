@@ -6,6 +6,11 @@ use lapin::options::*;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ExchangeKind};
 
+/// The routing key of a warm for every conductor: each worker's queue binds
+/// it beside its own keys, so one message reaches every worker of the
+/// command exchange (docs/contract.md, "Warming the cache").
+pub const WARM_ALL_KEY: &str = "all.image.warm";
+
 /// Names of everything the worker declares, derived from `[amqp]` and the host.
 #[derive(Debug, Clone)]
 pub struct Topology {
@@ -13,8 +18,10 @@ pub struct Topology {
     pub command_exchange: String,
     /// The per-host work queue.
     pub queue: String,
-    /// Routing key binding commands for this host.
-    pub command_binding: String,
+    /// Routing keys binding commands for this host: its node commands
+    /// (`<host>.node.*`), its warms (`<host>.image.warm`) and the warms of
+    /// every conductor ([`WARM_ALL_KEY`]).
+    pub command_bindings: Vec<String>,
     /// Dead-letter exchange.
     pub dead_letter_exchange: String,
     /// Dead-letter queue of this host (also its dead-letter routing key).
@@ -36,7 +43,11 @@ impl Topology {
         let queue = format!("{}.{host}", a.queue_prefix);
         Topology {
             command_exchange: a.command_exchange.clone(),
-            command_binding: format!("{host}.node.*"),
+            command_bindings: vec![
+                format!("{host}.node.*"),
+                format!("{host}.image.warm"),
+                WARM_ALL_KEY.to_string(),
+            ],
             dead_letter_exchange: a.dead_letter_exchange.clone(),
             dead_letter_queue: format!("{queue}.dead"),
             events_exchange: a.events_exchange.clone(),
@@ -129,15 +140,17 @@ impl Topology {
         channel
             .queue_declare(self.queue.as_str().into(), q, args)
             .await?;
-        channel
-            .queue_bind(
-                self.queue.as_str().into(),
-                self.command_exchange.as_str().into(),
-                self.command_binding.as_str().into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
+        for key in &self.command_bindings {
+            channel
+                .queue_bind(
+                    self.queue.as_str().into(),
+                    self.command_exchange.as_str().into(),
+                    key.as_str().into(),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await?;
+        }
         Ok(())
     }
 

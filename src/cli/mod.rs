@@ -132,7 +132,7 @@ pub struct ImageArgs {
     #[arg(long)]
     image_source: Option<String>,
     /// `instance_info.image_checksum` (hex, `algo:hex` or a checksum file URL).
-    #[arg(long)]
+    #[arg(long, visible_alias = "image-checksum")]
     checksum: Option<String>,
     /// `instance_info.image_os_hash_algo`.
     #[arg(long)]
@@ -169,20 +169,32 @@ pub struct PrepareArgs {
 /// Arguments of `send`: publish a command to a running worker.
 #[derive(Debug, Args)]
 pub struct SendArgs {
-    /// prepare, deployed or cleanup.
+    /// prepare, deployed, cleanup, or warm (cache an image, for no node).
     #[arg(value_enum)]
     action: SendAction,
-    #[command(flatten)]
-    node: NodeArgs,
+    /// Node UUID (every action but warm).
+    #[arg(long)]
+    node: Option<String>,
+    /// Request id echoed in the completion event (default: a new UUID).
+    #[arg(long)]
+    request_id: Option<String>,
     #[command(flatten)]
     image: ImageArgs,
     /// Conductor host whose worker gets the command (default `[DEFAULT]host`).
-    #[arg(long)]
+    #[arg(long, visible_alias = "host")]
     conductor: Option<String>,
+    /// warm only: every conductor's worker (`all.image.warm`); waits for
+    /// the answers and prints each (implies `--wait`).
+    #[arg(long, conflicts_with = "conductor")]
+    all_conductors: bool,
+    /// With `--all-conductors`: stop waiting once this many answered (the
+    /// exit code is non-zero when fewer did within `--timeout`).
+    #[arg(long, requires = "all_conductors")]
+    expect: Option<usize>,
     /// Wait for the completion event and print it.
     #[arg(long)]
     wait: bool,
-    /// Seconds to wait with `--wait`.
+    /// Seconds to wait with `--wait` (or `--all-conductors`).
     #[arg(long, default_value_t = 3600)]
     timeout: u64,
 }
@@ -196,6 +208,8 @@ pub enum SendAction {
     Deployed,
     /// Remove everything of the node.
     Cleanup,
+    /// Cache the image on one conductor (or all), so deploys find it.
+    Warm,
 }
 
 impl SendAction {
@@ -204,8 +218,77 @@ impl SendAction {
             SendAction::Prepare => Action::Prepare,
             SendAction::Deployed => Action::Deployed,
             SendAction::Cleanup => Action::Cleanup,
+            SendAction::Warm => Action::Warm,
         }
     }
+}
+
+/// `send`: publishes the command, prints the answers it waited for (one
+/// JSON line each); fails when any is an error, or when `--expect`
+/// answers did not all come.
+async fn send_command(config: &Config, args: SendArgs) -> Result<ExitCode> {
+    use crate::cli::send::{Target, Wait};
+    let action = args.action.action();
+    let warm = action == Action::Warm;
+    if args.all_conductors && !warm {
+        return Err(crate::error::Error::new(
+            crate::error::ErrorCode::InvalidMessage,
+            "--all-conductors is for warm only",
+        ));
+    }
+    let node = match (warm, args.node) {
+        (true, _) => String::new(),
+        (false, Some(n)) => n,
+        (false, None) => {
+            return Err(crate::error::Error::new(
+                crate::error::ErrorCode::InvalidMessage,
+                format!("{} needs --node", action.as_str()),
+            ));
+        }
+    };
+    let image = matches!(action, Action::Prepare | Action::Warm).then_some(args.image);
+    let node = NodeArgs {
+        node,
+        request_id: args.request_id,
+    };
+    let mut req = request(action, node, image);
+    let request_id = req
+        .request_id
+        .get_or_insert_with(|| uuid::Uuid::new_v4().to_string())
+        .clone();
+    let host = args
+        .conductor
+        .unwrap_or_else(|| config.default.host.clone());
+    let target = match args.all_conductors {
+        true => Target::AllConductors,
+        false => Target::Host(&host),
+    };
+    let wait = (args.wait || args.all_conductors).then_some(Wait {
+        limit: std::time::Duration::from_secs(args.timeout),
+        expect: args.expect,
+    });
+    let answers = crate::cli::send::send(config, target, &req, wait).await?;
+    if wait.is_none() {
+        println!("{}", serde_json::json!({"request_id": request_id}));
+        return Ok(ExitCode::SUCCESS);
+    }
+    let mut ok = !answers.is_empty();
+    for done in &answers {
+        ok &= print_completion(done) == ExitCode::SUCCESS;
+    }
+    if let Some(n) = args.expect.filter(|&n| answers.len() < n) {
+        eprintln!(
+            "ironic-image-worker: {} of the {n} expected conductors answered within {} s",
+            answers.len(),
+            args.timeout
+        );
+        ok = false;
+    }
+    Ok(if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 fn request(action: Action, node: NodeArgs, image: Option<ImageArgs>) -> Request {
@@ -310,28 +393,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Prepare(args) => request(Action::Prepare, args.node, Some(args.image)),
         Command::Deployed(args) => request(Action::Deployed, args, None),
         Command::Cleanup(args) => request(Action::Cleanup, args, None),
-        Command::Send(args) => {
-            let action = args.action.action();
-            let image = (action == Action::Prepare).then_some(args.image);
-            let mut req = request(action, args.node, image);
-            let request_id = req
-                .request_id
-                .get_or_insert_with(|| uuid::Uuid::new_v4().to_string())
-                .clone();
-            let host = args
-                .conductor
-                .unwrap_or_else(|| config.default.host.clone());
-            let wait = args
-                .wait
-                .then_some(std::time::Duration::from_secs(args.timeout));
-            return match crate::cli::send::send(&config, &host, &req, wait).await? {
-                Some(done) => Ok(print_completion(&done)),
-                None => {
-                    println!("{}", serde_json::json!({"request_id": request_id}));
-                    Ok(ExitCode::SUCCESS)
-                }
-            };
-        }
+        Command::Send(args) => return send_command(&config, args).await,
     };
     let metrics = Arc::new(Metrics::new());
     let pipeline = Pipeline::new(config, metrics.clone())?;
@@ -450,8 +512,8 @@ fn inspect(config: &Config, file: &std::path::Path) -> ExitCode {
 
 /// Prints a completion as one JSON line; the exit code says success or error.
 pub fn print_completion(done: &Completion) -> ExitCode {
-    match serde_json::to_string(done) {
-        Ok(line) => println!("{line}"),
+    match done.to_json() {
+        Ok(line) => println!("{}", String::from_utf8_lossy(&line)),
         Err(e) => eprintln!("ironic-image-worker: cannot encode completion: {e}"),
     }
     if done.status == Status::Success {

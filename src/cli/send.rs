@@ -1,8 +1,8 @@
 //! `send`: the operator's (and the tests') client. Publishes one command to
-//! a worker through the broker, with a temporary reply queue, and can wait
-//! for the completion event.
+//! a worker (or a warm to every worker) through the broker, with a
+//! temporary reply queue, and can wait for the completion events.
 
-use crate::broker::{Brokers, Topology};
+use crate::broker::{Brokers, Topology, WARM_ALL_KEY};
 use crate::config::Config;
 use crate::error::{Error, ErrorCode, Result};
 use crate::messages::Request;
@@ -13,30 +13,63 @@ use lapin::types::FieldTable;
 use lapin::{BasicProperties, Confirmation, ConnectionProperties, ExchangeKind};
 use std::time::Duration;
 
-/// The JSON body of a command (`schemas/command.v1.json`) for `req`.
+/// The JSON body of a command (`schemas/command.v1.json`) for `req`; a
+/// warm names no node.
 pub fn command_body(req: &Request) -> serde_json::Value {
-    let mut body = serde_json::json!({
-        "action": req.action.as_str(),
-        "node_uuid": req.node_uuid,
-    });
+    let mut body = serde_json::json!({"action": req.action.as_str()});
+    if req.action != Action::Warm {
+        body["node_uuid"] = req.node_uuid.clone().into();
+    }
     if let Some(id) = &req.request_id {
         body["request_id"] = id.clone().into();
     }
-    if req.action == Action::Prepare {
+    if matches!(req.action, Action::Prepare | Action::Warm) {
         body["instance_info"] = serde_json::to_value(&req.instance_info).unwrap_or_default();
         body["options"] = serde_json::to_value(req.options).unwrap_or_default();
     }
     body
 }
 
-/// Publishes `req` to the worker of conductor `host`; with `wait`, returns
-/// its completion event (or fails after that long).
+/// Whose worker gets a command.
+#[derive(Debug, Clone, Copy)]
+pub enum Target<'a> {
+    /// The worker of this conductor host.
+    Host(&'a str),
+    /// Every worker of the command exchange (a warm only: `all.image.warm`).
+    AllConductors,
+}
+
+impl Target<'_> {
+    /// The command's routing key on the command exchange.
+    fn routing_key(self, action: Action) -> String {
+        match (self, action) {
+            (Target::AllConductors, _) => WARM_ALL_KEY.to_string(),
+            (Target::Host(host), Action::Warm) => format!("{host}.image.warm"),
+            (Target::Host(host), action) => format!("{host}.node.{}", action.as_str()),
+        }
+    }
+}
+
+/// How long `send` waits and for how many answers.
+#[derive(Debug, Clone, Copy)]
+pub struct Wait {
+    /// Longest wait.
+    pub limit: Duration,
+    /// With [`Target::AllConductors`]: stop once this many answered
+    /// (without it, every answer within `limit` is collected). One worker
+    /// always gives one answer.
+    pub expect: Option<usize>,
+}
+
+/// Publishes `req` to `target`; with `wait`, returns the completion events
+/// that came back: exactly one from one host (or an error after
+/// `wait.limit`), from every conductor those that came within the limit.
 pub async fn send(
     config: &Config,
-    host: &str,
+    target: Target<'_>,
     req: &Request,
-    wait: Option<Duration>,
-) -> Result<Option<Completion>> {
+    wait: Option<Wait>,
+) -> Result<Vec<Completion>> {
     let (conn, name) = connect_first(config).await?;
     let broker = |e: lapin::Error| {
         Error::new(
@@ -52,25 +85,9 @@ pub async fn send(
     let topology = Topology::new(config);
     let (reply, replies) = reply_queue(&channel, &topology).await.map_err(broker)?;
     let correlation = req.request_id.clone().unwrap_or_default();
-    // When it was issued, so the worker orders it against the node's other
-    // commands (docs/contract.md, "Order of a node's commands").
-    let sent = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    let mut headers = FieldTable::default();
-    headers.insert(
-        "timestamp_in_ms".into(),
-        lapin::types::AMQPValue::LongLongInt(sent.as_millis() as i64),
-    );
-    let props = BasicProperties::default()
-        .with_content_type("application/json".into())
-        .with_delivery_mode(2)
-        .with_timestamp(sent.as_secs())
-        .with_headers(headers)
-        .with_reply_to(reply)
-        .with_correlation_id(correlation.as_str().into());
-    let key = format!("{host}.node.{}", req.action.as_str());
+    let key = target.routing_key(req.action);
     let body = serde_json::to_vec(&command_body(req)).unwrap_or_default();
+    let props = command_properties(reply, &correlation);
     let confirm = channel
         .basic_publish(
             topology.command_exchange.as_str().into(),
@@ -86,13 +103,38 @@ pub async fn send(
         .map_err(broker)?
         .await
         .map_err(broker)?;
-    refused(confirm, &key, host)?;
-    let answer = match wait {
-        Some(limit) => Some(await_answer(replies, &correlation, limit, broker).await?),
-        None => None,
+    refused(confirm, &key, target)?;
+    let answers = match (wait, target) {
+        (None, _) => Vec::new(),
+        (Some(w), Target::Host(_)) => {
+            vec![await_answer(replies, &correlation, w.limit, broker).await?]
+        }
+        (Some(w), Target::AllConductors) => await_answers(replies, &correlation, w, broker).await?,
     };
     let _ = conn.close(200, "bye".into()).await;
-    Ok(answer)
+    Ok(answers)
+}
+
+/// The properties of a command: JSON, persistent, answered to `reply`
+/// with `correlation`, and stamped with when it was issued, so the worker
+/// orders it against the node's other commands (docs/contract.md, "Order
+/// of a node's commands").
+fn command_properties(reply: lapin::types::ShortString, correlation: &str) -> BasicProperties {
+    let sent = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let mut headers = FieldTable::default();
+    headers.insert(
+        "timestamp_in_ms".into(),
+        lapin::types::AMQPValue::LongLongInt(sent.as_millis() as i64),
+    );
+    BasicProperties::default()
+        .with_content_type("application/json".into())
+        .with_delivery_mode(2)
+        .with_timestamp(sent.as_secs())
+        .with_headers(headers)
+        .with_reply_to(reply)
+        .with_correlation_id(correlation.into())
 }
 
 /// Declares the command exchange (so a publish before any worker started is
@@ -166,12 +208,16 @@ async fn connect_first(config: &Config) -> Result<(lapin::Connection, String)> {
 
 /// The broker's confirm of a mandatory publish, as an error when the
 /// command reached no queue or was refused.
-fn refused(confirm: Confirmation, key: &str, host: &str) -> Result<()> {
+fn refused(confirm: Confirmation, key: &str, target: Target<'_>) -> Result<()> {
+    let whose = match target {
+        Target::Host(host) => format!("the worker of {host}"),
+        Target::AllConductors => "any worker".to_string(),
+    };
     match confirm {
         Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
         Confirmation::Ack(Some(_)) => Err(Error::new(
             ErrorCode::Internal,
-            format!("no queue is bound for {key}: is the worker of {host} running?"),
+            format!("no queue is bound for {key}: is {whose} running?"),
         )),
         Confirmation::Nack(_) => Err(Error::new(
             ErrorCode::Internal,
@@ -209,4 +255,47 @@ async fn await_answer(
     })
     .await
     .map_err(|_| Error::new(ErrorCode::Internal, format!("no answer within {limit:?}")))?
+}
+
+/// The completions on the reply queue whose correlation id is
+/// `correlation`, one per conductor, until `wait.expect` of them came or
+/// `wait.limit` passed (not an error: the caller says how many came).
+async fn await_answers(
+    mut replies: lapin::Consumer,
+    correlation: &str,
+    wait: Wait,
+    broker: impl Fn(lapin::Error) -> Error,
+) -> Result<Vec<Completion>> {
+    let mut answers: Vec<Completion> = Vec::new();
+    let deadline = tokio::time::Instant::now() + wait.limit;
+    while wait.expect.is_none_or(|n| answers.len() < n) {
+        let next = match tokio::time::timeout_at(deadline, replies.next()).await {
+            Err(_) => break,
+            Ok(None) => {
+                return Err(Error::new(
+                    ErrorCode::Internal,
+                    "the broker closed the reply queue",
+                ));
+            }
+            Ok(Some(delivery)) => delivery.map_err(&broker)?,
+        };
+        let matches = next
+            .properties
+            .correlation_id()
+            .as_ref()
+            .is_some_and(|c| c.as_str() == correlation);
+        if !matches {
+            continue;
+        }
+        let done = serde_json::from_slice::<Completion>(&next.data)
+            .map_err(|e| Error::new(ErrorCode::Internal, format!("unreadable completion: {e}")))?;
+        // A conductor answers once; a second copy (a redelivery) is not news.
+        if !answers
+            .iter()
+            .any(|a| a.conductor_host == done.conductor_host)
+        {
+            answers.push(done);
+        }
+    }
+    Ok(answers)
 }

@@ -136,7 +136,9 @@ const MAX_NODE_ECHO_LEN: usize = 64;
 #[serde(deny_unknown_fields)]
 struct CommandBody {
     action: String,
-    node_uuid: String,
+    /// Required by every action but `warm`, which must not have one.
+    #[serde(default)]
+    node_uuid: Option<String>,
     #[serde(default)]
     request_id: Option<String>,
     #[serde(default)]
@@ -178,6 +180,7 @@ fn action_named(name: Option<&str>) -> Option<Action> {
         Some("prepare") => Some(Action::Prepare),
         Some("deployed") => Some(Action::Deployed),
         Some("cleanup") => Some(Action::Cleanup),
+        Some("warm") => Some(Action::Warm),
         _ => None,
     }
 }
@@ -193,16 +196,33 @@ pub fn parse_command(body: &[u8], host: &str) -> Inbound {
         .request_id
         .clone()
         .filter(|r| r.len() <= MAX_REQUEST_ID_LEN);
-    let node = Some(cmd.node_uuid.clone()).filter(|n| n.len() <= MAX_NODE_ECHO_LEN);
+    let node = cmd
+        .node_uuid
+        .clone()
+        .filter(|n| n.len() <= MAX_NODE_ECHO_LEN);
     let Some(action) = action_named(Some(&cmd.action)) else {
         let why = format!("unknown action {:?}", cmd.action);
         return invalid(Action::Unknown, node, request_id, host, why);
     };
-    if let Err(e) = NodeUuid::parse(&cmd.node_uuid) {
-        return Inbound::Invalid(Box::new(
-            Completion::new(action, node, request_id, host).failed(&e),
-        ));
-    }
+    let node_uuid = match (action, &cmd.node_uuid) {
+        (Action::Warm, None) => String::new(),
+        (Action::Warm, Some(_)) => {
+            let why = "warm names an image, not a node: it has no node_uuid".to_string();
+            return invalid(action, None, request_id, host, why);
+        }
+        (_, None) => {
+            let why = "command does not fit the schema: missing field `node_uuid`".to_string();
+            return invalid(action, None, request_id, host, why);
+        }
+        (_, Some(n)) => match NodeUuid::parse(n) {
+            Ok(_) => n.clone(),
+            Err(e) => {
+                return Inbound::Invalid(Box::new(
+                    Completion::new(action, node, request_id, host).failed(&e),
+                ));
+            }
+        },
+    };
     if let Some(long) = cmd
         .request_id
         .as_ref()
@@ -229,13 +249,13 @@ pub fn parse_command(body: &[u8], host: &str) -> Inbound {
         .image_source
         .as_deref()
         .is_some_and(|s| !s.trim().is_empty());
-    if action == Action::Prepare && !has_source {
-        let why = "prepare needs instance_info.image_source".to_string();
+    if matches!(action, Action::Prepare | Action::Warm) && !has_source {
+        let why = format!("{} needs instance_info.image_source", action.as_str());
         return invalid(action, node, request_id, host, why);
     }
     Inbound::Work(Box::new(Request {
         action,
-        node_uuid: cmd.node_uuid,
+        node_uuid,
         request_id: cmd.request_id,
         instance_info,
         options: cmd.options.unwrap_or_default(),
@@ -560,6 +580,48 @@ mod tests {
             code(&parse_command(bad_type.as_bytes(), "h")),
             Some(ErrorCode::InvalidMessage)
         );
+    }
+
+    /// A warm names an image and no node; every other action needs a node.
+    #[test]
+    fn warm_names_no_node() {
+        let warm = r#"{"action":"warm","request_id":"w","instance_info":{"image_source":"http://x/i"},"options":{"force_raw":false}}"#;
+        match parse_command(warm.as_bytes(), "h") {
+            Inbound::Work(r) => {
+                assert_eq!(r.action, Action::Warm);
+                assert_eq!(r.node_uuid, "");
+                assert_eq!(r.options.force_raw, Some(false));
+            }
+            other => panic!("{other:?}"),
+        }
+        let with_node = format!(
+            r#"{{"action":"warm","node_uuid":"{NODE}","instance_info":{{"image_source":"http://x/i"}}}}"#
+        );
+        match parse_command(with_node.as_bytes(), "h") {
+            Inbound::Invalid(c) => {
+                assert_eq!(c.action, Action::Warm);
+                assert_eq!(c.error.as_ref().unwrap().code, ErrorCode::InvalidMessage);
+                let wire: serde_json::Value =
+                    serde_json::from_slice(&c.to_json().unwrap()).unwrap();
+                assert!(wire.get("node_uuid").is_none(), "{wire}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let no_image = r#"{"action":"warm"}"#;
+        assert_eq!(
+            code(&parse_command(no_image.as_bytes(), "h")),
+            Some(ErrorCode::InvalidMessage)
+        );
+        let no_node = r#"{"action":"cleanup"}"#;
+        match parse_command(no_node.as_bytes(), "h") {
+            Inbound::Invalid(c) => {
+                assert_eq!(c.action, Action::Cleanup);
+                let wire: serde_json::Value =
+                    serde_json::from_slice(&c.to_json().unwrap()).unwrap();
+                assert_eq!(wire["node_uuid"], serde_json::Value::Null, "{wire}");
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     /// Values longer than any real one are refused, and a huge request id

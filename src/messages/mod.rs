@@ -16,7 +16,7 @@ pub use request::{Request, SlowSignal};
 use crate::error::{Error, ErrorCode};
 use serde::{Deserialize, Serialize};
 
-/// What is asked for a node.
+/// What is asked: for a node, or (`Warm`) for an image.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Action {
@@ -26,6 +26,9 @@ pub enum Action {
     Deployed,
     /// The node is torn down: withdraw the URL and remove the node's image.
     Cleanup,
+    /// Cache an image before any node asks for it, so the first deploy of
+    /// it is a cache hit (names an image, not a node).
+    Warm,
     /// The message could not be read far enough to know (error events only).
     Unknown,
 }
@@ -37,6 +40,7 @@ impl Action {
             Action::Prepare => "prepare",
             Action::Deployed => "deployed",
             Action::Cleanup => "cleanup",
+            Action::Warm => "warm",
             Action::Unknown => "unknown",
         }
     }
@@ -237,6 +241,11 @@ pub enum CacheOutcome {
     Hit,
     /// Downloaded (and converted) now.
     Miss,
+    /// A warm in `image_download_source = http` mode of an http(s) source:
+    /// deploys of it download from the source itself, so nothing was cached
+    /// (the source was only checked, as a deploy checks it).
+    #[serde(rename = "pass_through")]
+    PassThrough,
 }
 
 /// The `error` member of a failed completion.
@@ -259,7 +268,8 @@ pub struct Completion {
     pub action: Action,
     /// success or error.
     pub status: Status,
-    /// The node, when the request named a readable one.
+    /// The node, when the request named a readable one (never on the wire
+    /// for `warm`, which names no node: see [`Completion::to_json`]).
     pub node_uuid: Option<String>,
     /// Command `request_id` or notification `message_id`.
     pub request_id: Option<String>,
@@ -289,7 +299,7 @@ pub struct Completion {
     /// Whether the served bytes are a conversion of the source.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub converted: Option<bool>,
-    /// Cache hit or miss (prepare only).
+    /// Cache hit or miss (prepare and warm; `pass_through` for warm only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache: Option<CacheOutcome>,
     /// For an `oci://` source: the manifest the served artifact came from
@@ -330,6 +340,35 @@ impl Completion {
             duration_ms: 0,
             error: None,
         }
+    }
+
+    /// The wire form (`schemas/completion.v1.json`): as serialized, except
+    /// that a `warm` answer has no `node_uuid` member at all (it names an
+    /// image, not a node), where the other actions always carry one
+    /// (`null` when the request named no readable node).
+    pub fn to_json(&self) -> serde_json::Result<Vec<u8>> {
+        let mut value = serde_json::to_value(self)?;
+        if self.action == Action::Warm
+            && let Some(map) = value.as_object_mut()
+        {
+            map.remove("node_uuid");
+        }
+        serde_json::to_vec(&value)
+    }
+
+    /// The routing key (and AMQP `type`) of this completion on the events
+    /// exchange: `node.<action>.<status>`, or `image.warm.<status>` for a
+    /// warm, whose subject is an image.
+    pub fn event_kind(&self) -> String {
+        let subject = match self.action {
+            Action::Warm => "image",
+            _ => "node",
+        };
+        format!(
+            "{subject}.{}.{}",
+            self.action.as_str(),
+            self.status.as_str()
+        )
     }
 
     /// Turns this completion into an error answer, dropping image fields that

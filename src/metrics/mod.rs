@@ -185,10 +185,14 @@ impl Metrics {
         self.completions
             .with_label_values(&[done.action.as_str(), done.status.as_str(), code])
             .inc();
-        if let Some(cache) = done.cache {
+        // The prepare duration is a deploy's wait; a warm is counted in
+        // `completions` under its own action label only.
+        let prepared = done.action == crate::messages::Action::Prepare;
+        if let Some(cache) = done.cache.filter(|_| prepared) {
             let label = match cache {
                 crate::messages::CacheOutcome::Hit => "hit",
                 crate::messages::CacheOutcome::Miss => "miss",
+                crate::messages::CacheOutcome::PassThrough => "pass_through",
             };
             self.prepare_seconds
                 .with_label_values(&[label])

@@ -4,7 +4,8 @@
 //!
 //! This file holds the request-level API and the order of a request's steps
 //! (deployed, cleanup, the dispatch of every action); preparing a node is
-//! in `prepare`, making a new master in `fetch`, converting while
+//! in `prepare`, caching an image for no node in `warm`, making a new
+//! master in `fetch`, converting while
 //! downloading in `stream`, the cache housekeeping in `keeper`, the order
 //! of a node's commands (stale prepares, answers given) in `order`.
 
@@ -30,6 +31,7 @@ mod order;
 mod prepare;
 mod stream;
 mod validated;
+mod warm;
 
 use keeper::Keeper;
 
@@ -236,7 +238,7 @@ impl Pipeline {
             req.request_id.clone(),
             &self.config.default.host,
         );
-        if req.action == Action::Prepare {
+        if matches!(req.action, Action::Prepare | Action::Warm) {
             // Credentials in the URL never leave in an event, nor a source
             // too long to be one.
             done.image_source = req
@@ -247,6 +249,13 @@ impl Pipeline {
                 .map(crate::config::redact_url);
         }
         let result = match NodeUuid::parse(&req.node_uuid) {
+            // A warm names an image, not a node.
+            _ if req.action == Action::Warm => {
+                done.node_uuid = None;
+                Box::pin(self.warm(req, &mut done))
+                    .await
+                    .map(|()| Released::Done)
+            }
             Err(e) => Err(e),
             Ok(node) => {
                 done.node_uuid = Some(node.to_string());
@@ -254,7 +263,9 @@ impl Pipeline {
                     Action::Prepare => self.prepare(&node, req, &mut done).await,
                     Action::Deployed => self.release(&node, req, false).await,
                     Action::Cleanup => self.release(&node, req, true).await,
-                    Action::Unknown => Err(Error::new(ErrorCode::InvalidMessage, "unknown action")),
+                    Action::Unknown | Action::Warm => {
+                        Err(Error::new(ErrorCode::InvalidMessage, "unknown action"))
+                    }
                 }
             }
         };

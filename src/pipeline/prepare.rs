@@ -31,61 +31,21 @@ impl Pipeline {
     ) -> Result<Released> {
         // Before any work; again under the node lock before linking.
         self.check_not_stale(node, req)?;
-        let mode = self.download_source(&req.instance_info).to_string();
-        let mut info = req.instance_info.clone();
-        let (source, href) = Box::pin(self.source_of(req, &mode, &mut info, done)).await?;
-        let href = href.as_str();
-        Box::pin(self.complete_from_glance(&source, &mut info)).await?;
-        let info = &info;
-        let spec = ChecksumSpec::from_fields(
-            info.image_checksum.as_deref(),
-            info.image_os_hash_algo.as_deref(),
-            info.image_os_hash_value.as_deref(),
-        )?;
-        match self.download_mode(&mode, &source)? {
+        let image = Box::pin(self.resolve_image(req, done)).await?;
+        match image.mode {
             Mode::Cache => {}
             Mode::PassThrough => {
-                let answer = self.pass_through(&source, href, spec, done);
+                let answer = self.pass_through(&image.source, &image.href, image.spec, done);
                 return Box::pin(answer).await.map(|()| Released::Done);
             }
             Mode::Validate => {
-                let expected = match spec {
-                    None => None,
-                    Some(spec) => Some(Box::pin(self.resolve_checksum(spec, &source)).await?),
-                };
-                let validated =
-                    self.validated_pass_through(&source, href, expected, req, info, done);
-                return Box::pin(validated).await.map(|()| Released::Done);
+                let validated = self.validate_image(image, req, done);
+                return Box::pin(validated).await.map(|_| Released::Done);
             }
         }
-        let expected = match spec {
-            None => None,
-            Some(spec) => Some(Box::pin(self.resolve_checksum(spec, &source)).await?),
-        };
-        let force_raw = req
-            .options
-            .force_raw
-            .unwrap_or(self.config.default.force_raw_images)
-            && req
-                .options
-                .stream_raw
-                .unwrap_or(self.config.agent.stream_raw_images)
-            && info.is_whole_disk();
-        let glance = match &source {
-            Source::Glance(id) => Some(id.as_str()),
-            _ => None,
-        };
-        let name = cache::master_name(href, glance, force_raw);
-        let job = MasterFetch {
-            source: &source,
-            href,
-            name: &name,
-            expected: expected.as_ref(),
-            sha512: expected.as_ref().is_some_and(|e| e.algo == Algo::Sha512),
-            force_raw,
-            info,
-            slow: &req.slow,
-        };
+        let expected = Box::pin(self.expected_of(image.spec.clone(), &image.source)).await?;
+        let (name, force_raw) = self.master_of(&image, req);
+        let job = image.job(&name, expected.as_ref(), force_raw, req);
         let mut node_lock = self.node_locks.acquire(node.as_str()).await?;
         let mut master_lock = self.cache.lock(&name).await?;
         let result = self.prepare_locked(node, req, &job, done).await;
@@ -100,6 +60,91 @@ impl Pipeline {
             }
         }
         result.map(|()| Released::Done)
+    }
+
+    /// What a prepare and a warm of `req`'s image decide before taking any
+    /// lock: the source (an `oci://` one resolved to its blob), the name
+    /// its master is recorded under, `instance_info` completed from Glance,
+    /// the checksum asked for, and how `image_download_source` has it
+    /// served.
+    pub(super) async fn resolve_image(
+        &self,
+        req: &Request,
+        done: &mut Completion,
+    ) -> Result<ImagePlan> {
+        let mode = self.download_source(&req.instance_info).to_string();
+        let mut info = req.instance_info.clone();
+        let (source, href) = Box::pin(self.source_of(req, &mode, &mut info, done)).await?;
+        Box::pin(self.complete_from_glance(&source, &mut info)).await?;
+        let spec = ChecksumSpec::from_fields(
+            info.image_checksum.as_deref(),
+            info.image_os_hash_algo.as_deref(),
+            info.image_os_hash_value.as_deref(),
+        )?;
+        let mode = self.download_mode(&mode, &source)?;
+        Ok(ImagePlan {
+            source,
+            href,
+            info,
+            spec,
+            mode,
+        })
+    }
+
+    /// `http` mode with validation: the image downloaded, verified and
+    /// inspected (or found so in the cache) and the source's own URL
+    /// answered; whether it was found in the cache.
+    pub(super) async fn validate_image(
+        &self,
+        image: ImagePlan,
+        req: &Request,
+        done: &mut Completion,
+    ) -> Result<CacheOutcome> {
+        let expected = Box::pin(self.expected_of(image.spec.clone(), &image.source)).await?;
+        let validated = self.validated_pass_through(
+            &image.source,
+            &image.href,
+            expected,
+            req,
+            &image.info,
+            done,
+        );
+        Box::pin(validated).await
+    }
+
+    /// The expected digest of the source bytes, when a checksum is given.
+    pub(super) async fn expected_of(
+        &self,
+        spec: Option<ChecksumSpec>,
+        source: &Source,
+    ) -> Result<Option<Expected>> {
+        match spec {
+            None => Ok(None),
+            Some(spec) => Ok(Some(Box::pin(self.resolve_checksum(spec, source)).await?)),
+        }
+    }
+
+    /// The master's name and whether it is converted to raw: Ironic's
+    /// rule (`force_raw_images` and `stream_raw_images`, the request's
+    /// overrides first, for a whole-disk image).
+    pub(super) fn master_of(&self, image: &ImagePlan, req: &Request) -> (String, bool) {
+        let force_raw = req
+            .options
+            .force_raw
+            .unwrap_or(self.config.default.force_raw_images)
+            && req
+                .options
+                .stream_raw
+                .unwrap_or(self.config.agent.stream_raw_images)
+            && image.info.is_whole_disk();
+        let glance = match &image.source {
+            Source::Glance(id) => Some(id.as_str()),
+            _ => None,
+        };
+        (
+            cache::master_name(&image.href, glance, force_raw),
+            force_raw,
+        )
     }
 
     /// The node's `image_download_source` (an empty one counts as unset, as
@@ -140,6 +185,47 @@ impl Pipeline {
         job: &MasterFetch<'_>,
         done: &mut Completion,
     ) -> Result<()> {
+        // `_hold` keeps a new master linked (st_nlink > 1) until the node
+        // links it, so no sweeper of unlinked files removes it in between.
+        let Obtained {
+            master,
+            outcome,
+            linked,
+            hold: _hold,
+        } = self.obtain_master(job, Some(node)).await?;
+        // The node may have moved on while the image was made (a cleanup
+        // waits for this lock; a notification does not).
+        self.check_not_stale(node, req)?;
+        let linked_here = match outcome {
+            CacheOutcome::Miss => !self.links.disk_is(node, &master.path, &master.meta.sha256),
+            _ => !linked,
+        };
+        self.link_and_publish(node, &master, linked_here).await?;
+        // Asked for now: not expired for another [cache]node_files_ttl.
+        self.links.touch(node);
+        if outcome == CacheOutcome::Miss {
+            self.after_growth().await;
+            self.refresh_cache_gauges().await;
+        }
+        tracing::info!(cache = ?outcome, master = %master.path.display(), "prepared");
+        done.image_url = Some(format!(
+            "{}/{}/{}",
+            self.http_url, self.config.deploy.http_image_subdir, node
+        ));
+        fill_image(&master.meta, job.sha512, outcome, done);
+        Ok(())
+    }
+
+    /// The master of `job`, under its master lock: the cached one when it
+    /// is still good (its missing digests computed, its declared format
+    /// checked again), else a new one (`fetch_master`). What a prepare and
+    /// a warm share; `node`, when given, is the node a prepare links it
+    /// for (a master that node links already needs no freshness check).
+    pub(super) async fn obtain_master(
+        &self,
+        job: &MasterFetch<'_>,
+        node: Option<&NodeUuid>,
+    ) -> Result<Obtained> {
         let cached = match self
             .cache
             .load(job.name)
@@ -151,12 +237,11 @@ impl Pipeline {
             None => None,
         }
         .filter(|m| matches_expected(&m.meta, job.expected));
-        let linked = cached
-            .as_ref()
-            .is_some_and(|m| self.links.disk_is(node, &m.path, &m.meta.sha256));
-        // `_hold` keeps a new master linked (st_nlink > 1) until the node
-        // links it, so no sweeper of unlinked files removes it in between.
-        let (master, outcome, _hold) = match cached {
+        let linked = match (&cached, node) {
+            (Some(m), Some(node)) => self.links.disk_is(node, &m.path, &m.meta.sha256),
+            _ => false,
+        };
+        let (master, outcome, hold) = match cached {
             // The node already links this verified master: a repeated event.
             Some(m) if linked => (m, CacheOutcome::Hit, None),
             Some(m)
@@ -179,23 +264,12 @@ impl Pipeline {
                 })?;
             self.check_declared_format(format, job.info)?;
         }
-        // The node may have moved on while the image was made (a cleanup
-        // waits for this lock; a notification does not).
-        self.check_not_stale(node, req)?;
-        let linked_here = match outcome {
-            CacheOutcome::Hit => !linked,
-            CacheOutcome::Miss => !self.links.disk_is(node, &master.path, &master.meta.sha256),
-        };
-        self.link_and_publish(node, &master, linked_here).await?;
-        // Asked for now: not expired for another [cache]node_files_ttl.
-        self.links.touch(node);
-        if outcome == CacheOutcome::Miss {
-            self.after_growth().await;
-            self.refresh_cache_gauges().await;
-        }
-        tracing::info!(cache = ?outcome, master = %master.path.display(), "prepared");
-        self.fill_answer(node, &master.meta, job.sha512, outcome, done);
-        Ok(())
+        Ok(Obtained {
+            master,
+            outcome,
+            linked,
+            hold,
+        })
     }
 
     /// Links `master` for `node` when `linked_here` (a hard link made here;
@@ -225,33 +299,6 @@ impl Pipeline {
             }
         }
         Ok(())
-    }
-
-    /// The answer of a prepare served from the master described by `meta`:
-    /// its URL and the checksums of exactly the served bytes.
-    fn fill_answer(
-        &self,
-        node: &NodeUuid,
-        meta: &MasterMeta,
-        sha512: bool,
-        outcome: CacheOutcome,
-        done: &mut Completion,
-    ) {
-        done.image_url = Some(format!(
-            "{}/{}/{}",
-            self.http_url, self.config.deploy.http_image_subdir, node
-        ));
-        done.image_checksum = Some(meta.md5.clone());
-        let (algo, value) = match (&meta.sha512, sha512) {
-            (Some(v), true) => ("sha512", v.clone()),
-            _ => ("sha256", meta.sha256.clone()),
-        };
-        done.image_os_hash_algo = Some(algo.into());
-        done.image_os_hash_value = Some(value);
-        done.image_disk_format = Some(meta.disk_format.clone());
-        done.image_size = Some(meta.size);
-        done.converted = Some(meta.converted);
-        done.cache = Some(outcome);
     }
 
     /// Computes from the master the digests its sidecar lacks and this
@@ -399,7 +446,7 @@ impl Pipeline {
 
     /// `image_download_source = http` with an http(s) source: the agent
     /// downloads from the source itself, after a HEAD check, as Ironic does.
-    async fn pass_through(
+    pub(super) async fn pass_through(
         &self,
         source: &Source,
         href: &str,
@@ -473,8 +520,80 @@ impl Pipeline {
     }
 }
 
+/// What a prepare or a warm resolved of its image before any lock (see
+/// [`Pipeline::resolve_image`]).
+pub(super) struct ImagePlan {
+    /// Where the bytes come from (an `oci://` reference resolved to a blob).
+    pub(super) source: Source,
+    /// The name the master is recorded under (a Glance id, the blob, the URL).
+    pub(super) href: String,
+    /// `instance_info`, completed from Glance or the OCI registry.
+    pub(super) info: InstanceInfo,
+    /// The checksum asked for, not resolved yet.
+    pub(super) spec: Option<ChecksumSpec>,
+    /// How `image_download_source` has the image served.
+    pub(super) mode: Mode,
+}
+
+impl ImagePlan {
+    /// The download of this image into the master `name`.
+    pub(super) fn job<'a>(
+        &'a self,
+        name: &'a str,
+        expected: Option<&'a Expected>,
+        force_raw: bool,
+        req: &'a Request,
+    ) -> MasterFetch<'a> {
+        MasterFetch {
+            source: &self.source,
+            href: &self.href,
+            name,
+            expected,
+            sha512: expected.is_some_and(|e| e.algo == Algo::Sha512),
+            force_raw,
+            info: &self.info,
+            slow: &req.slow,
+        }
+    }
+}
+
+/// A master obtained for a request (see [`Pipeline::obtain_master`]).
+pub(super) struct Obtained {
+    /// The verified master.
+    pub(super) master: Master,
+    /// Found in the cache or made now.
+    pub(super) outcome: CacheOutcome,
+    /// The prepare's node links this very master already.
+    pub(super) linked: bool,
+    /// A new master's hold: a hard link keeping it (`st_nlink > 1`, so no
+    /// eviction takes it) until dropped.
+    pub(super) hold: Option<crate::fsutil::TempGuard>,
+}
+
+/// What a request served from the master described by `meta` answers of
+/// it: the checksums of exactly the served bytes, their format and size,
+/// whether converted, hit or miss (everything but a prepare's URL).
+pub(super) fn fill_image(
+    meta: &MasterMeta,
+    sha512: bool,
+    outcome: CacheOutcome,
+    done: &mut Completion,
+) {
+    done.image_checksum = Some(meta.md5.clone());
+    let (algo, value) = match (&meta.sha512, sha512) {
+        (Some(v), true) => ("sha512", v.clone()),
+        _ => ("sha256", meta.sha256.clone()),
+    };
+    done.image_os_hash_algo = Some(algo.into());
+    done.image_os_hash_value = Some(value);
+    done.image_disk_format = Some(meta.disk_format.clone());
+    done.image_size = Some(meta.size);
+    done.converted = Some(meta.converted);
+    done.cache = Some(outcome);
+}
+
 /// How a prepare answers, from `image_download_source` and the source.
-enum Mode {
+pub(super) enum Mode {
     /// Cache (and convert) the image and serve it.
     Cache,
     /// `http` mode: answer the http(s) source's own URL after a HEAD check.

@@ -10,7 +10,7 @@ use super::fetch::MasterFetch;
 use super::{Pipeline, Request};
 use crate::error::{Error, ErrorCode, Result};
 use crate::image::inspect;
-use crate::messages::{Completion, InstanceInfo};
+use crate::messages::{CacheOutcome, Completion, InstanceInfo};
 use crate::sources::Source;
 use crate::store::cache::{self, Master};
 use crate::store::checksum::{Algo, Expected};
@@ -28,7 +28,8 @@ impl Pipeline {
     /// the cache), then answers its own URL as [`Pipeline::pass_through`]
     /// does, with the detected format and the digest of the inspected
     /// bytes when the request gave none (so the agent verifies it gets
-    /// the very bytes inspected here).
+    /// the very bytes inspected here). Says whether the verified bytes were
+    /// in the cache already.
     pub(super) async fn validated_pass_through(
         &self,
         source: &Source,
@@ -37,7 +38,7 @@ impl Pipeline {
         req: &Request,
         info: &InstanceInfo,
         done: &mut Completion,
-    ) -> Result<()> {
+    ) -> Result<CacheOutcome> {
         let name = cache::master_name(href, None, false);
         let job = MasterFetch {
             source,
@@ -54,7 +55,7 @@ impl Pipeline {
         if result.is_err() && !self.cache.master_path(&name).exists() {
             master_lock.remove_file();
         }
-        let master = result?;
+        let (master, outcome) = result?;
         let meta = &master.meta;
         done.image_url = Some(href.to_string());
         match expected {
@@ -72,13 +73,13 @@ impl Pipeline {
         done.image_size = Some(meta.size);
         done.converted = Some(false);
         tracing::info!(format = %meta.source_format, "inspected, the agent downloads from the source");
-        Ok(())
+        Ok(outcome)
     }
 
     /// The cached master of `job` when it holds the expected bytes (or,
     /// without a checksum, the source has not changed since), its format
     /// checked again; else a new one, downloaded, verified and inspected.
-    async fn verified_master(&self, job: &MasterFetch<'_>) -> Result<Master> {
+    async fn verified_master(&self, job: &MasterFetch<'_>) -> Result<(Master, CacheOutcome)> {
         let cached = self
             .cache
             .load(job.name)
@@ -95,10 +96,10 @@ impl Pipeline {
                         Error::new(ErrorCode::Internal, "cache sidecar names an unknown format")
                     })?;
                 self.check_declared_format(format, job.info)?;
-                return Ok(m);
+                return Ok((m, CacheOutcome::Hit));
             }
         }
         let (master, _hold) = Box::pin(self.fetch_master(job)).await?;
-        Ok(master)
+        Ok((master, CacheOutcome::Miss))
     }
 }

@@ -31,4 +31,5 @@ mod pipeline;
 mod rabbitmq_definitions;
 mod systemd;
 mod tls;
+mod warm;
 mod web_servers;

@@ -642,6 +642,38 @@ impl Broker {
             .unwrap();
     }
 
+    /// Publishes `body` on exchange `exchange` with routing `key`, answered
+    /// to this client's reply queue when `reply`; returns its correlation id.
+    pub async fn publish_to(&self, exchange: &str, key: &str, body: &Value, reply: bool) -> String {
+        use lapin::options::*;
+        let corr = uuid::Uuid::new_v4().to_string();
+        let mut props = lapin::BasicProperties::default()
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2)
+            .with_correlation_id(corr.as_str().into());
+        if reply {
+            props = props.with_reply_to(self.reply_queue.as_str().into());
+        }
+        let confirm = self
+            .channel
+            .basic_publish(
+                exchange.into(),
+                key.into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..Default::default()
+                },
+                body.to_string().as_bytes(),
+                props,
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert_eq!(confirm, lapin::Confirmation::Ack(None), "{key} was routed");
+        corr
+    }
+
     /// Publishes a command JSON and returns its correlation id.
     pub async fn command(&self, host: &str, body: Value) -> String {
         let corr = uuid::Uuid::new_v4().to_string();
@@ -810,16 +842,19 @@ impl EventTap {
             )
             .await
             .unwrap();
-        channel
-            .queue_bind(
-                q.name().clone(),
-                "ironic-image-worker.events".into(),
-                "node.#".into(),
-                Default::default(),
-                Default::default(),
-            )
-            .await
-            .unwrap();
+        // Node events, and the warms' (which name an image).
+        for key in ["node.#", "image.#"] {
+            channel
+                .queue_bind(
+                    q.name().clone(),
+                    "ironic-image-worker.events".into(),
+                    key.into(),
+                    Default::default(),
+                    Default::default(),
+                )
+                .await
+                .unwrap();
+        }
         EventTap {
             channel,
             queue: q.name().as_str().to_string(),
