@@ -4,7 +4,8 @@
 //! the first deploy of it is a cache hit. It links nothing for any node and
 //! touches no node's files or ledger: the master stays unlinked, and
 //! Ironic's eviction policy (TTL, size limit) may take it again like any
-//! unlinked master.
+//! unlinked master; a warm that finds it cached counts as a use of it
+//! (its last use is now), so warming again before a rollout keeps it.
 
 use super::prepare::{Mode, Obtained, fill_image};
 use super::{Pipeline, Request};
@@ -58,6 +59,10 @@ impl Pipeline {
             hold,
             ..
         } = obtained;
+        if outcome == CacheOutcome::Hit {
+            // Linking nothing, a hit would not count as a use for eviction.
+            self.cache.mark_used(&master.path);
+        }
         if outcome == CacheOutcome::Miss {
             // Enforce the size limit and TTL while the hold (and the master
             // lock) keep the new master from being the one evicted.

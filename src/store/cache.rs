@@ -244,6 +244,29 @@ impl Cache {
         self.owner.clone()
     }
 
+    /// Records a use of `master` that links nothing (a warm's cache hit):
+    /// its access time becomes now (and so, by the kernel, its change
+    /// time), which eviction reads as its last use, so a master warmed
+    /// before a rollout is kept another `[pxe]image_cache_ttl`. Its
+    /// modification time is left alone: a node's copy of a master is known
+    /// by it (`link`). A failure only leaves the older time.
+    pub fn mark_used(&self, master: &Path) {
+        use rustix::fs::{AtFlags, CWD, Timespec, Timestamps, UTIME_NOW, UTIME_OMIT};
+        let times = Timestamps {
+            last_access: Timespec {
+                tv_sec: 0,
+                tv_nsec: UTIME_NOW,
+            },
+            last_modification: Timespec {
+                tv_sec: 0,
+                tv_nsec: UTIME_OMIT,
+            },
+        };
+        if let Err(e) = rustix::fs::utimensat(CWD, master, &times, AtFlags::empty()) {
+            tracing::debug!(error = %e, master = %master.display(), "cannot record the master's use");
+        }
+    }
+
     /// Path of the master called `name`.
     pub fn master_path(&self, name: &str) -> PathBuf {
         self.dir.join(name)

@@ -8,6 +8,7 @@ use crate::common;
 use common::*;
 use serde_json::{Value, json};
 use std::collections::BTreeSet;
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::time::Duration;
 
@@ -213,6 +214,22 @@ async fn send_warm_all_conductors() {
         .await;
 }
 
+/// Sets the access time of `path` to `secs`, keeping its modification time.
+fn set_atime(path: &Path, secs: i64) {
+    use rustix::fs::{AtFlags, CWD, Timespec, Timestamps, UTIME_OMIT};
+    let times = Timestamps {
+        last_access: Timespec {
+            tv_sec: secs,
+            tv_nsec: 0,
+        },
+        last_modification: Timespec {
+            tv_sec: 0,
+            tv_nsec: UTIME_OMIT,
+        },
+    };
+    rustix::fs::utimensat(CWD, path, &times, AtFlags::empty()).unwrap();
+}
+
 /// Every JSON line `send` printed, schema-validated.
 fn answers_of(out: &std::process::Output) -> Vec<Value> {
     String::from_utf8_lossy(&out.stdout)
@@ -296,7 +313,8 @@ async fn warm_refusals_cache_nothing() {
 
 /// Two warms of one image sent at once download it once (the second
 /// waits behind the first and is a hit); a third through `send warm
-/// --host` is a hit too. A warm without `reply_to` is answered on the
+/// --host` is a hit too, and counts as a use of the master for eviction.
+/// A warm without `reply_to` is answered on the
 /// events exchange as `image.warm.<status>`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_same_warm_twice_downloads_once() {
@@ -328,6 +346,12 @@ async fn the_same_warm_twice_downloads_once() {
     assert_eq!(outcomes, ["hit", "miss"].map(String::from).into());
     assert_eq!(server.count("GET", "disk.img"), 1);
 
+    // A hit counts as a use of the master for eviction: its access time
+    // (set back to 1970 here, its modification time kept) becomes now.
+    let master = env.master_dir().join(&env.masters()[0]);
+    let mtime_before = std::fs::metadata(&master).unwrap().mtime();
+    set_atime(&master, 0);
+    assert_eq!(std::fs::metadata(&master).unwrap().atime(), 0);
     let out = env
         .run(&[
             "send",
@@ -345,6 +369,9 @@ async fn the_same_warm_twice_downloads_once() {
     assert!(ok, "{ev}");
     assert_eq!(ev["cache"], "hit", "{ev}");
     assert_eq!(server.count("GET", "disk.img"), 1);
+    let after = std::fs::metadata(&master).unwrap();
+    assert!(after.atime() > 1_000_000_000, "atime {}", after.atime());
+    assert_eq!(after.mtime(), mtime_before);
 
     let tap = EventTap::new(&broker).await;
     broker
