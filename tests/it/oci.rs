@@ -581,3 +581,65 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
     }
     out
 }
+
+/// A prepare started by Ironic's own notification (its notifier, the real
+/// broker) for an OCI node: the payload carries `properties` (so the node's
+/// `cpu_arch` chooses the artifact) but not `driver_info`, and Ironic masks
+/// `instance_info.image_pull_secret` (`******`): the worker then uses
+/// `[oci]authentication_config`, never the mask.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notified_prepare_follows_cpu_arch_and_the_authentication_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let reg = Registry::start(
+        &dir.path().join("registry"),
+        Some(("puller", "n0tified-pw")),
+        false,
+    )
+    .await;
+    let auth_file = dir.path().join("config.json");
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let auth = json!({"auths": {format!("127.0.0.1:{}", reg.port):
+        {"auth": b64.encode("puller:n0tified-pw")}}});
+    std::fs::write(&auth_file, auth.to_string()).unwrap();
+    let env = Env::new(&format!(
+        "[oci]\npermit_fallback_to_http_transport = true\nauthentication_config = \"{}\"\n",
+        auth_file.display()
+    ));
+    let (amd64_raw, amd64) = disk(env.root(), "n-amd64", 61);
+    let (arm64_raw, arm64) = disk(env.root(), "n-arm64", 62);
+    let (ma, sa, _) = reg
+        .artifact("n/os", &amd64, "application/octet-stream")
+        .await;
+    let (mr, sr, _) = reg
+        .artifact("n/os", &arm64, "application/octet-stream")
+        .await;
+    reg.index(
+        "n/os",
+        "v1",
+        &[(&ma, sa, "qcow2", "amd64"), (&mr, sr, "qcow2", "arm64")],
+    )
+    .await;
+    let _worker = env.serve().await;
+    let broker = Broker::connect().await;
+    let tap = EventTap::new(&broker).await;
+    let node = node();
+    let spec = json!({"node": node, "status": "start", "prev_state": "available",
+        "state": "deploying", "target": "active", "event": "deploy",
+        "instance_info": {"image_source": reg.oci("n/os:v1"),
+            "image_pull_secret": "puller:wrong-in-instance-info"},
+        "driver_info": {"image_pull_secret": "puller:wrong-in-driver-info"},
+        "properties": {"cpu_arch": "aarch64", "memory_mb": 4096}});
+    emit_notifications(&env.host, &[spec]);
+    let ev = tap.collect(&env.host, 1, Duration::from_secs(60)).await;
+    assert_eq!(ev.len(), 1, "{ev:?}");
+    assert_eq!(ev[0]["action"], "prepare");
+    assert_eq!(ev[0]["status"], "success", "{}", ev[0]);
+    assert_eq!(
+        ev[0]["oci_image_manifest_url"],
+        reg.oci(&format!("n/os@{mr}")),
+        "the aarch64 node gets the arm64 artifact"
+    );
+    assert_serves(&env, &ev[0], &arm64_raw);
+    assert_http_serves(&ev[0], &arm64_raw).await;
+    assert_ne!(md5sum(&arm64_raw), md5sum(&amd64_raw));
+}
