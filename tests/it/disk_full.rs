@@ -113,18 +113,23 @@ fn nginx_gzip_static(dir: &std::path::Path, conf_dir: &std::path::Path) -> (Kill
         ),
     )
     .unwrap();
-    let child = std::process::Command::new("/usr/sbin/nginx")
-        .args(["-c", conf.to_str().unwrap()])
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("nginx (apt-get install nginx)");
+    let child = KillOnDrop(
+        std::process::Command::new("/usr/sbin/nginx")
+            .args(["-c", conf.to_str().unwrap()])
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("nginx (apt-get install nginx)"),
+    );
     for _ in 0..100 {
         if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return (KillOnDrop(child), format!("http://127.0.0.1:{port}"));
+            return (child, format!("http://127.0.0.1:{port}"));
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    panic!("nginx did not start: {:?}", std::fs::read_to_string(conf_dir.join("error.log")));
+    panic!(
+        "nginx did not start: {:?}",
+        std::fs::read_to_string(conf_dir.join("error.log"))
+    );
 }
 
 /// A child process killed when dropped.
@@ -228,7 +233,13 @@ async fn gzip_bomb_stops_at_the_room_made_and_leaves_nothing() {
     .unwrap();
     tool(
         "sh",
-        &["-c", &format!("gzip -k {}/ok.img && chmod 644 {0}/ok.img.gz", web.path().display())],
+        &[
+            "-c",
+            &format!(
+                "gzip -k {}/ok.img && chmod 644 {0}/ok.img.gz",
+                web.path().display()
+            ),
+        ],
     );
     let ok = broker
         .call(&env.host, prepare_cmd(&node(), &format!("{base}/ok.img")))

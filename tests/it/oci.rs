@@ -720,8 +720,7 @@ impl TokenServer {
         );
         let port = free_port();
         let log = dir.join("token-requests.jsonl");
-        let script =
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/helpers/token_server.py");
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/helpers/token_server.py");
         let child = std::process::Command::new("python3")
             .arg(script)
             .args([
@@ -813,7 +812,8 @@ async fn bearer_tokens_from_a_real_token_service() {
     let (m, s, _) = reg
         .artifact("tok/os", &qcow2, "application/octet-stream")
         .await;
-    reg.index("tok/os", "v1", &[(&m, s, "qcow2", "amd64")]).await;
+    reg.index("tok/os", "v1", &[(&m, s, "qcow2", "amd64")])
+        .await;
     tokens.requests();
 
     let worker = env.serve().await;
@@ -840,7 +840,10 @@ async fn bearer_tokens_from_a_real_token_service() {
     }
 
     for (secret, says) in [
-        (Some("puller:wrong"), "the token service refused the credentials"),
+        (
+            Some("puller:wrong"),
+            "the token service refused the credentials",
+        ),
         (None, "requires credentials"),
     ] {
         let done = prepare(secret).await;
