@@ -364,6 +364,47 @@ struct NodeData<'a> {
     deploy_interface: Text,
     #[serde(borrow)]
     instance_info: Option<&'a RawValue>,
+    #[serde(borrow)]
+    properties: Option<&'a RawValue>,
+}
+
+/// The node's `properties` in a provision_set payload (Ironic sends them
+/// whole; `driver_info` is not in the payload at all): only the key that
+/// chooses an OCI artifact, read leniently (any other key, any type).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct NotifiedProperties {
+    cpu_arch: Text,
+}
+
+/// What a notified prepare knows of the node beyond `instance_info`: its
+/// `properties.cpu_arch`, when the payload has it (an unreadable
+/// `properties` is no reason to refuse the deploy: the artifact is then
+/// chosen as for a node without one). Never a pull secret: `driver_info`
+/// is not in the payload.
+fn notified_node_info(properties: Option<&RawValue>) -> super::NodeInfo {
+    let props = properties
+        .and_then(|p| serde_json::from_str::<Option<NotifiedProperties>>(p.get()).ok())
+        .flatten()
+        .unwrap_or_default();
+    super::NodeInfo {
+        cpu_arch: props.cpu_arch.0.filter(|a| !a.trim().is_empty()),
+        image_pull_secret: None,
+    }
+}
+
+/// Ironic masks every `instance_info` key naming a secret before a
+/// notification leaves the conductor (`image_pull_secret` becomes
+/// `******`): a mask is no credential, so the worker falls back to
+/// `[oci]authentication_config` as if the node had none.
+fn drop_masked_secret(info: &mut InstanceInfo) {
+    if info
+        .image_pull_secret
+        .as_ref()
+        .is_some_and(|s| s.0.chars().all(|c| c == '*'))
+    {
+        info.image_pull_secret = None;
+    }
 }
 
 /// Parses an oslo.messaging notification (v2 envelope or unwrapped) for the
@@ -470,7 +511,7 @@ fn node_notification(
         return Inbound::Ignore("other_deploy_interface");
     }
     let instance_info = data.instance_info.map_or("null", RawValue::get);
-    let instance_info: InstanceInfo =
+    let mut instance_info: InstanceInfo =
         match serde_json::from_str::<Option<InstanceInfo>>(instance_info) {
             Ok(i) => i.unwrap_or_default(),
             Err(e) => {
@@ -478,7 +519,12 @@ fn node_notification(
                 return invalid(action, node, message_id, host, why);
             }
         };
-    if let Err(why) = instance_info.check_lengths() {
+    drop_masked_secret(&mut instance_info);
+    let node_info = notified_node_info(data.properties);
+    if let Err(why) = instance_info
+        .check_lengths()
+        .and_then(|()| node_info.check_lengths())
+    {
         return invalid(action, node, message_id, host, why);
     }
     if action == Action::Prepare
@@ -496,7 +542,7 @@ fn node_notification(
         request_id: message_id,
         instance_info,
         options: Options::default(),
-        node_info: Default::default(),
+        node_info,
         only_if_prepared,
         slow: Default::default(),
         issued_ms: at_ms,
@@ -782,6 +828,28 @@ mod tests {
         msg["payload"]["ironic_object.data"]["some_future_field"] = serde_json::json!({"x": 1});
         let req = work(parse(msg.to_string().as_bytes(), false, "testhost"));
         assert_eq!(req.action, Action::Prepare);
+    }
+
+    #[test]
+    fn notified_cpu_arch_is_read_and_a_masked_secret_dropped() {
+        let outer: serde_json::Value = serde_json::from_str(START).unwrap();
+        let mut msg: serde_json::Value =
+            serde_json::from_str(outer["oslo.message"].as_str().unwrap()).unwrap();
+        let data = &mut msg["payload"]["ironic_object.data"];
+        data["properties"] = serde_json::json!({"cpu_arch": "aarch64", "memory_mb": 4096});
+        data["instance_info"]["image_pull_secret"] = "******".into();
+        let req = work(parse(msg.to_string().as_bytes(), false, "testhost"));
+        assert_eq!(req.node_info.cpu_arch.as_deref(), Some("aarch64"));
+        assert!(req.node_info.image_pull_secret.is_none());
+        assert!(req.instance_info.image_pull_secret.is_none());
+        // An unmasked one (an Ironic that did not mask it) is used as sent;
+        // a `properties` of another shape is no reason to refuse.
+        let data = &mut msg["payload"]["ironic_object.data"];
+        data["instance_info"]["image_pull_secret"] = "u:p".into();
+        data["properties"] = serde_json::json!({"cpu_arch": ["odd"]});
+        let req = work(parse(msg.to_string().as_bytes(), false, "testhost"));
+        assert_eq!(req.instance_info.image_pull_secret.unwrap().0, "u:p");
+        assert!(req.node_info.cpu_arch.is_none());
     }
 
     #[test]

@@ -7,7 +7,8 @@ oslo.messaging's messagingv2 notifier, exactly as ironic-conductor does.
 Usage: emit_notification.py HOST JSON_LINES_FILE
 Each line: {"node": uuid, "state": ..., "target": ..., "prev_state": ...,
             "prev_target": ..., "event": ..., "status": "start|end|success|error",
-            "instance_info": {...}, "deploy_interface": "direct-worker"}
+            "instance_info": {...}, "deploy_interface": "direct-worker",
+            "properties": {...}, "driver_info": {...}}
 """
 import json
 import sys
@@ -42,6 +43,10 @@ def make_node(ctx, spec):
     node.target_provision_state = spec.get("target")
     node.instance_info = spec.get("instance_info", {})
     node.driver_internal_info = spec.get("driver_internal_info", {})
+    # Set on the node as an operator sets them; Ironic's payload carries
+    # properties, never driver_info.
+    node.properties = spec.get("properties", {})
+    node.driver_info = spec.get("driver_info", {})
     node.conductor_affinity = 1
     # Nodes delegate to the worker unless the test says otherwise.
     node.deploy_interface = spec.get("deploy_interface", "direct-worker")

@@ -93,3 +93,158 @@ async fn full_disk_fails_cleanly_evicts_first_and_keeps_serving() {
     tokio::time::sleep(Duration::from_millis(100)).await;
     drop(worker);
 }
+
+/// nginx with `gzip_static always` on `dir`: every `NAME` is answered with
+/// `NAME.gz`, `Content-Encoding: gzip` and the compressed length. One
+/// process (`master_process off`), so killing it leaves no worker behind.
+/// Returns the server (killed when dropped) and its base URL.
+fn nginx_gzip_static(dir: &std::path::Path, conf_dir: &std::path::Path) -> (KillOnDrop, String) {
+    let port = free_port();
+    let d = conf_dir.display();
+    let conf = conf_dir.join("nginx.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "daemon off;\nmaster_process off;\npid {d}/nginx.pid;\nerror_log {d}/error.log;\nevents {{}}\n\
+             http {{\n  access_log off;\n  client_body_temp_path {d}/body; proxy_temp_path {d}/proxy;\n\
+             fastcgi_temp_path {d}/fastcgi; uwsgi_temp_path {d}/uwsgi; scgi_temp_path {d}/scgi;\n\
+             server {{\n    listen 127.0.0.1:{port};\n    root {};\n    gzip_static always;\n  }}\n}}\n",
+            dir.display()
+        ),
+    )
+    .unwrap();
+    let child = KillOnDrop(
+        std::process::Command::new("/usr/sbin/nginx")
+            .args(["-c", conf.to_str().unwrap()])
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("nginx (apt-get install nginx)"),
+    );
+    for _ in 0..100 {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return (child, format!("http://127.0.0.1:{port}"));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!(
+        "nginx did not start: {:?}",
+        std::fs::read_to_string(conf_dir.join("error.log"))
+    );
+}
+
+/// A child process killed when dropped.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A gzip bomb from a real web server: 1 GiB of one byte, about 1 MiB
+/// compressed, answered `Content-Encoding: gzip` with the compressed
+/// Content-Length. The decoded length is unknown, so the download is held,
+/// like any body without a length, to the room made ahead of it: on a
+/// 400 MiB file system it stops with `insufficient_disk_space` before the
+/// file system is full, leaves nothing behind, and the worker goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gzip_bomb_stops_at_the_room_made_and_leaves_nothing() {
+    use std::os::unix::fs::PermissionsExt;
+    let env = Env::new("");
+    let small = env.root().join("small");
+    let _mount = Tmpfs::mount(&small, "400m");
+    let web = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(web.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let bomb = web.path().join("bomb.img.gz");
+    tool(
+        "sh",
+        &[
+            "-c",
+            &format!(
+                "head -c 1G /dev/zero | tr '\\0' A | gzip -1 > {} && chmod 644 {0}",
+                bomb.display()
+            ),
+        ],
+    );
+    let packed = std::fs::metadata(&bomb).unwrap().len();
+    assert!(packed < 16 << 20, "{packed}");
+    let (_nginx, base) = nginx_gzip_static(web.path(), env.root());
+    // nginx answers it gzip-encoded, with the compressed length.
+    let head = reqwest::Client::builder()
+        .no_gzip()
+        .build()
+        .unwrap()
+        .get(format!("{base}/bomb.img"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(head.status(), 200);
+    assert_eq!(head.headers()["content-encoding"], "gzip");
+    assert_eq!(head.content_length(), Some(packed));
+    drop(head);
+
+    let sets = [
+        format!("pxe.instance_master_path={}/master", small.display()),
+        format!("pxe.images_path={}/images", small.display()),
+        format!("deploy.http_root={}/httpboot", small.display()),
+    ];
+    let mut args: Vec<&str> = Vec::new();
+    for s in &sets {
+        args.extend(["--set", s.as_str()]);
+    }
+    let worker = env.serve_with(&args, &[]).await;
+    let broker = Broker::connect().await;
+    let n = node();
+    let done = broker
+        .call(&env.host, prepare_cmd(&n, &format!("{base}/bomb.img")))
+        .await;
+    assert_valid_completion(&done);
+    assert_eq!(done["error"]["code"], "insufficient_disk_space", "{done}");
+    // Nothing left: no master, no temporary, no link; the file system is
+    // empty again.
+    let mut left = Vec::new();
+    let mut stack = vec![small.clone()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() && !p.is_symlink() {
+                stack.push(p);
+            } else {
+                // The worker's own bookkeeping: the node's ledger, the
+                // file marking which process owns the temporaries.
+                let name = p.to_string_lossy();
+                if !name.contains("/.ledger/") && !name.contains("/.owners/") {
+                    left.push(p);
+                }
+            }
+        }
+    }
+    assert!(left.is_empty(), "{left:?}");
+    println!("bomb: {}", done["error"]["message"]);
+    assert!(!small.join("httpboot/agent_images").join(&n).exists());
+
+    // The worker goes on: a small image from the same server is served.
+    random_file(&web.path().join("ok.img"), 1 << 20, 81);
+    std::fs::set_permissions(
+        web.path().join("ok.img"),
+        std::fs::Permissions::from_mode(0o644),
+    )
+    .unwrap();
+    tool(
+        "sh",
+        &[
+            "-c",
+            &format!(
+                "gzip -k {}/ok.img && chmod 644 {0}/ok.img.gz",
+                web.path().display()
+            ),
+        ],
+    );
+    let ok = broker
+        .call(&env.host, prepare_cmd(&node(), &format!("{base}/ok.img")))
+        .await;
+    assert_eq!(ok["status"], "success", "{ok}");
+    assert_eq!(ok["image_checksum"], md5sum(&web.path().join("ok.img")));
+    drop(worker);
+}

@@ -1,7 +1,8 @@
 //! The `direct-worker` Ironic deploy interface (`ironic-plugin/`) against
 //! real parts: Ironic 39 from PyPI with its own test database and
 //! TaskManager, the real RabbitMQ, this worker binary, images made with
-//! qemu-img, and ironic-python-agent's download code verifying the result.
+//! qemu-img, a registry (Debian's `docker-registry`, started by the OCI
+//! case), and ironic-python-agent's download code verifying the result.
 //! The cases live in `ironic-plugin/ironic_image_worker_deploy/tests/`
 //! (pytest); this test installs the plugin into the Ironic virtualenv,
 //! starts the worker and passes its parameters in `IIW_*` variables.
@@ -62,7 +63,8 @@ async fn direct_worker_deploy_interface_in_ironic() {
     let glance_port = free_port();
     let env = Env::new(&format!(
         "[glance]\nauth_type = \"admin_token\"\ntoken = \"test-token\"\n\
-         endpoint_override = \"http://127.0.0.1:{glance_port}/image\"\n"
+         endpoint_override = \"http://127.0.0.1:{glance_port}/image\"\n\
+         [oci]\npermit_fallback_to_http_transport = true\n"
     ));
     // A worker the tests start and stop (its queue outlives it).
     let spare = Env::new("");

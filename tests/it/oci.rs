@@ -18,6 +18,20 @@ use std::time::Duration;
 const MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
 const INDEX: &str = "application/vnd.oci.image.index.v1+json";
 
+/// How a registry authenticates its clients.
+enum Auth<'a> {
+    /// htpasswd with this user and password (Basic).
+    Htpasswd((&'a str, &'a str)),
+    /// Bearer tokens from the token service at this realm, signed by the key
+    /// of this certificate.
+    Token(&'a str, &'a Path),
+}
+
+/// The `service` and `issuer` of the test's token server (the registry
+/// checks both in every token).
+const TOKEN_SERVICE: &str = "iiw-registry";
+const TOKEN_ISSUER: &str = "iiw-token-issuer";
+
 /// A running registry, stopped when dropped.
 struct Registry {
     child: std::process::Child,
@@ -108,6 +122,17 @@ impl Registry {
     /// Starts a registry under `dir`: with `user` (htpasswd, Basic) and
     /// with `tls`, when asked.
     async fn start(dir: &Path, user: Option<(&str, &str)>, tls: bool) -> Registry {
+        Registry::start_with(dir, user.map(Auth::Htpasswd), tls).await
+    }
+
+    /// Starts a registry under `dir` that takes Bearer tokens only: from
+    /// the token service at `realm` (`service` and `issuer` as the test's
+    /// token server signs them), signed by the key of `cert`.
+    async fn start_token(dir: &Path, realm: &str, cert: &Path) -> Registry {
+        Registry::start_with(dir, Some(Auth::Token(realm, cert)), false).await
+    }
+
+    async fn start_with(dir: &Path, auth: Option<Auth<'_>>, tls: bool) -> Registry {
         std::fs::create_dir_all(dir).unwrap();
         let port = free_port();
         let storage = dir.join("storage");
@@ -126,7 +151,17 @@ impl Registry {
             let pem = std::fs::read(&ca).unwrap();
             client = client.tls_certs_only(reqwest::Certificate::from_pem_bundle(&pem).unwrap());
         }
-        let auth = user.map(|(u, p)| {
+        if let Some(Auth::Token(realm, cert)) = auth {
+            config += &format!(
+                "auth:\n  token:\n    realm: {realm}\n    service: {TOKEN_SERVICE}\n    issuer: {TOKEN_ISSUER}\n    rootcertbundle: {}\n",
+                cert.display()
+            );
+        }
+        let auth = auth.and_then(|a| match a {
+            Auth::Htpasswd(user) => Some(user),
+            Auth::Token(..) => None,
+        });
+        let auth = auth.map(|(u, p)| {
             let line = tool("htpasswd", &["-Bbn", u, p]);
             std::fs::write(dir.join("htpasswd"), line.trim()).unwrap();
             config += &format!(
@@ -580,4 +615,246 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
         }
     }
     out
+}
+
+/// A prepare started by Ironic's own notification (its notifier, the real
+/// broker) for an OCI node: the payload carries `properties` (so the node's
+/// `cpu_arch` chooses the artifact) but not `driver_info`, and Ironic masks
+/// `instance_info.image_pull_secret` (`******`): the worker then uses
+/// `[oci]authentication_config`, never the mask.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notified_prepare_follows_cpu_arch_and_the_authentication_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let reg = Registry::start(
+        &dir.path().join("registry"),
+        Some(("puller", "n0tified-pw")),
+        false,
+    )
+    .await;
+    let auth_file = dir.path().join("config.json");
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let auth = json!({"auths": {format!("127.0.0.1:{}", reg.port):
+        {"auth": b64.encode("puller:n0tified-pw")}}});
+    std::fs::write(&auth_file, auth.to_string()).unwrap();
+    let env = Env::new(&format!(
+        "[oci]\npermit_fallback_to_http_transport = true\nauthentication_config = \"{}\"\n",
+        auth_file.display()
+    ));
+    let (amd64_raw, amd64) = disk(env.root(), "n-amd64", 61);
+    let (arm64_raw, arm64) = disk(env.root(), "n-arm64", 62);
+    let (ma, sa, _) = reg
+        .artifact("n/os", &amd64, "application/octet-stream")
+        .await;
+    let (mr, sr, _) = reg
+        .artifact("n/os", &arm64, "application/octet-stream")
+        .await;
+    reg.index(
+        "n/os",
+        "v1",
+        &[(&ma, sa, "qcow2", "amd64"), (&mr, sr, "qcow2", "arm64")],
+    )
+    .await;
+    let _worker = env.serve().await;
+    let broker = Broker::connect().await;
+    let tap = EventTap::new(&broker).await;
+    let node = node();
+    let spec = json!({"node": node, "status": "start", "prev_state": "available",
+        "state": "deploying", "target": "active", "event": "deploy",
+        "instance_info": {"image_source": reg.oci("n/os:v1"),
+            "image_pull_secret": "puller:wrong-in-instance-info"},
+        "driver_info": {"image_pull_secret": "puller:wrong-in-driver-info"},
+        "properties": {"cpu_arch": "aarch64", "memory_mb": 4096}});
+    emit_notifications(&env.host, &[spec]);
+    let ev = tap.collect(&env.host, 1, Duration::from_secs(60)).await;
+    assert_eq!(ev.len(), 1, "{ev:?}");
+    assert_eq!(ev[0]["action"], "prepare");
+    assert_eq!(ev[0]["status"], "success", "{}", ev[0]);
+    assert_eq!(
+        ev[0]["oci_image_manifest_url"],
+        reg.oci(&format!("n/os@{mr}")),
+        "the aarch64 node gets the arm64 artifact"
+    );
+    assert_serves(&env, &ev[0], &arm64_raw);
+    assert_http_serves(&ev[0], &arm64_raw).await;
+    assert_ne!(md5sum(&arm64_raw), md5sum(&amd64_raw));
+}
+
+/// The test's token server (tests/helpers/token_server.py), killed when
+/// dropped, and the file it logs its requests to.
+struct TokenServer {
+    child: std::process::Child,
+    realm: String,
+    log: PathBuf,
+}
+
+impl Drop for TokenServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl TokenServer {
+    /// Starts it with a new key and its self-signed certificate (made with
+    /// openssl under `dir`, `token.key` and `token.pem`) for `users`.
+    async fn start(dir: &Path, users: &[&str]) -> TokenServer {
+        std::fs::create_dir_all(dir).unwrap();
+        let p = |n: &str| dir.join(n).to_str().unwrap().to_string();
+        tool(
+            "openssl",
+            &[
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "2",
+                "-subj",
+                &format!("/CN={TOKEN_ISSUER}"),
+                "-keyout",
+                &p("token.key"),
+                "-out",
+                &p("token.pem"),
+            ],
+        );
+        let port = free_port();
+        let log = dir.join("token-requests.jsonl");
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/helpers/token_server.py");
+        let child = std::process::Command::new("python3")
+            .arg(script)
+            .args([
+                port.to_string(),
+                p("token.key"),
+                p("token.pem"),
+                TOKEN_ISSUER.to_string(),
+                log.to_str().unwrap().to_string(),
+            ])
+            .args(users)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(dir.join("token-server.log")).unwrap())
+            .spawn()
+            .unwrap();
+        let server = TokenServer {
+            child,
+            realm: format!("http://127.0.0.1:{port}/token"),
+            log,
+        };
+        for _ in 0..100 {
+            if reqwest::get(&server.realm).await.is_ok() {
+                std::fs::write(&server.log, "").unwrap();
+                return server;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!(
+            "the token server did not start: {:?}",
+            std::fs::read_to_string(dir.join("token-server.log"))
+        );
+    }
+
+    /// A token for `user` (Basic `user:password`) with `scope`.
+    async fn token(&self, user: &str, password: &str, scope: &str) -> String {
+        let mut url = reqwest::Url::parse(&self.realm).unwrap();
+        url.query_pairs_mut()
+            .append_pair("service", TOKEN_SERVICE)
+            .append_pair("scope", scope);
+        let r = reqwest::Client::new()
+            .get(url)
+            .basic_auth(user, Some(password))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let v: Value = r.json().await.unwrap();
+        v["token"].as_str().unwrap().to_string()
+    }
+
+    /// The requests logged since the last call.
+    fn requests(&self) -> Vec<Value> {
+        let text = std::fs::read_to_string(&self.log).unwrap();
+        std::fs::write(&self.log, "").unwrap();
+        text.lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+}
+
+/// A registry that takes only Bearer tokens from a real token service
+/// (`auth: token:`, tokens checked against the service's certificate): a
+/// prepare with `image_pull_secret` pulls through the token flow, asking
+/// for the repository's pull and nothing more; a wrong password or no
+/// secret is `source_not_allowed` with a clear message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bearer_tokens_from_a_real_token_service() {
+    let env = plain_env();
+    let tokens = TokenServer::start(
+        &env.root().join("token"),
+        &["puller:t0ken-pw", "pusher:push-pw"],
+    )
+    .await;
+    let mut reg = Registry::start_token(
+        &env.root().join("registry"),
+        &tokens.realm,
+        &env.root().join("token/token.pem"),
+    )
+    .await;
+    // Anonymous: the registry's Bearer challenge.
+    let r = reg.client.get(reg.url("")).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    let challenge = r.headers()["www-authenticate"].to_str().unwrap();
+    assert!(challenge.starts_with("Bearer realm="), "{challenge}");
+    let push = tokens
+        .token("pusher", "push-pw", "repository:tok/os:pull,push")
+        .await;
+    reg.auth = Some(format!("Bearer {push}"));
+    let (raw, qcow2) = disk(env.root(), "tok", 71);
+    let (m, s, _) = reg
+        .artifact("tok/os", &qcow2, "application/octet-stream")
+        .await;
+    reg.index("tok/os", "v1", &[(&m, s, "qcow2", "amd64")])
+        .await;
+    tokens.requests();
+
+    let worker = env.serve().await;
+    let broker = Broker::connect().await;
+    let src = reg.oci("tok/os:v1");
+    let prepare = |secret: Option<&str>| {
+        let mut cmd = prepare_cmd(&node(), &src);
+        if let Some(s) = secret {
+            cmd["instance_info"]["image_pull_secret"] = json!(s);
+        }
+        broker.call(&env.host, cmd)
+    };
+    let done = prepare(Some("puller:t0ken-pw")).await;
+    assert_valid_completion(&done);
+    assert_eq!(done["status"], "success", "{done}");
+    assert_serves(&env, &done, &raw);
+    assert_http_serves(&done, &raw).await;
+    let asked = tokens.requests();
+    assert!(!asked.is_empty());
+    for a in &asked {
+        assert_eq!(a["user"], "puller", "{a}");
+        assert_eq!(a["service"], TOKEN_SERVICE, "{a}");
+        assert_eq!(a["scope"], json!(["repository:tok/os:pull"]), "{a}");
+    }
+
+    for (secret, says) in [
+        (
+            Some("puller:wrong"),
+            "the token service refused the credentials",
+        ),
+        (None, "requires credentials"),
+    ] {
+        let done = prepare(secret).await;
+        assert_valid_completion(&done);
+        assert_eq!(done["error"]["code"], "source_not_allowed", "{done}");
+        let message = done["error"]["message"].as_str().unwrap();
+        assert!(message.contains(says), "{secret:?}: {message}");
+        assert!(!done.to_string().contains("wrong"), "secret echoed: {done}");
+        let asked = tokens.requests();
+        assert!(!asked.is_empty() && asked.iter().all(|a| a["granted"] == false));
+    }
+    worker.terminate().await;
+    assert!(env.temporaries().is_empty(), "{:?}", env.temporaries());
 }

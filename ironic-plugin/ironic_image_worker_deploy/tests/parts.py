@@ -24,6 +24,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 
@@ -317,3 +319,117 @@ def close_broker_connection(pid):
     """Closes one connection from the broker side, as a node going away
     would (``rabbitmqctl close_connection``)."""
     run('rabbitmqctl', '-q', 'close_connection', pid, 'closed by the test')
+
+
+class Registry(object):
+    """Debian's ``docker-registry`` (the CNCF distribution registry) on a
+    port of its own, its storage under ``directory``, plain HTTP, with
+    htpasswd (Basic) authentication for ``user``. Artifacts are pushed
+    with the registry's upload API, laid out as ORAS pushes a disk image
+    (one layer, tagged under an index whose entry names the disktype and
+    the platform)."""
+
+    def __init__(self, directory, user, password):
+        import base64
+        import socket
+        os.makedirs(directory, exist_ok=True)
+        with socket.socket() as s:
+            s.bind(('127.0.0.1', 0))
+            self.port = s.getsockname()[1]
+        line = subprocess.run(['htpasswd', '-Bbn', user, password],
+                              check=True, stdout=subprocess.PIPE).stdout
+        htpasswd = os.path.join(directory, 'htpasswd')
+        with open(htpasswd, 'wb') as f:
+            f.write(line.strip())
+        config = os.path.join(directory, 'config.yml')
+        with open(config, 'w') as f:
+            f.write('version: 0.1\nlog:\n  level: warn\n  accesslog:\n'
+                    '    disabled: true\nstorage:\n  filesystem:\n'
+                    '    rootdirectory: %s\nhttp:\n  addr: 127.0.0.1:%d\n'
+                    'auth:\n  htpasswd:\n    realm: iiw-test\n'
+                    '    path: %s\n'
+                    % (os.path.join(directory, 'storage'), self.port,
+                       htpasswd))
+        self._auth = 'Basic ' + base64.b64encode(
+            ('%s:%s' % (user, password)).encode()).decode()
+        self.proc = subprocess.Popen(
+            ['/usr/bin/docker-registry', 'serve', config],
+            stdout=subprocess.DEVNULL,
+            stderr=open(os.path.join(directory, 'registry.log'), 'wb'))
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(self._url(''), timeout=2)
+            except urllib.error.HTTPError:
+                return   # 401: up
+            except OSError:
+                time.sleep(0.1)
+        raise AssertionError('the registry did not start')
+
+    def _url(self, path):
+        return 'http://127.0.0.1:%d/v2/%s' % (self.port, path)
+
+    def oci(self, rest):
+        """``oci://127.0.0.1:<port>/<rest>``."""
+        return 'oci://127.0.0.1:%d/%s' % (self.port, rest)
+
+    def _call(self, method, url, data=None, content_type=None):
+        req = urllib.request.Request(url, data=data, method=method)
+        req.add_header('Authorization', self._auth)
+        if content_type:
+            req.add_header('Content-Type', content_type)
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, resp.headers
+
+    def blob(self, repo, data):
+        digest = 'sha256:' + hashlib.sha256(data).hexdigest()
+        status, headers = self._call('POST',
+                                     self._url(repo + '/blobs/uploads/'))
+        assert status == 202, status
+        loc = urllib.parse.urljoin(self._url(''), headers['Location'])
+        sep = '&' if '?' in loc else '?'
+        status, _ = self._call('PUT', '%s%sdigest=%s' % (loc, sep, digest),
+                               data, 'application/octet-stream')
+        assert status == 201, status
+        return digest
+
+    def manifest(self, repo, reference, doc, media_type):
+        body = json.dumps(doc).encode()
+        digest = 'sha256:' + hashlib.sha256(body).hexdigest()
+        status, _ = self._call(
+            'PUT', self._url('%s/manifests/%s' % (repo, reference or digest)),
+            body, media_type)
+        assert status == 201, status
+        return digest, len(body)
+
+    def push_disk(self, repo, tag, path, disktype, arch='amd64'):
+        """Pushes ``path`` as a one-layer artifact tagged ``tag`` through an
+        index; returns the artifact manifest's digest."""
+        with open(path, 'rb') as f:
+            data = f.read()
+        layer = self.blob(repo, data)
+        config = self.blob(repo, b'{}')
+        manifest = 'application/vnd.oci.image.manifest.v1+json'
+        digest, size = self.manifest(repo, None, {
+            'schemaVersion': 2, 'mediaType': manifest,
+            'artifactType': 'application/vnd.unknown.artifact.v1',
+            'config': {'mediaType': 'application/vnd.oci.empty.v1+json',
+                       'digest': config, 'size': 2},
+            'layers': [{'mediaType': 'application/octet-stream',
+                        'digest': layer, 'size': len(data),
+                        'annotations': {'org.opencontainers.image.title':
+                                        os.path.basename(path)}}]},
+            manifest)
+        index = 'application/vnd.oci.image.index.v1+json'
+        self.manifest(repo, tag, {
+            'schemaVersion': 2, 'mediaType': index,
+            'manifests': [{'mediaType': manifest, 'digest': digest,
+                           'size': size,
+                           'platform': {'architecture': arch,
+                                        'os': 'linux'},
+                           'annotations': {'disktype': disktype}}]},
+            index)
+        return digest
+
+    def stop(self):
+        self.proc.kill()
+        self.proc.wait()

@@ -44,7 +44,6 @@ from ironic_image_worker_deploy import client as worker_client
 from ironic_image_worker_deploy import conf
 from ironic_image_worker_deploy import deploy
 from ironic_image_worker_deploy import exception
-from ironic_image_worker_deploy.tests import fake_worker
 from ironic_image_worker_deploy.tests import parts
 
 WORKER_HOST = parts.env('IIW_WORKER_HOST')
@@ -85,6 +84,11 @@ _CONDUCTOR_IMAGE_WORK = (
     'ironic.common.glance_service.image_service.GlanceImageService.download',
     'ironic.common.image_service.OciImageService.identify_specific_image',
     'ironic.common.image_service.OciImageService.download',
+    'ironic.common.oci_registry.OciClient.authenticate',
+    'ironic.common.oci_registry.OciClient.get_artifact_index',
+    'ironic.common.oci_registry.OciClient.get_manifest',
+    'ironic.common.oci_registry.OciClient.download_blob_from_manifest',
+    'ironic.common.oci_registry.RegistrySessionHelper.get',
 )
 
 
@@ -511,74 +515,56 @@ class DirectWorkerTestCase(TestCase):
         self._assert_served(node, info, ref)
 
     def test_oci_image_is_prepared_by_the_worker(self):
-        # The worker of this checkout serves no registry yet: a stand-in
-        # on the real broker answers as the worker answers an OCI prepare.
-        host = 'oci-%s' % uuidutils.generate_uuid()
-        manifest = 'oci://registry.test/os/disk@sha256:' + 'c' * 64
-        secret = 'robot:very-secret-%s' % uuidutils.generate_uuid()
-
-        def answer(command):
-            done = {'action': command['action'], 'status': 'success',
-                    'node_uuid': command['node_uuid'],
-                    'request_id': command['request_id'],
-                    'conductor_host': host, 'duration_ms': 1}
-            if command['action'] == 'prepare':
-                done.update(
-                    image_source=command['instance_info']['image_source'],
-                    image_url='%s/agent_images/%s' % (
-                        self.http_url, command['node_uuid']),
-                    image_checksum='a' * 32, image_os_hash_algo='sha256',
-                    image_os_hash_value='b' * 64, image_disk_format='raw',
-                    image_size=4096, converted=True, cache='miss',
-                    oci_image_manifest_url=manifest)
-            return done
-
-        worker = fake_worker.FakeWorker(
-            worker_client.broker_urls()[0][0], 'ironic-image-worker', host,
-            answer)
-        self.addCleanup(worker.stop)
-        self.config(conductor_host=host, group='image_worker')
+        # A registry of the test's own (htpasswd), the image pushed to it
+        # under an index naming arm64; Ironic's OCI code (resolving,
+        # downloading, any request to a registry) is conductor image work
+        # and must not run.
+        img, ref = self._image('oci', size=8 << 20, seed=11)
+        password = 'pull-%s' % uuidutils.generate_uuid()
+        secret = 'robot:%s' % password
+        registry = parts.Registry(
+            os.path.join(self.dir, 'registry-%s' % uuidutils.generate_uuid()),
+            'robot', password)
+        self.addCleanup(registry.stop)
+        manifest = registry.push_disk('os/disk', 'v1', img, 'qcow2',
+                                      arch='arm64')
         logs = self.useFixture(fx.FakeLogger(level='DEBUG'))
-        node = self._node(image_source='oci://registry.test/os/disk:latest',
+        node = self._node(image_source=registry.oci('os/disk:v1'),
                           image_disk_format='qcow2',
                           # Stale, from a deploy Ironic prepared itself.
                           image_request_authorization_secret='stale')
         node.driver_info = {'image_pull_secret': secret}
+        # Ironic's name for the index's arm64.
         node.properties = {'cpu_arch': 'aarch64'}
         node.save()
         info = self._prepare(node)
-        [command] = worker.commands
-        self.assertEqual('prepare', command['action'])
-        self.assertEqual('oci://registry.test/os/disk:latest',
-                         command['instance_info']['image_source'])
-        self.assertEqual(secret,
-                         command['instance_info']['image_pull_secret'])
-        self.assertEqual('qcow2',
-                         command['instance_info']['image_disk_format'])
-        self.assertEqual({'cpu_arch': 'aarch64'}, command['properties'])
-        self.assertEqual('%s/agent_images/%s' % (self.http_url, node.uuid),
-                         info['image_url'])
+        self.assertEqual(registry.oci('os/disk@%s' % manifest),
+                         info['oci_image_manifest_url'])
+        self.assertEqual(registry.oci('os/disk:v1'), info['image_source'])
         self.assertEqual('raw', info['image_disk_format'])
-        self.assertEqual('b' * 64, info['image_os_hash_value'])
-        self.assertEqual(4096, info['image_size'])
-        self.assertEqual(manifest, info['oci_image_manifest_url'])
+        self.assertEqual('whole-disk', info['image_type'])
         self.assertNotIn('image_request_authorization_secret', info)
         node.refresh()
         self.assertEqual('oci_artifact',
                          node.driver_internal_info['container_image_type'])
+        self.assertEqual(info['oci_image_manifest_url'],
+                         node.driver_internal_info['image_source'])
+        # Served with the checksums of the converted bytes; the agent gets
+        # the worker's URL only, no registry token.
+        self._assert_served(node, info, ref)
         image_info = self._agent_image_info(node)
         self.assertEqual([info['image_url']], image_info['urls'])
         self.assertNotIn('image_request_authorization', image_info)
-        # The secret from instance_info wins over driver_info's.
+        # The secret from instance_info wins over driver_info's: a wrong
+        # one fails the deploy with the worker's code.
         node.instance_info = dict(node.instance_info,
-                                  image_pull_secret='user:mine')
+                                  image_pull_secret='robot:wrong')
         node.save()
-        self._prepare(node)
-        self.assertEqual('user:mine',
-                         worker.commands[-1]['instance_info'][
-                             'image_pull_secret'])
-        self.assertNotIn(secret, logs.output)
-        self.assertNotIn('user:mine', logs.output)
+        e = self.assertRaises(exception.ImageWorkerPrepareFailed,
+                              self._prepare, node)
+        self.assertEqual('source_not_allowed', e.error_code)
+        self.assertNotIn(password, logs.output)
+        self.assertNotIn('robot:wrong', logs.output)
 
 
 class HardwareTypesTestCase(TestCase):
