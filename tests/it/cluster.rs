@@ -11,16 +11,14 @@
 
 use crate::common;
 
+use common::rabbit;
 use common::*;
 use futures_util::StreamExt;
 use lapin::options::*;
 use std::collections::HashMap;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-const CTL: &str = "/usr/lib/rabbitmq/bin/rabbitmqctl";
-const SERVER: &str = "/usr/lib/rabbitmq/bin/rabbitmq-server";
 const PORTS: [u16; 3] = [5681, 5682, 5683];
 const TLS_PORT: u16 = 5691;
 /// The nodes' consumer timeout (ms), low so that a slow prepare outlasts it.
@@ -31,7 +29,7 @@ const MINUTE: Duration = Duration::from_secs(60);
 /// The three test nodes and their files.
 struct Cluster {
     dir: tempfile::TempDir,
-    children: Vec<Option<Child>>,
+    nodes: Vec<rabbit::OwnNode>,
     /// The Erlang VM of each running node (the server script's child).
     beams: Vec<Option<i32>>,
 }
@@ -44,6 +42,26 @@ fn url(i: usize) -> String {
     format!("amqp://guest:guest@127.0.0.1:{}/%2f", PORTS[i])
 }
 
+/// Node `i`'s `rabbitmq.conf` beyond its listener: the TLS listener with
+/// client certificates on the first.
+fn node_conf(i: usize, tls: &Path) -> String {
+    let mut conf = format!("consumer_timeout = {CONSUMER_TIMEOUT_MS}\n");
+    if i == 0 {
+        conf.push_str(&format!(
+            "listeners.ssl.default = {TLS_PORT}\n\
+             ssl_options.cacertfile = {ca}\n\
+             ssl_options.certfile = {cert}\n\
+             ssl_options.keyfile = {key}\n\
+             ssl_options.verify = verify_peer\n\
+             ssl_options.fail_if_no_peer_cert = true\n",
+            ca = tls.join("ca.pem").display(),
+            cert = tls.join("server.pem").display(),
+            key = tls.join("server.key").display(),
+        ));
+    }
+    conf
+}
+
 impl Cluster {
     fn start() -> Cluster {
         let dir = tempfile::Builder::new()
@@ -51,54 +69,26 @@ impl Cluster {
             .tempdir()
             .unwrap();
         let home = dir.path();
-        std::fs::write(home.join(".erlang.cookie"), "IIWCLUSTERTESTCOOKIE").unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(
-            home.join(".erlang.cookie"),
-            std::fs::Permissions::from_mode(0o400),
-        )
-        .unwrap();
+        rabbit::write_cookie(home, "IIWCLUSTERTESTCOOKIE");
         make_certs(&home.join("tls"));
-        for (i, port) in PORTS.iter().enumerate() {
-            let n = home.join(format!("n{}", i + 1));
-            std::fs::create_dir_all(&n).unwrap();
-            std::fs::write(n.join("enabled_plugins"), "[].\n").unwrap();
-            let mut conf = format!(
-                "listeners.tcp.default = {port}\nloopback_users = none\nconsumer_timeout = {CONSUMER_TIMEOUT_MS}\n"
-            );
-            if i == 0 {
-                let tls = home.join("tls");
-                conf.push_str(&format!(
-                    "listeners.ssl.default = {TLS_PORT}\n\
-                     ssl_options.cacertfile = {ca}\n\
-                     ssl_options.certfile = {cert}\n\
-                     ssl_options.keyfile = {key}\n\
-                     ssl_options.verify = verify_peer\n\
-                     ssl_options.fail_if_no_peer_cert = true\n",
-                    ca = tls.join("ca.pem").display(),
-                    cert = tls.join("server.pem").display(),
-                    key = tls.join("server.key").display(),
-                ));
-            }
-            std::fs::write(n.join("rabbitmq.conf"), conf).unwrap();
-            // The consumer timeout is checked on every channel tick: every
-            // second here instead of every minute.
-            std::fs::write(
-                n.join("advanced.config"),
-                "[{rabbit, [{channel_tick_interval, 1000}]}].\n",
-            )
-            .unwrap();
-        }
+        let nodes = (0..3)
+            .map(|i| {
+                let n = home.join(format!("n{}", i + 1));
+                let ports = (PORTS[i], 25681 + i as u16);
+                let conf = node_conf(i, &home.join("tls"));
+                rabbit::OwnNode::new(home, &n, &node_name(i), ports, &conf)
+            })
+            .collect();
         let mut cluster = Cluster {
             dir,
-            children: vec![None, None, None],
+            nodes,
             beams: vec![None, None, None],
         };
-        for i in 0..3 {
-            cluster.spawn(i);
+        for node in &mut cluster.nodes {
+            node.spawn();
         }
         for i in 0..3 {
-            cluster.await_startup(i);
+            cluster.nodes[i].await_startup();
             cluster.beams[i] = Some(cluster.pid(i));
         }
         for i in 1..3 {
@@ -117,73 +107,9 @@ impl Cluster {
         self.dir.path()
     }
 
-    fn env(&self, i: usize, cmd: &mut Command) {
-        let n = self.home().join(format!("n{}", i + 1));
-        cmd.env("HOME", self.home())
-            .env("RABBITMQ_NODENAME", node_name(i))
-            .env("RABBITMQ_NODE_PORT", PORTS[i].to_string())
-            .env("RABBITMQ_DIST_PORT", (25681 + i).to_string())
-            .env("RABBITMQ_MNESIA_BASE", n.join("mnesia"))
-            .env("RABBITMQ_LOG_BASE", n.join("log"))
-            .env("RABBITMQ_ENABLED_PLUGINS_FILE", n.join("enabled_plugins"))
-            .env("RABBITMQ_CONFIG_FILE", n.join("rabbitmq.conf"))
-            .env("RABBITMQ_ADVANCED_CONFIG_FILE", n.join("advanced.config"));
-    }
-
-    /// Starts node `i` (fresh, or again after a stop or a kill).
-    fn spawn(&mut self, i: usize) {
-        let log = std::fs::File::create(self.home().join(format!("n{}.out", i + 1))).unwrap();
-        let mut cmd = Command::new(SERVER);
-        self.env(i, &mut cmd);
-        cmd.stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log);
-        self.children[i] = Some(cmd.spawn().expect("rabbitmq-server"));
-    }
-
-    /// Waits until node `i` runs its application.
-    fn await_startup(&self, i: usize) {
-        let deadline = Instant::now() + Duration::from_secs(90);
-        loop {
-            let mut cmd = Command::new(CTL);
-            self.env(i, &mut cmd);
-            let ok = cmd
-                .args([
-                    "-n",
-                    &node_name(i),
-                    "-q",
-                    "await_startup",
-                    "--timeout",
-                    "60",
-                ])
-                .output()
-                .is_ok_and(|o| o.status.success());
-            if ok {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "node {} did not start; see {}",
-                node_name(i),
-                self.home().display()
-            );
-            std::thread::sleep(Duration::from_millis(300));
-        }
-    }
-
     /// `rabbitmqctl -n <node i> ARGS`, which must succeed; its stdout.
     fn ctl(&self, i: usize, args: &[&str]) -> String {
-        let mut cmd = Command::new(CTL);
-        self.env(i, &mut cmd);
-        let out = cmd.arg("-n").arg(node_name(i)).args(args).output().unwrap();
-        assert!(
-            out.status.success(),
-            "rabbitmqctl -n {} {args:?}: {}{}",
-            node_name(i),
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        self.nodes[i].ctl(args)
     }
 
     /// The OS process id of node `i`.
@@ -197,11 +123,8 @@ impl Cluster {
 
     /// Stops node `i` cleanly (`rabbitmqctl stop`).
     fn stop(&mut self, i: usize) {
-        self.ctl(i, &["stop"]);
+        self.nodes[i].stop();
         self.beams[i] = None;
-        if let Some(mut c) = self.children[i].take() {
-            let _ = c.wait();
-        }
     }
 
     /// kill -9 of node `i`.
@@ -209,15 +132,12 @@ impl Cluster {
         let pid = self.pid(i);
         unsafe { libc::kill(pid, libc::SIGKILL) };
         self.beams[i] = None;
-        if let Some(mut c) = self.children[i].take() {
-            let _ = c.wait();
-        }
+        self.nodes[i].reap();
     }
 
     /// Starts node `i` again and waits until it runs.
     fn restart(&mut self, i: usize) {
-        self.spawn(i);
-        self.await_startup(i);
+        self.nodes[i].start();
         self.beams[i] = Some(self.pid(i));
     }
 
@@ -237,104 +157,31 @@ impl Cluster {
 }
 
 impl Drop for Cluster {
+    /// Wakes a node the test froze, stops every node, and kills the VM of
+    /// one that would not stop.
     fn drop(&mut self) {
-        for i in 0..3 {
-            if let Some(mut child) = self.children[i].take() {
-                let mut cmd = Command::new(CTL);
-                self.env(i, &mut cmd);
-                if let Some(beam) = self.beams[i] {
-                    unsafe { libc::kill(beam, libc::SIGCONT) };
-                }
-                let stopped = cmd
-                    .args(["-n", &node_name(i), "stop"])
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .status()
-                    .is_ok_and(|s| s.success());
-                if !stopped {
-                    if let Some(beam) = self.beams[i] {
-                        unsafe { libc::kill(beam, libc::SIGKILL) };
-                    }
-                    let _ = child.kill();
-                }
-                let _ = child.wait();
+        for beam in self.beams.iter().flatten() {
+            unsafe { libc::kill(*beam, libc::SIGCONT) };
+        }
+        self.nodes.clear();
+        for beam in self.beams.iter().flatten() {
+            if unsafe { libc::kill(*beam, 0) } == 0 {
+                unsafe { libc::kill(*beam, libc::SIGKILL) };
             }
         }
     }
 }
 
 /// A test CA, a server certificate for `localhost` (not for 127.0.0.1) and
-/// a client certificate, made with openssl.
+/// a client certificate.
 fn make_certs(dir: &Path) {
-    std::fs::create_dir_all(dir).unwrap();
-    let p = |name: &str| dir.join(name).to_str().unwrap().to_string();
-    tool(
-        "openssl",
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=iiw-test-ca",
-            "-keyout",
-            &p("ca.key"),
-            "-out",
-            &p("ca.pem"),
-            "-addext",
-            "basicConstraints=critical,CA:TRUE",
-            "-addext",
-            "keyUsage=critical,keyCertSign,cRLSign",
-        ],
+    let ca = common::ca::TestCa::new(dir, "ca");
+    ca.issue(
+        "server",
+        "localhost",
+        "subjectAltName=DNS:localhost\nextendedKeyUsage=serverAuth\n",
     );
-    for (name, cn, ext) in [
-        (
-            "server",
-            "localhost",
-            "subjectAltName=DNS:localhost\nextendedKeyUsage=serverAuth\n",
-        ),
-        ("client", "iiw-client", "extendedKeyUsage=clientAuth\n"),
-    ] {
-        std::fs::write(dir.join(format!("{name}.ext")), ext).unwrap();
-        tool(
-            "openssl",
-            &[
-                "req",
-                "-newkey",
-                "rsa:2048",
-                "-nodes",
-                "-subj",
-                &format!("/CN={cn}"),
-                "-keyout",
-                &p(&format!("{name}.key")),
-                "-out",
-                &p(&format!("{name}.csr")),
-            ],
-        );
-        tool(
-            "openssl",
-            &[
-                "x509",
-                "-req",
-                "-in",
-                &p(&format!("{name}.csr")),
-                "-CA",
-                &p("ca.pem"),
-                "-CAkey",
-                &p("ca.key"),
-                "-CAcreateserial",
-                "-days",
-                "2",
-                "-extfile",
-                &p(&format!("{name}.ext")),
-                "-out",
-                &p(&format!("{name}.pem")),
-            ],
-        );
-    }
+    ca.issue("client", "iiw-client", "extendedKeyUsage=clientAuth\n");
 }
 
 /// A client of the cluster on node `i`: commands out, replies in.
@@ -600,8 +447,8 @@ async fn finish(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_node_cluster_faults() {
-    if !Path::new(SERVER).exists() {
-        panic!("{SERVER} missing: install rabbitmq-server");
+    if !Path::new(rabbit::SERVER).exists() {
+        panic!("{} missing: install rabbitmq-server", rabbit::SERVER);
     }
     let started = Instant::now();
     let mut cluster = tokio::task::block_in_place(Cluster::start);
