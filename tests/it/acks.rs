@@ -98,6 +98,18 @@ async fn slow_source(env: &Env, name: &str) -> FaultServer {
     FaultServer::start(&dir, 100 << 10).await
 }
 
+/// Waits until the prepare of `slow/slow.img` holds its prepare slot (its
+/// download has begun). Commands of two nodes start in no set order (the
+/// later one may take the slot first), so the tests that need the slot
+/// taken send their second prepare only then.
+async fn slot_taken(faults: &FaultServer) {
+    let started = Instant::now();
+    while faults.count("slow", "slow.img") == 0 {
+        assert!(started.elapsed() < MINUTE, "the slow prepare starts");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A node of this test's own, `tag` naming it.
 fn own_node(tag: &'static str) -> Node {
     tokio::task::block_in_place(|| Node::start(tag))
@@ -183,10 +195,9 @@ async fn deferring_a_copy_of_a_lost_connection_keeps_the_new_one() {
     // one waits and is deferred every 2 s.
     let slow = prepare_cmd(&common::node(), &faults.url("slow", "slow.img"));
     let fast = prepare_cmd(&common::node(), &faults.url("fast", "fast.img"));
-    let sent = [
-        client.send(&env.host, &slow, None).await,
-        client.send(&env.host, &fast, None).await,
-    ];
+    let first = client.send(&env.host, &slow, None).await;
+    slot_taken(&faults).await;
+    let sent = [first, client.send(&env.host, &fast, None).await];
     let deferred = || async {
         let text = worker.metrics_text().await;
         metric(
@@ -241,13 +252,7 @@ async fn a_deferred_prepare_keeps_its_deadline() {
     let slow = prepare_cmd(&common::node(), &faults.url("slow", "slow.img"));
     let late = prepare_cmd(&common::node(), &faults.url("fast", "late.img"));
     let first = client.send(&env.host, &slow, None).await;
-    // Commands of two nodes start in no set order: the late one is sent
-    // once the slow one holds the only slot (its download has begun).
-    let started = Instant::now();
-    while faults.count("slow", "slow.img") == 0 {
-        assert!(started.elapsed() < MINUTE, "the slow prepare starts");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    slot_taken(&faults).await;
     // 5 s: deferred twice while the slow one (16 s) holds the only slot.
     let second = client.send(&env.host, &late, Some(5000)).await;
     let answers = client

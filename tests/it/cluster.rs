@@ -13,8 +13,6 @@ use crate::common;
 
 use common::rabbit;
 use common::*;
-use futures_util::StreamExt;
-use lapin::options::*;
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -184,103 +182,6 @@ fn make_certs(dir: &Path) {
     ca.issue("client", "iiw-client", "extendedKeyUsage=clientAuth\n");
 }
 
-/// A client of the cluster on node `i`: commands out, replies in.
-struct Client {
-    channel: lapin::Channel,
-    reply_queue: String,
-    replies: tokio::sync::mpsc::UnboundedReceiver<(String, serde_json::Value)>,
-    _conn: lapin::Connection,
-}
-
-impl Client {
-    async fn connect(i: usize) -> Client {
-        let conn = lapin::Connection::connect(&url(i), Default::default())
-            .await
-            .unwrap();
-        let channel = conn.create_channel().await.unwrap();
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .unwrap();
-        let q = channel
-            .queue_declare(
-                "".into(),
-                QueueDeclareOptions {
-                    exclusive: true,
-                    auto_delete: true,
-                    ..Default::default()
-                },
-                Default::default(),
-            )
-            .await
-            .unwrap();
-        let reply_queue = q.name().as_str().to_string();
-        let consume = conn.create_channel().await.unwrap();
-        let mut consumer = consume
-            .basic_consume(
-                reply_queue.as_str().into(),
-                "".into(),
-                BasicConsumeOptions {
-                    no_ack: true,
-                    ..Default::default()
-                },
-                Default::default(),
-            )
-            .await
-            .unwrap();
-        let (tx, replies) = tokio::sync::mpsc::unbounded_channel();
-        tokio::spawn(async move {
-            let _keep = consume;
-            while let Some(Ok(d)) = consumer.next().await {
-                let corr = d
-                    .properties
-                    .correlation_id()
-                    .as_ref()
-                    .map(|c| c.as_str().to_string())
-                    .unwrap_or_default();
-                let v: serde_json::Value = serde_json::from_slice(&d.data).unwrap();
-                assert_valid_completion(&v);
-                if tx.send((corr, v)).is_err() {
-                    break;
-                }
-            }
-        });
-        Client {
-            channel,
-            reply_queue,
-            replies,
-            _conn: conn,
-        }
-    }
-
-    async fn send(&self, host: &str, body: &serde_json::Value) -> String {
-        let corr = uuid::Uuid::new_v4().to_string();
-        let props = lapin::BasicProperties::default()
-            .with_delivery_mode(2)
-            .with_reply_to(self.reply_queue.as_str().into())
-            .with_correlation_id(corr.as_str().into());
-        let action = body["action"].as_str().unwrap();
-        let confirm = self
-            .channel
-            .basic_publish(
-                "ironic-image-worker".into(),
-                format!("{host}.node.{action}").as_str().into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..Default::default()
-                },
-                body.to_string().as_bytes(),
-                props,
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
-        assert_eq!(confirm, lapin::Confirmation::Ack(None), "routed");
-        corr
-    }
-}
-
 /// What a scenario measured.
 #[derive(Debug, Default)]
 struct Tally {
@@ -293,29 +194,20 @@ struct Tally {
 
 /// Collects replies to `sent` until all are answered (or `within` passed),
 /// then watches `quiet` longer for duplicates. Every answer must succeed.
-async fn collect(client: &mut Client, sent: &[String], within: Duration, quiet: Duration) -> Tally {
-    let mut seen: HashMap<String, usize> = HashMap::new();
-    let deadline = tokio::time::Instant::now() + within;
-    loop {
-        let all = sent.iter().all(|c| seen.contains_key(c));
-        let until = if all {
-            tokio::time::Instant::now() + quiet
-        } else {
-            deadline
-        };
-        match tokio::time::timeout_at(until, client.replies.recv()).await {
-            Ok(Some((corr, v))) => {
-                assert_eq!(v["status"], "success", "{v}");
-                *seen.entry(corr).or_default() += 1;
-            }
-            _ => break,
-        }
+async fn collect(client: &Broker, sent: &[String], within: Duration, quiet: Duration) -> Tally {
+    tally(sent, client.answers(sent, within, quiet).await)
+}
+
+/// What became of `sent`, given the answers `seen` per correlation id.
+fn tally(sent: &[String], seen: HashMap<String, Vec<serde_json::Value>>) -> Tally {
+    for v in seen.values().flatten() {
+        assert_eq!(v["status"], "success", "{v}");
     }
     Tally {
         sent: sent.len(),
         answered: sent.iter().filter(|c| seen.contains_key(*c)).count(),
         lost: sent.iter().filter(|c| !seen.contains_key(*c)).count(),
-        duplicated: seen.values().map(|n| n - 1).sum(),
+        duplicated: seen.values().map(|v| v.len() - 1).sum(),
         recovered_in: None,
     }
 }
@@ -385,12 +277,12 @@ fn cluster_env(order: [usize; 3], extra: &str) -> Env {
 
 /// Sends `COMMANDS` prepares (one image, distinct nodes) and returns their
 /// correlation ids.
-async fn send_prepares(client: &Client, host: &str, source: &str, md5: &str) -> Vec<String> {
+async fn send_prepares(client: &Broker, host: &str, source: &str, md5: &str) -> Vec<String> {
     let mut sent = Vec::new();
     for _ in 0..COMMANDS {
         let mut cmd = prepare_cmd(&node(), source);
         cmd["instance_info"]["image_checksum"] = md5.into();
-        sent.push(client.send(host, &cmd).await);
+        sent.push(client.send(host, &cmd, None).await);
     }
     sent
 }
@@ -410,39 +302,37 @@ fn assert_clean(name: &str, t: &Tally) {
 
 /// Waits for the first `n` replies without consuming them from the tally:
 /// returns the replies seen so far to be merged later.
-async fn first_replies(client: &mut Client, n: usize) -> Vec<(String, serde_json::Value)> {
+async fn first_replies(client: &Broker, n: usize) -> Vec<(String, serde_json::Value)> {
     let mut got = Vec::new();
     while got.len() < n {
-        let r = tokio::time::timeout(MINUTE, client.replies.recv())
-            .await
-            .expect("replies before the fault")
-            .unwrap();
-        got.push(r);
+        let (corr, v) = client.next_reply(MINUTE).await;
+        got.push((corr.unwrap_or_default(), v));
     }
     got
 }
 
 /// Tally of `sent` from replies already taken plus those still coming.
 async fn finish(
-    client: &mut Client,
+    client: &Broker,
     sent: &[String],
     early: Vec<(String, serde_json::Value)>,
 ) -> Tally {
-    let mut seen: HashMap<String, usize> = HashMap::new();
+    let mut seen: HashMap<String, Vec<serde_json::Value>> = HashMap::new();
     for (corr, v) in early {
-        assert_eq!(v["status"], "success", "{v}");
-        *seen.entry(corr).or_default() += 1;
+        seen.entry(corr).or_default().push(v);
     }
     let rest: Vec<String> = sent
         .iter()
         .filter(|c| !seen.contains_key(*c))
         .cloned()
         .collect();
-    let mut t = collect(client, &rest, 2 * MINUTE, Duration::from_secs(3)).await;
-    t.duplicated += seen.values().map(|n| n - 1).sum::<usize>();
-    t.sent = sent.len();
-    t.answered += sent.len() - rest.len();
-    t
+    let later = client
+        .answers(&rest, 2 * MINUTE, Duration::from_secs(3))
+        .await;
+    for (corr, v) in later {
+        seen.entry(corr).or_default().extend(v);
+    }
+    tally(sent, seen)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -467,16 +357,16 @@ async fn three_node_cluster_faults() {
     {
         let env = cluster_env([0, 1, 2], "");
         let worker = env.serve().await;
-        let mut client = Client::connect(1).await;
+        let client = Broker::connect_to(&url(1)).await;
         let sent = send_prepares(&client, &env.host, &source, &md5).await;
-        let early = first_replies(&mut client, 5).await;
+        let early = first_replies(&client, 5).await;
         let fault = Instant::now();
         tokio::task::block_in_place(|| cluster.stop(0));
         // Within 10 s of the node being down (and still down).
         wait_reconnected(&worker, 1.0, Duration::from_secs(10)).await;
         let back = fault.elapsed();
         let _ = wait_ready(&worker, 200, Duration::from_secs(10)).await;
-        let mut t = finish(&mut client, &sent, early).await;
+        let mut t = finish(&client, &sent, early).await;
         t.recovered_in = Some(back);
         assert_clean("stop the connected node", &t);
         table.push(("stop the connected node", t));
@@ -492,12 +382,12 @@ async fn three_node_cluster_faults() {
         let queue = format!("ironic-image-worker.{}", env.host);
         let leader = tokio::task::block_in_place(|| cluster.leader(&queue));
         let other = (leader + 1) % 3;
-        let mut client = Client::connect(other).await;
+        let client = Broker::connect_to(&url(other)).await;
         let sent = send_prepares(&client, &env.host, &source, &md5).await;
-        let early = first_replies(&mut client, 5).await;
+        let early = first_replies(&client, 5).await;
         let fault = Instant::now();
         tokio::task::block_in_place(|| cluster.kill9(leader));
-        let mut t = finish(&mut client, &sent, early).await;
+        let mut t = finish(&client, &sent, early).await;
         t.recovered_in = Some(fault.elapsed());
         assert_clean("kill -9 the quorum leader's node", &t);
         table.push(("kill -9 the quorum leader's node", t));
@@ -513,9 +403,9 @@ async fn three_node_cluster_faults() {
     {
         let env = cluster_env([2, 0, 1], "");
         let worker = env.serve().await;
-        let mut client = Client::connect(0).await;
+        let client = Broker::connect_to(&url(0)).await;
         let sent = send_prepares(&client, &env.host, &source, &md5).await;
-        let early = first_replies(&mut client, 5).await;
+        let early = first_replies(&client, 5).await;
         let pid = tokio::task::block_in_place(|| cluster.pid(2));
         let fault = Instant::now();
         unsafe { libc::kill(pid, libc::SIGSTOP) };
@@ -526,7 +416,7 @@ async fn three_node_cluster_faults() {
         let back = wait_ready(&worker, 200, MINUTE).await;
         // The resumed node drops the dead connection: its deliveries are
         // redelivered and must not be answered again.
-        let mut t = finish(&mut client, &sent, early).await;
+        let mut t = finish(&client, &sent, early).await;
         eprintln!(
             "paused node given up after {detected:?}; ready {back:?} after SIGCONT; all answered {:?} after SIGSTOP",
             fault.elapsed()
@@ -544,13 +434,13 @@ async fn three_node_cluster_faults() {
         let a = env.serve().await;
         let list = format!("amqp.url={},{},{}", url(1), url(2), url(0));
         let b = env.serve_another(&["--set", &list]).await;
-        let mut client = Client::connect(2).await;
+        let client = Broker::connect_to(&url(2)).await;
         let sent = send_prepares(&client, &env.host, &source, &md5).await;
-        let early = first_replies(&mut client, 5).await;
+        let early = first_replies(&client, 5).await;
         let fault = Instant::now();
         tokio::task::block_in_place(|| cluster.stop(0));
         let back = wait_reconnected(&a, 1.0, Duration::from_secs(15)).await;
-        let mut t = finish(&mut client, &sent, early).await;
+        let mut t = finish(&client, &sent, early).await;
         t.recovered_in = Some(back);
         assert!(fault.elapsed() >= back);
         assert_clean("two workers, one node stops", &t);
@@ -579,9 +469,11 @@ async fn three_node_cluster_faults() {
         };
         let env = Env::new(&opts(true, "localhost", true));
         let _worker = env.serve().await;
-        let mut client = Client::connect(1).await;
-        let corr = client.send(&env.host, &prepare_cmd(&node(), &source)).await;
-        let t = collect(&mut client, &[corr], MINUTE, Duration::from_secs(1)).await;
+        let client = Broker::connect_to(&url(1)).await;
+        let corr = client
+            .send(&env.host, &prepare_cmd(&node(), &source), None)
+            .await;
+        let t = collect(&client, &[corr], MINUTE, Duration::from_secs(1)).await;
         assert_clean("TLS with a client certificate", &t);
         table.push(("TLS with a client certificate", t));
 
@@ -649,14 +541,15 @@ async fn three_node_cluster_faults() {
         // 100 KiB/s: about 12 s, beyond the 8 s consumer timeout.
         let faults = FaultServer::start(&slow_dir, 100 << 10).await;
         let worker = env.serve().await;
-        let mut client = Client::connect(2).await;
+        let client = Broker::connect_to(&url(2)).await;
         let corr = client
             .send(
                 &env.host,
                 &prepare_cmd(&node(), &faults.url("slow", "slow.img")),
+                None,
             )
             .await;
-        let t = collect(&mut client, &[corr], 2 * MINUTE, Duration::from_secs(3)).await;
+        let t = collect(&client, &[corr], 2 * MINUTE, Duration::from_secs(3)).await;
         assert_clean("prepare longer than consumer_timeout", &t);
         assert_eq!(faults.count("slow", "slow.img"), 1, "downloaded once");
         let metrics = worker.metrics_text().await;
