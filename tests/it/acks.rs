@@ -215,8 +215,13 @@ async fn deferring_a_copy_of_a_lost_connection_keeps_the_new_one() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // Another consumer takes what the lost connection leaves, so the
-    // waiting prepare's copy is not redelivered to the worker.
-    let thief = client.conn.create_channel().await.unwrap();
+    // waiting prepare's copy is not redelivered to the worker. It never
+    // acknowledges, so the broker closes its channel at the consumer
+    // timeout: on a connection of its own, apart from the answers'.
+    let thief_conn = lapin::Connection::connect(&node.url(), Default::default())
+        .await
+        .unwrap();
+    let thief = thief_conn.create_channel().await.unwrap();
     let queue = format!("ironic-image-worker.{}", env.host);
     let _held = thief
         .basic_consume(
