@@ -7,27 +7,20 @@
 
 use crate::common;
 
+use common::rabbit;
 use common::*;
-use futures_util::StreamExt;
 use lapin::options::*;
 use std::collections::HashMap;
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-const CTL: &str = "/usr/lib/rabbitmq/bin/rabbitmqctl";
-const SERVER: &str = "/usr/lib/rabbitmq/bin/rabbitmq-server";
 /// The node's consumer timeout (ms).
 const CONSUMER_TIMEOUT_MS: u64 = 4000;
 const MINUTE: Duration = Duration::from_secs(60);
 
-/// One RabbitMQ node of this test's own.
+/// One RabbitMQ node of this test's own, its files in `_dir`.
 struct Node {
-    dir: tempfile::TempDir,
-    name: String,
-    port: u16,
-    dist_port: u16,
-    child: Option<Child>,
+    node: rabbit::OwnNode,
+    _dir: tempfile::TempDir,
 }
 
 impl Node {
@@ -38,108 +31,23 @@ impl Node {
             .tempdir()
             .unwrap();
         let home = dir.path();
-        let cookie = home.join(".erlang.cookie");
-        std::fs::write(&cookie, "IIWACKSTESTCOOKIE").unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&cookie, std::fs::Permissions::from_mode(0o400)).unwrap();
-        std::fs::write(home.join("enabled_plugins"), "[].\n").unwrap();
-        let (port, dist_port) = (free_port(), free_port());
-        std::fs::write(
-            home.join("rabbitmq.conf"),
-            format!(
-                "listeners.tcp.default = {port}\nloopback_users = none\nconsumer_timeout = {CONSUMER_TIMEOUT_MS}\n"
-            ),
-        )
-        .unwrap();
-        // The consumer timeout is checked on every channel tick: every
-        // second here instead of every minute.
-        std::fs::write(
-            home.join("advanced.config"),
-            "[{rabbit, [{channel_tick_interval, 1000}]}].\n",
-        )
-        .unwrap();
+        rabbit::write_cookie(home, "IIWACKSTESTCOOKIE");
         let name = format!("iiw{tag}{}@localhost", std::process::id());
-        let mut node = Node {
-            dir,
-            name,
-            port,
-            dist_port,
-            child: None,
-        };
-        let log = std::fs::File::create(node.dir.path().join("node.out")).unwrap();
-        let mut cmd = Command::new(SERVER);
-        node.env(&mut cmd);
-        cmd.stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log);
-        node.child = Some(cmd.spawn().expect("rabbitmq-server"));
-        node.await_startup();
-        node
-    }
-
-    /// Waits until the node runs its application (the first attempts
-    /// find no node to ask yet).
-    fn await_startup(&self) {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            let mut cmd = Command::new(CTL);
-            self.env(&mut cmd);
-            let args = ["-n", &self.name, "-q", "await_startup", "--timeout", "60"];
-            if cmd.args(args).output().is_ok_and(|o| o.status.success()) {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "node {} did not start; see {}",
-                self.name,
-                self.dir.path().display()
-            );
-            std::thread::sleep(Duration::from_millis(300));
-        }
-    }
-
-    fn env(&self, cmd: &mut Command) {
-        let home = self.dir.path();
-        cmd.env("HOME", home)
-            .env("RABBITMQ_NODENAME", &self.name)
-            .env("RABBITMQ_NODE_PORT", self.port.to_string())
-            .env("RABBITMQ_DIST_PORT", self.dist_port.to_string())
-            .env("RABBITMQ_MNESIA_BASE", home.join("mnesia"))
-            .env("RABBITMQ_LOG_BASE", home.join("log"))
-            .env(
-                "RABBITMQ_ENABLED_PLUGINS_FILE",
-                home.join("enabled_plugins"),
-            )
-            .env("RABBITMQ_CONFIG_FILE", home.join("rabbitmq.conf"))
-            .env(
-                "RABBITMQ_ADVANCED_CONFIG_FILE",
-                home.join("advanced.config"),
-            );
-    }
-
-    /// `rabbitmqctl -n <node> ARGS`, which must succeed; its stdout.
-    fn ctl(&self, args: &[&str]) -> String {
-        let mut cmd = Command::new(CTL);
-        self.env(&mut cmd);
-        let out = cmd.arg("-n").arg(&self.name).args(args).output().unwrap();
-        assert!(
-            out.status.success(),
-            "rabbitmqctl {args:?}: {}{} (see {})",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr),
-            self.dir.path().display()
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        let conf = format!("consumer_timeout = {CONSUMER_TIMEOUT_MS}\n");
+        let ports = (free_port(), free_port());
+        let mut node = rabbit::OwnNode::new(home, home, &name, ports, &conf);
+        node.start();
+        Node { node, _dir: dir }
     }
 
     fn url(&self) -> String {
-        format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
+        self.node.url()
     }
 
     /// Closes, from the broker's side, the connections named after the
     /// worker of `host`.
     fn close_worker_connections(&self, host: &str) {
-        let listing = self.ctl(&[
+        let listing = self.node.ctl(&[
             "-q",
             "list_connections",
             "--no-table-headers",
@@ -150,155 +58,12 @@ impl Node {
         for line in listing.lines() {
             if line.contains(&format!("ironic-image-worker@{host}")) {
                 let pid = line.split('\t').next().unwrap().trim();
-                self.ctl(&["close_connection", pid, "closed by the test"]);
+                self.node
+                    .ctl(&["close_connection", pid, "closed by the test"]);
                 closed += 1;
             }
         }
         assert_eq!(closed, 1, "one worker connection: {listing}");
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let mut cmd = Command::new(CTL);
-            self.env(&mut cmd);
-            let stopped = cmd
-                .args(["-n", &self.name, "stop"])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status()
-                .is_ok_and(|s| s.success());
-            if !stopped {
-                let _ = child.kill();
-            }
-            let _ = child.wait();
-        }
-    }
-}
-
-/// A client of `url`: commands out, replies in (counted per correlation id).
-struct Client {
-    channel: lapin::Channel,
-    reply_queue: String,
-    replies: tokio::sync::mpsc::UnboundedReceiver<(String, serde_json::Value)>,
-    conn: lapin::Connection,
-}
-
-impl Client {
-    async fn connect(url: &str) -> Client {
-        let conn = lapin::Connection::connect(url, Default::default())
-            .await
-            .unwrap();
-        let channel = conn.create_channel().await.unwrap();
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .unwrap();
-        let exclusive = QueueDeclareOptions {
-            exclusive: true,
-            auto_delete: true,
-            ..Default::default()
-        };
-        let q = channel
-            .queue_declare("".into(), exclusive, Default::default())
-            .await
-            .unwrap();
-        let reply_queue = q.name().as_str().to_string();
-        let consume = conn.create_channel().await.unwrap();
-        let no_ack = BasicConsumeOptions {
-            no_ack: true,
-            ..Default::default()
-        };
-        let mut consumer = consume
-            .basic_consume(
-                reply_queue.as_str().into(),
-                "".into(),
-                no_ack,
-                Default::default(),
-            )
-            .await
-            .unwrap();
-        let (tx, replies) = tokio::sync::mpsc::unbounded_channel();
-        tokio::spawn(async move {
-            let _keep = consume;
-            while let Some(Ok(d)) = consumer.next().await {
-                let corr = d
-                    .properties
-                    .correlation_id()
-                    .as_ref()
-                    .map(|c| c.to_string());
-                let v: serde_json::Value = serde_json::from_slice(&d.data).unwrap();
-                assert_valid_completion(&v);
-                if tx.send((corr.unwrap_or_default(), v)).is_err() {
-                    break;
-                }
-            }
-        });
-        Client {
-            channel,
-            reply_queue,
-            replies,
-            conn,
-        }
-    }
-
-    /// Sends `body` to `host` (its `expiration` in ms when given); returns
-    /// the correlation id.
-    async fn send(&self, host: &str, body: &serde_json::Value, expiration: Option<u64>) -> String {
-        let corr = uuid::Uuid::new_v4().to_string();
-        let mut props = lapin::BasicProperties::default()
-            .with_delivery_mode(2)
-            .with_reply_to(self.reply_queue.as_str().into())
-            .with_correlation_id(corr.as_str().into());
-        if let Some(ms) = expiration {
-            props = props.with_expiration(ms.to_string().as_str().into());
-        }
-        let action = body["action"].as_str().unwrap();
-        let mandatory = BasicPublishOptions {
-            mandatory: true,
-            ..Default::default()
-        };
-        let key = format!("{host}.node.{action}");
-        let confirm = self
-            .channel
-            .basic_publish(
-                "ironic-image-worker".into(),
-                key.as_str().into(),
-                mandatory,
-                body.to_string().as_bytes(),
-                props,
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
-        assert_eq!(confirm, lapin::Confirmation::Ack(None), "routed");
-        corr
-    }
-
-    /// The answers to `sent`, waiting up to `within` for all of them and
-    /// then `quiet` longer for duplicates: answers per correlation id.
-    async fn answers(
-        &mut self,
-        sent: &[String],
-        within: Duration,
-        quiet: Duration,
-    ) -> HashMap<String, Vec<serde_json::Value>> {
-        let mut seen: HashMap<String, Vec<serde_json::Value>> = HashMap::new();
-        let deadline = tokio::time::Instant::now() + within;
-        loop {
-            let all = sent.iter().all(|c| seen.contains_key(c));
-            let until = if all {
-                tokio::time::Instant::now() + quiet
-            } else {
-                deadline
-            };
-            match tokio::time::timeout_at(until, self.replies.recv()).await {
-                Ok(Some((corr, v))) => seen.entry(corr).or_default().push(v),
-                _ => return seen,
-            }
-        }
     }
 }
 
@@ -333,12 +98,20 @@ async fn slow_source(env: &Env, name: &str) -> FaultServer {
     FaultServer::start(&dir, 100 << 10).await
 }
 
+/// Waits until the prepare of `slow/slow.img` holds its prepare slot (its
+/// download has begun). Commands of two nodes start in no set order (the
+/// later one may take the slot first), so the tests that need the slot
+/// taken send their second prepare only then.
+async fn slot_taken(faults: &FaultServer) {
+    let started = Instant::now();
+    while faults.count("slow", "slow.img") == 0 {
+        assert!(started.elapsed() < MINUTE, "the slow prepare starts");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A node of this test's own, `tag` naming it.
 fn own_node(tag: &'static str) -> Node {
-    assert!(
-        Path::new(SERVER).exists(),
-        "{SERVER} missing: install rabbitmq-server"
-    );
     tokio::task::block_in_place(|| Node::start(tag))
 }
 
@@ -352,7 +125,7 @@ async fn the_brokers_consumer_timeout_is_learned() {
         let env = env_on(&node, "");
         let faults = slow_source(&env, "slow.img").await;
         let worker = env.serve().await;
-        let mut client = Client::connect(&node.url()).await;
+        let client = Broker::connect_to(&node.url()).await;
         let cmd = prepare_cmd(&common::node(), &faults.url("slow", "slow.img"));
         let sent = [client.send(&env.host, &cmd, None).await];
         let answers = client
@@ -381,7 +154,7 @@ async fn queued_work_is_acknowledged_early() {
         );
         let faults = slow_source(&env, "slow.img").await;
         let worker = env.serve().await;
-        let mut client = Client::connect(&node.url()).await;
+        let client = Broker::connect_to(&node.url()).await;
         let n = common::node();
         let prepare = prepare_cmd(&n, &faults.url("slow", "slow.img"));
         let cleanup = serde_json::json!({"action": "cleanup", "node_uuid": n, "request_id": "c1"});
@@ -417,15 +190,14 @@ async fn deferring_a_copy_of_a_lost_connection_keeps_the_new_one() {
     let faults = slow_source(&env, "slow.img").await;
     std::fs::write(env.root().join("src/fast.img"), b"fast image bytes").unwrap();
     let worker = env.serve().await;
-    let mut client = Client::connect(&node.url()).await;
+    let client = Broker::connect_to(&node.url()).await;
     // One prepare slot (prefetch 2): the slow prepare holds it, the other
     // one waits and is deferred every 2 s.
     let slow = prepare_cmd(&common::node(), &faults.url("slow", "slow.img"));
     let fast = prepare_cmd(&common::node(), &faults.url("fast", "fast.img"));
-    let sent = [
-        client.send(&env.host, &slow, None).await,
-        client.send(&env.host, &fast, None).await,
-    ];
+    let first = client.send(&env.host, &slow, None).await;
+    slot_taken(&faults).await;
+    let sent = [first, client.send(&env.host, &fast, None).await];
     let deferred = || async {
         let text = worker.metrics_text().await;
         metric(
@@ -443,8 +215,13 @@ async fn deferring_a_copy_of_a_lost_connection_keeps_the_new_one() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // Another consumer takes what the lost connection leaves, so the
-    // waiting prepare's copy is not redelivered to the worker.
-    let thief = client.conn.create_channel().await.unwrap();
+    // waiting prepare's copy is not redelivered to the worker. It never
+    // acknowledges, so the broker closes its channel at the consumer
+    // timeout: on a connection of its own, apart from the answers'.
+    let thief_conn = lapin::Connection::connect(&node.url(), Default::default())
+        .await
+        .unwrap();
+    let thief = thief_conn.create_channel().await.unwrap();
     let queue = format!("ironic-image-worker.{}", env.host);
     let _held = thief
         .basic_consume(
@@ -476,10 +253,11 @@ async fn a_deferred_prepare_keeps_its_deadline() {
     let faults = slow_source(&env, "slow.img").await;
     std::fs::write(env.root().join("src/late.img"), b"late image bytes").unwrap();
     let _worker = env.serve().await;
-    let mut client = Client::connect(AMQP_URL).await;
+    let client = Broker::connect().await;
     let slow = prepare_cmd(&common::node(), &faults.url("slow", "slow.img"));
     let late = prepare_cmd(&common::node(), &faults.url("fast", "late.img"));
     let first = client.send(&env.host, &slow, None).await;
+    slot_taken(&faults).await;
     // 5 s: deferred twice while the slow one (16 s) holds the only slot.
     let second = client.send(&env.host, &late, Some(5000)).await;
     let answers = client

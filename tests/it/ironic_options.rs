@@ -332,70 +332,19 @@ async fn raw_image_growth_factor_sizes_the_conversion_space_check() {
     assert_eq!(ev["image_os_hash_value"], sha256sum(&raw));
 }
 
-/// Makes a CA and a certificate for 127.0.0.1 signed by it (openssl), and
+/// Makes a CA and a certificate for 127.0.0.1 signed by it, and
 /// serves `dir` over HTTPS with `openssl s_server -WWW`.
 fn https_server(dir: &Path, certs: &Path) -> (Killed, String) {
-    let p = |n: &str| certs.join(n).to_str().unwrap().to_string();
-    std::fs::create_dir_all(certs).unwrap();
-    tool(
-        "openssl",
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=test CA",
-            "-keyout",
-            &p("ca.key"),
-            "-out",
-            &p("ca.pem"),
-        ],
-    );
-    tool(
-        "openssl",
-        &[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-subj",
-            "/CN=127.0.0.1",
-            "-keyout",
-            &p("srv.key"),
-            "-out",
-            &p("srv.csr"),
-        ],
-    );
-    std::fs::write(certs.join("ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
-    tool(
-        "openssl",
-        &[
-            "x509",
-            "-req",
-            "-in",
-            &p("srv.csr"),
-            "-CA",
-            &p("ca.pem"),
-            "-CAkey",
-            &p("ca.key"),
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-extfile",
-            &p("ext"),
-            "-out",
-            &p("srv.pem"),
-        ],
-    );
+    let ca = common::ca::TestCa::new(certs, "ca");
+    let (cert, key) = ca.issue("srv", "127.0.0.1", "subjectAltName=IP:127.0.0.1\n");
     let port = free_port();
     let child = std::process::Command::new("openssl")
         .args(["s_server", "-quiet", "-WWW", "-accept"])
         .arg(format!("127.0.0.1:{port}"))
-        .args(["-cert", &p("srv.pem"), "-key", &p("srv.key")])
+        .arg("-cert")
+        .arg(&cert)
+        .arg("-key")
+        .arg(&key)
         .current_dir(dir)
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())

@@ -52,70 +52,13 @@ impl Drop for Registry {
 
 /// A test CA and a certificate for `localhost` and 127.0.0.1 signed by it.
 fn make_certs(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
-    let p = |n: &str| dir.join(n).to_str().unwrap().to_string();
-    tool(
-        "openssl",
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=iiw-oci-test-ca",
-            "-keyout",
-            &p("ca.key"),
-            "-out",
-            &p("ca.pem"),
-        ],
-    );
-    tool(
-        "openssl",
-        &[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-subj",
-            "/CN=localhost",
-            "-keyout",
-            &p("server.key"),
-            "-out",
-            &p("server.csr"),
-        ],
-    );
-    std::fs::write(
-        dir.join("server.ext"),
+    let ca = common::ca::TestCa::new(dir, "ca");
+    let (cert, key) = ca.issue(
+        "server",
+        "localhost",
         "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n",
-    )
-    .unwrap();
-    tool(
-        "openssl",
-        &[
-            "x509",
-            "-req",
-            "-in",
-            &p("server.csr"),
-            "-CA",
-            &p("ca.pem"),
-            "-CAkey",
-            &p("ca.key"),
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-extfile",
-            &p("server.ext"),
-            "-out",
-            &p("server.pem"),
-        ],
     );
-    (
-        dir.join("ca.pem"),
-        dir.join("server.pem"),
-        dir.join("server.key"),
-    )
+    (ca.pem, cert, key)
 }
 
 impl Registry {

@@ -17,76 +17,13 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 /// A CA (`<ca>.pem`) and a server certificate it signs (`<ca>-server.pem`,
-/// `.key`) for `localhost`, 127.0.0.1 and ::1, made with openssl in `dir`.
+/// `.key`) for `localhost`, 127.0.0.1 and ::1, made in `dir`.
 fn make_ca_and_server(dir: &Path, ca: &str) {
-    let p = |name: &str| dir.join(name).to_str().unwrap().to_string();
-    tool(
-        "openssl",
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-nodes",
-            "-days",
-            "2",
-            "-subj",
-            &format!("/CN={ca}"),
-            "-keyout",
-            &p(&format!("{ca}.key")),
-            "-out",
-            &p(&format!("{ca}.pem")),
-            "-addext",
-            "basicConstraints=critical,CA:TRUE",
-            "-addext",
-            "keyUsage=critical,keyCertSign,cRLSign",
-        ],
-    );
-    let name = format!("{ca}-server");
-    std::fs::write(
-        dir.join(format!("{name}.ext")),
+    common::ca::TestCa::new(dir, ca).issue(
+        &format!("{ca}-server"),
+        "localhost",
         "subjectAltName=DNS:localhost,IP:127.0.0.1,IP:::1\n\
          extendedKeyUsage=serverAuth\nbasicConstraints=CA:FALSE\n",
-    )
-    .unwrap();
-    tool(
-        "openssl",
-        &[
-            "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-nodes",
-            "-subj",
-            "/CN=localhost",
-            "-keyout",
-            &p(&format!("{name}.key")),
-            "-out",
-            &p(&format!("{name}.csr")),
-        ],
-    );
-    tool(
-        "openssl",
-        &[
-            "x509",
-            "-req",
-            "-in",
-            &p(&format!("{name}.csr")),
-            "-CA",
-            &p(&format!("{ca}.pem")),
-            "-CAkey",
-            &p(&format!("{ca}.key")),
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-extfile",
-            &p(&format!("{name}.ext")),
-            "-out",
-            &p(&format!("{name}.pem")),
-        ],
     );
 }
 

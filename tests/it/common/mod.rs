@@ -3,6 +3,9 @@
 //! validation of every completion event against the JSON schema.
 #![allow(dead_code)]
 
+pub mod ca;
+pub mod rabbit;
+
 use axum::Router;
 use axum::extract::{Request, State};
 use axum::response::{IntoResponse, Response};
@@ -520,12 +523,18 @@ pub struct Broker {
 pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
 impl Broker {
+    /// A client of the default broker on 127.0.0.1:5672.
     pub async fn connect() -> Broker {
+        Broker::connect_to(AMQP_URL).await
+    }
+
+    /// A client of the broker at `url` (a test's own RabbitMQ node).
+    pub async fn connect_to(url: &str) -> Broker {
         use futures_util::StreamExt;
         use lapin::options::*;
-        let conn = lapin::Connection::connect(AMQP_URL, lapin::ConnectionProperties::default())
+        let conn = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
             .await
-            .expect("RabbitMQ on 127.0.0.1:5672");
+            .unwrap_or_else(|e| panic!("RabbitMQ at {url}: {e}"));
         let channel = conn.create_channel().await.unwrap();
         channel
             .confirm_select(ConfirmSelectOptions::default())
@@ -560,7 +569,12 @@ impl Broker {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(async move {
             let _keep = consume;
-            while let Some(Ok(d)) = consumer.next().await {
+            loop {
+                let d = match consumer.next().await {
+                    Some(Ok(d)) => d,
+                    // Said, so that a test missing its answers tells why.
+                    end => return eprintln!("the reply consumer stopped: {end:?}"),
+                };
                 let corr = d
                     .properties
                     .correlation_id()
@@ -591,17 +605,40 @@ impl Broker {
         headers: Option<lapin::types::FieldTable>,
         reply: bool,
     ) {
-        use lapin::options::*;
+        let reply_to = reply.then_some(self.reply_queue.as_str());
+        let props = Broker::properties(correlation_id, headers, reply_to);
+        self.publish_props(host, action, body, props).await;
+    }
+
+    /// A persistent JSON command's properties.
+    fn properties(
+        correlation_id: &str,
+        headers: Option<lapin::types::FieldTable>,
+        reply_to: Option<&str>,
+    ) -> lapin::BasicProperties {
         let mut props = lapin::BasicProperties::default()
             .with_content_type("application/json".into())
             .with_delivery_mode(2)
             .with_correlation_id(correlation_id.into());
-        if reply {
-            props = props.with_reply_to(self.reply_queue.as_str().into());
+        if let Some(queue) = reply_to {
+            props = props.with_reply_to(queue.into());
         }
         if let Some(h) = headers {
             props = props.with_headers(h);
         }
+        props
+    }
+
+    /// Publishes `body` with `props` to `<host>.node.<action>`, mandatory and
+    /// confirmed: the command must reach a queue.
+    async fn publish_props(
+        &self,
+        host: &str,
+        action: &str,
+        body: &[u8],
+        props: lapin::BasicProperties,
+    ) {
+        use lapin::options::*;
         let confirm = self
             .channel
             .basic_publish(
@@ -676,18 +713,46 @@ impl Broker {
 
     /// Publishes a command JSON and returns its correlation id.
     pub async fn command(&self, host: &str, body: Value) -> String {
+        self.send(host, &body, None).await
+    }
+
+    /// Sends command `body` to `host` with a reply queue and, when given, an
+    /// AMQP `expiration` in ms; returns its correlation id.
+    pub async fn send(&self, host: &str, body: &Value, expiration: Option<u64>) -> String {
         let corr = uuid::Uuid::new_v4().to_string();
         let action = body["action"].as_str().unwrap_or("prepare").to_string();
-        self.publish_raw(
-            host,
-            &action,
-            body.to_string().as_bytes(),
-            &corr,
-            None,
-            true,
-        )
-        .await;
+        let mut props = Broker::properties(&corr, None, Some(&self.reply_queue));
+        if let Some(ms) = expiration {
+            props = props.with_expiration(ms.to_string().as_str().into());
+        }
+        self.publish_props(host, &action, body.to_string().as_bytes(), props)
+            .await;
         corr
+    }
+
+    /// The answers to `sent`, waiting up to `within` for all of them and
+    /// then `quiet` longer for duplicates: answers per correlation id.
+    pub async fn answers(
+        &self,
+        sent: &[String],
+        within: Duration,
+        quiet: Duration,
+    ) -> HashMap<String, Vec<Value>> {
+        let mut seen: HashMap<String, Vec<Value>> = HashMap::new();
+        let deadline = tokio::time::Instant::now() + within;
+        let mut rx = self.replies.lock().await;
+        loop {
+            let all = sent.iter().all(|c| seen.contains_key(c));
+            let until = if all {
+                tokio::time::Instant::now() + quiet
+            } else {
+                deadline
+            };
+            match tokio::time::timeout_at(until, rx.recv()).await {
+                Ok(Some((corr, v))) => seen.entry(corr.unwrap_or_default()).or_default().push(v),
+                _ => return seen,
+            }
+        }
     }
 
     /// The next completion event (with its correlation id).
