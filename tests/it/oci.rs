@@ -801,3 +801,56 @@ async fn bearer_tokens_from_a_real_token_service() {
     worker.terminate().await;
     assert!(env.temporaries().is_empty(), "{:?}", env.temporaries());
 }
+
+/// Pushed by the tools operators use: the `oras` package pushes a qcow2 as
+/// a single-layer artifact under a tag (no index), and Debian's `skopeo`
+/// copies it, whole, to another repository and through an OCI layout
+/// directory; the worker serves the same raw image from each.
+#[tokio::test]
+async fn images_pushed_with_oras_and_copied_with_skopeo() {
+    let env = plain_env();
+    let reg = Registry::start(&env.root().join("registry"), None, false).await;
+    let (raw, qcow2) = disk(env.root(), "disk", 11);
+    let host = format!("127.0.0.1:{}", reg.port);
+    let push = format!(
+        "import oras.client\n\
+         c = oras.client.OrasClient(hostname={host:?}, insecure=True)\n\
+         r = c.push(target={target:?}, files=[{file:?}], disable_path_validation=True)\n\
+         assert r.status_code == 201, r.status_code\n",
+        target = format!("{host}/img/oras:v1"),
+        file = qcow2.to_str().unwrap(),
+    );
+    tool(ironic_python().to_str().unwrap(), &["-c", &push]);
+    let skopeo = |from: String, to: String| {
+        tool(
+            "skopeo",
+            &[
+                "copy",
+                "--all",
+                "--src-tls-verify=false",
+                "--dest-tls-verify=false",
+                &from,
+                &to,
+            ],
+        )
+    };
+    skopeo(
+        format!("docker://{host}/img/oras:v1"),
+        format!("docker://{host}/img/copied:v2"),
+    );
+    let layout = env.root().join("layout");
+    skopeo(
+        format!("docker://{host}/img/oras:v1"),
+        format!("oci:{}:v3", layout.display()),
+    );
+    skopeo(
+        format!("oci:{}:v3", layout.display()),
+        format!("docker://{host}/img/layout:v3"),
+    );
+    for reference in ["img/oras:v1", "img/copied:v2", "img/layout:v3"] {
+        let (ok, done) = env.prepare(&node(), &reg.oci(reference), &[]).await;
+        assert!(ok, "{reference}: {done}");
+        assert_eq!(done["converted"], true, "{reference}");
+        assert_serves(&env, &done, &raw);
+    }
+}

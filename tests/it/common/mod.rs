@@ -859,11 +859,13 @@ pub const IRONIC_TEST_PIP: &[&str] = &[
     "fixtures==4.3.2",
     "oslotest==6.1.1",
     "testtools==2.9.1",
+    // Pushes OCI artifacts as operators do (tests/it/oci.rs).
+    "oras==0.2.43",
 ];
 
 /// What a ready Ironic virtualenv imports.
 const IRONIC_VENV_IMPORTS: &str = "import ironic.conductor.notification_utils, \
-     ironic_python_agent, pytest, fixtures, oslotest";
+     ironic_python_agent, pytest, fixtures, oslotest, oras.client";
 
 /// Emits provision_set notifications through Ironic's notifier as conductor
 /// `host`; each spec is one transition (see tests/helpers/emit_notification.py).
