@@ -66,6 +66,14 @@ pub async fn serve(config: Config) -> Result<()> {
         stopped(stop_rx.clone()),
     ));
     let peers = spawn_peer_listener(&config, &metrics, limits, stopped(stop_rx.clone())).await?;
+    if config.peers.enabled() {
+        let link = crate::broker::peers::start(
+            pipeline.clone(),
+            crate::broker::Brokers::new(&config)?,
+            stop_rx.clone(),
+        );
+        pipeline.enable_peers(link)?;
+    }
     let consumer = tokio::spawn(crate::broker::run(
         pipeline.clone(),
         metrics.clone(),
