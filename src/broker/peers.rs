@@ -162,7 +162,12 @@ impl PeerLink {
         };
         let exchange = ShortString::from(self.exchange.as_str());
         channel
-            .exchange_declare(exchange.clone(), ExchangeKind::Topic, durable, FieldTable::default())
+            .exchange_declare(
+                exchange.clone(),
+                ExchangeKind::Topic,
+                durable,
+                FieldTable::default(),
+            )
             .await?;
         let own = QueueDeclareOptions {
             exclusive: true,
@@ -187,7 +192,12 @@ impl PeerLink {
             ..BasicConsumeOptions::default()
         };
         let consumer = channel
-            .basic_consume(queue.as_str().into(), "".into(), no_ack, FieldTable::default())
+            .basic_consume(
+                queue.as_str().into(),
+                "".into(),
+                no_ack,
+                FieldTable::default(),
+            )
             .await?;
         let live = Live {
             conn: Arc::new(conn),
@@ -266,7 +276,13 @@ impl PeerLink {
             .with_expiration(self.timeout.as_millis().to_string().as_str().into());
         let _ = live
             .channel
-            .basic_publish("".into(), reply_to.into(), BasicPublishOptions::default(), &body, props)
+            .basic_publish(
+                "".into(),
+                reply_to.into(),
+                BasicPublishOptions::default(),
+                &body,
+                props,
+            )
             .await;
     }
 

@@ -59,7 +59,7 @@ impl Pipeline {
         // With peers on: a peer's master, or the cloud-wide claim on the
         // download, held until this master is committed (when this returns).
         let _claim = match self.through_peers(job).await? {
-            PeerTurn::Fetched(got) => return Ok(got),
+            PeerTurn::Fetched(got) => return Ok(*got),
             PeerTurn::Source(claim) => claim,
         };
         tracing::info!(source = %job.source.display(), master = job.name, "downloading");

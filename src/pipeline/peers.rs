@@ -72,7 +72,7 @@ pub(super) struct Peers {
 /// What asking the peers came to.
 pub(super) enum PeerTurn {
     /// A peer's master, verified and committed here.
-    Fetched((Master, TempGuard)),
+    Fetched(Box<(Master, TempGuard)>),
     /// Go to the source, holding the claim when there is one.
     Source(Option<ClaimGuard>),
 }
@@ -133,7 +133,7 @@ impl Pipeline {
             let offers = peers.directory.offers(job.name).await;
             let downloading = offers.iter().any(|o| o.state == OfferState::Downloading);
             if let Some(got) = self.fetch_usable(peers, job, offers, &mut bad).await {
-                return Ok(PeerTurn::Fetched(got));
+                return Ok(PeerTurn::Fetched(Box::new(got)));
             }
             if !downloading {
                 match peers.directory.claim(job.name).await {
@@ -142,7 +142,7 @@ impl Pipeline {
                         // the query is taken from its holder.
                         let offers = peers.directory.offers(job.name).await;
                         if let Some(got) = self.fetch_usable(peers, job, offers, &mut bad).await {
-                            return Ok(PeerTurn::Fetched(got));
+                            return Ok(PeerTurn::Fetched(Box::new(got)));
                         }
                         return Ok(PeerTurn::Source(Some(guard)));
                     }
@@ -151,7 +151,10 @@ impl Pipeline {
                 }
             }
             if !waited {
-                tracing::info!(master = job.name, "another worker is downloading it: waiting");
+                tracing::info!(
+                    master = job.name,
+                    "another worker is downloading it: waiting"
+                );
                 waited = true;
             }
             if started.elapsed() > limit {
@@ -182,8 +185,16 @@ impl Pipeline {
             .filter(|o| !bad.contains(&(o.host.clone(), sha256_of(o))))
             .filter(|o| self.acceptable(job, o))
             .collect();
-        let result = if usable.is_empty() { "missed" } else { "answered" };
-        self.metrics.peers.queries.with_label_values(&[result]).inc();
+        let result = if usable.is_empty() {
+            "missed"
+        } else {
+            "answered"
+        };
+        self.metrics
+            .peers
+            .queries
+            .with_label_values(&[result])
+            .inc();
         if usable.is_empty() {
             return None;
         }
@@ -309,7 +320,11 @@ impl Pipeline {
         let (tx, rx) = tokio::sync::mpsc::channel(DELIVERY_DEPTH);
         let failed = |h: &Holder, why: &'static str| {
             tracing::warn!(peer = %h.host, reason = why, "fetch from a peer failed");
-            self.metrics.peers.fetch_failures.with_label_values(&[why]).inc();
+            self.metrics
+                .peers
+                .fetch_failures
+                .with_label_values(&[why])
+                .inc();
         };
         let feed = peers
             .fetcher
@@ -335,7 +350,10 @@ impl Pipeline {
         {
             let err = Error::new(
                 ErrorCode::ChecksumMismatch,
-                format!("master {} from a peer: {} is not {}", job.name, e.algo, e.hex),
+                format!(
+                    "master {} from a peer: {} is not {}",
+                    job.name, e.algo, e.hex
+                ),
             );
             return Err(("digest_mismatch", err));
         }
@@ -382,7 +400,10 @@ impl Pipeline {
 
 /// The offer's SHA-256 (empty while downloading).
 fn sha256_of(o: &Offer) -> String {
-    o.master.as_ref().map(|m| m.sha256.clone()).unwrap_or_default()
+    o.master
+        .as_ref()
+        .map(|m| m.sha256.clone())
+        .unwrap_or_default()
 }
 
 /// Whether offer `o` holds exactly the bytes `m` describes.

@@ -52,7 +52,8 @@ impl PeerFetcher {
     /// operator's own, configured by `[peers]`: no address rule) and the
     /// `[peers]` secret.
     pub fn new(config: &Config) -> Result<PeerFetcher> {
-        let client = super::http_client::build(config, super::http_client::Purpose::Operator, false)?;
+        let client =
+            super::http_client::build(config, super::http_client::Purpose::Operator, false)?;
         Ok(PeerFetcher {
             client,
             secret: std::sync::Arc::new(config.peers.load_secret()?),

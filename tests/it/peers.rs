@@ -143,7 +143,11 @@ async fn a_node_moved_to_another_conductor_takes_the_image_from_the_first() {
     let b = &cloud[1];
     assert!(metric_of(b, "ironic_image_worker_peer_received_bytes_total").await > 0.0);
     assert_eq!(
-        metric_of(b, "ironic_image_worker_peer_queries_total{result=\"answered\"}").await,
+        metric_of(
+            b,
+            "ironic_image_worker_peer_queries_total{result=\"answered\"}"
+        )
+        .await,
         1.0
     );
     let (status, body) = get(&b.worker.image_url(&format!("/agent_images/{node}"))).await;
@@ -169,7 +173,10 @@ async fn a_peer_master_corrupted_on_disk_is_detected_and_never_served() {
     let master = a.env.master_dir().join(&a.env.masters()[0]);
     {
         use std::os::unix::fs::FileExt;
-        let f = std::fs::OpenOptions::new().write(true).open(&master).unwrap();
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&master)
+            .unwrap();
         f.write_all_at(b"rotten bytes", 4 << 20).unwrap();
     }
     let cmd = prepare(&node(), &source.url("disk.qcow2"), &sha);
@@ -192,7 +199,10 @@ async fn a_peer_master_corrupted_on_disk_is_detected_and_never_served() {
     let masters = b.env.masters();
     assert_eq!(masters.len(), 1, "{masters:?}");
     assert_eq!(sha256sum(&b.env.master_dir().join(&masters[0])), served);
-    assert!(b.env.temporaries().is_empty(), "nothing of the bad bytes left");
+    assert!(
+        b.env.temporaries().is_empty(),
+        "nothing of the bad bytes left"
+    );
 }
 
 #[tokio::test]
@@ -239,7 +249,10 @@ async fn with_peers_off_every_conductor_downloads_for_itself() {
     for c in &cloud {
         let text = c.worker.metrics_text().await;
         assert_eq!(
-            metric(&text, "ironic_image_worker_peer_queries_total{result=\"missed\"}"),
+            metric(
+                &text,
+                "ironic_image_worker_peer_queries_total{result=\"missed\"}"
+            ),
             None,
             "no peer query"
         );
@@ -249,7 +262,10 @@ async fn with_peers_off_every_conductor_downloads_for_itself() {
 /// A TCP proxy in front of `upstream`: its first connection is reset after
 /// `cut` bytes of the answer (a peer dying mid-transfer), the later ones
 /// pass whole. Returns its port and the requests' heads it saw.
-async fn cutting_proxy(upstream: u16, cut: usize) -> (u16, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+async fn cutting_proxy(
+    upstream: u16,
+    cut: usize,
+) -> (u16, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -262,10 +278,14 @@ async fn cutting_proxy(upstream: u16, cut: usize) -> (u16, std::sync::Arc<std::s
             first = false;
             let seen = seen.clone();
             tokio::spawn(async move {
-                let mut server = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await.unwrap();
+                let mut server = tokio::net::TcpStream::connect(("127.0.0.1", upstream))
+                    .await
+                    .unwrap();
                 let mut head = vec![0u8; 8192];
                 let n = client.read(&mut head).await.unwrap_or(0);
-                seen.lock().unwrap().push(String::from_utf8_lossy(&head[..n]).to_string());
+                seen.lock()
+                    .unwrap()
+                    .push(String::from_utf8_lossy(&head[..n]).to_string());
                 server.write_all(&head[..n]).await.unwrap();
                 let mut buf = vec![0u8; 64 * 1024];
                 let mut passed = 0usize;
@@ -325,7 +345,10 @@ async fn a_transfer_cut_mid_way_resumes_with_range_and_no_source_get() {
         .and_then(|r| r.split('-').next())
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("resumed with a Range: {lower}"));
-    assert!((4 << 20..5 << 20).contains(&from), "resumed where it was cut: {from}");
+    assert!(
+        (4 << 20..5 << 20).contains(&from),
+        "resumed where it was cut: {from}"
+    );
     assert_eq!(
         metric_of(
             &b,
