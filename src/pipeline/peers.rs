@@ -122,10 +122,7 @@ impl Pipeline {
         let Some(peers) = self.peers.get() else {
             return Ok(PeerTurn::Source(None));
         };
-        let limit = match self.config.source.download_deadline {
-            0 => WAIT_LIMIT,
-            s => Duration::from_secs(s),
-        };
+        let limit = self.wait_limit();
         let started = Instant::now();
         let mut bad = HashSet::new();
         let mut waited = false;
@@ -204,6 +201,15 @@ impl Pipeline {
                 tracing::warn!(master = job.name, error = %e, "no master from the peers");
                 None
             }
+        }
+    }
+
+    /// How long a wait for another worker's download, or a transfer from
+    /// peers, may last: `[source]download_deadline`, else [`WAIT_LIMIT`].
+    fn wait_limit(&self) -> Duration {
+        match self.config.source.download_deadline {
+            0 => WAIT_LIMIT,
+            s => Duration::from_secs(s),
         }
     }
 
@@ -326,9 +332,24 @@ impl Pipeline {
                 .with_label_values(&[why])
                 .inc();
         };
-        let feed = peers
-            .fetcher
-            .download(job.name, facts.size, holders, tx, &failed);
+        let limit = self.wait_limit();
+        let feed = async {
+            let transfer = peers
+                .fetcher
+                .download(job.name, facts.size, holders, tx, &failed);
+            tokio::time::timeout(limit, transfer)
+                .await
+                .unwrap_or_else(|_| {
+                    Err(Error::new(
+                        ErrorCode::SourceUnreachable,
+                        format!(
+                            "master {} from peers: not done within {}s",
+                            job.name,
+                            limit.as_secs()
+                        ),
+                    ))
+                })
+        };
         let (written, _) = self
             .receive_from(&plain, rx, feed)
             .await
