@@ -10,7 +10,9 @@
 //! * `dispatch`: deliveries in, routed to per-node work, answered, then
 //!   acknowledged (or dead-lettered when unusable); work outlives a
 //!   connection and a redelivered copy is adopted, not run twice;
-//! * `stamp`: when a command was issued, from its AMQP message.
+//! * `stamp`: when a command was issued, from its AMQP message;
+//! * `peers`: queries and offers between the workers of several
+//!   conductors, and the cloud-wide claim on a master's download.
 //!
 //! One connection with two channels (consume/ack, and publish with
 //! confirms). A delivery is acknowledged only after its completion event is
@@ -26,6 +28,7 @@ mod ack;
 mod connect;
 mod deadline;
 mod dispatch;
+pub mod peers;
 mod publisher;
 mod session;
 mod stamp;

@@ -5,7 +5,6 @@ use super::Registrar;
 use prometheus::{IntCounter, IntCounterVec};
 
 /// The peers' figures, beside the source's `download_bytes`.
-#[allow(dead_code)] // the fetching side is being built
 pub struct PeerMetrics {
     /// Master bytes received from peers (and verified or not: see
     /// `fetch_failures`).

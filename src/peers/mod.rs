@@ -1,7 +1,9 @@
-//! What workers of one deployment say to each other. A master crosses
-//! from one worker to another on the peer listener, fetched with a URL
-//! signed by the secret every worker shares (`token`), as a Swift temp
-//! URL is: it names one master and an expiry, so a URL that leaks opens
-//! nothing else and not for long.
+//! What workers of one deployment say to each other. A miss asks the
+//! peers over the broker (`wire`: queries and offers) before it goes to the
+//! image's source; a master crosses from one worker to another on the peer
+//! listener, fetched with a URL signed by the secret every worker shares
+//! (`token`), as a Swift temp URL is: it names one master and an expiry, so
+//! a URL that leaks opens nothing else and not for long.
 
 pub(crate) mod token;
+pub mod wire;

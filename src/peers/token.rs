@@ -54,7 +54,6 @@ pub(crate) fn now() -> u64 {
 
 /// The path and query that fetch master `name` until `expires` (unix
 /// seconds), to be appended to a peer's URL.
-#[allow(dead_code)] // the fetching side is being built
 pub(crate) fn signed_path(secret: &[u8], name: &str, expires: u64) -> String {
     let sig = hex::encode(mac(secret, name, expires).finalize().into_bytes());
     format!("{PREFIX}{name}?temp_url_sig={sig}&temp_url_expires={expires}")

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 
 /// Deliveries queued between the source and the attempt's writer.
-const DELIVERY_DEPTH: usize = 8;
+pub(super) const DELIVERY_DEPTH: usize = 8;
 
 /// How much free space a download of unknown size makes sure of ahead.
 const GROWTH_STEP: u64 = 256 << 20;
@@ -78,10 +78,21 @@ impl Pipeline {
         job: &MasterFetch<'_>,
     ) -> Result<(Written, Option<Streamed>)> {
         let (tx, rx) = mpsc::channel(DELIVERY_DEPTH);
+        let source = self.fetcher.download(job.source, tx);
+        self.receive_from(job, rx, source).await
+    }
+
+    /// [`Pipeline::download_attempts`] from any feed of deliveries (`rx`,
+    /// filled by `source`): the image's source, or a peer.
+    pub(super) async fn receive_from(
+        &self,
+        job: &MasterFetch<'_>,
+        rx: mpsc::Receiver<Delivery>,
+        source: impl std::future::Future<Output = Result<SourceStat>>,
+    ) -> Result<(Written, Option<Streamed>)> {
         let (views, watching) = watch::channel(None);
         let mut transfer = Transfer::start(&self.metrics, "download", 0);
         let converting = self.streams_while_downloading(job);
-        let source = self.fetcher.download(job.source, tx);
         let receive = self.receive_attempts(job, rx, views, &mut transfer, converting);
         let convert = async {
             match converting {

@@ -7,6 +7,7 @@
 //! serving.
 
 use super::attempt::{Streamed, Written};
+use super::peers::PeerTurn;
 use super::{Pipeline, blocking};
 use crate::error::{Error, ErrorCode, Result};
 use crate::fsutil::TempGuard;
@@ -55,6 +56,12 @@ impl Pipeline {
     /// with a hold: a hard link that keeps the file until the caller linked
     /// it to the node, so no eviction can take it in between.
     pub(super) async fn fetch_master(&self, job: &MasterFetch<'_>) -> Result<(Master, TempGuard)> {
+        // With peers on: a peer's master, or the cloud-wide claim on the
+        // download, held until this master is committed (when this returns).
+        let _claim = match self.through_peers(job).await? {
+            PeerTurn::Fetched(got) => return Ok(*got),
+            PeerTurn::Source(claim) => claim,
+        };
         tracing::info!(source = %job.source.display(), master = job.name, "downloading");
         // A qcow2 to be converted is converted while it downloads when it can
         // be (see `attempt`); that result is only used after the download is
@@ -166,7 +173,7 @@ impl Pipeline {
 
     /// Inspects the downloaded image: its format must be the declared one
     /// and permitted, and a qcow2 must pass the safety checks.
-    async fn inspect_download(
+    pub(super) async fn inspect_download(
         &self,
         job: &MasterFetch<'_>,
         temp: &Path,
@@ -245,7 +252,7 @@ impl Pipeline {
 
     /// Commits `temp` as the master `name` with its sidecar, holding it by a
     /// hard link first (see [`Pipeline::fetch_master`]).
-    async fn commit_master(
+    pub(super) async fn commit_master(
         &self,
         name: &str,
         temp: TempGuard,

@@ -28,6 +28,7 @@ mod attempt;
 mod fetch;
 mod keeper;
 mod order;
+pub mod peers;
 mod prepare;
 mod stream;
 mod validated;
@@ -46,6 +47,8 @@ pub struct Pipeline {
     ledger: Ledger,
     fetcher: Fetcher,
     metrics: Arc<Metrics>,
+    /// The other conductors' workers, once `serve` turned them on.
+    peers: std::sync::OnceLock<peers::Peers>,
 }
 
 impl Pipeline {
@@ -72,6 +75,7 @@ impl Pipeline {
             node_locks,
             ledger,
             metrics,
+            peers: std::sync::OnceLock::new(),
         })
     }
 

@@ -66,6 +66,7 @@ pub async fn serve(config: Config) -> Result<()> {
         stopped(stop_rx.clone()),
     ));
     let peers = spawn_peer_listener(&config, &metrics, limits, stopped(stop_rx.clone())).await?;
+    start_peer_link(&config, &pipeline, &stop_rx)?;
     let consumer = tokio::spawn(crate::broker::run(
         pipeline.clone(),
         metrics.clone(),
@@ -96,6 +97,21 @@ pub async fn serve(config: Config) -> Result<()> {
         tracing::info!("closing remaining image downloads");
     }
     tracing::info!("stopped");
+    Ok(())
+}
+
+/// Connects the peers' link to the broker when `[peers]` is on and hands
+/// it to the pipeline, so a miss asks the other workers first.
+fn start_peer_link(
+    config: &Config,
+    pipeline: &Arc<Pipeline>,
+    stop: &watch::Receiver<bool>,
+) -> Result<()> {
+    if config.peers.enabled() {
+        let brokers = crate::broker::Brokers::new(config)?;
+        let link = crate::broker::peers::start(pipeline.clone(), brokers, stop.clone());
+        pipeline.enable_peers(link)?;
+    }
     Ok(())
 }
 

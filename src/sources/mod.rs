@@ -16,6 +16,7 @@ pub(crate) mod glance;
 pub(crate) mod http_client;
 pub(crate) mod oci;
 pub(crate) mod oci_registry;
+pub mod peer;
 
 use crate::config::{Config, blocked_dir, redact_url};
 use crate::error::{Error, ErrorCode, Result, error_chain};

@@ -1,0 +1,109 @@
+//! The bodies workers exchange on the peer exchange: a query for a master
+//! by name, and the offers of the workers that hold it (verified, with the
+//! facts of its sidecar) or are downloading it. Plain data: the broker side
+//! carries them, the pipeline decides what an offer is worth.
+
+use serde::{Deserialize, Serialize};
+
+/// Routing key prefix of queries on the peer exchange (`query.<name>`).
+pub const QUERY_KEY: &str = "query";
+
+/// A worker asks who holds master `name`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Query {
+    /// The master's name in the cache (Ironic's name for it).
+    pub name: String,
+    /// The conductor host asking (a worker of the same host never answers:
+    /// it shares the asker's cache).
+    pub host: String,
+    /// The asking process (random per process), so it never answers itself.
+    pub process: String,
+}
+
+/// Whether an offered master is ready to be fetched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OfferState {
+    /// Committed and verified: fetch it.
+    Verified,
+    /// Being downloaded from its source by the holder of the cloud-wide
+    /// claim: wait for it.
+    Downloading,
+}
+
+/// A worker's answer to a [`Query`]: what it holds under that name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Offer {
+    /// The master's name.
+    pub name: String,
+    /// The answering conductor host.
+    pub host: String,
+    /// The answering process.
+    pub process: String,
+    /// Its peer listener (`[peers]url`), without a trailing slash.
+    pub url: String,
+    /// Verified or downloading.
+    pub state: OfferState,
+    /// What its sidecar records (absent while downloading).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub master: Option<OfferedMaster>,
+}
+
+/// The sidecar facts of an offered master: the served bytes' size and
+/// digests, and what was verified of its source.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OfferedMaster {
+    /// Size of the master's bytes.
+    pub size: u64,
+    /// MD5 of the master's bytes.
+    pub md5: String,
+    /// SHA-256 of the master's bytes.
+    pub sha256: String,
+    /// SHA-512 of the master's bytes, when computed.
+    #[serde(default)]
+    pub sha512: Option<String>,
+    /// Whether the master is a conversion of its source.
+    pub converted: bool,
+    /// The master's disk format as announced to the agent.
+    pub disk_format: String,
+    /// The format detected in the source bytes.
+    pub source_format: String,
+    /// The image source, its secrets masked.
+    pub source: String,
+    /// Unix time the source download started.
+    pub fetched_at: u64,
+    /// The source's Last-Modified, when known (unix s).
+    #[serde(default)]
+    pub source_last_modified: Option<u64>,
+    /// Size of the source bytes.
+    pub source_size: u64,
+    /// MD5 of the source bytes, when computed.
+    #[serde(default)]
+    pub source_md5: Option<String>,
+    /// SHA-256 of the source bytes, when computed.
+    #[serde(default)]
+    pub source_sha256: Option<String>,
+    /// SHA-512 of the source bytes, when computed.
+    #[serde(default)]
+    pub source_sha512: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_offer_reads_back_as_written() {
+        let offer = Offer {
+            name: "abc.converted".into(),
+            host: "c1".into(),
+            process: "p".into(),
+            url: "http://10.0.0.1:8089".into(),
+            state: OfferState::Downloading,
+            master: None,
+        };
+        let text = serde_json::to_string(&offer).unwrap();
+        assert!(text.contains("\"state\":\"downloading\""), "{text}");
+        assert_eq!(serde_json::from_str::<Offer>(&text).unwrap(), offer);
+    }
+}

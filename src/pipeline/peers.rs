@@ -1,0 +1,456 @@
+//! The peers of the pipeline: before a miss goes to the image's source, the
+//! other conductors' workers are asked for the master (`PeerDirectory`,
+//! which the broker layer implements: the pipeline knows nothing of AMQP),
+//! and a cloud-wide claim on the master's name makes one worker download
+//! from the source while the others wait for its master and fetch it from
+//! that worker. A peer's bytes are trusted no more than a source's: every
+//! byte is checked in the same pass against the digests the peer recorded
+//! (and against Ironic's checksum when they are the source's bytes), and
+//! the file is inspected as a download is, before it becomes a master.
+
+use super::Pipeline;
+use super::attempt::DELIVERY_DEPTH;
+use super::fetch::MasterFetch;
+use super::prepare::source_digest;
+use crate::error::{Error, ErrorCode, Result};
+use crate::fsutil::TempGuard;
+use crate::image::inspect::{self, Format};
+use crate::peers::wire::{Offer, OfferState, OfferedMaster};
+use crate::sources::peer::{Holder, PeerFetcher};
+use crate::store::cache::{Master, MasterMeta};
+use futures_util::future::BoxFuture;
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How long a worker that lost the claim waits between two looks at who
+/// holds the master (plus the query's own timeout).
+const WAIT_STEP: Duration = Duration::from_millis(500);
+
+/// How long a worker waits for another's download when no
+/// `[source]download_deadline` bounds it.
+const WAIT_LIMIT: Duration = Duration::from_secs(6 * 3600);
+
+/// What the pipeline asks of the other workers; the broker layer answers.
+pub trait PeerDirectory: Send + Sync {
+    /// The offers of the other workers for master `name`, collected for
+    /// `[peers]query_timeout_ms` (none when the broker is unreachable).
+    fn offers<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Vec<Offer>>;
+    /// Takes the cloud-wide claim on downloading master `name` from its
+    /// source.
+    fn claim<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Claim>;
+}
+
+/// The answer to a claim.
+pub enum Claim {
+    /// Ours until the guard is dropped.
+    Held(ClaimGuard),
+    /// Another worker holds it: it is downloading the master.
+    Taken,
+    /// No claim can be taken (the broker is unreachable): download alone.
+    Unavailable,
+}
+
+/// A held claim; dropping it releases the claim.
+pub struct ClaimGuard {
+    _held: Box<dyn Send + Sync>,
+}
+
+impl ClaimGuard {
+    /// Wraps what releases the claim when dropped.
+    pub fn new(held: Box<dyn Send + Sync>) -> ClaimGuard {
+        ClaimGuard { _held: held }
+    }
+}
+
+/// The peers as the pipeline uses them, once `serve` turned them on.
+pub(super) struct Peers {
+    directory: Arc<dyn PeerDirectory>,
+    fetcher: PeerFetcher,
+}
+
+/// What asking the peers came to.
+pub(super) enum PeerTurn {
+    /// A peer's master, verified and committed here.
+    Fetched(Box<(Master, TempGuard)>),
+    /// Go to the source, holding the claim when there is one.
+    Source(Option<ClaimGuard>),
+}
+
+impl Pipeline {
+    /// Turns the peers on: misses ask `directory` first (`serve` does
+    /// this when `[peers]` is configured).
+    pub fn enable_peers(&self, directory: Arc<dyn PeerDirectory>) -> Result<()> {
+        let peers = Peers {
+            directory,
+            fetcher: PeerFetcher::new(&self.config)?,
+        };
+        let _ = self.peers.set(peers);
+        Ok(())
+    }
+
+    /// What this worker offers of master `name`: its sidecar's facts, when
+    /// the master is committed and its sidecar describes it.
+    pub fn peer_offer(&self, name: &str) -> Option<OfferedMaster> {
+        if !crate::peers::token::is_master_name(name) {
+            return None;
+        }
+        let m = self.cache.load(name)?.meta;
+        Some(OfferedMaster {
+            size: m.size,
+            md5: m.md5,
+            sha256: m.sha256,
+            sha512: m.sha512,
+            converted: m.converted,
+            disk_format: m.disk_format,
+            source_format: m.source_format,
+            source: m.source,
+            fetched_at: m.fetched_at,
+            source_last_modified: m.source_last_modified,
+            source_size: m.source_size,
+            source_md5: m.source_md5,
+            source_sha256: m.source_sha256,
+            source_sha512: m.source_sha512,
+        })
+    }
+
+    /// Before a download from the source: the peers' offers; a verified
+    /// one is fetched. While another worker is downloading it, this one
+    /// waits for its master; when none is, it takes the cloud-wide claim
+    /// and goes to the source (or, its holder gone, takes the claim over).
+    pub(super) async fn through_peers(&self, job: &MasterFetch<'_>) -> Result<PeerTurn> {
+        let Some(peers) = self.peers.get() else {
+            return Ok(PeerTurn::Source(None));
+        };
+        let limit = self.wait_limit();
+        let started = Instant::now();
+        let mut bad = HashSet::new();
+        let mut waited = false;
+        loop {
+            let offers = peers.directory.offers(job.name).await;
+            let downloading = offers.iter().any(|o| o.state == OfferState::Downloading);
+            if let Some(got) = self.fetch_usable(peers, job, offers, &mut bad).await {
+                return Ok(PeerTurn::Fetched(Box::new(got)));
+            }
+            if !downloading {
+                match peers.directory.claim(job.name).await {
+                    Claim::Held(guard) => {
+                        // A master committed (and its claim released) since
+                        // the query is taken from its holder.
+                        let offers = peers.directory.offers(job.name).await;
+                        if let Some(got) = self.fetch_usable(peers, job, offers, &mut bad).await {
+                            return Ok(PeerTurn::Fetched(Box::new(got)));
+                        }
+                        return Ok(PeerTurn::Source(Some(guard)));
+                    }
+                    Claim::Unavailable => return Ok(PeerTurn::Source(None)),
+                    Claim::Taken => {}
+                }
+            }
+            if !waited {
+                tracing::info!(
+                    master = job.name,
+                    "another worker is downloading it: waiting"
+                );
+                waited = true;
+            }
+            if started.elapsed() > limit {
+                return Err(Error::new(
+                    ErrorCode::SourceUnreachable,
+                    format!(
+                        "master {}: waited {}s for another worker's download",
+                        job.name,
+                        limit.as_secs()
+                    ),
+                ));
+            }
+            tokio::time::sleep(WAIT_STEP).await;
+        }
+    }
+
+    /// The master fetched from the usable offers among `offers`, if any
+    /// (counted as an answered or missed query).
+    async fn fetch_usable(
+        &self,
+        peers: &Peers,
+        job: &MasterFetch<'_>,
+        offers: Vec<Offer>,
+        bad: &mut HashSet<(String, String)>,
+    ) -> Option<(Master, TempGuard)> {
+        let usable: Vec<Offer> = offers
+            .into_iter()
+            .filter(|o| !bad.contains(&(o.host.clone(), sha256_of(o))))
+            .filter(|o| self.acceptable(job, o))
+            .collect();
+        let result = if usable.is_empty() {
+            "missed"
+        } else {
+            "answered"
+        };
+        self.metrics
+            .peers
+            .queries
+            .with_label_values(&[result])
+            .inc();
+        if usable.is_empty() {
+            return None;
+        }
+        match self.fetch_from_peers(peers, job, &usable, bad).await {
+            Ok(got) => Some(got),
+            Err(e) => {
+                tracing::warn!(master = job.name, error = %e, "no master from the peers");
+                None
+            }
+        }
+    }
+
+    /// How long a wait for another worker's download, or a transfer from
+    /// peers, may last: `[source]download_deadline`, else [`WAIT_LIMIT`].
+    fn wait_limit(&self) -> Duration {
+        match self.config.source.download_deadline {
+            0 => WAIT_LIMIT,
+            s => Duration::from_secs(s),
+        }
+    }
+
+    /// Whether an offer may stand for what the request wants, from what
+    /// its holder recorded, as a cache hit is judged by its sidecar: the
+    /// same source, the expected checksum among the verified source
+    /// digests (or checked in the transfer, for unconverted bytes), the
+    /// declared and permitted format.
+    fn acceptable(&self, job: &MasterFetch<'_>, o: &Offer) -> bool {
+        let Some(m) = o.master.as_ref() else {
+            return false;
+        };
+        if o.state != OfferState::Verified
+            || o.name != job.name
+            || o.host == self.config.default.host
+            || m.source != crate::config::redact_url(job.href)
+            || (m.converted && !job.force_raw)
+        {
+            return false;
+        }
+        let meta = meta_of(m);
+        if let Some(e) = job.expected {
+            let recorded = source_digest(&meta, e.algo);
+            let ok = match recorded {
+                Some(hex) => hex == e.hex,
+                None => meta.served_as_fetched(),
+            };
+            if !ok {
+                return false;
+            }
+        }
+        let Some(format) = Format::from_name(&m.source_format) else {
+            return false;
+        };
+        let served_ok = match m.converted {
+            true => m.disk_format == "raw",
+            false => m.disk_format == format.served_name(),
+        };
+        served_ok && self.check_declared_format(format, job.info).is_ok()
+    }
+
+    /// Fetches the master from the holders of the most offered bytes and
+    /// makes it ours; a holder whose bytes fail a check goes into `bad`.
+    async fn fetch_from_peers(
+        &self,
+        peers: &Peers,
+        job: &MasterFetch<'_>,
+        offers: &[Offer],
+        bad: &mut HashSet<(String, String)>,
+    ) -> Result<(Master, TempGuard)> {
+        let facts = offers
+            .iter()
+            .filter_map(|o| o.master.as_ref())
+            .max_by_key(|m| offers.iter().filter(|o| same(o, m)).count())
+            .ok_or_else(|| Error::new(ErrorCode::Internal, "no offer"))?;
+        let holders: Vec<Holder> = offers
+            .iter()
+            .filter(|o| same(o, facts))
+            .map(|o| Holder {
+                url: o.url.clone(),
+                host: o.host.clone(),
+            })
+            .collect();
+        let meta = meta_of(facts);
+        if job.expected.is_none() && !self.is_fresh(job.source, &meta).await? {
+            return Err(Error::new(
+                ErrorCode::SourceUnreachable,
+                "the peers' master is older than its source",
+            ));
+        }
+        tracing::info!(master = job.name, holders = ?holders.iter().map(|h| &h.host).collect::<Vec<_>>(), size = facts.size, "fetching from peers");
+        let result = self.receive_from_peers(peers, job, facts, &holders).await;
+        if let Err((reason, e)) = &result {
+            // Failures of the holders themselves are counted as they occur.
+            if *reason != "unreachable" {
+                self.metrics
+                    .peers
+                    .fetch_failures
+                    .with_label_values(&[reason])
+                    .inc();
+            }
+            tracing::warn!(master = job.name, reason, error = %e, "a peer's master failed its checks: not used");
+            for h in &holders {
+                bad.insert((h.host.clone(), facts.sha256.clone()));
+            }
+        }
+        let (file, own) = result.map_err(|(_, e)| e)?;
+        let meta = MasterMeta {
+            size: own.size,
+            md5: own.md5,
+            sha256: own.sha256,
+            sha512: own.sha512.or(meta.sha512.clone()),
+            ..meta
+        };
+        self.commit_master(job.name, file, meta).await
+    }
+
+    /// Receives the offered bytes from `holders` into a temporary, checking
+    /// them in the same pass and inspecting the result; a failure comes
+    /// with the metric's reason.
+    async fn receive_from_peers(
+        &self,
+        peers: &Peers,
+        job: &MasterFetch<'_>,
+        facts: &OfferedMaster,
+        holders: &[Holder],
+    ) -> std::result::Result<(TempGuard, crate::store::sink::Digests), (&'static str, Error)> {
+        // Peer bytes are never converted while they arrive, nor hashed
+        // lazily: they are checked whole.
+        let plain = MasterFetch {
+            force_raw: false,
+            ..*job
+        };
+        let (tx, rx) = tokio::sync::mpsc::channel(DELIVERY_DEPTH);
+        let failed = |h: &Holder, why: &'static str| {
+            tracing::warn!(peer = %h.host, reason = why, "fetch from a peer failed");
+            self.metrics
+                .peers
+                .fetch_failures
+                .with_label_values(&[why])
+                .inc();
+        };
+        let limit = self.wait_limit();
+        let feed = async {
+            let transfer = peers
+                .fetcher
+                .download(job.name, facts.size, holders, tx, &failed);
+            tokio::time::timeout(limit, transfer)
+                .await
+                .unwrap_or_else(|_| {
+                    Err(Error::new(
+                        ErrorCode::SourceUnreachable,
+                        format!(
+                            "master {} from peers: not done within {}s",
+                            job.name,
+                            limit.as_secs()
+                        ),
+                    ))
+                })
+        };
+        let (written, _) = self
+            .receive_from(&plain, rx, feed)
+            .await
+            .map_err(|e| ("unreachable", e))?;
+        let d = written.digests;
+        self.metrics.peers.received_bytes.inc_by(d.size);
+        if d.size != facts.size || d.md5 != facts.md5 || d.sha256 != facts.sha256 {
+            let e = Error::new(
+                ErrorCode::ChecksumMismatch,
+                format!(
+                    "master {} from a peer: {} bytes, sha256 {}; the peer recorded {} bytes, sha256 {}",
+                    job.name, d.size, d.sha256, facts.size, facts.sha256
+                ),
+            );
+            return Err(("digest_mismatch", e));
+        }
+        if let Some(e) = job.expected.filter(|_| !facts.converted)
+            && d.get(e.algo) != Some(e.hex.as_str())
+        {
+            let err = Error::new(
+                ErrorCode::ChecksumMismatch,
+                format!(
+                    "master {} from a peer: {} is not {}",
+                    job.name, e.algo, e.hex
+                ),
+            );
+            return Err(("digest_mismatch", err));
+        }
+        self.inspect_peer_bytes(job, facts, written.file.path())
+            .await
+            .map_err(|e| ("format", e))?;
+        Ok((written.file, d))
+    }
+
+    /// The received file is what the offer says: a converted master is
+    /// raw; unconverted bytes are the declared, permitted format and pass
+    /// the safety checks a download passes.
+    async fn inspect_peer_bytes(
+        &self,
+        job: &MasterFetch<'_>,
+        facts: &OfferedMaster,
+        path: &std::path::Path,
+    ) -> Result<()> {
+        let found = match facts.converted {
+            true => inspect::inspect_file(path)?,
+            false => self.inspect_download(job, path).await?.0,
+        };
+        let ok = match facts.converted {
+            true => found.format.is_raw(),
+            false => {
+                found.format.name() == facts.source_format
+                    && !(job.force_raw && found.format.needs_conversion())
+            }
+        };
+        if ok {
+            return Ok(());
+        }
+        Err(Error::new(
+            ErrorCode::CorruptImage,
+            format!(
+                "master {} from a peer is {}, its holder recorded {}",
+                job.name,
+                found.format.name(),
+                facts.disk_format
+            ),
+        ))
+    }
+}
+
+/// The offer's SHA-256 (empty while downloading).
+fn sha256_of(o: &Offer) -> String {
+    o.master
+        .as_ref()
+        .map(|m| m.sha256.clone())
+        .unwrap_or_default()
+}
+
+/// Whether offer `o` holds exactly the bytes `m` describes.
+fn same(o: &Offer, m: &OfferedMaster) -> bool {
+    o.master
+        .as_ref()
+        .is_some_and(|x| x.size == m.size && x.md5 == m.md5 && x.sha256 == m.sha256)
+}
+
+/// The sidecar an offered master would have here (inode set on commit).
+fn meta_of(m: &OfferedMaster) -> MasterMeta {
+    MasterMeta {
+        source: m.source.clone(),
+        fetched_at: m.fetched_at,
+        source_last_modified: m.source_last_modified,
+        source_size: m.source_size,
+        source_md5: m.source_md5.clone(),
+        source_sha256: m.source_sha256.clone(),
+        source_sha512: m.source_sha512.clone(),
+        source_format: m.source_format.clone(),
+        converted: m.converted,
+        disk_format: m.disk_format.clone(),
+        size: m.size,
+        md5: m.md5.clone(),
+        sha256: m.sha256.clone(),
+        sha512: m.sha512.clone(),
+        inode: 0,
+    }
+}

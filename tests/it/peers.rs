@@ -1,0 +1,363 @@
+//! Many conductors, one download: workers of several conductors (each its
+//! own host name, directories and ports) on one broker with `[peers]` on
+//! ask each other before they go to an image's source, and a cloud-wide
+//! claim makes one of them download while the others take its master.
+//! The source servers count their GETs; every image is a real qcow2 made
+//! by qemu-img and every answer is checked against sha256sum.
+
+use crate::common;
+
+use common::*;
+use serde_json::{Value, json};
+use std::path::Path;
+use std::time::Duration;
+
+const SECRET: &str = "peers-test-secret-0123456789abcdef";
+const MINUTE: Duration = Duration::from_secs(60);
+
+/// A worker of one conductor with peers on, on the test's own exchange.
+struct Conductor {
+    env: Env,
+    worker: Worker,
+}
+
+/// The `[peers]` section of a conductor on `exchange`.
+fn peers_section(exchange: &str) -> String {
+    format!(
+        "[peers]\nlisten = \"127.0.0.1:{}\"\nsecret = \"{SECRET}\"\nexchange = \"{exchange}\"\n",
+        free_port()
+    )
+}
+
+/// `n` conductors sharing the exchange `exchange` (peers off when `None`).
+async fn conductors(n: usize, exchange: Option<&str>) -> Vec<Conductor> {
+    let mut all = Vec::new();
+    for _ in 0..n {
+        let env = Env::new(&exchange.map(peers_section).unwrap_or_default());
+        let worker = env.serve().await;
+        all.push(Conductor { env, worker });
+    }
+    all
+}
+
+fn exchange() -> String {
+    format!("iiw-test-peers-{}", uuid::Uuid::new_v4().simple())
+}
+
+/// A qcow2 with data in `dir` (sparse but for a few patches, or `dense`),
+/// and the sha256 of its bytes (the checksum Ironic passes) and of its raw
+/// conversion (what is served).
+fn image_with(dir: &Path, name: &str, mib: u64, dense: bool) -> (String, String) {
+    let raw = dir.join(format!("{name}.raw"));
+    match dense {
+        true => random_file(&raw, (mib << 20) as usize, 11),
+        false => patchy_raw(&raw, mib << 20, 11),
+    }
+    let img = dir.join(name);
+    qcow2_from(&raw, &img, &[]);
+    let converted = dir.join(format!("{name}.ref"));
+    reference_raw(&img, &converted);
+    let served = sha256sum(&converted);
+    std::fs::remove_file(&raw).unwrap();
+    std::fs::remove_file(&converted).unwrap();
+    (sha256sum(&img), served)
+}
+
+fn image(dir: &Path, name: &str, mib: u64) -> (String, String) {
+    image_with(dir, name, mib, false)
+}
+
+fn prepare(node: &str, url: &str, sha256: &str) -> Value {
+    let mut cmd = prepare_cmd(node, url);
+    cmd["instance_info"]["image_os_hash_algo"] = json!("sha256");
+    cmd["instance_info"]["image_os_hash_value"] = json!(sha256);
+    cmd["instance_info"]["image_disk_format"] = json!("qcow2");
+    cmd
+}
+
+async fn metric_of(c: &Conductor, name: &str) -> f64 {
+    metric(&c.worker.metrics_text().await, name).unwrap_or(0.0)
+}
+
+/// Checks a successful answer serving bytes with SHA-256 `served`.
+fn assert_served(ev: &Value, served: &str) {
+    assert_eq!(ev["status"], "success", "{ev}");
+    assert_eq!(ev["image_os_hash_value"], served, "{ev}");
+}
+
+#[tokio::test]
+async fn four_conductors_at_once_download_once() {
+    let src = tempfile::tempdir().unwrap();
+    let (sha, served) = image(src.path(), "disk.qcow2", 96);
+    let source = SourceServer::start(src.path()).await;
+    let exchange = exchange();
+    let cloud = conductors(4, Some(&exchange)).await;
+    let broker = Broker::connect().await;
+    for c in &cloud {
+        let cmd = prepare(&node(), &source.url("disk.qcow2"), &sha);
+        broker.command(&c.env.host, cmd).await;
+    }
+    let replies = broker.replies(4, 2 * MINUTE).await;
+    for ev in replies.values() {
+        assert_served(ev, &served);
+    }
+    assert_eq!(
+        source.count("GET", "disk.qcow2"),
+        1,
+        "one GET from the source for four conductors"
+    );
+    let mut from_peers = 0.0;
+    for c in &cloud {
+        from_peers += metric_of(c, "ironic_image_worker_peer_received_bytes_total").await;
+        let masters = c.env.masters();
+        assert_eq!(masters.len(), 1, "{masters:?}");
+        assert_eq!(sha256sum(&c.env.master_dir().join(&masters[0])), served);
+    }
+    let size = std::fs::metadata(cloud[0].env.master_dir().join(&cloud[0].env.masters()[0]))
+        .unwrap()
+        .len() as f64;
+    assert_eq!(from_peers, 3.0 * size, "three masters came from peers");
+}
+
+#[tokio::test]
+async fn a_node_moved_to_another_conductor_takes_the_image_from_the_first() {
+    let src = tempfile::tempdir().unwrap();
+    let (sha, served) = image(src.path(), "disk.qcow2", 48);
+    let source = SourceServer::start(src.path()).await;
+    let exchange = exchange();
+    let cloud = conductors(2, Some(&exchange)).await;
+    let broker = Broker::connect().await;
+    let node = node();
+    let cmd = prepare(&node, &source.url("disk.qcow2"), &sha);
+    assert_served(&broker.call(&cloud[0].env.host, cmd.clone()).await, &served);
+    assert_eq!(source.count("GET", "disk.qcow2"), 1);
+    // The hash ring moved the node: conductor B prepares it.
+    let ev = broker.call(&cloud[1].env.host, cmd).await;
+    assert_served(&ev, &served);
+    assert_eq!(ev["cache"], "miss", "{ev}");
+    assert_eq!(
+        source.count("GET", "disk.qcow2"),
+        1,
+        "no source GET the second time"
+    );
+    let b = &cloud[1];
+    assert!(metric_of(b, "ironic_image_worker_peer_received_bytes_total").await > 0.0);
+    assert_eq!(
+        metric_of(
+            b,
+            "ironic_image_worker_peer_queries_total{result=\"answered\"}"
+        )
+        .await,
+        1.0
+    );
+    let (status, body) = get(&b.worker.image_url(&format!("/agent_images/{node}"))).await;
+    assert_eq!(status, 200);
+    let served_here = src.path().join("served");
+    std::fs::write(&served_here, body).unwrap();
+    assert_eq!(sha256sum(&served_here), served);
+}
+
+#[tokio::test]
+async fn a_peer_master_corrupted_on_disk_is_detected_and_never_served() {
+    let src = tempfile::tempdir().unwrap();
+    let (sha, served) = image(src.path(), "disk.qcow2", 48);
+    let source = SourceServer::start(src.path()).await;
+    let exchange = exchange();
+    let cloud = conductors(2, Some(&exchange)).await;
+    let broker = Broker::connect().await;
+    let cmd = prepare(&node(), &source.url("disk.qcow2"), &sha);
+    assert_served(&broker.call(&cloud[0].env.host, cmd).await, &served);
+    // Conductor A's master rots after it was verified (same size, its
+    // sidecar unchanged).
+    let a = &cloud[0];
+    let master = a.env.master_dir().join(&a.env.masters()[0]);
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&master)
+            .unwrap();
+        f.write_all_at(b"rotten bytes", 4 << 20).unwrap();
+    }
+    let cmd = prepare(&node(), &source.url("disk.qcow2"), &sha);
+    let ev = broker.call(&cloud[1].env.host, cmd).await;
+    assert_served(&ev, &served);
+    assert_eq!(
+        source.count("GET", "disk.qcow2"),
+        2,
+        "the bad peer was skipped for the source"
+    );
+    let b = &cloud[1];
+    assert_eq!(
+        metric_of(
+            b,
+            "ironic_image_worker_peer_fetch_failures_total{reason=\"digest_mismatch\"}"
+        )
+        .await,
+        1.0
+    );
+    let masters = b.env.masters();
+    assert_eq!(masters.len(), 1, "{masters:?}");
+    assert_eq!(sha256sum(&b.env.master_dir().join(&masters[0])), served);
+    assert!(
+        b.env.temporaries().is_empty(),
+        "nothing of the bad bytes left"
+    );
+}
+
+#[tokio::test]
+async fn when_the_downloading_worker_dies_another_takes_the_download_over() {
+    let src = tempfile::tempdir().unwrap();
+    let (sha, served) = image_with(src.path(), "disk.qcow2", 24, true);
+    // About 2 MiB/s: a download that lasts long enough to be interrupted.
+    let source = FaultServer::start(src.path(), 2 << 20).await;
+    let exchange = exchange();
+    let mut cloud = conductors(2, Some(&exchange)).await;
+    let broker = Broker::connect().await;
+    let url = source.url("slow", "disk.qcow2");
+    broker
+        .command(&cloud[0].env.host, prepare(&node(), &url, &sha))
+        .await;
+    cloud[0].env.wait_for_temporary(MINUTE).await;
+    let corr = broker
+        .command(&cloud[1].env.host, prepare(&node(), &url, &sha))
+        .await;
+    // B waits for A's download (A holds the claim)...
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(source.count("slow", "disk.qcow2"), 1, "B waits for A");
+    // ... until A dies: the broker drops A's claim and B takes it.
+    let a = cloud.remove(0);
+    a.worker.kill9().await;
+    let (got, ev) = broker.next_reply(2 * MINUTE).await;
+    assert_eq!(got.as_deref(), Some(corr.as_str()));
+    assert_served(&ev, &served);
+    assert_eq!(source.count("slow", "disk.qcow2"), 2);
+}
+
+#[tokio::test]
+async fn with_peers_off_every_conductor_downloads_for_itself() {
+    let src = tempfile::tempdir().unwrap();
+    let (sha, served) = image(src.path(), "disk.qcow2", 16);
+    let source = SourceServer::start(src.path()).await;
+    let cloud = conductors(2, None).await;
+    let broker = Broker::connect().await;
+    for c in &cloud {
+        let cmd = prepare(&node(), &source.url("disk.qcow2"), &sha);
+        assert_served(&broker.call(&c.env.host, cmd).await, &served);
+    }
+    assert_eq!(source.count("GET", "disk.qcow2"), 2);
+    for c in &cloud {
+        let text = c.worker.metrics_text().await;
+        assert_eq!(
+            metric(
+                &text,
+                "ironic_image_worker_peer_queries_total{result=\"missed\"}"
+            ),
+            None,
+            "no peer query"
+        );
+    }
+}
+
+/// A TCP proxy in front of `upstream`: its first connection is reset after
+/// `cut` bytes of the answer (a peer dying mid-transfer), the later ones
+/// pass whole. Returns its port and the requests' heads it saw.
+async fn cutting_proxy(
+    upstream: u16,
+    cut: usize,
+) -> (u16, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let heads: std::sync::Arc<std::sync::Mutex<Vec<String>>> = Default::default();
+    let seen = heads.clone();
+    tokio::spawn(async move {
+        let mut first = true;
+        while let Ok((mut client, _)) = listener.accept().await {
+            let limit = if first { cut } else { usize::MAX };
+            first = false;
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let mut server = tokio::net::TcpStream::connect(("127.0.0.1", upstream))
+                    .await
+                    .unwrap();
+                let mut head = vec![0u8; 8192];
+                let n = client.read(&mut head).await.unwrap_or(0);
+                seen.lock()
+                    .unwrap()
+                    .push(String::from_utf8_lossy(&head[..n]).to_string());
+                server.write_all(&head[..n]).await.unwrap();
+                let mut buf = vec![0u8; 64 * 1024];
+                let mut passed = 0usize;
+                loop {
+                    let n = server.read(&mut buf).await.unwrap_or(0);
+                    if n == 0 {
+                        break;
+                    }
+                    let n = n.min(limit - passed);
+                    if client.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                    passed += n;
+                    if passed >= limit {
+                        let _ = client.set_zero_linger();
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    (port, heads)
+}
+
+#[tokio::test]
+async fn a_transfer_cut_mid_way_resumes_with_range_and_no_source_get() {
+    let src = tempfile::tempdir().unwrap();
+    let (sha, served) = image(src.path(), "disk.qcow2", 48);
+    let source = SourceServer::start(src.path()).await;
+    let exchange = exchange();
+    // Conductor A is reached by its peers through a proxy that cuts the
+    // first transfer after 5 MiB.
+    let listen = free_port();
+    let (proxy, heads) = cutting_proxy(listen, 5 << 20).await;
+    let a_env = Env::new(&format!(
+        "[peers]\nlisten = \"127.0.0.1:{listen}\"\nurl = \"http://127.0.0.1:{proxy}\"\n\
+         secret = \"{SECRET}\"\nexchange = \"{exchange}\"\n"
+    ));
+    let a = Conductor {
+        worker: a_env.serve().await,
+        env: a_env,
+    };
+    let b = conductors(1, Some(&exchange)).await.remove(0);
+    let broker = Broker::connect().await;
+    let cmd = prepare(&node(), &source.url("disk.qcow2"), &sha);
+    assert_served(&broker.call(&a.env.host, cmd).await, &served);
+    let cmd = prepare(&node(), &source.url("disk.qcow2"), &sha);
+    assert_served(&broker.call(&b.env.host, cmd).await, &served);
+    assert_eq!(source.count("GET", "disk.qcow2"), 1, "B took it from A");
+    let heads = heads.lock().unwrap().clone();
+    assert_eq!(heads.len(), 2, "{heads:?}");
+    // The cut came 5 MiB into the answer, its head included; what the
+    // reset caught unread in the receiver's socket is fetched again.
+    let lower = heads[1].to_ascii_lowercase();
+    let from: u64 = lower
+        .split("range: bytes=")
+        .nth(1)
+        .and_then(|r| r.split('-').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("resumed with a Range: {lower}"));
+    assert!(
+        (1..5 << 20).contains(&from),
+        "resumed where it was cut: {from}"
+    );
+    assert_eq!(
+        metric_of(
+            &b,
+            "ironic_image_worker_peer_fetch_failures_total{reason=\"unreachable\"}"
+        )
+        .await,
+        1.0
+    );
+    let masters = b.env.masters();
+    assert_eq!(sha256sum(&b.env.master_dir().join(&masters[0])), served);
+}
