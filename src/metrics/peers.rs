@@ -6,8 +6,9 @@ use prometheus::{IntCounter, IntCounterVec};
 
 /// The peers' figures, beside the source's `download_bytes`.
 pub struct PeerMetrics {
-    /// Master bytes received from peers (and verified or not: see
-    /// `fetch_failures`).
+    /// Master bytes received whole from peers, before their check (a
+    /// master that fails it counts in `fetch_failures` too; a transfer cut
+    /// short only there).
     pub received_bytes: IntCounter,
     /// Peer queries by result: `answered` (some peer offered the master) or
     /// `missed`.

@@ -261,10 +261,12 @@ async fn with_peers_off_every_conductor_downloads_for_itself() {
 
 /// A TCP proxy in front of `upstream`: its first connection is reset after
 /// `cut` bytes of the answer (a peer dying mid-transfer), the later ones
-/// pass whole. Returns its port and the requests' heads it saw.
+/// pass whole; answers pass at about `rate` bytes a second. Returns its port
+/// and the requests' heads it saw.
 async fn cutting_proxy(
     upstream: u16,
     cut: usize,
+    rate: usize,
 ) -> (u16, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -278,9 +280,10 @@ async fn cutting_proxy(
             first = false;
             let seen = seen.clone();
             tokio::spawn(async move {
-                let mut server = tokio::net::TcpStream::connect(("127.0.0.1", upstream))
-                    .await
-                    .unwrap();
+                let Ok(mut server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await
+                else {
+                    return;
+                };
                 let mut head = vec![0u8; 8192];
                 let n = client.read(&mut head).await.unwrap_or(0);
                 seen.lock()
@@ -299,6 +302,8 @@ async fn cutting_proxy(
                         break;
                     }
                     passed += n;
+                    let pause = n as f64 / rate as f64;
+                    tokio::time::sleep(Duration::from_secs_f64(pause)).await;
                     if passed >= limit {
                         let _ = client.set_zero_linger();
                         break;
@@ -319,7 +324,7 @@ async fn a_transfer_cut_mid_way_resumes_with_range_and_no_source_get() {
     // Conductor A is reached by its peers through a proxy that cuts the
     // first transfer after 5 MiB.
     let listen = free_port();
-    let (proxy, heads) = cutting_proxy(listen, 5 << 20).await;
+    let (proxy, heads) = cutting_proxy(listen, 5 << 20, usize::MAX).await;
     let a_env = Env::new(&format!(
         "[peers]\nlisten = \"127.0.0.1:{listen}\"\nurl = \"http://127.0.0.1:{proxy}\"\n\
          secret = \"{SECRET}\"\nexchange = \"{exchange}\"\n"
@@ -360,4 +365,117 @@ async fn a_transfer_cut_mid_way_resumes_with_range_and_no_source_get() {
     );
     let masters = b.env.masters();
     assert_eq!(sha256sum(&b.env.master_dir().join(&masters[0])), served);
+}
+
+#[tokio::test]
+async fn the_only_holder_killed_mid_transfer_leaves_the_rest_to_the_source() {
+    let src = tempfile::tempdir().unwrap();
+    let (sha, served) = image_with(src.path(), "disk.qcow2", 32, true);
+    let source = SourceServer::start(src.path()).await;
+    let exchange = exchange();
+    // Conductor A's peers reach it through a proxy at about 4 MiB/s, so its
+    // transfer to B lasts long enough for A to be killed in the middle.
+    let listen = free_port();
+    let (proxy, _) = cutting_proxy(listen, usize::MAX, 4 << 20).await;
+    let a_env = Env::new(&format!(
+        "[peers]\nlisten = \"127.0.0.1:{listen}\"\nurl = \"http://127.0.0.1:{proxy}\"\n\
+         secret = \"{SECRET}\"\nexchange = \"{exchange}\"\n"
+    ));
+    let a = Conductor {
+        worker: a_env.serve().await,
+        env: a_env,
+    };
+    let b = conductors(1, Some(&exchange)).await.remove(0);
+    let broker = Broker::connect().await;
+    let cmd = prepare(&node(), &source.url("disk.qcow2"), &sha);
+    assert_served(&broker.call(&a.env.host, cmd).await, &served);
+    let corr = broker
+        .command(
+            &b.env.host,
+            prepare(&node(), &source.url("disk.qcow2"), &sha),
+        )
+        .await;
+    b.env.wait_for_temporary(MINUTE).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    a.worker.kill9().await;
+    let (got, ev) = broker.next_reply(2 * MINUTE).await;
+    assert_eq!(got.as_deref(), Some(corr.as_str()));
+    assert_served(&ev, &served);
+    assert_eq!(
+        source.count("GET", "disk.qcow2"),
+        2,
+        "the source finished what the dead peer began"
+    );
+    assert!(
+        metric_of(
+            &b,
+            "ironic_image_worker_peer_fetch_failures_total{reason=\"unreachable\"}"
+        )
+        .await
+            >= 1.0,
+        "the transfer from the peer began and broke off"
+    );
+    let masters = b.env.masters();
+    assert_eq!(masters.len(), 1, "{masters:?}");
+    assert_eq!(sha256sum(&b.env.master_dir().join(&masters[0])), served);
+    assert!(b.env.temporaries().is_empty(), "nothing partial left");
+}
+
+#[tokio::test]
+async fn warming_every_conductor_crosses_from_the_source_once() {
+    // A command exchange of this test's own, so `all.image.warm` reaches
+    // only this test's workers.
+    let commands = format!("iiw-test-warm-{}", uuid::Uuid::new_v4().simple());
+    let exchange = exchange();
+    let src = tempfile::tempdir().unwrap();
+    let (sha, served) = image(src.path(), "disk.qcow2", 48);
+    let source = SourceServer::start(src.path()).await;
+    let mut cloud = Vec::new();
+    for _ in 0..3 {
+        let env = Env::new(&format!(
+            "[amqp]\ncommand_exchange = \"{commands}\"\n{}",
+            peers_section(&exchange)
+        ));
+        let worker = env.serve().await;
+        cloud.push(Conductor { env, worker });
+    }
+    let out = cloud[0]
+        .env
+        .run(&[
+            "send",
+            "warm",
+            "--all-conductors",
+            "--image-source",
+            &source.url("disk.qcow2"),
+            "--image-checksum",
+            &format!("sha256:{sha}"),
+            "--expect",
+            "3",
+            "--timeout",
+            "120",
+        ])
+        .await;
+    let answers: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    assert!(out.status.success(), "{answers:?}");
+    assert_eq!(answers.len(), 3, "{answers:?}");
+    for ev in &answers {
+        assert_served(ev, &served);
+    }
+    assert_eq!(source.count("GET", "disk.qcow2"), 1, "one source download");
+    for c in &cloud {
+        let (ok, ev) = c
+            .env
+            .prepare(
+                &node(),
+                &source.url("disk.qcow2"),
+                &["--checksum", &format!("sha256:{sha}")],
+            )
+            .await;
+        assert!(ok, "{ev}");
+        assert_eq!(ev["cache"], "hit", "{ev}");
+    }
+    assert_eq!(source.count("GET", "disk.qcow2"), 1, "every deploy a hit");
 }
