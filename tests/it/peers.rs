@@ -263,15 +263,11 @@ async fn with_peers_off_every_conductor_downloads_for_itself() {
 /// `cut` bytes of the answer (a peer dying mid-transfer), the later ones
 /// pass whole; answers pass at about `rate` bytes a second. Returns its port
 /// and the requests' heads it saw.
-async fn cutting_proxy(
-    upstream: u16,
-    cut: usize,
-    rate: usize,
-) -> (u16, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+async fn cutting_proxy(upstream: u16, cut: usize, rate: usize) -> (u16, Heads) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
-    let heads: std::sync::Arc<std::sync::Mutex<Vec<String>>> = Default::default();
+    let heads: Heads = Default::default();
     let seen = heads.clone();
     tokio::spawn(async move {
         let mut first = true;
@@ -315,16 +311,22 @@ async fn cutting_proxy(
     (port, heads)
 }
 
-#[tokio::test]
-async fn a_transfer_cut_mid_way_resumes_with_range_and_no_source_get() {
-    let src = tempfile::tempdir().unwrap();
-    let (sha, served) = image(src.path(), "disk.qcow2", 48);
-    let source = SourceServer::start(src.path()).await;
+/// The requests' heads a proxy saw.
+type Heads = std::sync::Arc<std::sync::Mutex<Vec<String>>>;
+
+/// Conductor A, reached by its peers through `cutting_proxy(.., cut,
+/// rate)`, holding the image at `url` (prepared there), and conductor B on
+/// the same exchange, with a broker client and the proxy's request heads.
+async fn holder_behind_a_proxy(
+    url: &str,
+    sha: &str,
+    served: &str,
+    cut: usize,
+    rate: usize,
+) -> (Conductor, Conductor, Broker, Heads) {
     let exchange = exchange();
-    // Conductor A is reached by its peers through a proxy that cuts the
-    // first transfer after 5 MiB.
     let listen = free_port();
-    let (proxy, heads) = cutting_proxy(listen, 5 << 20, usize::MAX).await;
+    let (proxy, heads) = cutting_proxy(listen, cut, rate).await;
     let a_env = Env::new(&format!(
         "[peers]\nlisten = \"127.0.0.1:{listen}\"\nurl = \"http://127.0.0.1:{proxy}\"\n\
          secret = \"{SECRET}\"\nexchange = \"{exchange}\"\n"
@@ -335,8 +337,28 @@ async fn a_transfer_cut_mid_way_resumes_with_range_and_no_source_get() {
     };
     let b = conductors(1, Some(&exchange)).await.remove(0);
     let broker = Broker::connect().await;
-    let cmd = prepare(&node(), &source.url("disk.qcow2"), &sha);
-    assert_served(&broker.call(&a.env.host, cmd).await, &served);
+    assert_served(
+        &broker.call(&a.env.host, prepare(&node(), url, sha)).await,
+        served,
+    );
+    (a, b, broker, heads)
+}
+
+#[tokio::test]
+async fn a_transfer_cut_mid_way_resumes_with_range_and_no_source_get() {
+    let src = tempfile::tempdir().unwrap();
+    let (sha, served) = image(src.path(), "disk.qcow2", 48);
+    let source = SourceServer::start(src.path()).await;
+    // Conductor A is reached by its peers through a proxy that cuts the
+    // first transfer after 5 MiB.
+    let (_a, b, broker, heads) = holder_behind_a_proxy(
+        &source.url("disk.qcow2"),
+        &sha,
+        &served,
+        5 << 20,
+        usize::MAX,
+    )
+    .await;
     let cmd = prepare(&node(), &source.url("disk.qcow2"), &sha);
     assert_served(&broker.call(&b.env.host, cmd).await, &served);
     assert_eq!(source.count("GET", "disk.qcow2"), 1, "B took it from A");
@@ -372,23 +394,16 @@ async fn the_only_holder_killed_mid_transfer_leaves_the_rest_to_the_source() {
     let src = tempfile::tempdir().unwrap();
     let (sha, served) = image_with(src.path(), "disk.qcow2", 32, true);
     let source = SourceServer::start(src.path()).await;
-    let exchange = exchange();
     // Conductor A's peers reach it through a proxy at about 4 MiB/s, so its
     // transfer to B lasts long enough for A to be killed in the middle.
-    let listen = free_port();
-    let (proxy, _) = cutting_proxy(listen, usize::MAX, 4 << 20).await;
-    let a_env = Env::new(&format!(
-        "[peers]\nlisten = \"127.0.0.1:{listen}\"\nurl = \"http://127.0.0.1:{proxy}\"\n\
-         secret = \"{SECRET}\"\nexchange = \"{exchange}\"\n"
-    ));
-    let a = Conductor {
-        worker: a_env.serve().await,
-        env: a_env,
-    };
-    let b = conductors(1, Some(&exchange)).await.remove(0);
-    let broker = Broker::connect().await;
-    let cmd = prepare(&node(), &source.url("disk.qcow2"), &sha);
-    assert_served(&broker.call(&a.env.host, cmd).await, &served);
+    let (a, b, broker, _) = holder_behind_a_proxy(
+        &source.url("disk.qcow2"),
+        &sha,
+        &served,
+        usize::MAX,
+        4 << 20,
+    )
+    .await;
     let corr = broker
         .command(
             &b.env.host,
