@@ -38,6 +38,10 @@ const RECONNECT: Duration = Duration::from_secs(1);
 /// AMQP's RESOURCE_LOCKED: an exclusive queue another connection holds.
 const RESOURCE_LOCKED: u16 = 405;
 
+/// Offers kept of one query: enough holders to spread a master's copies
+/// over, and a bound on what any broker participant can make us hold.
+const MAX_OFFERS: usize = 64;
+
 /// The peers' link to the broker, shared by the pipeline (as its
 /// [`PeerDirectory`]) and the task answering the other workers.
 pub struct PeerLink {
@@ -324,6 +328,9 @@ impl PeerLink {
             while let Ok(Some(offer)) = tokio::time::timeout_at(until, rx.recv()).await {
                 if offer.name == name && offer.process != self.process {
                     offers.push(offer);
+                }
+                if offers.len() >= MAX_OFFERS {
+                    break;
                 }
             }
         }
