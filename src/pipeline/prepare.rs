@@ -52,9 +52,7 @@ impl Pipeline {
         // Lock files stay while what they guard exists: a failure that
         // leaves no master, or no files of the node, removes them.
         if result.is_err() {
-            if !self.cache.master_path(&name).exists() {
-                master_lock.remove_file();
-            }
+            self.cache.release_failed(&name, &mut master_lock);
             if !self.has_node_files(node.as_str()) {
                 node_lock.remove_file();
             }

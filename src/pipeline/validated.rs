@@ -52,8 +52,8 @@ impl Pipeline {
         };
         let mut master_lock = self.cache.lock(&name).await?;
         let result = self.verified_master(&job).await;
-        if result.is_err() && !self.cache.master_path(&name).exists() {
-            master_lock.remove_file();
+        if result.is_err() {
+            self.cache.release_failed(&name, &mut master_lock);
         }
         let (master, outcome) = result?;
         let meta = &master.meta;

@@ -46,10 +46,7 @@ impl Pipeline {
         let obtained = match self.obtain_master(&job, None).await {
             Ok(o) => o,
             Err(e) => {
-                // The lock file stays while what it guards exists.
-                if !self.cache.master_path(&name).exists() {
-                    master_lock.remove_file();
-                }
+                self.cache.release_failed(&name, &mut master_lock);
                 return Err(e);
             }
         };
@@ -59,15 +56,16 @@ impl Pipeline {
             hold,
             ..
         } = obtained;
-        if outcome == CacheOutcome::Hit {
+        match outcome {
             // Linking nothing, a hit would not count as a use for eviction.
-            self.cache.mark_used(&master.path);
-        }
-        if outcome == CacheOutcome::Miss {
+            CacheOutcome::Hit => self.cache.mark_used(&master.path),
             // Enforce the size limit and TTL while the hold (and the master
             // lock) keep the new master from being the one evicted.
-            self.after_growth().await;
-            self.refresh_cache_gauges().await;
+            CacheOutcome::Miss => {
+                self.after_growth().await;
+                self.refresh_cache_gauges().await;
+            }
+            CacheOutcome::PassThrough => {}
         }
         drop(hold);
         tracing::info!(cache = ?outcome, master = %master.path.display(), "warmed");

@@ -290,6 +290,15 @@ impl Cache {
         self.locks.acquire(name).await
     }
 
+    /// After a failed attempt to make master `name`: its lock file goes
+    /// when the attempt left no master (lock files stay only while what
+    /// they guard exists).
+    pub fn release_failed(&self, name: &str, lock: &mut LockGuard) {
+        if !self.master_path(name).exists() {
+            lock.remove_file();
+        }
+    }
+
     /// The lock on master `name` if it is free right now (for eviction,
     /// which skips masters in use rather than waiting).
     pub fn try_lock(&self, name: &str) -> Option<LockGuard> {
