@@ -85,14 +85,46 @@ fn assert_served(ev: &Value, served: &str) {
     assert_eq!(ev["image_os_hash_value"], served, "{ev}");
 }
 
+/// A source serving one qcow2 (its sha256 and that of what is served) and
+/// conductors with peers on one exchange of their own, with a broker
+/// client.
+struct Cloud {
+    src: tempfile::TempDir,
+    sha: String,
+    served: String,
+    source: SourceServer,
+    cloud: Vec<Conductor>,
+    broker: Broker,
+}
+
+impl Cloud {
+    /// `n` conductors and a qcow2 of `mib` MiB.
+    async fn start(n: usize, mib: u64) -> Cloud {
+        let src = tempfile::tempdir().unwrap();
+        let (sha, served) = image(src.path(), "disk.qcow2", mib);
+        let source = SourceServer::start(src.path()).await;
+        let cloud = conductors(n, Some(&exchange())).await;
+        Cloud {
+            src,
+            sha,
+            served,
+            source,
+            cloud,
+            broker: Broker::connect().await,
+        }
+    }
+}
+
 #[tokio::test]
 async fn four_conductors_at_once_download_once() {
-    let src = tempfile::tempdir().unwrap();
-    let (sha, served) = image(src.path(), "disk.qcow2", 96);
-    let source = SourceServer::start(src.path()).await;
-    let exchange = exchange();
-    let cloud = conductors(4, Some(&exchange)).await;
-    let broker = Broker::connect().await;
+    let Cloud {
+        src: _src,
+        sha,
+        served,
+        source,
+        cloud,
+        broker,
+    } = Cloud::start(4, 96).await;
     for c in &cloud {
         let cmd = prepare(&node(), &source.url("disk.qcow2"), &sha);
         broker.command(&c.env.host, cmd).await;
@@ -121,12 +153,14 @@ async fn four_conductors_at_once_download_once() {
 
 #[tokio::test]
 async fn a_node_moved_to_another_conductor_takes_the_image_from_the_first() {
-    let src = tempfile::tempdir().unwrap();
-    let (sha, served) = image(src.path(), "disk.qcow2", 48);
-    let source = SourceServer::start(src.path()).await;
-    let exchange = exchange();
-    let cloud = conductors(2, Some(&exchange)).await;
-    let broker = Broker::connect().await;
+    let Cloud {
+        src,
+        sha,
+        served,
+        source,
+        cloud,
+        broker,
+    } = Cloud::start(2, 48).await;
     let node = node();
     let cmd = prepare(&node, &source.url("disk.qcow2"), &sha);
     assert_served(&broker.call(&cloud[0].env.host, cmd.clone()).await, &served);
@@ -159,12 +193,14 @@ async fn a_node_moved_to_another_conductor_takes_the_image_from_the_first() {
 
 #[tokio::test]
 async fn a_peer_master_corrupted_on_disk_is_detected_and_never_served() {
-    let src = tempfile::tempdir().unwrap();
-    let (sha, served) = image(src.path(), "disk.qcow2", 48);
-    let source = SourceServer::start(src.path()).await;
-    let exchange = exchange();
-    let cloud = conductors(2, Some(&exchange)).await;
-    let broker = Broker::connect().await;
+    let Cloud {
+        src: _src,
+        sha,
+        served,
+        source,
+        cloud,
+        broker,
+    } = Cloud::start(2, 48).await;
     let cmd = prepare(&node(), &source.url("disk.qcow2"), &sha);
     assert_served(&broker.call(&cloud[0].env.host, cmd).await, &served);
     // Conductor A's master rots after it was verified (same size, its
