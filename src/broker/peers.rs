@@ -244,12 +244,16 @@ impl PeerLink {
 
     /// Offers what we hold of the queried master (never to ourselves or a
     /// worker of our host, which shares our cache): `downloading` while we
-    /// hold its claim, else `verified` when its master is committed here.
+    /// hold its claim (with the size of the master our listener streams as
+    /// it is written, once there is one), else `verified` when its master
+    /// is committed here.
     async fn answer_query(&self, live: &Live, query: Query, reply_to: &str, correlation: &str) {
         if query.process == self.process || query.host == self.host {
             return;
         }
+        let mut live_size = None;
         let state = if lock(&self.held).contains(&query.name) {
+            live_size = self.pipeline.live_size(&query.name);
             Some((OfferState::Downloading, None))
         } else {
             let (p, name) = (self.pipeline.clone(), query.name.clone());
@@ -269,6 +273,7 @@ impl PeerLink {
             url: self.url.clone(),
             state,
             master,
+            live_size,
         };
         let Ok(body) = serde_json::to_vec(&offer) else {
             return;

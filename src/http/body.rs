@@ -18,7 +18,7 @@ use tokio::io::AsyncReadExt;
 /// the socket per byte (about 0.8-0.9 -> 1.0-1.1 of nginx's sendfile
 /// throughput against 256 KiB) for about 1 MiB of buffers per download in
 /// progress.
-const PIECE: usize = 512 * 1024;
+pub(crate) const PIECE: usize = 512 * 1024;
 
 /// The response to the GET/HEAD `req` of the open regular file `file`, whose
 /// metadata is `meta`.

@@ -18,8 +18,9 @@
 //! pipeline's internals.
 
 pub mod auth;
-mod body;
+pub(crate) mod body;
 pub(crate) mod listener;
+mod live;
 mod open;
 pub mod peers;
 pub(crate) mod ranges;

@@ -1,5 +1,6 @@
 //! The peer listener: serves committed masters to the other workers of the
-//! deployment, and nothing to anybody else. It listens apart from the image
+//! deployment (and a master still being written, as it grows: `live`),
+//! and nothing to anybody else. It listens apart from the image
 //! port (bound to the management network), answers only URLs signed with
 //! the shared secret (`crate::peers::token`), opens only a regular file
 //! named like a master directly in the master directory (never following a
@@ -7,6 +8,7 @@
 //! to come back (503) takes the master from another holder.
 
 use crate::http::Holding;
+use crate::peers::live::{LiveMasters, LiveState};
 use crate::peers::token;
 use axum::Router;
 use axum::body::Body;
@@ -25,14 +27,23 @@ pub struct PeerServer {
     pub masters: PathBuf,
     /// The shared secret of the deployment.
     pub secret: Vec<u8>,
-    /// Masters served at once.
+    /// Committed masters served at once, and apart from them masters being
+    /// written followed at once.
     pub max_uploads: usize,
+    /// The masters this process is writing, streamed as they grow.
+    pub live: Arc<LiveMasters>,
 }
 
 struct PeerState {
     masters: PathBuf,
     secret: Vec<u8>,
     uploads: Arc<Semaphore>,
+    /// Slots of the masters being written that peers follow, apart from
+    /// `uploads` (a follow lasts the whole download).
+    follows: Arc<Semaphore>,
+    live: Arc<LiveMasters>,
+    /// What the followers of each master being written share.
+    followed: crate::http::live::Followed,
     metrics: Arc<crate::metrics::Metrics>,
 }
 
@@ -49,6 +60,9 @@ pub async fn serve_peers(
         masters: server.masters,
         secret: server.secret,
         uploads: Arc::new(Semaphore::new(server.max_uploads)),
+        follows: Arc::new(Semaphore::new(server.max_uploads)),
+        live: server.live,
+        followed: Default::default(),
         metrics,
     });
     let app = Router::new().fallback(serve_master).with_state(state);
@@ -92,11 +106,22 @@ async fn answer(state: &PeerState, req: Request) -> (Response, Option<OwnedSemap
             .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
         return (r, None);
     }
+    let live = state
+        .live
+        .get(&name)
+        .filter(|v| *v.state.borrow() == LiveState::Writing);
+    if let Some(view) = live {
+        let Ok(slot) = state.follows.clone().try_acquire_owned() else {
+            return (busy(), None);
+        };
+        let asked = crate::http::live::Asked::of(&req);
+        if let Some(r) = crate::http::live::respond(asked, view, &state.followed).await {
+            return (r, Some(slot));
+        }
+        // Committed meanwhile: the master answers.
+    }
     let Ok(slot) = state.uploads.clone().try_acquire_owned() else {
-        let mut r = StatusCode::SERVICE_UNAVAILABLE.into_response();
-        r.headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-        return (r, None);
+        return (busy(), None);
     };
     let masters = state.masters.clone();
     match tokio::task::spawn_blocking(move || open_master(&masters, &name)).await {
@@ -106,20 +131,34 @@ async fn answer(state: &PeerState, req: Request) -> (Response, Option<OwnedSemap
     }
 }
 
+/// 503 with `Retry-After`: the peer takes the master from another holder
+/// or comes back.
+fn busy() -> Response {
+    let mut r = StatusCode::SERVICE_UNAVAILABLE.into_response();
+    r.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    r
+}
+
 /// Opens master `name`: a regular file directly in `masters`, never
 /// through a symlink.
 fn open_master(
     masters: &std::path::Path,
     name: &str,
 ) -> Result<(std::fs::File, std::fs::Metadata), StatusCode> {
-    use rustix::fs::{Mode, OFlags};
-    let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
-    let fd = rustix::fs::open(masters.join(name), flags, Mode::empty())
-        .map_err(|_| StatusCode::NOT_FOUND)?;
-    let file = std::fs::File::from(fd);
+    let file = open_regular(&masters.join(name))
+        .ok()
+        .flatten()
+        .ok_or(StatusCode::NOT_FOUND)?;
     let meta = file.metadata().map_err(|_| StatusCode::NOT_FOUND)?;
-    if !meta.is_file() {
-        return Err(StatusCode::NOT_FOUND);
-    }
     Ok((file, meta))
+}
+
+/// Opens `path` for reading, never through a symlink: `None` when it is
+/// not a regular file.
+pub(super) fn open_regular(path: &std::path::Path) -> rustix::io::Result<Option<std::fs::File>> {
+    use rustix::fs::{Mode, OFlags};
+    let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK;
+    let file = std::fs::File::from(rustix::fs::open(path, flags, Mode::empty())?);
+    Ok(file.metadata().ok().filter(|m| m.is_file()).map(|_| file))
 }

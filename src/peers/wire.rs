@@ -47,6 +47,10 @@ pub struct Offer {
     /// What its sidecar records (absent while downloading).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub master: Option<OfferedMaster>,
+    /// While downloading: the size the master will have, when its listener
+    /// already streams it as it is written (see `live`); absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub live_size: Option<u64>,
 }
 
 /// The sidecar facts of an offered master: the served bytes' size and
@@ -101,9 +105,11 @@ mod tests {
             url: "http://10.0.0.1:8089".into(),
             state: OfferState::Downloading,
             master: None,
+            live_size: Some(1 << 30),
         };
         let text = serde_json::to_string(&offer).unwrap();
         assert!(text.contains("\"state\":\"downloading\""), "{text}");
+        assert!(text.contains("\"live_size\":1073741824"), "{text}");
         assert_eq!(serde_json::from_str::<Offer>(&text).unwrap(), offer);
     }
 }

@@ -42,6 +42,9 @@ pub(super) struct Written {
 pub(super) struct Streamed {
     pub(super) out: TempGuard,
     pub(super) result: Result<(Digests, Duration)>,
+    /// The output as the peers waiting for it follow it (settled by the
+    /// commit; failed when dropped before).
+    pub(super) live: Option<crate::peers::live::LiveGuard>,
 }
 
 /// One attempt as the conversion beside it sees it.
@@ -134,7 +137,7 @@ impl Pipeline {
                 match piece {
                     Delivery::Attempt(stat) => {
                         if let Some(old) = current.take() {
-                            old.view.state.finish();
+                            old.abandon().await;
                         }
                         views.send_replace(None);
                         transfer.set_expected(stat.size.unwrap_or(0));
@@ -173,7 +176,7 @@ impl Pipeline {
         }
         .await;
         if let Some(cur) = current {
-            cur.view.state.finish();
+            cur.abandon().await;
         }
         if !matches!(outcome, Ok(Some(_))) {
             views.send_replace(None);
@@ -278,12 +281,12 @@ impl Pipeline {
                 let out = TempGuard::new(self.cache.temp_path(job.name).ok()?);
                 let started = Instant::now();
                 tokio::select! {
-                    r = self.stream_convert(&view.path, out.path(), &view.state, &view.pace, job.sha512) => {
+                    r = self.stream_convert(job.name, &view.path, out.path(), &view.state, &view.pace, job.sha512) => {
                         view.pace.finish();
                         done = match r {
-                            Ok(d) => Some((view.id, Streamed { out, result: Ok((d, started.elapsed())) })),
+                            Ok((d, live)) => Some((view.id, Streamed { out, result: Ok((d, started.elapsed())), live })),
                             Err(convert::StreamFailure::Conclusive(e)) => {
-                                Some((view.id, Streamed { out, result: Err(e) }))
+                                Some((view.id, Streamed { out, result: Err(e), live: None }))
                             }
                             Err(convert::StreamFailure::Retryable(e)) => {
                                 tracing::debug!(error = %e, "no conversion during the download");
@@ -306,6 +309,17 @@ impl Pipeline {
                 return done.filter(|d| Some(d.0) == valid);
             }
         }
+    }
+}
+
+impl Current {
+    /// Gives the attempt up: its conversion is told, its writer and
+    /// hashers are waited for, and its file is removed, all before the
+    /// caller goes on (so a failure is answered with its space given back).
+    async fn abandon(self) {
+        self.view.state.finish();
+        self.sink.abandon().await;
+        drop(self.file);
     }
 }
 

@@ -75,13 +75,16 @@ impl Pipeline {
         };
         let (found, qcow2) = self.inspect_download(job, temp.path()).await?;
         let streamed = streamed.filter(|_| found.format == inspect::Format::Qcow2);
+        let mut live = None;
         let (temp, served, converted) = match streamed {
             // The converter hit its limits on these very bytes: no second try.
             Some(Streamed { result: Err(e), .. }) => return Err(e),
             Some(Streamed {
                 out,
                 result: Ok((d, took)),
+                live: followed,
             }) => {
+                live = followed;
                 self.metrics
                     .transfer
                     .conversion("while_downloading", d.size, d.hashing(), took);
@@ -97,7 +100,11 @@ impl Pipeline {
             None => (temp, served, false),
         };
         let meta = master_meta(job.href, downloaded, &found, served, converted);
-        self.commit_master(job.name, temp, meta).await
+        let committed = self.commit_master(job.name, temp, meta).await?;
+        if let Some(live) = live {
+            live.committed();
+        }
+        Ok(committed)
     }
 
     /// Downloads (see `attempt`) and checks the completed attempt's bytes

@@ -49,6 +49,8 @@ pub struct Pipeline {
     metrics: Arc<Metrics>,
     /// The other conductors' workers, once `serve` turned them on.
     peers: std::sync::OnceLock<peers::Peers>,
+    /// Masters being written that the peer listener streams as they grow.
+    live: Arc<crate::peers::live::LiveMasters>,
 }
 
 impl Pipeline {
@@ -76,6 +78,7 @@ impl Pipeline {
             ledger,
             metrics,
             peers: std::sync::OnceLock::new(),
+            live: Arc::default(),
         })
     }
 

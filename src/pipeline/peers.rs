@@ -15,9 +15,11 @@ use super::prepare::source_digest;
 use crate::error::{Error, ErrorCode, Result};
 use crate::fsutil::TempGuard;
 use crate::image::inspect::{self, Format};
+use crate::peers::live::{LiveGuard, LiveMasters};
 use crate::peers::wire::{Offer, OfferState, OfferedMaster};
 use crate::sources::peer::{Holder, PeerFetcher};
 use crate::store::cache::{Master, MasterMeta};
+use crate::store::sink::Digests;
 use futures_util::future::BoxFuture;
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -89,6 +91,30 @@ impl Pipeline {
         Ok(())
     }
 
+    /// The masters this process is writing, for the peer listener to
+    /// stream as they grow.
+    pub fn live_masters(&self) -> Arc<LiveMasters> {
+        self.live.clone()
+    }
+
+    /// The size master `name` will have, when the peer listener streams it
+    /// as it is written here.
+    pub fn live_size(&self, name: &str) -> Option<u64> {
+        self.live.get(name).map(|v| v.size)
+    }
+
+    /// With peers on: offers `out`, to become master `name` of `size`
+    /// bytes, to the workers waiting for it while it is written.
+    pub(super) fn publish_live(
+        &self,
+        name: &str,
+        out: &std::path::Path,
+        size: u64,
+    ) -> Option<LiveGuard> {
+        self.peers.get()?;
+        (size > 0).then(|| self.live.publish(name, out.to_path_buf(), size))
+    }
+
     /// What this worker offers of master `name`: its sidecar's facts, when
     /// the master is committed and its sidecar describes it.
     pub fn peer_offer(&self, name: &str) -> Option<OfferedMaster> {
@@ -116,8 +142,10 @@ impl Pipeline {
 
     /// Before a download from the source: the peers' offers; a verified
     /// one is fetched. While another worker is downloading it, this one
-    /// waits for its master; when none is, it takes the cloud-wide claim
-    /// and goes to the source (or, its holder gone, takes the claim over).
+    /// follows that download as it is written when its listener streams it,
+    /// else waits for its master; when none is, it takes the cloud-wide
+    /// claim and goes to the source (or, its holder gone, takes the claim
+    /// over).
     pub(super) async fn through_peers(&self, job: &MasterFetch<'_>) -> Result<PeerTurn> {
         let Some(peers) = self.peers.get() else {
             return Ok(PeerTurn::Source(None));
@@ -125,11 +153,23 @@ impl Pipeline {
         let limit = self.wait_limit();
         let started = Instant::now();
         let mut bad = HashSet::new();
+        let mut followed = HashSet::new();
         let mut waited = false;
         loop {
             let offers = peers.directory.offers(job.name).await;
             let downloading = offers.iter().any(|o| o.state == OfferState::Downloading);
+            let live = offers
+                .iter()
+                .find(|o| followable(o, &self.config.default.host, &followed))
+                .cloned();
             if let Some(got) = self.fetch_usable(peers, job, offers, &mut bad).await {
+                return Ok(PeerTurn::Fetched(Box::new(got)));
+            }
+            if let Some(offer) = live
+                && job.force_raw
+                && followed.insert(offer.host.clone())
+                && let Some(got) = self.follow(peers, job, &offer, &bad).await
+            {
                 return Ok(PeerTurn::Fetched(Box::new(got)));
             }
             if !downloading {
@@ -268,55 +308,135 @@ impl Pipeline {
         let holders: Vec<Holder> = offers
             .iter()
             .filter(|o| same(o, facts))
-            .map(|o| Holder {
-                url: o.url.clone(),
-                host: o.host.clone(),
-            })
+            .map(holder_of)
             .collect();
-        let meta = meta_of(facts);
-        if job.expected.is_none() && !self.is_fresh(job.source, &meta).await? {
+        if job.expected.is_none() && !self.is_fresh(job.source, &meta_of(facts)).await? {
             return Err(Error::new(
                 ErrorCode::SourceUnreachable,
                 "the peers' master is older than its source",
             ));
         }
         tracing::info!(master = job.name, holders = ?holders.iter().map(|h| &h.host).collect::<Vec<_>>(), size = facts.size, "fetching from peers");
-        let result = self.receive_from_peers(peers, job, facts, &holders).await;
-        if let Err((reason, e)) = &result {
-            // Failures of the holders themselves are counted as they occur.
-            if *reason != "unreachable" {
-                self.metrics
-                    .peers
-                    .fetch_failures
-                    .with_label_values(&[reason])
-                    .inc();
-            }
-            tracing::warn!(master = job.name, reason, error = %e, "a peer's master failed its checks: not used");
+        let checked = async {
+            let (file, own) = self.receive_bytes(peers, job, facts.size, &holders).await?;
+            self.check_received(job, facts, file.path(), &own).await?;
+            Ok((file, own, facts.clone()))
+        };
+        let result = self.adopt(job, checked.await).await;
+        if result.is_err() {
             for h in &holders {
                 bad.insert((h.host.clone(), facts.sha256.clone()));
             }
         }
-        let (file, own) = result.map_err(|(_, e)| e)?;
+        result
+    }
+
+    /// Follows the master the holder of `offer` is still downloading (a
+    /// conversion: only for a request that converts): its bytes as they
+    /// land, checked once the holder has committed them against what it
+    /// recorded, as any peer's master is.
+    async fn follow(
+        &self,
+        peers: &Peers,
+        job: &MasterFetch<'_>,
+        offer: &Offer,
+        bad: &HashSet<(String, String)>,
+    ) -> Option<(Master, TempGuard)> {
+        let size = offer.live_size?;
+        let holder = holder_of(offer);
+        tracing::info!(master = job.name, peer = %holder.host, size, "following a peer's download");
+        let checked = async {
+            let holders = std::slice::from_ref(&holder);
+            let (file, own) = self.receive_bytes(peers, job, size, holders).await?;
+            let Some(facts) = self.record_of(peers, job, &holder.host, bad).await else {
+                let e = Error::new(
+                    ErrorCode::SourceUnreachable,
+                    format!("{}: no usable record of the master it sent", holder.host),
+                );
+                return Err(("uncommitted", e));
+            };
+            // A mismatch does not condemn the holder's master: a retried
+            // download's output may have been resumed into these bytes. Its
+            // master is checked on its own when it is fetched.
+            self.check_received(job, &facts, file.path(), &own).await?;
+            Ok((file, own, facts))
+        };
+        let checked = checked.await;
+        self.adopt(job, checked).await.ok()
+    }
+
+    /// The record the holder `host` keeps of master `job.name` once it has
+    /// committed it, when that master may stand for what `job` wants (as
+    /// an offer is judged, fresh, and not one found bad before).
+    async fn record_of(
+        &self,
+        peers: &Peers,
+        job: &MasterFetch<'_>,
+        host: &str,
+        bad: &HashSet<(String, String)>,
+    ) -> Option<OfferedMaster> {
+        for _ in 0..3 {
+            let offers = peers.directory.offers(job.name).await;
+            let verified = offers
+                .into_iter()
+                .find(|o| o.host == host && o.state == OfferState::Verified);
+            if let Some(o) = verified {
+                let m = o.master.clone()?;
+                let fresh = match job.expected {
+                    Some(_) => true,
+                    None => self.is_fresh(job.source, &meta_of(&m)).await.ok()?,
+                };
+                let usable = fresh
+                    && self.acceptable(job, &o)
+                    && !bad.contains(&(o.host.clone(), m.sha256.clone()));
+                return usable.then_some(m);
+            }
+            tokio::time::sleep(WAIT_STEP).await;
+        }
+        None
+    }
+
+    /// Makes a peer's checked bytes our master (with their own digests),
+    /// or counts and logs why they were refused.
+    async fn adopt(
+        &self,
+        job: &MasterFetch<'_>,
+        checked: PeerBytes,
+    ) -> Result<(Master, TempGuard)> {
+        let (file, own, facts) = match checked {
+            Ok(got) => got,
+            Err((reason, e)) => {
+                // Failures of the holders themselves are counted as they occur.
+                if reason != "unreachable" {
+                    self.metrics
+                        .peers
+                        .fetch_failures
+                        .with_label_values(&[reason])
+                        .inc();
+                }
+                tracing::warn!(master = job.name, reason, error = %e, "a peer's master failed its checks: not used");
+                return Err(e);
+            }
+        };
         let meta = MasterMeta {
             size: own.size,
             md5: own.md5,
             sha256: own.sha256,
-            sha512: own.sha512.or(meta.sha512.clone()),
-            ..meta
+            sha512: own.sha512.or(facts.sha512.clone()),
+            ..meta_of(&facts)
         };
         self.commit_master(job.name, file, meta).await
     }
 
-    /// Receives the offered bytes from `holders` into a temporary, checking
-    /// them in the same pass and inspecting the result; a failure comes
-    /// with the metric's reason.
-    async fn receive_from_peers(
+    /// Receives `size` bytes of master `job.name` from `holders` into a
+    /// temporary, hashed in the same pass.
+    async fn receive_bytes(
         &self,
         peers: &Peers,
         job: &MasterFetch<'_>,
-        facts: &OfferedMaster,
+        size: u64,
         holders: &[Holder],
-    ) -> std::result::Result<(TempGuard, crate::store::sink::Digests), (&'static str, Error)> {
+    ) -> std::result::Result<(TempGuard, Digests), Refusal> {
         // Peer bytes are never converted while they arrive, nor hashed
         // lazily: they are checked whole.
         let plain = MasterFetch {
@@ -334,9 +454,7 @@ impl Pipeline {
         };
         let limit = self.wait_limit();
         let feed = async {
-            let transfer = peers
-                .fetcher
-                .download(job.name, facts.size, holders, tx, &failed);
+            let transfer = peers.fetcher.download(job.name, size, holders, tx, &failed);
             tokio::time::timeout(limit, transfer)
                 .await
                 .unwrap_or_else(|_| {
@@ -354,20 +472,35 @@ impl Pipeline {
             .receive_from(&plain, rx, feed)
             .await
             .map_err(|e| ("unreachable", e))?;
-        let d = written.digests;
-        self.metrics.peers.received_bytes.inc_by(d.size);
-        if d.size != facts.size || d.md5 != facts.md5 || d.sha256 != facts.sha256 {
+        self.metrics
+            .peers
+            .received_bytes
+            .inc_by(written.digests.size);
+        Ok((written.file, written.digests))
+    }
+
+    /// The received bytes (`own` digests, in the file at `path`) are the
+    /// bytes `facts` records, and what the request wants: Ironic's
+    /// checksum for unconverted bytes, a file that inspects as recorded.
+    async fn check_received(
+        &self,
+        job: &MasterFetch<'_>,
+        facts: &OfferedMaster,
+        path: &std::path::Path,
+        own: &Digests,
+    ) -> std::result::Result<(), Refusal> {
+        if own.size != facts.size || own.md5 != facts.md5 || own.sha256 != facts.sha256 {
             let e = Error::new(
                 ErrorCode::ChecksumMismatch,
                 format!(
                     "master {} from a peer: {} bytes, sha256 {}; the peer recorded {} bytes, sha256 {}",
-                    job.name, d.size, d.sha256, facts.size, facts.sha256
+                    job.name, own.size, own.sha256, facts.size, facts.sha256
                 ),
             );
             return Err(("digest_mismatch", e));
         }
         if let Some(e) = job.expected.filter(|_| !facts.converted)
-            && d.get(e.algo) != Some(e.hex.as_str())
+            && own.get(e.algo) != Some(e.hex.as_str())
         {
             let err = Error::new(
                 ErrorCode::ChecksumMismatch,
@@ -378,10 +511,9 @@ impl Pipeline {
             );
             return Err(("digest_mismatch", err));
         }
-        self.inspect_peer_bytes(job, facts, written.file.path())
+        self.inspect_peer_bytes(job, facts, path)
             .await
-            .map_err(|e| ("format", e))?;
-        Ok((written.file, d))
+            .map_err(|e| ("format", e))
     }
 
     /// The received file is what the offer says: a converted master is
@@ -416,6 +548,30 @@ impl Pipeline {
                 facts.disk_format
             ),
         ))
+    }
+}
+
+/// Peer bytes with their digests and the record they were checked
+/// against, or why they were refused (the metric's reason).
+type PeerBytes = std::result::Result<(TempGuard, Digests, OfferedMaster), Refusal>;
+
+/// Why a peer's bytes were refused: the metric's reason and the error.
+type Refusal = (&'static str, Error);
+
+/// Whether `o` is a download another host's listener streams as it is
+/// written, whose holder was not `followed` before.
+fn followable(o: &Offer, host: &str, followed: &HashSet<String>) -> bool {
+    o.state == OfferState::Downloading
+        && o.live_size.is_some()
+        && o.host != host
+        && !followed.contains(&o.host)
+}
+
+/// Where the holder of `o` serves it.
+fn holder_of(o: &Offer) -> Holder {
+    Holder {
+        url: o.url.clone(),
+        host: o.host.clone(),
     }
 }
 

@@ -9,6 +9,7 @@ use crate::error::{Error, ErrorCode, Result};
 use crate::image::convert;
 use crate::image::inspect;
 use crate::metrics::progress::Transfer;
+use crate::peers::live::LiveGuard;
 use crate::store::sink::Digests;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -16,16 +17,18 @@ impl Pipeline {
     /// Converts a qcow2 while `temp` is still being downloaded: waits for the
     /// announced size, the header and the L1 table, validates them against
     /// the announced size, makes room, then runs the converter on the
-    /// growing file. An error means "convert after the download", unless
+    /// growing file, whose output (with peers on) is published to the
+    /// workers waiting for master `name`. An error means "convert after the download", unless
     /// the converter hit its limits (then it stands).
     pub(super) async fn stream_convert(
         &self,
+        name: &str,
         temp: &std::path::Path,
         out: &std::path::Path,
         state: &DownloadState,
         pace: &crate::store::sink::Pace,
         sha512: bool,
-    ) -> Result<Digests, convert::StreamFailure> {
+    ) -> Result<(Digests, Option<LiveGuard>), convert::StreamFailure> {
         let not_now = |why: &str| Error::new(ErrorCode::Internal, why.to_string());
         let wait_for = |len: u64| state.wait_for(temp, len);
         let total = wait_for(inspect::HEADER_LEN as u64).await?;
@@ -47,7 +50,9 @@ impl Pipeline {
             "converting to raw while downloading"
         );
         let transfer = Transfer::start(&self.metrics, "convert", header.virtual_size);
-        convert::qcow2_to_raw_streaming(
+        // The output is the master-to-be: the peers waiting for it follow it.
+        let live = self.publish_live(name, out, convert::raw_size(header.virtual_size));
+        let digests = convert::qcow2_to_raw_streaming(
             temp,
             out,
             total,
@@ -57,7 +62,8 @@ impl Pipeline {
             &|done| transfer.set_done(done),
             pace,
         )
-        .await
+        .await?;
+        Ok((digests, live))
     }
 }
 

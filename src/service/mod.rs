@@ -65,7 +65,7 @@ pub async fn serve(config: Config) -> Result<()> {
         limits,
         stopped(stop_rx.clone()),
     ));
-    let peers = spawn_peer_listener(&config, &metrics, limits, stopped(stop_rx.clone())).await?;
+    let peers = spawn_peer_listener(&pipeline, &metrics, limits, stopped(stop_rx.clone())).await?;
     start_peer_link(&config, &pipeline, &stop_rx)?;
     let consumer = tokio::spawn(crate::broker::run(
         pipeline.clone(),
@@ -118,11 +118,12 @@ fn start_peer_link(
 /// Starts the peer listener when `[peers]` is on: masters served to the
 /// other workers, on its own address (the management network).
 async fn spawn_peer_listener(
-    config: &Config,
+    pipeline: &Pipeline,
     metrics: &Arc<Metrics>,
     limits: http::Limits,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<Option<tokio::task::JoinHandle<std::io::Result<()>>>> {
+    let config = pipeline.config();
     let (Some(listen), true) = (config.peers.listen, config.peers.enabled()) else {
         return Ok(None);
     };
@@ -130,6 +131,7 @@ async fn spawn_peer_listener(
         masters: config.pxe.instance_master_path.clone(),
         secret: config.peers.load_secret()?,
         max_uploads: config.peers.max_uploads,
+        live: pipeline.live_masters(),
     };
     let listener = bind(listen).await?;
     tracing::info!(peers = %listen, "serving masters to peers");

@@ -189,6 +189,8 @@ pub struct Sink {
     buf: AlignedBuf,
     pool: Pool,
     size: u64,
+    /// Set by [`Sink::abandon`]: the writer neither extends nor syncs.
+    abandoned: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Chunk buffers the consumers are done with, reused for the next chunks:
@@ -275,11 +277,15 @@ impl Sink {
             buf: AlignedBuf::new(CHUNK),
             pool: Pool::default(),
             size: 0,
+            abandoned: Arc::default(),
         };
         if let Some((file, direct)) = file {
             let (scratch, pace) = (hashes.lazy_if_converted, hashes.pace.clone());
             let converted = hashes.converted;
-            sink.spawn(move |rx| write_file(file, direct, (scratch, converted), pace, rx));
+            let abandoned = sink.abandoned.clone();
+            sink.spawn(move |rx| {
+                write_file(file, direct, (scratch, converted), pace, rx, &abandoned)
+            });
         }
         let mut algos = vec![Algo::Md5, Algo::Sha256];
         if hashes.sha512 {
@@ -411,6 +417,19 @@ impl Sink {
         Err(Error::new(ErrorCode::Internal, "a sink consumer stopped"))
     }
 
+    /// Stops without finishing, for bytes that will never be used: the
+    /// consumers are told and waited for, so the file is closed (its space
+    /// given back once it is removed) when this returns, and it is neither
+    /// extended nor synced.
+    pub async fn abandon(mut self) {
+        self.abandoned
+            .store(true, std::sync::atomic::Ordering::Release);
+        self.senders.clear();
+        for task in self.tasks.drain(..) {
+            let _ = join(task).await;
+        }
+    }
+
     /// Flushes, waits for the file to be durable and returns the digests.
     pub async fn finish(mut self) -> Result<Digests> {
         self.flush().await?;
@@ -461,6 +480,7 @@ fn write_file(
     (scratch, converted): (bool, Option<Converted>),
     mut pace: Option<Arc<Pace>>,
     mut rx: mpsc::Receiver<Piece>,
+    abandoned: &std::sync::atomic::AtomicBool,
 ) -> Result<Output> {
     let io = |what: &str, e| Error::io(format!("write image: {what}"), e);
     let mut offset = 0u64;
@@ -494,6 +514,9 @@ fn write_file(
             start_writeback(&file, synced, offset - synced);
             synced = offset;
         }
+    }
+    if abandoned.load(std::sync::atomic::Ordering::Acquire) {
+        return Ok(Output::Written);
     }
     file.set_len(offset).map_err(|e| io("set length", e))?;
     if durable {
@@ -686,5 +709,24 @@ mod tests {
             assert_eq!(d.sha256.len(), 64, "{name}");
             assert_eq!(d.md5.is_empty(), !served, "{name}");
         }
+    }
+
+    /// An abandoned sink has closed its file when `abandon` returns, and
+    /// has not extended it to the bytes it was given.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_abandoned_sink_has_let_go_of_its_file() {
+        let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+        let path = dir.path().join("gone");
+        let mut sink = Sink::create(&path, false).unwrap();
+        sink.write(&[9u8; 3 << 20]).await.unwrap();
+        sink.write_zeros(1 << 30).await.unwrap();
+        sink.abandon().await;
+        let open = std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .flatten()
+            .filter(|e| std::fs::read_link(e.path()).is_ok_and(|t| t == path))
+            .count();
+        assert_eq!(open, 0, "no descriptor left on the file");
+        assert!(std::fs::metadata(&path).unwrap().len() < 1 << 30);
     }
 }

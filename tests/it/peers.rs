@@ -530,3 +530,109 @@ async fn warming_every_conductor_crosses_from_the_source_once() {
     }
     assert_eq!(source.count("GET", "disk.qcow2"), 1, "every deploy a hit");
 }
+
+/// Conductors A and B on one exchange, a qcow2 with data served at about
+/// 4 MiB/s, and A's download of it under way (converted while it
+/// downloads) when B is asked for the same image; `corr` are the two
+/// prepares' correlation ids (A's, B's).
+struct Following {
+    _src: tempfile::TempDir,
+    served: String,
+    source: FaultServer,
+    a: Conductor,
+    b: Conductor,
+    broker: Broker,
+    corr: (String, String),
+}
+
+impl Following {
+    /// A qcow2 of `mib` MiB, both prepares asking for checksum `sha` (the
+    /// image's own when `None`).
+    async fn start(mib: u64, sha: Option<&str>) -> Following {
+        let src = tempfile::tempdir().unwrap();
+        let (own, served) = image_with(src.path(), "disk.qcow2", mib, true);
+        let sha = sha.unwrap_or(&own).to_string();
+        let source = FaultServer::start(src.path(), 4 << 20).await;
+        let mut cloud = conductors(2, Some(&exchange())).await;
+        let (b, a) = (cloud.pop().unwrap(), cloud.pop().unwrap());
+        let broker = Broker::connect().await;
+        let url = source.url("slow", "disk.qcow2");
+        let first = broker
+            .command(&a.env.host, prepare(&node(), &url, &sha))
+            .await;
+        a.env.wait_for_temporary(MINUTE).await;
+        let second = broker
+            .command(&b.env.host, prepare(&node(), &url, &sha))
+            .await;
+        Following {
+            _src: src,
+            served,
+            source,
+            a,
+            b,
+            broker,
+            corr: (first, second),
+        }
+    }
+
+    /// Waits until A's listener has answered B (a 200 for the master A is
+    /// still writing).
+    async fn wait_until_b_follows(&self) {
+        let served = "ironic_image_worker_peer_served_requests_total{status=\"200\"}";
+        let deadline = tokio::time::Instant::now() + MINUTE;
+        while metric_of(&self.a, served).await < 1.0 {
+            assert!(tokio::time::Instant::now() < deadline, "B never asked A");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_second_conductor_follows_the_first_ones_download_as_it_lands() {
+    let f = Following::start(24, None).await;
+    f.wait_until_b_follows().await;
+    // A's listener answered B before A had a master: B takes the bytes
+    // as A's conversion writes them, not after A's commit.
+    assert!(f.a.env.masters().is_empty(), "A is still downloading");
+    let replies = f.broker.replies(2, 2 * MINUTE).await;
+    assert_served(&replies[&f.corr.0], &f.served);
+    assert_served(&replies[&f.corr.1], &f.served);
+    assert_eq!(f.source.count("slow", "disk.qcow2"), 1, "one source GET");
+    let b = &f.b;
+    let masters = b.env.masters();
+    assert_eq!(masters.len(), 1, "{masters:?}");
+    let master = b.env.master_dir().join(&masters[0]);
+    assert_eq!(sha256sum(&master), f.served);
+    assert_eq!(
+        metric_of(b, "ironic_image_worker_peer_received_bytes_total").await,
+        std::fs::metadata(&master).unwrap().len() as f64
+    );
+    assert_eq!(
+        metric_of(b, "ironic_image_worker_download_bytes_total").await,
+        0.0,
+        "nothing from the source on B"
+    );
+    assert!(b.env.temporaries().is_empty());
+}
+
+#[tokio::test]
+async fn a_followed_download_that_fails_verification_becomes_no_master_anywhere() {
+    // Both are asked for a checksum the source's bytes do not have: A
+    // converts them while they download and B follows A's output, which A
+    // then refuses. B must not keep what it followed.
+    let wrong = "0".repeat(64);
+    let f = Following::start(16, Some(&wrong)).await;
+    f.wait_until_b_follows().await;
+    let replies = f.broker.replies(2, 2 * MINUTE).await;
+    for corr in [&f.corr.0, &f.corr.1] {
+        let ev = &replies[corr];
+        assert_eq!(ev["status"], "error", "{ev}");
+        assert_eq!(ev["error"]["code"], "checksum_mismatch", "{ev}");
+    }
+    for c in [&f.a, &f.b] {
+        assert!(c.env.masters().is_empty(), "{:?}", c.env.masters());
+        assert!(c.env.temporaries().is_empty(), "{:?}", c.env.temporaries());
+    }
+    // What B followed was cut off; B then verified the source itself.
+    assert_eq!(f.source.count("slow", "disk.qcow2"), 2);
+}
