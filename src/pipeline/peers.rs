@@ -418,9 +418,10 @@ impl Pipeline {
                 return Err(e);
             }
         };
+        // The record's MD5 (and SHA-512, unless computed here) describes
+        // these bytes: their size and SHA-256 are the record's.
         let meta = MasterMeta {
             size: own.size,
-            md5: own.md5,
             sha256: own.sha256,
             sha512: own.sha512.or(facts.sha512.clone()),
             ..meta_of(&facts)
@@ -438,9 +439,11 @@ impl Pipeline {
         holders: &[Holder],
     ) -> std::result::Result<(TempGuard, Digests), Refusal> {
         // Peer bytes are never converted while they arrive, nor hashed
-        // lazily: they are checked whole.
+        // lazily: they are checked whole, by their size and SHA-256 (and
+        // Ironic's algorithm); the MD5 of the same bytes is the holder's.
         let plain = MasterFetch {
             force_raw: false,
+            skip_md5: true,
             ..*job
         };
         let (tx, rx) = tokio::sync::mpsc::channel(DELIVERY_DEPTH);
@@ -480,8 +483,9 @@ impl Pipeline {
     }
 
     /// The received bytes (`own` digests, in the file at `path`) are the
-    /// bytes `facts` records, and what the request wants: Ironic's
-    /// checksum for unconverted bytes, a file that inspects as recorded.
+    /// bytes `facts` records (size and SHA-256, and MD5 when it was
+    /// computed), and what the request wants: Ironic's checksum for
+    /// unconverted bytes, a file that inspects as recorded.
     async fn check_received(
         &self,
         job: &MasterFetch<'_>,
@@ -489,7 +493,8 @@ impl Pipeline {
         path: &std::path::Path,
         own: &Digests,
     ) -> std::result::Result<(), Refusal> {
-        if own.size != facts.size || own.md5 != facts.md5 || own.sha256 != facts.sha256 {
+        let md5_differs = !own.md5.is_empty() && own.md5 != facts.md5;
+        if own.size != facts.size || own.sha256 != facts.sha256 || md5_differs {
             let e = Error::new(
                 ErrorCode::ChecksumMismatch,
                 format!(
