@@ -18,8 +18,8 @@ impl Pipeline {
     /// announced size, the header and the L1 table, validates them against
     /// the announced size, makes room, then runs the converter on the
     /// growing file, whose output (with peers on) is published to the
-    /// workers waiting for master `name`. An error means "convert after the download", unless
-    /// the converter hit its limits (then it stands).
+    /// workers waiting for master `name`. An error means "convert after the
+    /// download", unless the converter hit its limits (then it stands).
     pub(super) async fn stream_convert(
         &self,
         name: &str,
