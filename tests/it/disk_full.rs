@@ -221,6 +221,11 @@ async fn gzip_bomb_stops_at_the_room_made_and_leaves_nothing() {
         }
     }
     assert!(left.is_empty(), "{left:?}");
+    // ... and the space is back by the time the error is answered (the
+    // failed attempt's file is closed, not only removed).
+    let st = rustix::fs::statvfs(&small).unwrap();
+    let free = st.f_bavail * st.f_frsize;
+    assert!(free > 380 << 20, "{} MiB free", free >> 20);
     println!("bomb: {}", done["error"]["message"]);
     assert!(!small.join("httpboot/agent_images").join(&n).exists());
 
