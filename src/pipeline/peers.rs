@@ -396,8 +396,8 @@ impl Pipeline {
         None
     }
 
-    /// Makes a peer's checked bytes our master (with their own digests),
-    /// or counts and logs why they were refused.
+    /// Makes a peer's checked bytes our master (their size and SHA-256,
+    /// the record's MD5), or counts and logs why they were refused.
     async fn adopt(
         &self,
         job: &MasterFetch<'_>,
