@@ -173,21 +173,7 @@ async fn hostile_images_are_refused_with_clear_errors() {
     patchy_raw(&raw, 4 << 20, 7);
     std::fs::copy(&raw, dir.join("base.raw")).unwrap();
     // Backing file (created with -u: qemu-img must not open anything).
-    tool(
-        "qemu-img",
-        &[
-            "create",
-            "-f",
-            "qcow2",
-            "-u",
-            "-b",
-            &p("base.raw"),
-            "-F",
-            "raw",
-            &p("backing.qcow2"),
-            "4M",
-        ],
-    );
+    qcow2_backed_by(&dir.join("base.raw"), &dir.join("backing.qcow2"));
     // External data file, inside the test directory.
     tool(
         "qemu-img",

@@ -181,19 +181,7 @@ async fn disabled_deep_inspection_skips_the_format_checks_only() {
         ],
     );
     qcow2_from(&raw, &allowed.join("disk.qcow2"), &[]);
-    tool(
-        "qemu-img",
-        &[
-            "create",
-            "-f",
-            "qcow2",
-            "-F",
-            "raw",
-            "-b",
-            raw.to_str().unwrap(),
-            allowed.join("backed.qcow2").to_str().unwrap(),
-        ],
-    );
+    qcow2_backed_by(&raw, &allowed.join("backed.qcow2"));
     let file = |n: &str| format!("file://{}", allowed.join(n).display());
     let off = ["--set", "conductor.disable_deep_image_inspection=true"];
 
@@ -239,19 +227,7 @@ async fn http_mode_inspects_sources_when_the_conductor_always_validates() {
     let raw = env.root().join("disk.raw");
     patchy_raw(&raw, 8 << 20, 264);
     qcow2_from(&raw, &src.join("disk.qcow2"), &[]);
-    tool(
-        "qemu-img",
-        &[
-            "create",
-            "-f",
-            "qcow2",
-            "-F",
-            "raw",
-            "-b",
-            raw.to_str().unwrap(),
-            src.join("backed.qcow2").to_str().unwrap(),
-        ],
-    );
+    qcow2_backed_by(&raw, &src.join("backed.qcow2"));
     let server = SourceServer::start(&src).await;
     let http = ["--set", "agent.image_download_source=http"];
     let validating = [

@@ -252,21 +252,7 @@ async fn warm_refusals_cache_nothing() {
     random_file(&src.join("disk.img"), 1 << 20, 93);
     random_file(&src.join("base.raw"), 4 << 20, 94);
     let backing = src.join("backing.qcow2");
-    tool(
-        "qemu-img",
-        &[
-            "create",
-            "-f",
-            "qcow2",
-            "-u",
-            "-b",
-            src.join("base.raw").to_str().unwrap(),
-            "-F",
-            "raw",
-            backing.to_str().unwrap(),
-            "4M",
-        ],
-    );
+    qcow2_backed_by(&src.join("base.raw"), &backing);
     let server = SourceServer::start(&src).await;
     let _worker = env.serve().await;
     let broker = Broker::connect().await;

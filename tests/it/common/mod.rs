@@ -499,6 +499,19 @@ pub fn qcow2_from(raw: &Path, out: &Path, opts: &[&str]) {
     tool("qemu-img", &args);
 }
 
+/// A qcow2 at `out` backed by the raw file `base` (named by the path given,
+/// its size taken): created with `-u`, so qemu-img opens nothing.
+pub fn qcow2_backed_by(base: &Path, out: &Path) {
+    let size = std::fs::metadata(base).unwrap().len().to_string();
+    let (base, out) = (base.to_str().unwrap(), out.to_str().unwrap());
+    tool(
+        "qemu-img",
+        &[
+            "create", "-f", "qcow2", "-u", "-b", base, "-F", "raw", out, &size,
+        ],
+    );
+}
+
 /// A random canonical node UUID.
 pub fn node() -> String {
     uuid::Uuid::new_v4().to_string()
