@@ -219,8 +219,7 @@ impl Pipeline {
     ) -> Option<(Master, TempGuard)> {
         let usable: Vec<Offer> = offers
             .into_iter()
-            .filter(|o| !bad.contains(&(o.host.clone(), sha256_of(o))))
-            .filter(|o| self.acceptable(job, o))
+            .filter(|o| self.usable(job, o, bad))
             .collect();
         let result = if usable.is_empty() {
             "missed"
@@ -241,6 +240,22 @@ impl Pipeline {
                 tracing::warn!(master = job.name, error = %e, "no master from the peers");
                 None
             }
+        }
+    }
+
+    /// Whether offer `o` may stand for what `job` wants and was not found
+    /// bad before.
+    fn usable(&self, job: &MasterFetch<'_>, o: &Offer, bad: &HashSet<(String, String)>) -> bool {
+        !bad.contains(&(o.host.clone(), sha256_of(o))) && self.acceptable(job, o)
+    }
+
+    /// Whether a peer's master `m` is fresh enough for `job`: always with an
+    /// expected checksum, else when its source has not changed since the
+    /// holder fetched it (as a cache hit without checksum is judged).
+    async fn fresh_for(&self, job: &MasterFetch<'_>, m: &OfferedMaster) -> Result<bool> {
+        match job.expected {
+            Some(_) => Ok(true),
+            None => self.is_fresh(job.source, &meta_of(m)).await,
         }
     }
 
@@ -310,7 +325,7 @@ impl Pipeline {
             .filter(|o| same(o, facts))
             .map(holder_of)
             .collect();
-        if job.expected.is_none() && !self.is_fresh(job.source, &meta_of(facts)).await? {
+        if !self.fresh_for(job, facts).await? {
             return Err(Error::new(
                 ErrorCode::SourceUnreachable,
                 "the peers' master is older than its source",
@@ -382,13 +397,7 @@ impl Pipeline {
                 .find(|o| o.host == host && o.state == OfferState::Verified);
             if let Some(o) = verified {
                 let m = o.master.clone()?;
-                let fresh = match job.expected {
-                    Some(_) => true,
-                    None => self.is_fresh(job.source, &meta_of(&m)).await.ok()?,
-                };
-                let usable = fresh
-                    && self.acceptable(job, &o)
-                    && !bad.contains(&(o.host.clone(), m.sha256.clone()));
+                let usable = self.usable(job, &o, bad) && self.fresh_for(job, &m).await.ok()?;
                 return usable.then_some(m);
             }
             tokio::time::sleep(WAIT_STEP).await;
