@@ -52,6 +52,13 @@ pub(crate) enum Purpose {
     /// Endpoints the operator configured (Glance, Keystone), which may well
     /// be on this host: no address rule.
     Operator,
+    /// The other workers' peer listeners, named by their (sealed) offers:
+    /// the operator's timeouts, and the address rules of this module, local
+    /// addresses allowed only when `allow_local` (see `sources::peer`).
+    Peer {
+        /// Whether names may resolve to local addresses.
+        allow_local: bool,
+    },
 }
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -79,7 +86,7 @@ pub(crate) fn build_with(
     // Message URLs follow Ironic's `[DEFAULT]webserver_*` options when set.
     let (connect, read) = match purpose {
         Purpose::Message => config.source_timeouts(),
-        Purpose::Operator => (s.connect_timeout, s.read_timeout),
+        Purpose::Operator | Purpose::Peer { .. } => (s.connect_timeout, s.read_timeout),
     };
     let mut builder = reqwest::Client::builder()
         .connect_timeout(Duration::from_secs(connect))
@@ -92,14 +99,17 @@ pub(crate) fn build_with(
     {
         builder = builder.tls_certs_only(ca_bundle(&path)?);
     }
-    if purpose == Purpose::Message {
+    let rules = match purpose {
+        Purpose::Message => Some(s.allow_local_redirects),
+        Purpose::Peer { allow_local } => Some(allow_local),
+        Purpose::Operator => None,
+    };
+    if let Some(allow_local) = rules {
         for addr in [config.http.listen, config.metrics.listen] {
             note_listener(addr);
         }
         builder = builder
-            .dns_resolver(Arc::new(FilteringResolver {
-                allow_local: s.allow_local_redirects,
-            }))
+            .dns_resolver(Arc::new(FilteringResolver { allow_local }))
             .connector_layer(OwnListenerGuard);
     }
     customize(builder)
@@ -133,26 +143,44 @@ fn redirect_policy(max: u32, allow_local: bool) -> reqwest::redirect::Policy {
     let max = max as usize;
     reqwest::redirect::Policy::custom(move |attempt| {
         let url = attempt.url();
-        let refuse = if attempt.previous().len() > max {
-            Some(format!("more than {max} redirects ([source]max_redirects)"))
-        } else if !matches!(url.scheme(), "http" | "https") {
-            Some(format!(
-                "redirect to scheme {:?} refused (only http and https)",
-                url.scheme()
-            ))
-        } else if !allow_local && is_local_host(url) {
-            Some(format!(
-                "redirect to the local address {} refused ([source]allow_local_redirects)",
-                url.host_str().unwrap_or_default()
-            ))
-        } else {
-            None
-        };
-        match refuse {
-            Some(why) => attempt.error(Refused(why)),
-            None => attempt.follow(),
+        if attempt.previous().len() > max {
+            let why = format!("more than {max} redirects ([source]max_redirects)");
+            return attempt.error(Refused(why));
+        }
+        match check_followed(url, allow_local, "redirect") {
+            Err(refused) => attempt.error(refused),
+            Ok(()) => attempt.follow(),
         }
     })
+}
+
+/// The one address rule for a URL that a connection made on a message's
+/// behalf is led to but that the message did not name itself: a
+/// redirect's `Location`, an OCI registry's token `realm`, a blob's CDN, a
+/// peer's listener (`what` says which, for the refusal). It must be http(s)
+/// and, unless `allow_local` (`[source]allow_local_redirects`), must not name
+/// a loopback, link-local or unspecified address itself: an IP literal never
+/// reaches the resolver, so this is where it is held to the rule. A host name
+/// is held to it by the resolver of the message client, and the worker's
+/// own listeners are refused by its connector, whatever this says.
+pub(crate) fn check_followed(
+    url: &reqwest::Url,
+    allow_local: bool,
+    what: &str,
+) -> std::result::Result<(), Refused> {
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(Refused(format!(
+            "{what} to scheme {:?} refused (only http and https)",
+            url.scheme()
+        )));
+    }
+    if !allow_local && is_local_host(url) {
+        return Err(Refused(format!(
+            "{what} to the local address {} refused ([source]allow_local_redirects)",
+            url.host_str().unwrap_or_default()
+        )));
+    }
+    Ok(())
 }
 
 /// True for loopback, link-local and unspecified addresses (and the

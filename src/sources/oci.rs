@@ -214,12 +214,15 @@ impl Credential {
     }
 }
 
-/// The credential `[oci]authentication_config` holds for the first of
-/// `hosts` it names (`auths.<host>.auth`, or `username` and `password`).
+/// The credential `[oci]authentication_config` holds for `registry`
+/// (`host[:port]` as the reference names it): the `auths` entry whose key
+/// is that registry, port included, as docker matches them (a key may be
+/// written as a URL, `https://host[:port]/...`), with `auth`, or `username`
+/// and `password`. A registry on another port is another registry.
 /// The file is read on every use, so it can be replaced while the worker
 /// runs; an unreadable or malformed file is logged (never its contents) and
 /// counts as no credential, as in Ironic.
-pub fn credential_from_config(path: &str, hosts: &[&str]) -> Option<Credential> {
+pub fn credential_from_config(path: &str, registry: &str) -> Option<Credential> {
     if path.is_empty() {
         return None;
     }
@@ -259,14 +262,30 @@ pub fn credential_from_config(path: &str, hosts: &[&str]) -> Option<Credential> 
             return None;
         }
     };
-    hosts.iter().find_map(|h| {
-        let e = file.auths.get(*h)?;
+    let wanted = registry.to_ascii_lowercase();
+    file.auths.iter().find_map(|(key, e)| {
+        if auths_key_registry(key) != wanted {
+            return None;
+        }
         match (&e.auth, &e.username, &e.password) {
             (Some(a), _, _) if !a.is_empty() => Some(Credential::from_secret(a)),
             (_, Some(u), Some(p)) => Some(Credential::from_secret(&format!("{u}:{p}"))),
             _ => None,
         }
     })
+}
+
+/// The registry (`host[:port]`, lowercase) an `auths` key names: the key
+/// itself, or the authority of a key written as a URL.
+fn auths_key_registry(key: &str) -> String {
+    let bare = key
+        .strip_prefix("https://")
+        .or_else(|| key.strip_prefix("http://"))
+        .unwrap_or(key);
+    bare.split('/')
+        .next()
+        .unwrap_or_default()
+        .to_ascii_lowercase()
 }
 
 /// A descriptor in an index or a manifest (the fields the choice reads).
@@ -429,6 +448,21 @@ mod tests {
             format!("{:?}", Credential::from_secret("user:pass")),
             "Credential(***)"
         );
+    }
+
+    #[test]
+    fn config_credentials_are_chosen_by_host_and_port() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.json");
+        let json = r#"{"auths": {"reg.example": {"auth": "dXNlcjpwYXNz"},
+            "https://other.example:5000/v1/": {"username": "u", "password": "p"}}}"#;
+        std::fs::write(&path, json).unwrap();
+        let path = path.to_str().unwrap();
+        assert!(credential_from_config(path, "reg.example").is_some());
+        assert!(credential_from_config(path, "REG.example").is_some());
+        assert!(credential_from_config(path, "reg.example:8443").is_none());
+        assert!(credential_from_config(path, "other.example:5000").is_some());
+        assert!(credential_from_config(path, "other.example").is_none());
     }
 
     fn entry(disktype: Option<&str>, arch: Option<&str>, digest: &str) -> Descriptor {

@@ -291,19 +291,14 @@ impl Registry {
         source: &Source,
         bounded: bool,
     ) -> std::result::Result<reqwest::Response, Failure> {
-        let origin = (
-            url.host_str().map(str::to_string),
-            url.port_or_known_default(),
-        );
+        let origin = url.origin();
         let mut url = url.clone();
         let mut hops = 0;
         loop {
             let mut req = self.client.get(url.clone());
-            let same = (
-                url.host_str().map(str::to_string),
-                url.port_or_known_default(),
-            ) == origin;
-            if let Some(a) = authorization.filter(|_| same || self.secure_cdn(&url)) {
+            let same = url.origin() == origin;
+            let cdn = url.scheme() == "https" && self.secure_cdn(&url);
+            if let Some(a) = authorization.filter(|_| same || cdn) {
                 req = req.header(AUTHORIZATION, a);
             }
             if !accept.is_empty() {
@@ -340,21 +335,8 @@ impl Registry {
                     self.max_redirects
                 )));
             }
-            if !matches!(next.scheme(), "http" | "https") {
-                return Err(refuse(format!(
-                    "redirect to scheme {:?} refused",
-                    next.scheme()
-                )));
-            }
-            if !self.allow_local
-                && http_client::is_local_host(&next)
-                && !http_client::is_local_host(&url)
-            {
-                return Err(refuse(format!(
-                    "redirect to the local address {} refused ([source]allow_local_redirects)",
-                    next.host_str().unwrap_or_default()
-                )));
-            }
+            http_client::check_followed(&next, self.allow_local, "redirect")
+                .map_err(|why| refuse(why.to_string()))?;
             url = next;
         }
     }
@@ -406,20 +388,22 @@ impl Registry {
             .and_then(|v| v.to_str().ok())
             .unwrap_or_default();
         let (scheme, params) = parse_challenge(challenge);
-        let realm_host = params
-            .get("realm")
-            .and_then(|u| reqwest::Url::parse(u).ok())
-            .and_then(|u| u.host_str().map(str::to_string));
-        let credential = session.credential.clone().or_else(|| {
-            let hosts: Vec<&str> = [Some(r.registry.as_str()), realm_host.as_deref()]
-                .into_iter()
-                .flatten()
-                .collect();
-            oci::credential_from_config(&self.oci.authentication_config, &hosts)
-        });
+        // The request's own secret, else the operator's for the registry
+        // as the reference names it, port included (as docker matches
+        // `auths` keys), never by what the registry says.
+        let (credential, operators) = match session.credential.clone() {
+            Some(c) => (Some(c), false),
+            None => (
+                oci::credential_from_config(&self.oci.authentication_config, &r.registry),
+                true,
+            ),
+        };
         let value = match scheme.as_str() {
             "bearer" => {
-                let token = self.token(r, &params, credential.as_ref()).await?;
+                let credential = credential.clone().filter(|_| {
+                    !operators || may_carry_operator_credential(&params, &session.base)
+                });
+                let token = self.token(session, &params, credential.as_ref()).await?;
                 format!("Bearer {token}")
             }
             "basic" => match credential {
@@ -441,24 +425,28 @@ impl Registry {
         Ok(())
     }
 
-    /// A pull token for the session's repository from the token service.
+    /// A pull token for the session's repository from the token service
+    /// the registry names (`realm`), held to the address rules of any URL
+    /// a message did not name itself.
     async fn token(
         &self,
-        r: &OciRef,
+        session: &Session,
         params: &std::collections::BTreeMap<String, String>,
         credential: Option<&Credential>,
     ) -> std::result::Result<String, Failure> {
+        let r = &session.reference;
         let realm = params
             .get("realm")
             .and_then(|u| reqwest::Url::parse(u).ok())
-            .filter(|u| matches!(u.scheme(), "http" | "https"))
             .ok_or_else(|| {
                 Failure::Fatal(oci_error(
                     ErrorCode::SourceUnreachable,
                     r,
-                    "the registry's Bearer challenge names no http(s) realm",
+                    "the registry's Bearer challenge names no usable realm",
                 ))
             })?;
+        http_client::check_followed(&realm, self.allow_local, "token realm")
+            .map_err(|why| Failure::Fatal(oci_error(ErrorCode::SourceNotAllowed, r, why)))?;
         let mut url = realm.clone();
         {
             let mut q = url.query_pairs_mut();
@@ -580,6 +568,19 @@ impl Session {
             .unwrap_or_else(|e| e.into_inner())
             .clone()
     }
+}
+
+/// Whether an operator's credential (`[oci]authentication_config`) may go
+/// to the token service the challenge names: over HTTPS, or to the
+/// registry's own origin; never in clear to another port or scheme.
+fn may_carry_operator_credential(
+    params: &std::collections::BTreeMap<String, String>,
+    registry: &reqwest::Url,
+) -> bool {
+    params
+        .get("realm")
+        .and_then(|u| reqwest::Url::parse(u).ok())
+        .is_some_and(|realm| realm.scheme() == "https" || realm.origin() == registry.origin())
 }
 
 fn needs_credentials(r: &OciRef) -> Error {

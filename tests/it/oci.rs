@@ -730,7 +730,10 @@ impl TokenServer {
 /// secret is `source_not_allowed` with a clear message.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bearer_tokens_from_a_real_token_service() {
-    let env = plain_env();
+    // The token service is on this host's loopback, named by the registry
+    // (not by the message): allowed only as a local redirect would be.
+    let env =
+        Env::new("allow_local_redirects = true\n[oci]\npermit_fallback_to_http_transport = true\n");
     let tokens = TokenServer::start(
         &env.root().join("token"),
         &["puller:t0ken-pw", "pusher:push-pw"],
@@ -852,5 +855,90 @@ async fn images_pushed_with_oras_and_copied_with_skopeo() {
         assert!(ok, "{reference}: {done}");
         assert_eq!(done["converted"], true, "{reference}");
         assert_serves(&env, &done, &raw);
+    }
+}
+
+/// A registry (`auth: token:`) whose Bearer challenge names `realm`: the
+/// realm is the first thing the worker reaches, so nothing is pushed.
+async fn registry_with_realm(dir: &Path, realm: &str) -> Registry {
+    tool(
+        "openssl",
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=unused",
+            "-keyout",
+            dir.join("realm.key").to_str().unwrap(),
+            "-out",
+            dir.join("realm.pem").to_str().unwrap(),
+        ],
+    );
+    Registry::start_token(&dir.join("registry"), realm, &dir.join("realm.pem")).await
+}
+
+/// A hostile registry's `Bearer realm` naming a link-local address (a
+/// listener in a network namespace of the test's own, routed from here:
+/// the metadata service's kind of address) or a loopback one is never
+/// reached: the realm is held to the address rules of a redirect, IP
+/// literals included, and the prepare is `source_not_allowed`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_realm_on_a_local_address_is_never_reached() {
+    let env = plain_env();
+    let traps = [
+        netns::Trap::link_local(&env.root().join("trap-ll")),
+        netns::Trap::loopback(&env.root().join("trap-lo")),
+    ];
+    for (i, trap) in traps.iter().enumerate() {
+        // Reachable from here: only the worker's rules keep it out.
+        let (status, _) = get(&format!("{}/probe", trap.url)).await;
+        assert_eq!(status, 401);
+        let dir = env.root().join(format!("reg{i}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let realm = format!("{}/latest/meta-data/iam/token", trap.url);
+        let reg = registry_with_realm(&dir, &realm).await;
+        let (ok, ev) = env.prepare(&node(), &reg.oci("any/os:v1"), &[]).await;
+        assert!(!ok, "{ev}");
+        assert_eq!(ev["error"]["code"], "source_not_allowed", "{ev}");
+        let hits = trap.hits();
+        assert_eq!(hits.len(), 1, "only the test's probe: {hits:?}");
+    }
+}
+
+/// `[oci]authentication_config` credentials are chosen by the registry as
+/// the reference names it, port included: an entry for the host alone is
+/// another registry's (port 443) and is not sent; and the registry's own
+/// credential never goes in clear to a realm on another port.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registry_credentials_follow_host_and_port_and_never_go_in_clear_elsewhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let trap = netns::Trap::loopback(&dir.path().join("trap"));
+    let realm = format!("{}/token", trap.url);
+    let reg = registry_with_realm(dir.path(), &realm).await;
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let cred = json!({"auth": b64.encode("puller:s3cret-pw")});
+    let registry = format!("127.0.0.1:{}", reg.port);
+    for key in ["127.0.0.1", registry.as_str()] {
+        let auth_file = dir.path().join("config.json");
+        std::fs::write(&auth_file, json!({"auths": {key: cred}}).to_string()).unwrap();
+        let env = Env::new(&format!(
+            "allow_local_redirects = true\n[oci]\npermit_fallback_to_http_transport = true\n\
+             authentication_config = \"{}\"\n",
+            auth_file.display()
+        ));
+        let (ok, ev) = env.prepare(&node(), &reg.oci("any/os:v1"), &[]).await;
+        assert!(!ok, "{ev}");
+        assert_eq!(ev["error"]["code"], "source_not_allowed", "{ev}");
+        let hits = trap.hits();
+        assert!(!hits.is_empty(), "{key}: the realm was asked");
+        for h in &hits {
+            assert_eq!(h["authorization"], Value::Null, "{key}: {h}");
+        }
+        trap.clear();
     }
 }

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod ca;
+pub mod netns;
 pub mod rabbit;
 
 use axum::Router;
