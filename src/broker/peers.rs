@@ -7,8 +7,15 @@
 //!   queries of the others and the offers answering its own (sent to it by
 //!   name, with the query's correlation id). A query expires after
 //!   `[peers]query_timeout_ms`, the time the asker collects offers.
+//! * Every query and offer is sealed with the `[peers]` secret
+//!   (`peers::seal`) and the seal is checked before the body is read: a
+//!   participant of the broker without the secret can neither ask the
+//!   workers nor answer them. Bodies over `seal::MAX_MESSAGE_BYTES` are not
+//!   read; the queue itself refuses a message over [`MAX_QUEUE_BYTES`], so
+//!   it never reaches the worker.
 //! * The claim on master `<name>` is the exclusive queue
-//!   `<exchange>.claim.<name>`, declared on a channel of its own: only one
+//!   `<exchange>.claim.<HMAC of name>` (a name only holders of the secret
+//!   can compute), declared on a channel of its own: only one
 //!   connection can hold it (the broker refuses the others with 405
 //!   RESOURCE_LOCKED), the holder deletes it when its master is committed,
 //!   and the broker deletes it when the holder's connection dies, so a
@@ -19,13 +26,15 @@
 //! peers.
 
 use super::connect::Brokers;
+use crate::metrics::Metrics;
+use crate::peers::seal::{self, Envelope, Kind, Refusal, Replays};
 use crate::peers::wire::{Offer, OfferState, QUERY_KEY, Query};
 use crate::pipeline::Pipeline;
 use crate::pipeline::peers::{Claim, ClaimGuard, PeerDirectory};
 use futures_util::StreamExt;
 use futures_util::future::BoxFuture;
 use lapin::options::*;
-use lapin::types::{FieldTable, ShortString};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -42,10 +51,17 @@ const RESOURCE_LOCKED: u16 = 405;
 /// over, and a bound on what any broker participant can make us hold.
 const MAX_OFFERS: usize = 64;
 
+/// Bytes of ready messages our queue holds at most: the broker refuses a
+/// message beyond it (`x-overflow = reject-publish`), so an oversized one
+/// never reaches a worker, and keeps the others.
+const MAX_QUEUE_BYTES: i64 = 1 << 20;
+
 /// The peers' link to the broker, shared by the pipeline (as its
 /// [`PeerDirectory`]) and the task answering the other workers.
 pub struct PeerLink {
     pipeline: Arc<Pipeline>,
+    metrics: Arc<Metrics>,
+    secret: Vec<u8>,
     exchange: String,
     host: String,
     process: String,
@@ -53,9 +69,18 @@ pub struct PeerLink {
     timeout: Duration,
     live: Mutex<Option<Live>>,
     /// Queries of ours waiting for offers, by correlation id.
-    pending: Mutex<HashMap<String, mpsc::UnboundedSender<Offer>>>,
+    pending: Mutex<HashMap<String, Pending>>,
+    /// The seals of the queries seen lately (a query counts once).
+    replays: Mutex<Replays>,
     /// The claims this process holds (answered as `downloading`).
     held: Arc<Mutex<HashSet<String>>>,
+}
+
+/// A query of ours collecting offers: where they go, and the seals of
+/// those taken (an offer counts once).
+struct Pending {
+    to: mpsc::UnboundedSender<Offer>,
+    seen: HashSet<[u8; 32]>,
 }
 
 /// The current connection: its channel for queries and answers, and the
@@ -99,10 +124,14 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 pub fn start(
     pipeline: Arc<Pipeline>,
     brokers: Brokers,
+    metrics: Arc<Metrics>,
     stop: watch::Receiver<bool>,
-) -> Arc<PeerLink> {
+) -> crate::error::Result<Arc<PeerLink>> {
     let config = pipeline.config();
     let link = Arc::new(PeerLink {
+        metrics,
+        secret: config.peers.load_secret()?,
+        replays: Mutex::new(Replays::default()),
         exchange: config.peers.exchange.clone(),
         host: config.default.host.clone(),
         process: uuid::Uuid::new_v4().simple().to_string(),
@@ -114,7 +143,30 @@ pub fn start(
         pipeline: pipeline.clone(),
     });
     tokio::spawn(link.clone().run(brokers, stop));
-    link
+    Ok(link)
+}
+
+/// The headers carrying the seal of `body` in `env`.
+fn sealed(secret: &[u8], env: &Envelope<'_>, body: &[u8]) -> FieldTable {
+    let mut headers = FieldTable::default();
+    headers.insert(
+        seal::TIME_HEADER.into(),
+        AMQPValue::LongLongInt(env.time_ms as i64),
+    );
+    headers.insert(
+        seal::MAC_HEADER.into(),
+        AMQPValue::LongString(seal::seal(secret, env, body).into()),
+    );
+    headers
+}
+
+/// The seal a delivery's headers carry (hex), if any.
+fn mac_of(props: &BasicProperties) -> Option<String> {
+    let headers = props.headers().as_ref()?;
+    match headers.inner().get(seal::MAC_HEADER)? {
+        AMQPValue::LongString(s) => Some(s.to_string()),
+        _ => None,
+    }
 }
 
 impl PeerLink {
@@ -178,9 +230,16 @@ impl PeerLink {
             auto_delete: true,
             ..QueueDeclareOptions::default()
         };
-        let queue = channel
-            .queue_declare("".into(), own, FieldTable::default())
-            .await?;
+        let mut bounded = FieldTable::default();
+        bounded.insert(
+            "x-max-length-bytes".into(),
+            AMQPValue::LongLongInt(MAX_QUEUE_BYTES),
+        );
+        bounded.insert(
+            "x-overflow".into(),
+            AMQPValue::LongString("reject-publish".into()),
+        );
+        let queue = channel.queue_declare("".into(), own, bounded).await?;
         let queue = queue.name().to_string();
         channel
             .queue_bind(
@@ -212,34 +271,92 @@ impl PeerLink {
     }
 
     /// Handles what arrives on our queue until the connection ends: the
-    /// others' queries are answered, offers go to the query waiting.
+    /// others' queries are answered, offers go to the query waiting; none
+    /// is read unless its seal holds.
     async fn answer(&self, live: &Live, mut consumer: lapin::Consumer) {
         while let Some(Ok(delivery)) = consumer.next().await {
-            let props = &delivery.properties;
-            let kind = props.kind().as_ref().map(|k| k.as_str().to_string());
-            let correlation = props.correlation_id().as_ref().map(|c| c.to_string());
-            match kind.as_deref() {
-                Some("offer") => {
-                    let Ok(offer) = serde_json::from_slice::<Offer>(&delivery.data) else {
-                        continue;
-                    };
-                    if let Some(to) = correlation.and_then(|c| lock(&self.pending).get(&c).cloned())
-                    {
-                        let _ = to.send(offer);
-                    }
-                }
-                Some("query") => {
-                    let Ok(query) = serde_json::from_slice::<Query>(&delivery.data) else {
-                        continue;
-                    };
-                    let reply_to = props.reply_to().as_ref().map(|r| r.to_string());
-                    if let (Some(to), Some(c)) = (reply_to, correlation) {
-                        self.answer_query(live, query, &to, &c).await;
-                    }
-                }
-                _ => {}
+            if let Err((kind, refusal)) = self.handle(live, &delivery).await {
+                self.refused(kind, refusal);
             }
         }
+    }
+
+    /// One delivery: its seal checked first (size, signature, time), then
+    /// read as what it says it is.
+    async fn handle(
+        &self,
+        live: &Live,
+        delivery: &lapin::message::Delivery,
+    ) -> std::result::Result<(), (Kind, Refusal)> {
+        let props = &delivery.properties;
+        let kind = props.kind().as_ref().map(|k| k.as_str().to_string());
+        let correlation = props.correlation_id().as_ref().map(|c| c.to_string());
+        let reply_to = props.reply_to().as_ref().map(|r| r.to_string());
+        let (kind, correlation) = match (kind.as_deref(), correlation) {
+            (Some("offer"), Some(c)) => (Kind::Offer, c),
+            (Some("query"), Some(c)) => (Kind::Query, c),
+            _ => return Ok(()),
+        };
+        let env = Envelope {
+            kind,
+            correlation: &correlation,
+            reply_to: reply_to.as_deref().unwrap_or_default(),
+            time_ms: super::stamp::header_ms(props, seal::TIME_HEADER).unwrap_or(0),
+        };
+        let mac = mac_of(props);
+        let now = seal::now_ms();
+        let refused = |r| (kind, r);
+        let mac = seal::check(&self.secret, &env, &delivery.data, mac.as_deref(), now)
+            .map_err(refused)?;
+        if kind == Kind::Offer {
+            return self
+                .take_offer(&correlation, mac, &delivery.data)
+                .map_err(refused);
+        }
+        if !lock(&self.replays).first_time(mac, env.time_ms, now) {
+            return Err(refused(Refusal::Replayed));
+        }
+        let to = reply_to.filter(|t| !t.is_empty());
+        if let (Ok(query), Some(to)) = (serde_json::from_slice::<Query>(&delivery.data), to) {
+            self.answer_query(live, query, &to, &correlation).await;
+        }
+        Ok(())
+    }
+
+    /// Counts and logs (at debug: anyone on the broker may cause it) a
+    /// message dropped unread.
+    fn refused(&self, kind: Kind, refusal: Refusal) {
+        let kind = match kind {
+            Kind::Query => "query",
+            Kind::Offer => "offer",
+        };
+        tracing::debug!(kind, reason = refusal.reason(), "peers: message refused");
+        self.metrics
+            .peers
+            .refused_messages
+            .with_label_values(&[kind, refusal.reason()])
+            .inc();
+    }
+
+    /// A sealed offer for query `correlation`: to the query, once, when it
+    /// is still collecting (a late one is dropped quietly).
+    fn take_offer(
+        &self,
+        correlation: &str,
+        mac: [u8; 32],
+        body: &[u8],
+    ) -> std::result::Result<(), Refusal> {
+        let mut pending = lock(&self.pending);
+        let Some(query) = pending.get_mut(correlation) else {
+            return Ok(());
+        };
+        if !query.seen.insert(mac) {
+            return Err(Refusal::Replayed);
+        }
+        if let Ok(offer) = serde_json::from_slice::<Offer>(body) {
+            let _ = query.to.send(offer);
+        }
+        Ok(())
     }
 
     /// Offers what we hold of the queried master (never to ourselves or a
@@ -278,9 +395,16 @@ impl PeerLink {
         let Ok(body) = serde_json::to_vec(&offer) else {
             return;
         };
+        let env = Envelope {
+            kind: Kind::Offer,
+            correlation,
+            reply_to: "",
+            time_ms: seal::now_ms(),
+        };
         let props = BasicProperties::default()
             .with_content_type("application/json".into())
             .with_type("offer".into())
+            .with_headers(sealed(&self.secret, &env, &body))
             .with_correlation_id(correlation.into())
             .with_expiration(self.timeout.as_millis().to_string().as_str().into());
         let _ = live
@@ -303,16 +427,27 @@ impl PeerLink {
         };
         let correlation = uuid::Uuid::new_v4().simple().to_string();
         let (tx, mut rx) = mpsc::unbounded_channel();
-        lock(&self.pending).insert(correlation.clone(), tx);
+        let pending = Pending {
+            to: tx,
+            seen: HashSet::new(),
+        };
+        lock(&self.pending).insert(correlation.clone(), pending);
         let query = Query {
             name: name.to_string(),
             host: self.host.clone(),
             process: self.process.clone(),
         };
         let body = serde_json::to_vec(&query).unwrap_or_default();
+        let env = Envelope {
+            kind: Kind::Query,
+            correlation: &correlation,
+            reply_to: &live.queue,
+            time_ms: seal::now_ms(),
+        };
         let props = BasicProperties::default()
             .with_content_type("application/json".into())
             .with_type("query".into())
+            .with_headers(sealed(&self.secret, &env, &body))
             .with_reply_to(live.queue.as_str().into())
             .with_correlation_id(correlation.as_str().into())
             .with_expiration(self.timeout.as_millis().to_string().as_str().into());
@@ -355,7 +490,7 @@ impl PeerLink {
         let Ok(channel) = live.conn.create_channel().await else {
             return Claim::Unavailable;
         };
-        let queue = format!("{}.claim.{name}", self.exchange);
+        let queue = seal::claim_queue(&self.secret, &self.exchange, name);
         let exclusive = QueueDeclareOptions {
             exclusive: true,
             ..QueueDeclareOptions::default()

@@ -20,6 +20,16 @@ pub struct PeerMetrics {
     pub served_requests: IntCounterVec,
     /// Master bytes sent to peers.
     pub served_bytes: IntCounter,
+    /// Peer messages (queries, offers) dropped unread, by kind and reason
+    /// (`unsigned`, `bad_signature`, `stale`, `replayed`, `too_large`).
+    pub refused_messages: IntCounterVec,
+    /// Offers whose seal held but that cannot be used, by reason
+    /// (`url`: a listener URL of another shape or a refused address).
+    pub refused_offers: IntCounterVec,
+    /// Waits on another worker's claim given up because its holder showed
+    /// nothing (no `downloading` answer): the master is then downloaded
+    /// from its source here.
+    pub silent_claims: IntCounter,
 }
 
 impl PeerMetrics {
@@ -46,6 +56,20 @@ impl PeerMetrics {
                 &["status"],
             ),
             served_bytes: r.counter("peer_served_bytes_total", "Master bytes sent to peers."),
+            refused_messages: r.counter_vec(
+                "peer_refused_messages_total",
+                "Peer queries and offers dropped unread, by kind and reason.",
+                &["kind", "reason"],
+            ),
+            refused_offers: r.counter_vec(
+                "peer_refused_offers_total",
+                "Sealed peer offers that cannot be used, by reason.",
+                &["reason"],
+            ),
+            silent_claims: r.counter(
+                "peer_silent_claims_total",
+                "Waits on another worker's download claim given up because its holder showed nothing.",
+            ),
         }
     }
 }

@@ -6,7 +6,10 @@
 //! a URL that leaks opens nothing else and not for long. A master still
 //! being downloaded is streamed to the workers waiting for it as it is
 //! written (`live`), and checked by them once its holder committed it.
+//! Every query and offer on the broker is sealed with the same secret
+//! (`seal`): only the deployment's own workers can ask or answer.
 
 pub mod live;
+pub(crate) mod seal;
 pub(crate) mod token;
 pub mod wire;

@@ -66,7 +66,7 @@ pub async fn serve(config: Config) -> Result<()> {
         stopped(stop_rx.clone()),
     ));
     let peers = spawn_peer_listener(&pipeline, &metrics, limits, stopped(stop_rx.clone())).await?;
-    start_peer_link(&config, &pipeline, &stop_rx)?;
+    start_peer_link(&config, &pipeline, &metrics, &stop_rx)?;
     let consumer = tokio::spawn(crate::broker::run(
         pipeline.clone(),
         metrics.clone(),
@@ -105,11 +105,13 @@ pub async fn serve(config: Config) -> Result<()> {
 fn start_peer_link(
     config: &Config,
     pipeline: &Arc<Pipeline>,
+    metrics: &Arc<Metrics>,
     stop: &watch::Receiver<bool>,
 ) -> Result<()> {
     if config.peers.enabled() {
         let brokers = crate::broker::Brokers::new(config)?;
-        let link = crate::broker::peers::start(pipeline.clone(), brokers, stop.clone());
+        let link =
+            crate::broker::peers::start(pipeline.clone(), brokers, metrics.clone(), stop.clone())?;
         pipeline.enable_peers(link)?;
     }
     Ok(())
