@@ -19,7 +19,7 @@
 pub(crate) mod ironic_conf;
 mod peers;
 
-pub use peers::PeersSection;
+pub use peers::{PeersSection, listener_url};
 
 use crate::error::{Error, ErrorCode, Result};
 use serde::{Deserialize, Deserializer};

@@ -105,12 +105,9 @@ impl PeersSection {
             ));
         }
         self.load_secret()?;
-        let scheme_ok = self.url.is_empty()
-            || self.url.starts_with("http://")
-            || self.url.starts_with("https://");
-        if !scheme_ok {
+        if !self.url.is_empty() && listener_url(&self.url).is_none() {
             return Err(config_error(format!(
-                "[peers]url must be an http(s) URL, not {:?}",
+                "[peers]url must be http(s)://<host>[:<port>] (no user, path or query), not {:?}",
                 self.url
             )));
         }
@@ -120,5 +117,48 @@ impl PeersSection {
             ));
         }
         Ok(())
+    }
+}
+
+/// The shape of a peer listener's URL: `http(s)://<host>[:<port>]`, with
+/// no user, path (but `/`), query or fragment. `[peers]url` must have it,
+/// and an offer naming another URL is not used: a master is only ever
+/// asked of a peer listener, at the path the signed URL names.
+pub fn listener_url(text: &str) -> Option<reqwest::Url> {
+    let url = reqwest::Url::parse(text).ok()?;
+    let plain = matches!(url.scheme(), "http" | "https")
+        && url.host_str().is_some_and(|h| !h.is_empty())
+        && url.username().is_empty()
+        && url.password().is_none()
+        && url.path() == "/"
+        && url.query().is_none()
+        && url.fragment().is_none()
+        && !text.contains(['?', '#', '@']);
+    plain.then_some(url)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn listener_urls_are_scheme_host_and_port() {
+        for ok in [
+            "http://10.0.0.1:8089",
+            "https://peer.example",
+            "http://[fd00::1]:8089/",
+        ] {
+            assert!(listener_url(ok).is_some(), "{ok}");
+        }
+        for bad in [
+            "ftp://10.0.0.1",
+            "http://10.0.0.1:8089/masters",
+            "http://u:p@10.0.0.1",
+            "http://10.0.0.1/?x=1",
+            "http://10.0.0.1/#f",
+            "not a url",
+        ] {
+            assert!(listener_url(bad).is_none(), "{bad}");
+        }
     }
 }

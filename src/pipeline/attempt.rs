@@ -203,7 +203,7 @@ impl Pipeline {
             converted: Some(crate::image::inspect::will_be_converted),
             keep: job.expected.map(|e| e.algo),
             pace: converting.then(|| pace.clone()),
-            skip_md5: job.skip_md5,
+            skip_md5: false,
         };
         let sink = Sink::create_hashing(file.path(), hashes)?;
         let state = DownloadState::new();

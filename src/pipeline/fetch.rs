@@ -37,10 +37,6 @@ pub(super) struct MasterFetch<'a> {
     pub(super) sha512: bool,
     /// Whether images that can be converted are converted to raw.
     pub(super) force_raw: bool,
-    /// Whether the bytes' MD5 is left out as they arrive: a peer's master,
-    /// whose MD5 its holder's record gives (bound to these very bytes by
-    /// their size and SHA-256, which are checked).
-    pub(super) skip_md5: bool,
     /// Ironic's `instance_info` (the declared disk format).
     pub(super) info: &'a InstanceInfo,
     /// Raised when the download turns out slow.

@@ -3,10 +3,19 @@
 //! which the broker layer implements: the pipeline knows nothing of AMQP),
 //! and a cloud-wide claim on the master's name makes one worker download
 //! from the source while the others wait for its master and fetch it from
-//! that worker. A peer's bytes are trusted no more than a source's: every
-//! byte is checked in the same pass against the digests the peer recorded
-//! (and against Ironic's checksum when they are the source's bytes), and
-//! the file is inspected as a download is, before it becomes a master.
+//! that worker.
+//!
+//! Only the deployment's own workers count: the broker layer drops every
+//! query and offer not sealed with the `[peers]` secret. What a holder
+//! records is then trusted as far as the deployment is, and no further: an
+//! offer stands for a request only when its recorded source checksum is the
+//! one Ironic asked for (or, for bytes served as fetched, when the bytes
+//! themselves have it); its URL must be a peer listener's at an address the
+//! rules allow; among usable offers the bytes are chosen by rule, never by
+//! how many offer them. Every digest of the new master (size, MD5, SHA-256,
+//! SHA-512) is computed here from the bytes received, checked against the
+//! holder's record, and the file is inspected as a download is, before it
+//! becomes a master.
 
 use super::Pipeline;
 use super::attempt::DELIVERY_DEPTH;
@@ -17,6 +26,7 @@ use crate::fsutil::TempGuard;
 use crate::image::inspect::{self, Format};
 use crate::peers::live::{LiveGuard, LiveMasters};
 use crate::peers::wire::{Offer, OfferState, OfferedMaster};
+use crate::sources::http_client;
 use crate::sources::peer::{Holder, PeerFetcher};
 use crate::store::cache::{Master, MasterMeta};
 use crate::store::sink::Digests;
@@ -32,6 +42,13 @@ const WAIT_STEP: Duration = Duration::from_millis(500);
 /// How long a worker waits for another's download when no
 /// `[source]download_deadline` bounds it.
 const WAIT_LIMIT: Duration = Duration::from_secs(6 * 3600);
+
+/// How long another worker's claim may stand with nobody answering
+/// `downloading` before this worker stops waiting and downloads from the
+/// source itself: the holder of a claim answers so at once, every query,
+/// so a silent claim is held by something that is not one of ours (or
+/// has stopped working).
+const CLAIM_SILENCE: Duration = Duration::from_secs(10);
 
 /// What the pipeline asks of the other workers; the broker layer answers.
 pub trait PeerDirectory: Send + Sync {
@@ -143,20 +160,18 @@ impl Pipeline {
     /// Before a download from the source: the peers' offers; a verified
     /// one is fetched. While another worker is downloading it, this one
     /// follows that download as it is written when its listener streams it,
-    /// else waits for its master; when none is, it takes the cloud-wide
-    /// claim and goes to the source (or, its holder gone, takes the claim
-    /// over).
+    /// else waits for its master (giving back its prepare slot as a slow
+    /// download does); when none is, it takes the cloud-wide claim and goes
+    /// to the source (or, its holder gone or silent, goes there anyway).
     pub(super) async fn through_peers(&self, job: &MasterFetch<'_>) -> Result<PeerTurn> {
         let Some(peers) = self.peers.get() else {
             return Ok(PeerTurn::Source(None));
         };
-        let limit = self.wait_limit();
-        let started = Instant::now();
+        let mut waiting = Waiting::new(self.wait_limit(), &self.config.source);
         let mut bad = HashSet::new();
         let mut followed = HashSet::new();
-        let mut waited = false;
         loop {
-            let offers = peers.directory.offers(job.name).await;
+            let offers = self.ask(peers, job.name).await;
             let downloading = offers.iter().any(|o| o.state == OfferState::Downloading);
             let live = offers
                 .iter()
@@ -177,7 +192,7 @@ impl Pipeline {
                     Claim::Held(guard) => {
                         // A master committed (and its claim released) since
                         // the query is taken from its holder.
-                        let offers = peers.directory.offers(job.name).await;
+                        let offers = self.ask(peers, job.name).await;
                         if let Some(got) = self.fetch_usable(peers, job, offers, &mut bad).await {
                             return Ok(PeerTurn::Fetched(Box::new(got)));
                         }
@@ -187,25 +202,44 @@ impl Pipeline {
                     Claim::Taken => {}
                 }
             }
-            if !waited {
-                tracing::info!(
+            if waiting.silent(downloading) {
+                self.metrics.peers.silent_claims.inc();
+                tracing::warn!(
                     master = job.name,
-                    "another worker is downloading it: waiting"
+                    "another worker's claim on the download stands but nobody is downloading: \
+                     downloading from the source"
                 );
-                waited = true;
+                return Ok(PeerTurn::Source(None));
             }
-            if started.elapsed() > limit {
-                return Err(Error::new(
-                    ErrorCode::SourceUnreachable,
-                    format!(
-                        "master {}: waited {}s for another worker's download",
-                        job.name,
-                        limit.as_secs()
-                    ),
-                ));
-            }
+            waiting.step(job)?;
             tokio::time::sleep(WAIT_STEP).await;
         }
+    }
+
+    /// The other workers' offers for master `name`, less those naming a
+    /// URL that is not a peer listener's (`http(s)://host[:port]`) or an
+    /// address the rules refuse (counted): a signed URL goes nowhere else.
+    async fn ask(&self, peers: &Peers, name: &str) -> Vec<Offer> {
+        let offers = peers.directory.offers(name).await;
+        offers
+            .into_iter()
+            .filter(|o| {
+                let url = crate::config::listener_url(&o.url);
+                let ok = url.is_some_and(|u| {
+                    let allow_local = peers.fetcher.allow_local();
+                    http_client::check_followed(&u, allow_local, "peer listener").is_ok()
+                });
+                if !ok {
+                    self.metrics
+                        .peers
+                        .refused_offers
+                        .with_label_values(&["url"])
+                        .inc();
+                    tracing::warn!(peer = %o.host, url = %o.url, "an offer names no usable peer listener URL: not used");
+                }
+                ok
+            })
+            .collect()
     }
 
     /// The master fetched from the usable offers among `offers`, if any
@@ -306,8 +340,9 @@ impl Pipeline {
         served_ok && self.check_declared_format(format, job.info).is_ok()
     }
 
-    /// Fetches the master from the holders of the most offered bytes and
-    /// makes it ours; a holder whose bytes fail a check goes into `bad`.
+    /// Fetches the master chosen among `offers` by rule (see [`chosen`])
+    /// from its holders and makes it ours; a holder whose bytes fail a
+    /// check goes into `bad` (one that is busy or unreachable does not).
     async fn fetch_from_peers(
         &self,
         peers: &Peers,
@@ -315,11 +350,7 @@ impl Pipeline {
         offers: &[Offer],
         bad: &mut HashSet<(String, String)>,
     ) -> Result<(Master, TempGuard)> {
-        let facts = offers
-            .iter()
-            .filter_map(|o| o.master.as_ref())
-            .max_by_key(|m| offers.iter().filter(|o| same(o, m)).count())
-            .ok_or_else(|| Error::new(ErrorCode::Internal, "no offer"))?;
+        let facts = chosen(offers).ok_or_else(|| Error::new(ErrorCode::Internal, "no offer"))?;
         let holders: Vec<Holder> = offers
             .iter()
             .filter(|o| same(o, facts))
@@ -337,13 +368,15 @@ impl Pipeline {
             self.check_received(job, facts, file.path(), &own).await?;
             Ok((file, own, facts.clone()))
         };
-        let result = self.adopt(job, checked.await).await;
-        if result.is_err() {
+        let checked = checked.await;
+        if let Err((reason, _)) = &checked
+            && *reason != UNREACHABLE
+        {
             for h in &holders {
                 bad.insert((h.host.clone(), facts.sha256.clone()));
             }
         }
-        result
+        self.adopt(job, checked).await
     }
 
     /// Follows the master the holder of `offer` is still downloading (a
@@ -391,7 +424,7 @@ impl Pipeline {
         bad: &HashSet<(String, String)>,
     ) -> Option<OfferedMaster> {
         for _ in 0..3 {
-            let offers = peers.directory.offers(job.name).await;
+            let offers = self.ask(peers, job.name).await;
             let verified = offers
                 .into_iter()
                 .find(|o| o.host == host && o.state == OfferState::Verified);
@@ -405,8 +438,8 @@ impl Pipeline {
         None
     }
 
-    /// Makes a peer's checked bytes our master (their size and SHA-256,
-    /// the record's MD5), or counts and logs why they were refused.
+    /// Makes a peer's checked bytes our master, with the digests computed
+    /// here, or counts and logs why they were refused.
     async fn adopt(
         &self,
         job: &MasterFetch<'_>,
@@ -416,7 +449,7 @@ impl Pipeline {
             Ok(got) => got,
             Err((reason, e)) => {
                 // Failures of the holders themselves are counted as they occur.
-                if reason != "unreachable" {
+                if reason != UNREACHABLE {
                     self.metrics
                         .peers
                         .fetch_failures
@@ -427,14 +460,25 @@ impl Pipeline {
                 return Err(e);
             }
         };
-        // The record's MD5 (and SHA-512, unless computed here) describes
-        // these bytes: their size and SHA-256 are the record's.
-        let meta = MasterMeta {
+        // Every digest of the served bytes is ours. What the holder
+        // recorded of the source (it converted or decompressed it) is taken
+        // from its record, which bound the request's checksum; bytes served
+        // as fetched are the source's, so their digests are ours too.
+        let record = meta_of(&facts);
+        let as_fetched = record.served_as_fetched();
+        let mut meta = MasterMeta {
             size: own.size,
+            md5: own.md5,
             sha256: own.sha256,
-            sha512: own.sha512.or(facts.sha512.clone()),
-            ..meta_of(&facts)
+            sha512: own.sha512.filter(|d| !d.is_empty()),
+            ..record
         };
+        if as_fetched {
+            meta.source_size = meta.size;
+            meta.source_md5 = Some(meta.md5.clone());
+            meta.source_sha256 = Some(meta.sha256.clone());
+            meta.source_sha512 = meta.sha512.clone();
+        }
         self.commit_master(job.name, file, meta).await
     }
 
@@ -448,11 +492,9 @@ impl Pipeline {
         holders: &[Holder],
     ) -> std::result::Result<(TempGuard, Digests), Refusal> {
         // Peer bytes are never converted while they arrive, nor hashed
-        // lazily: they are checked whole, by their size and SHA-256 (and
-        // Ironic's algorithm); the MD5 of the same bytes is the holder's.
+        // lazily: every digest is computed here, in the same pass.
         let plain = MasterFetch {
             force_raw: false,
-            skip_md5: true,
             ..*job
         };
         let (tx, rx) = tokio::sync::mpsc::channel(DELIVERY_DEPTH);
@@ -483,7 +525,7 @@ impl Pipeline {
         let (written, _) = self
             .receive_from(&plain, rx, feed)
             .await
-            .map_err(|e| ("unreachable", e))?;
+            .map_err(|e| (UNREACHABLE, e))?;
         self.metrics
             .peers
             .received_bytes
@@ -492,9 +534,9 @@ impl Pipeline {
     }
 
     /// The received bytes (`own` digests, in the file at `path`) are the
-    /// bytes `facts` records (size and SHA-256, and MD5 when it was
-    /// computed), and what the request wants: Ironic's checksum for
-    /// unconverted bytes, a file that inspects as recorded.
+    /// bytes `facts` records (size, SHA-256 and MD5), and what the request
+    /// wants: Ironic's checksum for bytes served as fetched (neither
+    /// converted nor decompressed), a file that inspects as recorded.
     async fn check_received(
         &self,
         job: &MasterFetch<'_>,
@@ -502,7 +544,7 @@ impl Pipeline {
         path: &std::path::Path,
         own: &Digests,
     ) -> std::result::Result<(), Refusal> {
-        let md5_differs = !own.md5.is_empty() && own.md5 != facts.md5;
+        let md5_differs = !own.md5.is_empty() && !facts.md5.is_empty() && own.md5 != facts.md5;
         if own.size != facts.size || own.sha256 != facts.sha256 || md5_differs {
             let e = Error::new(
                 ErrorCode::ChecksumMismatch,
@@ -513,7 +555,7 @@ impl Pipeline {
             );
             return Err(("digest_mismatch", e));
         }
-        if let Some(e) = job.expected.filter(|_| !facts.converted)
+        if let Some(e) = job.expected.filter(|_| meta_of(facts).served_as_fetched())
             && own.get(e.algo) != Some(e.hex.as_str())
         {
             let err = Error::new(
@@ -571,6 +613,94 @@ type PeerBytes = std::result::Result<(TempGuard, Digests, OfferedMaster), Refusa
 
 /// Why a peer's bytes were refused: the metric's reason and the error.
 type Refusal = (&'static str, Error);
+
+/// The reason of a transfer that did not complete (the holders busy,
+/// unreachable or too slow): no fault of the bytes, so no holder is
+/// found bad for it.
+const UNREACHABLE: &str = "unreachable";
+
+/// A wait for another worker's download: bounded in all by `limit`, and
+/// given up when the claim's holder stays silent for [`CLAIM_SILENCE`];
+/// after `[source]slow_after` it gives back the prepare slot, as a slow
+/// download does (it moves no bytes at all).
+struct Waiting {
+    started: Instant,
+    limit: Duration,
+    /// When a holder last answered `downloading`.
+    heard: Instant,
+    slow_after: Option<Duration>,
+    told: bool,
+}
+
+impl Waiting {
+    fn new(limit: Duration, source: &crate::config::SourceSection) -> Waiting {
+        Waiting {
+            started: Instant::now(),
+            limit,
+            heard: Instant::now(),
+            slow_after: (source.slow_rate > 0).then(|| Duration::from_secs(source.slow_after)),
+            told: false,
+        }
+    }
+
+    /// Whether the claim stood this round with nobody `downloading` for
+    /// longer than [`CLAIM_SILENCE`].
+    fn silent(&mut self, downloading: bool) -> bool {
+        if downloading {
+            self.heard = Instant::now();
+        }
+        self.heard.elapsed() > CLAIM_SILENCE
+    }
+
+    /// One more round of waiting: logged the first time, the prepare slot
+    /// given back once it lasted `slow_after`, an error past `limit`.
+    fn step(&mut self, job: &MasterFetch<'_>) -> Result<()> {
+        if !self.told {
+            tracing::info!(
+                master = job.name,
+                "another worker is downloading it: waiting"
+            );
+            self.told = true;
+        }
+        if self
+            .slow_after
+            .is_some_and(|after| self.started.elapsed() >= after)
+        {
+            tracing::info!(
+                master = job.name,
+                "waiting for another worker's download: giving back the prepare slot"
+            );
+            job.slow.raise();
+            self.slow_after = None;
+        }
+        if self.started.elapsed() > self.limit {
+            return Err(Error::new(
+                ErrorCode::SourceUnreachable,
+                format!(
+                    "master {}: waited {}s for another worker's download",
+                    job.name,
+                    self.limit.as_secs()
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The bytes to fetch among usable offers, by rule rather than by count
+/// (each holder of the secret speaks for itself only): the master most
+/// recently fetched from its source, and among those the lowest SHA-256,
+/// so every worker makes the same choice.
+fn chosen(offers: &[Offer]) -> Option<&OfferedMaster> {
+    offers
+        .iter()
+        .filter_map(|o| o.master.as_ref())
+        .max_by(|a, b| {
+            a.fetched_at
+                .cmp(&b.fetched_at)
+                .then_with(|| b.sha256.cmp(&a.sha256))
+        })
+}
 
 /// Whether `o` is a download another host's listener streams as it is
 /// written, whose holder was not `followed` before.

@@ -549,7 +549,6 @@ impl ImagePlan {
             expected,
             sha512: expected.is_some_and(|e| e.algo == Algo::Sha512),
             force_raw,
-            skip_md5: false,
             info: &self.info,
             slow: &req.slow,
         }

@@ -47,7 +47,6 @@ impl Pipeline {
             expected: expected.as_ref(),
             sha512: expected.as_ref().is_some_and(|e| e.algo == Algo::Sha512),
             force_raw: false,
-            skip_md5: false,
             info,
             slow: &req.slow,
         };

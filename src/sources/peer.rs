@@ -1,12 +1,16 @@
 //! Masters fetched from the other workers' peer listeners: one signed GET
 //! (`peers::token`) per holder, resumed with `Range` from the same or
 //! another holder of the same bytes after a reset or a timeout, never more
-//! than the offered size. The bytes go to the receiver as one attempt (see
-//! [`Delivery`]), so they are written and hashed in the same pass as a
-//! download's; whether they are the offered bytes is the receiver's to
-//! check.
+//! than the offered size, at `[source]min_rate` at least, as a download
+//! is. A holder answering 503 (busy serving others) is asked again after
+//! its `Retry-After` (bounded), without counting against it. Peer
+//! listeners are reached under the address rules of message URLs
+//! (`http_client`), local addresses only where every worker is on one
+//! host. The bytes go to the receiver as one attempt (see [`Delivery`]),
+//! so they are written and hashed in the same pass as a download's;
+//! whether they are the offered bytes is the receiver's to check.
 
-use super::{Delivery, SourceStat, deliver};
+use super::{Delivery, RateCheck, SourceStat, deliver};
 use crate::config::Config;
 use crate::error::{Error, ErrorCode, Result};
 use crate::peers::token;
@@ -16,6 +20,13 @@ use tokio::sync::mpsc;
 
 /// Failed tries of one holder before it is given up for this transfer.
 const STRIKES: u32 = 3;
+
+/// The longest `Retry-After` obeyed (a longer one is taken as this).
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(30);
+
+/// How long one transfer waits in all for busy holders before it leaves
+/// the master to the source.
+const MAX_BUSY_WAIT: Duration = Duration::from_secs(600);
 
 /// A worker offering the master: its peer listener and its host name.
 #[derive(Debug, Clone)]
@@ -35,12 +46,17 @@ pub struct PeerFetcher {
     client: reqwest::Client,
     secret: std::sync::Arc<Vec<u8>>,
     url_ttl: u64,
+    allow_local: bool,
+    min_rate: u64,
+    min_rate_window: Duration,
 }
 
 /// How one GET from a holder ended, short of every byte.
 enum Short {
-    /// Try this holder again later (reset, timeout, busy).
+    /// Try this holder again later (reset, timeout, too slow).
     Again(Reason),
+    /// The holder is busy: come back after this long (no strike).
+    Busy(Duration),
     /// This holder cannot serve these bytes.
     Drop(Reason),
     /// The receiver stopped: so does the transfer.
@@ -48,17 +64,31 @@ enum Short {
 }
 
 impl PeerFetcher {
-    /// A client with the `[source]` timeouts (the peer listeners are the
-    /// operator's own, configured by `[peers]`: no address rule) and the
-    /// `[peers]` secret.
+    /// A client with the `[source]` timeouts, the address rules of
+    /// message URLs (see [`PeerFetcher::allow_local`]), no redirects, and
+    /// the `[peers]` secret.
     pub fn new(config: &Config) -> Result<PeerFetcher> {
-        let client =
-            super::http_client::build(config, super::http_client::Purpose::Operator, false)?;
+        let allow_local = local_peers_allowed(config);
+        let purpose = super::http_client::Purpose::Peer { allow_local };
+        let client = super::http_client::build_with(config, purpose, false, |b| {
+            b.redirect(reqwest::redirect::Policy::none())
+        })?;
         Ok(PeerFetcher {
             client,
             secret: std::sync::Arc::new(config.peers.load_secret()?),
             url_ttl: config.peers.url_ttl,
+            allow_local,
+            min_rate: config.source.min_rate,
+            min_rate_window: Duration::from_secs(config.source.min_rate_window.max(1)),
         })
+    }
+
+    /// Whether a peer listener may be at a local address (a loopback,
+    /// link-local or unspecified one): only when this worker's own is
+    /// (every worker of the deployment on one host), or with
+    /// `[source]allow_local_redirects`.
+    pub fn allow_local(&self) -> bool {
+        self.allow_local
     }
 
     /// Streams master `name`, `size` bytes, from `holders` as one attempt:
@@ -82,6 +112,7 @@ impl PeerFetcher {
         let mut strikes = vec![0u32; holders.len()];
         let mut got = 0u64;
         let mut turn = 0usize;
+        let mut busy = Duration::ZERO;
         while got < size {
             let Some(i) = (0..holders.len())
                 .map(|k| (turn + k) % holders.len())
@@ -101,6 +132,21 @@ impl PeerFetcher {
                     strikes[i] += 1;
                     turn = i + 1;
                     tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(Short::Busy(after)) => {
+                    failed(holder, "busy");
+                    busy += after;
+                    if busy > MAX_BUSY_WAIT {
+                        return Err(Error::new(
+                            ErrorCode::SourceUnreachable,
+                            format!(
+                                "master {name}: its holders stayed busy for {}s",
+                                busy.as_secs()
+                            ),
+                        ));
+                    }
+                    turn = i + 1;
+                    tokio::time::sleep(after).await;
                 }
                 Err(Short::Drop(why)) => {
                     failed(holder, why);
@@ -136,15 +182,26 @@ impl PeerFetcher {
         let resp = req.send().await.map_err(|_| Short::Again("unreachable"))?;
         check_response(&resp, *got, size)?;
         let mut body = resp.bytes_stream();
-        while let Some(chunk) = body.next().await {
-            let chunk = chunk.map_err(|_| Short::Again("unreachable"))?;
-            if *got + chunk.len() as u64 > size {
-                return Err(Short::Drop("size"));
+        let mut rate = RateCheck::new(self.min_rate, self.min_rate_window);
+        loop {
+            match tokio::time::timeout_at(rate.window_end(), body.next()).await {
+                Err(_) => {}
+                Ok(None) => break,
+                Ok(Some(chunk)) => {
+                    let chunk = chunk.map_err(|_| Short::Again("unreachable"))?;
+                    if *got + chunk.len() as u64 > size {
+                        return Err(Short::Drop("size"));
+                    }
+                    *got += chunk.len() as u64;
+                    rate.add(chunk.len() as u64);
+                    deliver(to, Delivery::Bytes(chunk))
+                        .await
+                        .map_err(Short::Stop)?;
+                }
             }
-            *got += chunk.len() as u64;
-            deliver(to, Delivery::Bytes(chunk))
-                .await
-                .map_err(Short::Stop)?;
+            if rate.too_slow().is_some() {
+                return Err(Short::Again("too_slow"));
+            }
         }
         match *got == size {
             true => Ok(()),
@@ -177,10 +234,32 @@ fn check_response(
                 false => Err(Short::Drop("size")),
             }
         }
-        503 => Err(Short::Again("busy")),
+        503 => Err(Short::Busy(retry_after(resp))),
         401 | 403 => Err(Short::Drop("refused")),
         404 => Err(Short::Drop("gone")),
         500..=599 => Err(Short::Again("status")),
         _ => Err(Short::Drop("status")),
     }
+}
+
+/// How long a busy holder asks to be left alone (`Retry-After` in
+/// seconds), between one second and [`MAX_RETRY_AFTER`].
+fn retry_after(resp: &reqwest::Response) -> Duration {
+    let secs = resp
+        .headers()
+        .get(reqwest::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or(1);
+    Duration::from_secs(secs.max(1)).min(MAX_RETRY_AFTER)
+}
+
+/// See [`PeerFetcher::allow_local`].
+fn local_peers_allowed(config: &Config) -> bool {
+    let own = config
+        .peers
+        .advertised_url()
+        .and_then(|u| crate::config::listener_url(&u));
+    config.source.allow_local_redirects
+        || own.is_some_and(|u| super::http_client::is_local_host(&u))
 }

@@ -89,10 +89,16 @@ fn digest_opt<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Option<Str
 }
 
 impl MasterMeta {
-    /// True when the source bytes are exactly the master's bytes, so a
-    /// missing source digest can be computed from the master.
+    /// True when the source bytes are exactly the master's bytes (neither
+    /// converted nor decompressed), so a missing source digest can be
+    /// computed from the master.
     pub fn served_as_fetched(&self) -> bool {
-        !self.converted && self.source_size == self.size
+        !self.converted
+            && self.source_size == self.size
+            && self
+                .source_sha256
+                .as_ref()
+                .is_none_or(|s| *s == self.sha256)
     }
 
     /// Takes every digest `other` knows and `self` does not (both describe

@@ -27,6 +27,7 @@ mod node_files;
 mod notifications;
 mod oci;
 mod peer_listener;
+mod peer_trust;
 mod peers;
 mod pipeline;
 mod rabbitmq_definitions;

@@ -12,17 +12,17 @@ use serde_json::{Value, json};
 use std::path::Path;
 use std::time::Duration;
 
-const SECRET: &str = "peers-test-secret-0123456789abcdef";
-const MINUTE: Duration = Duration::from_secs(60);
+pub(crate) const SECRET: &str = "peers-test-secret-0123456789abcdef";
+pub(crate) const MINUTE: Duration = Duration::from_secs(60);
 
 /// A worker of one conductor with peers on, on the test's own exchange.
-struct Conductor {
-    env: Env,
-    worker: Worker,
+pub(crate) struct Conductor {
+    pub(crate) env: Env,
+    pub(crate) worker: Worker,
 }
 
 /// The `[peers]` section of a conductor on `exchange`.
-fn peers_section(exchange: &str) -> String {
+pub(crate) fn peers_section(exchange: &str) -> String {
     format!(
         "[peers]\nlisten = \"127.0.0.1:{}\"\nsecret = \"{SECRET}\"\nexchange = \"{exchange}\"\n",
         free_port()
@@ -30,7 +30,7 @@ fn peers_section(exchange: &str) -> String {
 }
 
 /// `n` conductors sharing the exchange `exchange` (peers off when `None`).
-async fn conductors(n: usize, exchange: Option<&str>) -> Vec<Conductor> {
+pub(crate) async fn conductors(n: usize, exchange: Option<&str>) -> Vec<Conductor> {
     let mut all = Vec::new();
     for _ in 0..n {
         let env = Env::new(&exchange.map(peers_section).unwrap_or_default());
@@ -40,14 +40,14 @@ async fn conductors(n: usize, exchange: Option<&str>) -> Vec<Conductor> {
     all
 }
 
-fn exchange() -> String {
+pub(crate) fn exchange() -> String {
     format!("iiw-test-peers-{}", uuid::Uuid::new_v4().simple())
 }
 
 /// A qcow2 with data in `dir` (sparse but for a few patches, or `dense`),
 /// and the sha256 of its bytes (the checksum Ironic passes) and of its raw
 /// conversion (what is served).
-fn image_with(dir: &Path, name: &str, mib: u64, dense: bool) -> (String, String) {
+pub(crate) fn image_with(dir: &Path, name: &str, mib: u64, dense: bool) -> (String, String) {
     let raw = dir.join(format!("{name}.raw"));
     match dense {
         true => random_file(&raw, (mib << 20) as usize, 11),
@@ -63,11 +63,11 @@ fn image_with(dir: &Path, name: &str, mib: u64, dense: bool) -> (String, String)
     (sha256sum(&img), served)
 }
 
-fn image(dir: &Path, name: &str, mib: u64) -> (String, String) {
+pub(crate) fn image(dir: &Path, name: &str, mib: u64) -> (String, String) {
     image_with(dir, name, mib, false)
 }
 
-fn prepare(node: &str, url: &str, sha256: &str) -> Value {
+pub(crate) fn prepare(node: &str, url: &str, sha256: &str) -> Value {
     let mut cmd = prepare_cmd(node, url);
     cmd["instance_info"]["image_os_hash_algo"] = json!("sha256");
     cmd["instance_info"]["image_os_hash_value"] = json!(sha256);
@@ -75,12 +75,12 @@ fn prepare(node: &str, url: &str, sha256: &str) -> Value {
     cmd
 }
 
-async fn metric_of(c: &Conductor, name: &str) -> f64 {
+pub(crate) async fn metric_of(c: &Conductor, name: &str) -> f64 {
     metric(&c.worker.metrics_text().await, name).unwrap_or(0.0)
 }
 
 /// Checks a successful answer serving bytes with SHA-256 `served`.
-fn assert_served(ev: &Value, served: &str) {
+pub(crate) fn assert_served(ev: &Value, served: &str) {
     assert_eq!(ev["status"], "success", "{ev}");
     assert_eq!(ev["image_os_hash_value"], served, "{ev}");
 }
@@ -299,7 +299,7 @@ async fn with_peers_off_every_conductor_downloads_for_itself() {
 /// `cut` bytes of the answer (a peer dying mid-transfer), the later ones
 /// pass whole; answers pass at about `rate` bytes a second. Returns its port
 /// and the requests' heads it saw.
-async fn cutting_proxy(upstream: u16, cut: usize, rate: usize) -> (u16, Heads) {
+pub(crate) async fn cutting_proxy(upstream: u16, cut: usize, rate: usize) -> (u16, Heads) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -348,7 +348,7 @@ async fn cutting_proxy(upstream: u16, cut: usize, rate: usize) -> (u16, Heads) {
 }
 
 /// The requests' heads a proxy saw.
-type Heads = std::sync::Arc<std::sync::Mutex<Vec<String>>>;
+pub(crate) type Heads = std::sync::Arc<std::sync::Mutex<Vec<String>>>;
 
 /// Conductor A, reached by its peers through `cutting_proxy(.., cut,
 /// rate)`, holding the image at `url` (prepared there), and conductor B on
