@@ -732,10 +732,10 @@ async fn waiting_for_another_conductor_does_not_hold_the_prepare_slot() {
     let fast = SourceServer::start(src.path()).await;
     let ex = exchange();
     let a = conductors(1, Some(&ex)).await.remove(0);
-    // One prepare slot (a quarter of the prefetch); waiting is "slow"
-    // after a second.
+    // One prepare slot (a prefetch of 2 keeps one delivery for other
+    // actions); waiting is "slow" after a second.
     let b_env = Env::new(&format!(
-        "slow_after = 1\n{}[amqp]\nprefetch = 4\n",
+        "slow_after = 1\n{}[amqp]\nprefetch = 2\n",
         peers_section(&ex)
     ));
     let b = Conductor {
