@@ -441,13 +441,23 @@ pub async fn hash_file(path: &Path, sha512: bool) -> Result<Digests> {
     sink.finish().await
 }
 
+/// What an output of unannounced length asks before it grows further: the
+/// room it may take on the file system is the caller's to decide, as for
+/// any file whose length nobody announced.
+pub trait Growth: Send {
+    /// The output is now `size` bytes; an error stops it.
+    fn grown_to(&mut self, size: u64) -> futures_util::future::BoxFuture<'_, Result<()>>;
+}
+
 /// Decompresses the zstd file `src` into the new file `dst` (at most
-/// `max_size` bytes), hashing the output in the same pass.
+/// `max_size` bytes), hashing the output in the same pass; `growth` hears
+/// the output's size after each write.
 pub async fn decompress_zstd(
     src: &Path,
     dst: &Path,
     sha512: bool,
     max_size: u64,
+    growth: &mut dyn Growth,
 ) -> Result<Digests> {
     let mut sink = Sink::create(dst, sha512)?;
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>>>(4);
@@ -477,6 +487,10 @@ pub async fn decompress_zstd(
     let mut result = Ok(());
     while let Some(chunk) = rx.recv().await {
         if let Err(e) = async { sink.write(&chunk?).await }.await {
+            result = Err(e);
+            break;
+        }
+        if let Err(e) = growth.grown_to(sink.size()).await {
             result = Err(e);
             break;
         }

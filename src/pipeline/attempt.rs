@@ -10,6 +10,7 @@
 
 use super::Pipeline;
 use super::fetch::MasterFetch;
+use super::keeper::{GROWTH_STEP, Room};
 use super::stream::DownloadState;
 use crate::error::{Error, ErrorCode, Result};
 use crate::fsutil::TempGuard;
@@ -24,9 +25,6 @@ use tokio::sync::{mpsc, watch};
 
 /// Deliveries queued between the source and the attempt's writer.
 pub(super) const DELIVERY_DEPTH: usize = 8;
-
-/// How much free space a download of unknown size makes sure of ahead.
-const GROWTH_STEP: u64 = 256 << 20;
 
 /// The attempt that completed: its file, its digests, what the source said.
 pub(super) struct Written {
@@ -61,11 +59,9 @@ struct Current {
     file: TempGuard,
     sink: Sink,
     stat: SourceStat,
-    /// Bytes covered by the free space made sure of so far.
-    room_until: u64,
-    /// Room being made ahead (see [`Pipeline::keep_room_ahead`]): the bytes
-    /// it covers once made, and the eviction making it.
-    ahead: Option<(u64, tokio::task::JoinHandle<Result<()>>)>,
+    /// Room made ahead of a download of unannounced length (see
+    /// [`Room`]); `None` when its whole length had room made first.
+    room: Option<Room>,
 }
 
 /// The views the conversion follows: `None` while no attempt is valid.
@@ -220,8 +216,10 @@ impl Pipeline {
             view,
             file,
             sink,
-            room_until: stat.size.map_or(GROWTH_STEP, |_| u64::MAX),
-            ahead: None,
+            room: match stat.size {
+                Some(_) => None,
+                None => Some(Room::ahead_of(self.keeper(), GROWTH_STEP)),
+            },
             stat,
         })
     }
@@ -232,34 +230,10 @@ impl Pipeline {
         cur.sink.write(bytes).await?;
         let size = cur.sink.size();
         cur.view.state.received(size);
-        self.keep_room_ahead(cur, size).await
-    }
-
-    /// Room for a download of unannounced length, made ahead: once within
-    /// half a [`GROWTH_STEP`] of what is made sure of, a background
-    /// eviction makes sure of a step more (unlinking large masters takes
-    /// a while: the download goes on meanwhile), and the download waits
-    /// for it only when it reaches the end of the room made sure of, so
-    /// it never writes past room that was not made. `GROWTH_STEP` bytes
-    /// free when the eviction checks cover the step beyond the size the
-    /// download had when it started.
-    async fn keep_room_ahead(&self, cur: &mut Current, size: u64) -> Result<()> {
-        if cur.room_until == u64::MAX {
-            return Ok(());
+        match cur.room.as_mut() {
+            Some(room) => room.grow_to(size).await,
+            None => Ok(()),
         }
-        if cur.ahead.is_none() && size.saturating_add(GROWTH_STEP / 2) > cur.room_until {
-            let keeper = self.keeper();
-            let task = tokio::task::spawn_blocking(move || keeper.make_room(GROWTH_STEP));
-            cur.ahead = Some((size.saturating_add(GROWTH_STEP), task));
-        }
-        if size > cur.room_until
-            && let Some((until, task)) = cur.ahead.take()
-        {
-            task.await
-                .map_err(|e| Error::new(ErrorCode::Internal, format!("eviction task: {e}")))??;
-            cur.room_until = until;
-        }
-        Ok(())
     }
 
     /// Converts each attempt while it downloads, on that attempt's file: a

@@ -7,6 +7,7 @@
 //! serving.
 
 use super::attempt::{Streamed, Written};
+use super::keeper::Room;
 use super::peers::PeerTurn;
 use super::{Pipeline, blocking};
 use crate::error::{Error, ErrorCode, Result};
@@ -174,7 +175,10 @@ impl Pipeline {
         }
         let out = TempGuard::new(self.cache.temp_path(job.name)?);
         let max = self.config.convert.qcow2_limits().max_virtual_size;
-        let d = convert::decompress_zstd(temp, out.path(), job.sha512, max).await?;
+        // Its length is nobody's announcement: room is made as it grows,
+        // as for a download without one.
+        let mut room = Room::ahead_of(self.keeper(), 0);
+        let d = convert::decompress_zstd(temp, out.path(), job.sha512, max, &mut room).await?;
         Ok(Some((out, d)))
     }
 

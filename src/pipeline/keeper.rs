@@ -1,16 +1,21 @@
 //! The cache housekeeping the pipeline runs on a blocking thread: eviction
-//! under the cache policy, room before a download or conversion, the cache
-//! gauges. It knows the cache directory and the policy, not requests, nodes,
-//! the broker or HTTP serving.
+//! under the cache policy, room before a download or conversion (and,
+//! with [`Room`], ahead of a file whose final length nobody announced), the
+//! cache gauges. It knows the cache directory and the policy, not requests,
+//! nodes, the broker or HTTP serving.
 
-use crate::error::Result;
+use crate::error::{Error, ErrorCode, Result};
 use crate::fsutil;
 use crate::metrics::Metrics;
 use crate::store::cache::Cache;
 use std::sync::Arc;
 
+/// How much free space a file of unannounced length makes sure of ahead.
+pub(super) const GROWTH_STEP: u64 = 256 << 20;
+
 /// The cache housekeeping (eviction, free space, gauges): cheap to clone,
 /// so it runs on a blocking thread.
+#[derive(Clone)]
 pub(super) struct Keeper {
     pub(super) cache: Cache,
     pub(super) policy: crate::store::eviction::Policy,
@@ -65,5 +70,59 @@ impl Keeper {
             let linked = entries.iter().filter(|e| e.linked_nodes > 0).count();
             self.metrics.cache.state(bytes, entries.len(), linked);
         }
+    }
+}
+
+/// Room made ahead of a file that grows to a length nobody announced: a
+/// download without `Content-Length` (or decoded from gzip as it arrives),
+/// an image decompressed from zstd. Every such writer in the pipeline goes
+/// through it, so one rule holds for all of them: once the file is within
+/// half a [`GROWTH_STEP`] of the room made sure of, a background eviction
+/// makes sure of a step more (unlinking large masters takes a while: the
+/// writer goes on meanwhile), and the writer waits for it only when it
+/// reaches the end of the room made sure of, so it never writes past room
+/// that was not made: it fails with `insufficient_disk_space` while the
+/// file system still has space, never by filling it.
+pub(super) struct Room {
+    keeper: Keeper,
+    /// Bytes covered by the free space made sure of so far.
+    until: u64,
+    /// Room being made ahead: the bytes it covers once made, and the
+    /// eviction making it.
+    ahead: Option<(u64, tokio::task::JoinHandle<Result<()>>)>,
+}
+
+impl Room {
+    /// Room for a file whose first `made` bytes have room made already.
+    pub(super) fn ahead_of(keeper: Keeper, made: u64) -> Room {
+        Room {
+            keeper,
+            until: made,
+            ahead: None,
+        }
+    }
+
+    /// The file is now `size` bytes: makes sure of more room ahead, and
+    /// waits for it once the file reaches the end of the room made.
+    pub(super) async fn grow_to(&mut self, size: u64) -> Result<()> {
+        if self.ahead.is_none() && size.saturating_add(GROWTH_STEP / 2) > self.until {
+            let keeper = self.keeper.clone();
+            let task = tokio::task::spawn_blocking(move || keeper.make_room(GROWTH_STEP));
+            self.ahead = Some((size.saturating_add(GROWTH_STEP), task));
+        }
+        if size > self.until
+            && let Some((until, task)) = self.ahead.take()
+        {
+            task.await
+                .map_err(|e| Error::new(ErrorCode::Internal, format!("eviction task: {e}")))??;
+            self.until = until;
+        }
+        Ok(())
+    }
+}
+
+impl crate::image::convert::Growth for Room {
+    fn grown_to(&mut self, size: u64) -> futures_util::future::BoxFuture<'_, Result<()>> {
+        Box::pin(self.grow_to(size))
     }
 }

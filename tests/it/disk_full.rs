@@ -253,3 +253,81 @@ async fn gzip_bomb_stops_at_the_room_made_and_leaves_nothing() {
     assert_eq!(ok["image_checksum"], md5sum(&web.path().join("ok.img")));
     drop(worker);
 }
+
+/// A zstd bomb: 1 GiB of one byte, about 33 KiB compressed, served as a
+/// plain file (an http source of zstd bytes, which are decompressed as
+/// Ironic does). The decompressed length is nobody's announcement, so it
+/// is held to the same room rule as a download without one: on a 400 MiB
+/// file system it stops with `insufficient_disk_space` while space is
+/// left (never by running into ENOSPC), and leaves nothing behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zstd_bomb_stops_at_the_room_made_like_gzip() {
+    let env = Env::new("");
+    let small = env.root().join("small");
+    let _mount = Tmpfs::mount(&small, "400m");
+    let web = tempfile::tempdir().unwrap();
+    let bomb = web.path().join("bomb.img.zst");
+    tool(
+        "sh",
+        &[
+            "-c",
+            &format!(
+                "head -c 1G /dev/zero | tr '\\0' A | zstd -q -3 -o {}",
+                bomb.display()
+            ),
+        ],
+    );
+    let packed = std::fs::metadata(&bomb).unwrap().len();
+    assert!(packed < 1 << 20, "{packed}");
+    let server = SourceServer::start(web.path()).await;
+    let sets = [
+        format!("pxe.instance_master_path={}/master", small.display()),
+        format!("pxe.images_path={}/images", small.display()),
+        format!("deploy.http_root={}/httpboot", small.display()),
+    ];
+    let mut args: Vec<&str> = Vec::new();
+    for s in &sets {
+        args.extend(["--set", s.as_str()]);
+    }
+    let worker = env.serve_with(&args, &[]).await;
+    let broker = Broker::connect().await;
+    // The lowest free space seen while the prepare runs.
+    let watched = small.clone();
+    let lowest = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(u64::MAX));
+    let (low, stop) = (
+        lowest.clone(),
+        std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false)),
+    );
+    let stopped = stop.clone();
+    let sampler = std::thread::spawn(move || {
+        while !stopped.load(std::sync::atomic::Ordering::Relaxed) {
+            if let Ok(st) = rustix::fs::statvfs(&watched) {
+                low.fetch_min(
+                    st.f_bavail * st.f_frsize,
+                    std::sync::atomic::Ordering::Relaxed,
+                );
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    });
+    let done = broker
+        .call(&env.host, prepare_cmd(&node(), &server.url("bomb.img.zst")))
+        .await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    sampler.join().unwrap();
+    assert_valid_completion(&done);
+    assert_eq!(done["error"]["code"], "insufficient_disk_space", "{done}");
+    let message = done["error"]["message"].as_str().unwrap();
+    assert!(
+        !message.contains("No space left"),
+        "stopped by the room rule, not by a full file system: {message}"
+    );
+    let lowest = lowest.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        lowest >= 1 << 20,
+        "the file system went down to {lowest} bytes free"
+    );
+    let st = rustix::fs::statvfs(&small).unwrap();
+    assert!(st.f_bavail * st.f_frsize > 380 << 20, "the space is back");
+    drop(worker);
+}
