@@ -426,12 +426,15 @@ impl Connection {
     /// connection is evicted or the server stops.
     async fn handshake(
         &self,
-        tls: &crate::http::Tls,
+        tls: &Arc<crate::http::Tls>,
         io: Watched,
     ) -> Result<tokio_rustls::server::TlsStream<Watched>, Reason> {
-        let acceptor = tokio_rustls::TlsAcceptor::from(tls.config());
+        let accept = async {
+            let acceptor = tokio_rustls::TlsAcceptor::from(tls.config().await);
+            acceptor.accept(io).await
+        };
         tokio::select! {
-            done = tokio::time::timeout(self.limits.header_timeout, acceptor.accept(io)) => {
+            done = tokio::time::timeout(self.limits.header_timeout, accept) => {
                 match done {
                     Ok(Ok(stream)) => Ok(stream),
                     Ok(Err(e)) => {

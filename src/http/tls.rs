@@ -11,13 +11,25 @@
 //! in `http_tls_reloads_total{result="error"}`; it is not tried again until
 //! the files change once more (a certificate written before its key loads
 //! on the key's write).
+//!
+//! The files are looked at on a blocking thread, one look at a time and
+//! never under a lock: a handshake waits [`LOOK_WAIT`] at most for it, then
+//! goes on with the pair in use, so a path whose reads block (a FIFO, a
+//! hung network mount) costs one blocking thread, never the runtime's
+//! threads (the image server, `/healthz`, the broker, the clean-ups).
 
 use crate::fsutil::FileStamp;
 use rustls::ServerConfig;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// How long a handshake waits for a look at the files before it goes on
+/// with the pair in use.
+pub const LOOK_WAIT: Duration = Duration::from_secs(2);
 
 /// The lowest TLS version the image server accepts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,8 +84,20 @@ struct Current {
 /// The image server's TLS set-up, reloaded when its files change.
 pub struct Tls {
     files: TlsFiles,
+    /// Held only to read or replace the pair in use, never across I/O.
     current: Mutex<Current>,
+    /// A look at the files is under way (at most one at a time).
+    looking: AtomicBool,
     reloads: Option<prometheus::IntCounterVec>,
+}
+
+/// Ends a look at the files, however it ends.
+struct Looking<'a>(&'a AtomicBool);
+
+impl Drop for Looking<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
 }
 
 impl std::fmt::Debug for Tls {
@@ -95,33 +119,73 @@ impl Tls {
         Ok(Tls {
             files,
             current: Mutex::new(Current { config, seen }),
+            looking: AtomicBool::new(false),
             reloads,
         })
     }
 
     /// The set-up for a new handshake: the files' current pair if they
-    /// changed and load, else the one in use.
-    pub fn config(&self) -> Arc<ServerConfig> {
-        let now = identity(&self.files);
-        let mut current = self.current.lock().unwrap_or_else(|p| p.into_inner());
-        if now == current.seen {
-            return current.config.clone();
+    /// changed and load, else the one in use (also while another look at
+    /// the files is under way, or when this one takes over [`LOOK_WAIT`]).
+    pub async fn config(self: &Arc<Self>) -> Arc<ServerConfig> {
+        if self.looking.swap(true, Ordering::AcqRel) {
+            return self.in_use();
         }
-        // Seen before the files are read: a change while they are read is a
-        // change again at the next handshake.
-        current.seen = now;
+        let tls = self.clone();
+        let look = tokio::task::spawn_blocking(move || {
+            let _done = Looking(&tls.looking);
+            tls.look()
+        });
+        match tokio::time::timeout(LOOK_WAIT, look).await {
+            Ok(Ok(config)) => config,
+            Ok(Err(_)) => self.in_use(),
+            Err(_) => {
+                tracing::warn!(
+                    cert = %self.files.cert.display(),
+                    "the certificate files take more than {}s to read; serving the pair in use",
+                    LOOK_WAIT.as_secs()
+                );
+                self.in_use()
+            }
+        }
+    }
+
+    /// The pair in use.
+    fn in_use(&self) -> Arc<ServerConfig> {
+        self.lock().config.clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Current> {
+        self.current.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Looks at the files (on a blocking thread, no lock held while they
+    /// are read) and loads a changed pair.
+    fn look(&self) -> Arc<ServerConfig> {
+        let now = identity(&self.files);
+        {
+            let mut current = self.lock();
+            if now == current.seen {
+                return current.config.clone();
+            }
+            // Seen before the files are read: a change while they are read
+            // is a change again at the next handshake.
+            current.seen = now;
+        }
         let result = match now {
             None => Err("cannot read the certificate or the key file".to_string()),
             Some(_) => build(&self.files),
         };
         match result {
             Ok(config) => {
-                current.config = Arc::new(config);
+                let config = Arc::new(config);
+                self.lock().config = config.clone();
                 tracing::info!(
                     cert = %self.files.cert.display(),
                     "image server certificate reloaded"
                 );
                 self.count("ok");
+                config
             }
             Err(e) => {
                 tracing::error!(
@@ -129,9 +193,9 @@ impl Tls {
                     "new image server certificate not loaded; still serving the previous one"
                 );
                 self.count("error");
+                self.in_use()
             }
         }
-        current.config.clone()
     }
 
     fn count(&self, result: &str) {

@@ -375,6 +375,69 @@ async fn tls_connection_evicted_at_the_cap_gets_503_through_tls() {
     worker.terminate().await;
 }
 
+/// A certificate path whose reads block (the key replaced by a FIFO
+/// nobody writes, as a hung network mount would behave) freezes nothing:
+/// handshakes go on with the pair in use, `/healthz` answers, and once the
+/// FIFO yields (an empty key) the bad pair is refused and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blocking_certificate_path_freezes_nothing() {
+    let (env, certs, url, _) = tls_env("", "").await;
+    let key = certs.join("server.key");
+    let worker = env.serve().await;
+    let (port, path) = (env.http_port, path_of(&url));
+    let ca = certs.join("ca1.pem");
+    std::fs::remove_file(&key).unwrap();
+    tool("mkfifo", &[key.to_str().unwrap()]);
+    // More handshakes at once than the worker has runtime threads.
+    let mut handshakes = Vec::new();
+    for _ in 0..8 {
+        let (ca, path) = (ca.clone(), path.to_string());
+        handshakes.push(tokio::spawn(async move {
+            tokio::time::timeout(Duration::from_secs(20), tls_get(port, &ca, &path)).await
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let health = tokio::time::timeout(
+        Duration::from_secs(10),
+        reqwest::get(worker.metrics_url("/healthz")),
+    )
+    .await;
+    assert!(
+        health
+            .as_ref()
+            .is_ok_and(|r| r.as_ref().is_ok_and(|r| r.status() == 200)),
+        "/healthz froze: {health:?}"
+    );
+    for h in handshakes {
+        let answer = h.await.unwrap();
+        assert!(
+            matches!(&answer, Ok(Ok(a)) if a.starts_with("HTTP/1.1 200")),
+            "served with the pair in use: {answer:?}"
+        );
+    }
+    // The FIFO yields an empty key: refused, the old pair still serves.
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        let _ = std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&key);
+    }
+    wait_metric(
+        &worker,
+        "ironic_image_worker_http_tls_reloads_total{result=\"error\"}",
+        1.0,
+    )
+    .await;
+    assert!(
+        tls_get(port, &ca, path)
+            .await
+            .unwrap()
+            .starts_with("HTTP/1.1 200")
+    );
+    worker.terminate().await;
+}
+
 /// Waits until the `/metrics` line `prefix` reads `value` (panics after a
 /// minute).
 async fn wait_metric(worker: &Worker, prefix: &str, value: f64) {
