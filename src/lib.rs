@@ -17,7 +17,7 @@
 //! | `metrics` | Prometheus metrics and transfer progress |
 //! | [`config`] | configuration (TOML, environment, `--set`, ironic.conf) |
 //! | `node` | the validated node UUID |
-//! | `peers` | what the workers of one deployment say to each other: signed master URLs |
+//! | `peers` | what the workers of one deployment say to each other: signed master URLs, sealed queries and offers |
 //! | `fsutil` | file-system helpers every layer may use (permissions, atomic replacement, the O_NOFOLLOW walk) |
 //! | `retry` | the jittered exponential backoff of reconnects and download retries |
 //! | [`error`] | the one error type and its closed list of codes |
