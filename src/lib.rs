@@ -19,6 +19,7 @@
 //! | `node` | the validated node UUID |
 //! | `peers` | what the workers of one deployment say to each other: signed master URLs |
 //! | `fsutil` | file-system helpers every layer may use (permissions, atomic replacement, the O_NOFOLLOW walk) |
+//! | [`secrets`] | masking secrets (URL credentials and signatures, secret options) for every layer's logs, errors and files |
 //! | `retry` | the jittered exponential backoff of reconnects and download retries |
 //! | [`error`] | the one error type and its closed list of codes |
 //!
@@ -46,6 +47,7 @@ pub(crate) mod node;
 pub(crate) mod peers;
 pub(crate) mod pipeline;
 pub(crate) mod retry;
+pub mod secrets;
 pub(crate) mod service;
 pub(crate) mod sources;
 pub(crate) mod store;

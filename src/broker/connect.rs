@@ -6,8 +6,9 @@
 //! stops the worker with a clear message instead of failing every
 //! reconnect. Nothing here logs a password or key.
 
-use crate::config::{AmqpSection, Config, redact_url};
+use crate::config::{AmqpSection, Config};
 use crate::error::{Error, ErrorCode, Result};
+use crate::secrets::redact_url;
 use lapin::tcp::{AsyncTcpStream, RustlsConnector};
 use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{Connection, ConnectionProperties};

@@ -180,7 +180,7 @@ impl Pipeline {
     fn keeper(&self) -> Keeper {
         Keeper {
             cache: self.cache.clone(),
-            policy: self.config.eviction_policy(),
+            policy: self.config.pxe.eviction_policy(),
             metrics: self.metrics.clone(),
         }
     }
@@ -253,7 +253,7 @@ impl Pipeline {
                 .image_source
                 .as_deref()
                 .filter(|s| s.len() <= crate::messages::MAX_URL_LEN)
-                .map(crate::config::redact_url);
+                .map(crate::secrets::redact_url);
         }
         let result = match NodeUuid::parse(&req.node_uuid) {
             // A warm names an image, not a node.

@@ -84,7 +84,7 @@ fn defaults_need_no_root() {
         ["raw", "gpt", "qcow2", "iso"]
     );
     assert!(c.default.force_raw_images && c.agent.stream_raw_images);
-    assert_eq!(c.amqp_url_redacted(), "amqp://guest:***@127.0.0.1:5672/%2f");
+    assert_eq!(c.amqp.url_redacted(), "amqp://guest:***@127.0.0.1:5672/%2f");
 }
 
 fn toml_file(path: &std::path::Path) -> Files {
@@ -385,7 +385,7 @@ fn default_virtual_size_limit_is_one_tib() {
 /// standing as the user name.
 #[test]
 fn urls_are_redacted_of_their_user_info() {
-    use ironic_image_worker::config::redact_url;
+    use ironic_image_worker::secrets::redact_url;
     assert_eq!(
         redact_url("http://user:pw@host:8080/a@b?c=d@e"),
         "http://***@host:8080/a@b?c=d@e"
@@ -494,7 +494,7 @@ fn ironic_conf_multi_host_transport_and_tls() {
     assert_eq!(c.amqp.ssl_ca_file, ca.display().to_string());
     assert_eq!(c.amqp.ssl_version, "TLSv1_2");
     assert_eq!(
-        c.amqp_url_redacted(),
+        c.amqp.url_redacted(),
         "amqps://a:***@mq1:5671/ironic,amqps://b:***@mq2:5672/ironic,amqps://c:***@mq3/ironic"
     );
 }
