@@ -61,6 +61,10 @@ pub(super) struct Dispatcher {
     host: String,
     /// Ironic's notification exchange (deliveries from it are notifications).
     notification_exchange: String,
+    /// `[notifications]deploy_interfaces`: the nodes notifications act on.
+    deploy_interfaces: Vec<String>,
+    /// `[amqp]max_message_bytes`: the longest body read.
+    max_message_bytes: usize,
     /// The broker's consumer timeout in force, in milliseconds (0: none):
     /// `[amqp]consumer_timeout`, or the value the broker reported when it
     /// closed a channel over it. A delivery still unacknowledged three
@@ -112,15 +116,20 @@ fn prepare_slots(prefetch: u16) -> usize {
 }
 
 impl Dispatcher {
-    pub(super) fn new(pipeline: Arc<Pipeline>, metrics: Arc<Metrics>) -> Dispatcher {
-        let config = pipeline.config();
-        let timeout = config.amqp.consumer_timeout;
-        let slots = prepare_slots(config.amqp.prefetch);
-        let slow_downloads = config.source.slow_downloads as usize;
-        let queue = super::Topology::new(config).queue;
+    pub(super) fn new(
+        pipeline: Arc<Pipeline>,
+        metrics: Arc<Metrics>,
+        settings: &super::Settings,
+    ) -> Dispatcher {
+        let amqp = &settings.amqp;
+        let timeout = amqp.consumer_timeout;
+        let slots = prepare_slots(amqp.prefetch);
+        let queue = super::Topology::new(&settings.host, amqp).queue;
         Dispatcher {
-            host: config.default.host.clone(),
-            notification_exchange: config.amqp.notification_exchange.clone(),
+            host: settings.host.clone(),
+            notification_exchange: amqp.notification_exchange.clone(),
+            deploy_interfaces: settings.notifications.deploy_interfaces.clone(),
+            max_message_bytes: amqp.max_message_bytes,
             consumer_timeout_ms: AtomicU64::new(timeout.saturating_mul(1000)),
             pipeline,
             metrics,
@@ -130,7 +139,7 @@ impl Dispatcher {
             next_session: AtomicU64::new(1),
             tracker: TaskTracker::new(),
             prepare_slots: Arc::new(tokio::sync::Semaphore::new(slots)),
-            slow_lane: Arc::new(tokio::sync::Semaphore::new(slow_downloads)),
+            slow_lane: Arc::new(tokio::sync::Semaphore::new(settings.slow_downloads)),
             queue,
         }
     }
@@ -224,14 +233,13 @@ impl Dispatcher {
     /// A delivery parsed into a job holding its copy.
     fn job(&self, session: u64, identity: u64, delivery: Delivery) -> Job {
         let from_ironic = delivery.exchange.as_str() == self.notification_exchange;
-        let config = self.pipeline.config();
         let received_ms = super::stamp::now_ms();
         let mut inbound = inbound::parse(
             &delivery.data,
             from_ironic,
             &self.host,
-            &config.notifications.deploy_interfaces,
-            config.amqp.max_message_bytes,
+            &self.deploy_interfaces,
+            self.max_message_bytes,
         );
         if let Inbound::Work(req) = &mut inbound {
             let command_time = super::stamp::issued_ms(&delivery.properties, received_ms);

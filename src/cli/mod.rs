@@ -267,7 +267,8 @@ async fn send_command(config: &Config, args: SendArgs) -> Result<ExitCode> {
         limit: std::time::Duration::from_secs(args.timeout),
         expect: args.expect,
     });
-    let answers = crate::cli::send::send(config, target, &req, wait).await?;
+    let answers =
+        crate::cli::send::send(&crate::broker::Settings::of(config), target, &req, wait).await?;
     if wait.is_none() {
         println!("{}", serde_json::json!({"request_id": request_id}));
         return Ok(ExitCode::SUCCESS);

@@ -3,7 +3,6 @@
 //! temporary reply queue, and can wait for the completion events.
 
 use crate::broker::{Brokers, Topology, WARM_ALL_KEY};
-use crate::config::Config;
 use crate::error::{Error, ErrorCode, Result};
 use crate::messages::Request;
 use crate::messages::{Action, Completion};
@@ -65,12 +64,12 @@ pub struct Wait {
 /// that came back: exactly one from one host (or an error after
 /// `wait.limit`), from every conductor those that came within the limit.
 pub async fn send(
-    config: &Config,
+    settings: &crate::broker::Settings,
     target: Target<'_>,
     req: &Request,
     wait: Option<Wait>,
 ) -> Result<Vec<Completion>> {
-    let (conn, name) = connect_first(config).await?;
+    let (conn, name) = connect_first(&settings.amqp).await?;
     let broker = |e: lapin::Error| {
         Error::new(
             ErrorCode::Internal,
@@ -82,7 +81,7 @@ pub async fn send(
         .confirm_select(ConfirmSelectOptions::default())
         .await
         .map_err(broker)?;
-    let topology = Topology::new(config);
+    let topology = Topology::new(&settings.host, &settings.amqp);
     let (reply, replies) = reply_queue(&channel, &topology).await.map_err(broker)?;
     let correlation = req.request_id.clone().unwrap_or_default();
     let key = target.routing_key(req.action);
@@ -181,12 +180,12 @@ async fn reply_queue(
 }
 
 /// A connection to the first broker of the configured list that answers.
-async fn connect_first(config: &Config) -> Result<(lapin::Connection, String)> {
-    let brokers = Brokers::new(config)?;
+async fn connect_first(amqp: &crate::config::AmqpSection) -> Result<(lapin::Connection, String)> {
+    let brokers = Brokers::new(amqp)?;
     let mut failures = Vec::new();
     for index in 0..brokers.len() {
         let attempt = tokio::time::timeout(
-            Duration::from_secs(config.amqp.connect_timeout.max(1)),
+            Duration::from_secs(amqp.connect_timeout.max(1)),
             brokers.connect(index, ConnectionProperties::default()),
         )
         .await;

@@ -195,11 +195,6 @@ impl Pipeline {
         blocking(move || work(&keeper)).await
     }
 
-    /// The configuration in force.
-    pub fn config(&self) -> &Config {
-        &self.config
-    }
-
     /// Handles one request and always answers with a completion event. Every
     /// log line inside carries the node, request id and action.
     /// `only_if_prepared` is not looked at: see [`Pipeline::handle_unless_stray`].

@@ -21,9 +21,8 @@ use tokio::sync::watch;
 /// Runs the worker until a termination signal.
 pub async fn serve(config: Config) -> Result<()> {
     let metrics = Arc::new(Metrics::new());
-    let pipeline = Arc::new(Pipeline::new(config, metrics.clone())?);
+    let pipeline = Arc::new(Pipeline::new(config.clone(), metrics.clone())?);
     pipeline.recover()?;
-    let config = pipeline.config().clone();
     let roots = ImageRoots::new(
         &config.deploy.http_root,
         &[&config.pxe.instance_master_path, &config.pxe.images_path],
@@ -31,7 +30,8 @@ pub async fn serve(config: Config) -> Result<()> {
     .map_err(|e| Error::io("resolve served directories", e))?;
     let limits = image_server_limits(&config);
     let security = image_server_security(&config, &metrics)?;
-    let brokers = crate::broker::Brokers::new(&config)?;
+    let settings = crate::broker::Settings::of(&config);
+    let brokers = crate::broker::Brokers::new(&settings.amqp)?;
     let image_listener = bind(config.http.listen).await?;
     let ops_listener = bind(config.metrics.listen).await?;
     tracing::info!(
@@ -65,16 +65,28 @@ pub async fn serve(config: Config) -> Result<()> {
         limits,
         stopped(stop_rx.clone()),
     ));
-    let peers = spawn_peer_listener(&pipeline, &metrics, limits, stopped(stop_rx.clone())).await?;
-    start_peer_link(&config, &pipeline, &stop_rx)?;
+    let peers = spawn_peer_listener(
+        &config,
+        &pipeline,
+        &metrics,
+        limits,
+        stopped(stop_rx.clone()),
+    )
+    .await?;
+    start_peer_link(&settings, &pipeline, &stop_rx)?;
     let consumer = tokio::spawn(crate::broker::run(
         pipeline.clone(),
         metrics.clone(),
+        settings,
         brokers,
         connected,
         stop_rx.clone(),
     ));
-    let housekeeping = tokio::spawn(housekeeping(pipeline.clone(), stop_rx.clone()));
+    let housekeeping = tokio::spawn(housekeeping(
+        pipeline.clone(),
+        config.cache.clean_interval,
+        stop_rx.clone(),
+    ));
     // Images are served from here on; the broker connection (which may come
     // later, with retries) is reported by /readyz, not by systemd.
     crate::service::sd_notify::notify("READY=1\nSTATUS=serving images; broker state on /readyz");
@@ -103,13 +115,13 @@ pub async fn serve(config: Config) -> Result<()> {
 /// Connects the peers' link to the broker when `[peers]` is on and hands
 /// it to the pipeline, so a miss asks the other workers first.
 fn start_peer_link(
-    config: &Config,
+    settings: &crate::broker::Settings,
     pipeline: &Arc<Pipeline>,
     stop: &watch::Receiver<bool>,
 ) -> Result<()> {
-    if config.peers.enabled() {
-        let brokers = crate::broker::Brokers::new(config)?;
-        let link = crate::broker::peers::start(pipeline.clone(), brokers, stop.clone());
+    if settings.peers.enabled() {
+        let brokers = crate::broker::Brokers::new(&settings.amqp)?;
+        let link = crate::broker::peers::start(pipeline.clone(), settings, brokers, stop.clone());
         pipeline.enable_peers(link)?;
     }
     Ok(())
@@ -118,12 +130,12 @@ fn start_peer_link(
 /// Starts the peer listener when `[peers]` is on: masters served to the
 /// other workers, on its own address (the management network).
 async fn spawn_peer_listener(
+    config: &Config,
     pipeline: &Pipeline,
     metrics: &Arc<Metrics>,
     limits: http::Limits,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<Option<tokio::task::JoinHandle<std::io::Result<()>>>> {
-    let config = pipeline.config();
     let (Some(listen), true) = (config.peers.listen, config.peers.enabled()) else {
         return Ok(None);
     };
@@ -164,13 +176,12 @@ fn health_of(config: &Config, connected: &Arc<std::sync::atomic::AtomicBool>) ->
     }
 }
 
-/// Applies the cache policy every `[cache]clean_interval` seconds (not only
-/// when an image is used), after expiring node files no command asked for
-/// (`[cache]node_files_ttl`), and refreshes the cache gauges every few
-/// seconds.
-async fn housekeeping(pipeline: Arc<Pipeline>, mut stop: watch::Receiver<bool>) {
+/// Applies the cache policy every `every` seconds (`[cache]clean_interval`,
+/// 0: never; not only when an image is used), after expiring node files no
+/// command asked for (`[cache]node_files_ttl`), and refreshes the cache
+/// gauges every few seconds.
+async fn housekeeping(pipeline: Arc<Pipeline>, every: u64, mut stop: watch::Receiver<bool>) {
     const GAUGES_EVERY: std::time::Duration = std::time::Duration::from_secs(15);
-    let every = pipeline.config().cache.clean_interval;
     let mut last_clean: Option<std::time::Instant> = None;
     loop {
         let due = every > 0
