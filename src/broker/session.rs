@@ -93,7 +93,12 @@ pub async fn run(
             }
             Err(e) => {
                 failed_in_row += 1;
-                tracing::warn!(broker = %brokers.name(index), error = %e.text, "broker unavailable");
+                tracing::warn!(
+                    broker = %brokers.name(index),
+                    error = %e.text,
+                    hint = e.hint(),
+                    "broker unavailable"
+                );
                 if failed_in_row.is_multiple_of(brokers.len()) {
                     backoff.next().unwrap_or(MAX_DELAY).min(MAX_DELAY)
                 } else {
@@ -154,6 +159,20 @@ impl Failed {
             reply_code: super::reply_code(e),
         }
     }
+
+    /// What the operator should check, for the refusals that have one
+    /// cause in practice.
+    fn hint(&self) -> &'static str {
+        if self.reply_code == Some(ACCESS_REFUSED) || self.text.contains("ACCESS_REFUSED") {
+            "check the user and password of [amqp]url and the user's permissions on its \
+             virtual host"
+        } else if self.reply_code == Some(NOT_FOUND) {
+            "the queue or exchange does not exist: give the user the configure permission, \
+             or import the definitions (operations guide, least-privilege broker user)"
+        } else {
+            ""
+        }
+    }
 }
 
 /// Jittered exponential backoff; [`MAX_DELAY`] caps each value after jitter.
@@ -172,6 +191,9 @@ struct Opened {
     consumer: lapin::Consumer,
     publisher: Publisher,
 }
+
+/// AMQP's reply code for an operation the user's permissions refuse.
+const ACCESS_REFUSED: u16 = 403;
 
 /// The steps of [`open`], named in a timeout's message.
 const STEPS: [&str; 4] = [
@@ -195,15 +217,27 @@ async fn open(
         .with_connection_name(format!("ironic-image-worker@{}", settings.host).into());
     let conn = brokers.connect(index, props).await?;
     step.store(1, Ordering::Relaxed);
-    let consume_channel = conn.create_channel().await?;
+    let mut consume_channel = conn.create_channel().await?;
     let publish_channel = conn.create_channel().await?;
     let probe_channel = conn.create_channel().await?;
     let topology = Topology::new(&settings.host, &settings.amqp);
     step.store(2, Ordering::Relaxed);
-    if declare {
-        topology
+    if declare
+        && let Err(e) = topology
             .declare(&conn, &consume_channel, &settings.amqp)
-            .await?;
+            .await
+    {
+        if super::reply_code(&e) != Some(ACCESS_REFUSED) {
+            return Err(e);
+        }
+        // A user without the configure permission (a least-privilege
+        // set-up): the topology is the broker's, imported from
+        // ops/rabbitmq/definitions.json; consuming tells whether it is there.
+        tracing::info!(
+            queue = %topology.queue,
+            "the broker user may not declare: using the exchanges and queues defined on the broker"
+        );
+        consume_channel = conn.create_channel().await?;
     }
     consume_channel
         .basic_qos(settings.amqp.prefetch, BasicQosOptions::default())
