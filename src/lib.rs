@@ -5,7 +5,7 @@
 //!
 //! | module | holds |
 //! |---|---|
-//! | [`cli`] | the command line: `serve`, one-shot `prepare`/`deployed`/`cleanup`, `cache`, `inspect`, `send` |
+//! | [`cli`] | the command line: `serve`, one-shot `prepare`/`deployed`/`cleanup`, `cache`, `inspect`, `send`, `retire`, `config check`/`show` |
 //! | `service` | the long-running `serve` process and systemd readiness |
 //! | `broker` | AMQP: topology, session and reconnection, dispatch, publishing completions |
 //! | `messages` | request and completion types; parsing commands and Ironic notifications |
@@ -15,7 +15,7 @@
 //! | `store` | the master cache, eviction, node links, locks, write-and-hash, checksums |
 //! | `http` | the image server and the operations listener (`/metrics`, `/healthz`, `/readyz`) |
 //! | `metrics` | Prometheus metrics and transfer progress |
-//! | [`config`] | configuration (TOML, environment, `--set`, ironic.conf) |
+//! | [`config`] | configuration: a file per section, the layers (defaults, ironic.conf, TOML, environment, `--set`) with each value's source |
 //! | `node` | the validated node UUID |
 //! | `peers` | what the workers of one deployment say to each other: signed master URLs |
 //! | `fsutil` | file-system helpers every layer may use (permissions, atomic replacement, the O_NOFOLLOW walk) |

@@ -103,12 +103,14 @@ pub fn is_secret_option(name: &str) -> bool {
 }
 
 /// What may be shown of option `name`'s value `value`: `***` for a secret
-/// (nothing when it is empty), URL credentials masked otherwise.
+/// (nothing when it is empty), the credentials of URLs masked otherwise
+/// (a user name such as `ironic@example.net` is left alone).
 pub fn shown_value(name: &str, value: &str) -> String {
     match is_secret_option(name) {
         true if value.is_empty() => String::new(),
         true => "***".to_string(),
-        false => redact_url_list(value),
+        false if value.contains("://") => redact_url_list(value),
+        false => value.to_string(),
     }
 }
 
@@ -157,6 +159,10 @@ mod tests {
             assert!(!is_secret_option(name), "{name}");
         }
         assert_eq!(shown_value("password", ""), "");
+        assert_eq!(
+            shown_value("username", "ironic@example.net"),
+            "ironic@example.net"
+        );
         assert_eq!(shown_value("url", "amqp://g:pw@h/"), "amqp://g:***@h/");
         assert_eq!(
             shown_value("auth_url", "https://TOKEN@h/"),

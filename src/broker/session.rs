@@ -93,12 +93,7 @@ pub async fn run(
             }
             Err(e) => {
                 failed_in_row += 1;
-                tracing::warn!(
-                    broker = %brokers.name(index),
-                    error = %e.text,
-                    hint = e.hint(),
-                    "broker unavailable"
-                );
+                e.log(brokers.name(index));
                 if failed_in_row.is_multiple_of(brokers.len()) {
                     backoff.next().unwrap_or(MAX_DELAY).min(MAX_DELAY)
                 } else {
@@ -158,6 +153,16 @@ impl Failed {
             text: crate::error::error_chain(e),
             reply_code: super::reply_code(e),
         }
+    }
+
+    /// Logs the failure with broker `name` and what to check.
+    fn log(&self, name: &str) {
+        tracing::warn!(
+            broker = %name,
+            error = %self.text,
+            hint = self.hint(),
+            "broker unavailable"
+        );
     }
 
     /// What the operator should check, for the refusals that have one

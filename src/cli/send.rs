@@ -76,6 +76,9 @@ pub async fn send(
             format!("broker {name}: {}", crate::error::error_chain(&e)),
         )
     };
+    if let (Some(_), Target::Host(host)) = (wait, target) {
+        require_consumer(&conn, &Topology::new(host, &settings.amqp).queue).await?;
+    }
     let channel = conn.create_channel().await.map_err(broker)?;
     channel
         .confirm_select(ConfirmSelectOptions::default())
@@ -112,6 +115,84 @@ pub async fn send(
     };
     let _ = conn.close(200, "bye".into()).await;
     Ok(answers)
+}
+
+/// Deletes the command and dead-letter queues of conductor `host`, only
+/// while nobody consumes them; returns the names deleted (a queue already
+/// gone is not an error).
+pub async fn retire(settings: &crate::broker::Settings, host: &str) -> Result<Vec<String>> {
+    let (conn, name) = connect_first(&settings.amqp).await?;
+    let broker = |e: lapin::Error| {
+        Error::new(
+            ErrorCode::Internal,
+            format!("broker {name}: {}", crate::error::error_chain(&e)),
+        )
+    };
+    let topology = Topology::new(host, &settings.amqp);
+    let mut deleted = Vec::new();
+    for queue in [&topology.queue, &topology.dead_letter_queue] {
+        let channel = conn.create_channel().await.map_err(broker)?;
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        let Ok(found) = channel
+            .queue_declare(queue.as_str().into(), passive, FieldTable::default())
+            .await
+        else {
+            continue;
+        };
+        if found.consumer_count() > 0 {
+            return Err(Error::new(
+                ErrorCode::Internal,
+                format!(
+                    "{queue} has {} consumer(s): the worker of {host} is still running; stop it \
+                     first",
+                    found.consumer_count()
+                ),
+            ));
+        }
+        // Quorum queues do not take `if_unused`: the consumers were counted
+        // just before.
+        channel
+            .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+            .await
+            .map_err(broker)?;
+        deleted.push(queue.clone());
+    }
+    let _ = conn.close(200, "bye".into()).await;
+    Ok(deleted)
+}
+
+/// Fails at once, sending nothing, when no worker consumes `queue`: a
+/// `--wait` would otherwise wait its whole timeout for an answer nobody
+/// gives (as the deploy interface fails a prepare no worker takes).
+async fn require_consumer(conn: &lapin::Connection, queue: &str) -> Result<()> {
+    let nobody = |why: String| {
+        Error::new(
+            ErrorCode::Internal,
+            format!("{why}: is that conductor's worker running? Nothing was sent."),
+        )
+    };
+    let probe = conn
+        .create_channel()
+        .await
+        .map_err(|e| nobody(format!("cannot look at {queue}: {e}")))?;
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    match probe
+        .queue_declare(queue.into(), passive, FieldTable::default())
+        .await
+    {
+        Ok(q) if q.consumer_count() == 0 => Err(nobody(format!("no worker consumes {queue}"))),
+        Ok(_) => {
+            let _ = probe.close(200, "bye".into()).await;
+            Ok(())
+        }
+        Err(_) => Err(nobody(format!("there is no queue {queue}"))),
+    }
 }
 
 /// The properties of a command: JSON, persistent, answered to `reply`

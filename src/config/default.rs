@@ -2,6 +2,7 @@
 //! the conductor (its host name, the raw-conversion switch, the options of
 //! Ironic's web-server sources).
 
+use super::check::Report;
 use serde::{Deserialize, Serialize};
 
 /// `[DEFAULT]` options shared with Ironic.
@@ -49,4 +50,29 @@ pub fn system_hostname() -> String {
         .ok()
         .filter(|s| !s.is_empty())
         .unwrap_or_else(|| "localhost".to_string())
+}
+
+impl DefaultSection {
+    /// The host name becomes part of queue names and routing keys: it is
+    /// not empty and holds none of AMQP's topic wildcards or whitespace.
+    pub(super) fn check(&self, report: &mut Report) {
+        let bad = |c: char| c.is_whitespace() || c == '*' || c == '#' || c.is_control();
+        if self.host.is_empty() {
+            report.error(
+                "DEFAULT",
+                "host",
+                "must not be empty (the queue is named after it)",
+            );
+        } else if self.host.contains(bad) {
+            report.error(
+                "DEFAULT",
+                "host",
+                format!(
+                    "{:?} holds whitespace or an AMQP wildcard (* or #); routing keys are made \
+                     of it",
+                    self.host
+                ),
+            );
+        }
+    }
 }

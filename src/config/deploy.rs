@@ -5,6 +5,10 @@ use super::check::Report;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
+/// `http_root` of a worker configured by its own file without an
+/// ironic.conf (with one, Ironic's own `http_root` is shared).
+pub const SYSTEM_HTTP_ROOT: &str = "/var/lib/ironic-image-worker/httpboot";
+
 /// `[deploy]` options shared with Ironic.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
@@ -43,6 +47,16 @@ impl DeploySection {
     /// A plain directory name for the symlinks, and the credentials
     /// `http_basic` needs.
     pub(super) fn check(&self, report: &mut Report) {
+        if !self.http_url.is_empty() && !is_http_url(&self.http_url) {
+            report.error(
+                "deploy",
+                "http_url",
+                format!(
+                    "{:?} is not an http:// or https:// URL with a host (nodes download from it)",
+                    self.http_url
+                ),
+            );
+        }
         if !crate::node::is_valid_segment(&self.http_image_subdir) {
             report.error(
                 "deploy",
@@ -75,4 +89,15 @@ impl DeploySection {
             ),
         }
     }
+}
+
+/// Whether `url` is `http://host...` or `https://host...`.
+fn is_http_url(url: &str) -> bool {
+    let rest = url
+        .strip_prefix("http://")
+        .or_else(|| url.strip_prefix("https://"));
+    rest.is_some_and(|rest| {
+        let host = rest.split(['/', '?', '#']).next().unwrap_or_default();
+        !host.is_empty() && !host.starts_with(':') && !host.contains(char::is_whitespace)
+    })
 }

@@ -498,7 +498,7 @@ fn map_options(ini: &IniFile, file: Option<&Path>, layers: &mut Layers) -> Resul
     // (Ironic's clean-up deletes every unlinked file there): that option is
     // not taken from ironic.conf.
     if let Some(file) = file {
-        let implied = Source::WithIronicConf(file.to_path_buf());
+        let implied = Source::FileDefault(file.to_path_buf());
         let master = crate::config::SYSTEM_MASTER_PATH.to_string();
         layers.set(
             "pxe",
@@ -626,7 +626,7 @@ mod tests {
         map_options(&ini, Some(file), &mut layers).unwrap();
         let http_root = layers.stack("deploy", "http_root");
         assert_eq!(http_root[0].value, Raw::Text("/httpboot".into()));
-        assert_eq!(http_root[0].source, Source::WithIronicConf(file.into()));
+        assert_eq!(http_root[0].source, Source::FileDefault(file.into()));
         assert!(
             layers.stack("agent", "image_download_source").is_empty(),
             "image_download_source only when set"

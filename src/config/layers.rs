@@ -29,10 +29,10 @@ pub const ENV_PREFIX: &str = "IRONIC_IMAGE_WORKER__";
 pub enum Source {
     /// The worker's built-in default.
     Default,
-    /// A default that holds because an ironic.conf is read: Ironic's own
-    /// for an option that file leaves unset (`/httpboot`...), or the
-    /// worker's system master directory.
-    WithIronicConf(PathBuf),
+    /// A default that holds because a configuration file is read: Ironic's
+    /// own for an option an ironic.conf leaves unset (`/httpboot`...), or
+    /// the worker's system directories (`/var/lib/ironic-image-worker`).
+    FileDefault(PathBuf),
     /// A line of an ironic.conf, named as ironic.conf names it
     /// (`[DEFAULT]transport_url`).
     IronicConf {
@@ -55,10 +55,7 @@ impl Source {
     /// Whether the value comes from Ironic's configuration (ironic.conf or
     /// oslo.config's variables) rather than the worker's own settings.
     pub fn is_ironics(&self) -> bool {
-        matches!(
-            self,
-            Source::WithIronicConf(_) | Source::IronicConf { .. } | Source::OsloEnv(_)
-        )
+        matches!(self, Source::IronicConf { .. } | Source::OsloEnv(_))
     }
 
     /// Whether the value is one of the worker's own settings (its file,
@@ -72,7 +69,7 @@ impl fmt::Display for Source {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Source::Default => f.write_str("default"),
-            Source::WithIronicConf(file) => write!(f, "default with {}", file.display()),
+            Source::FileDefault(file) => write!(f, "default with {}", file.display()),
             Source::IronicConf { file, option } if option.is_empty() => {
                 write!(f, "{}", file.display())
             }
@@ -155,10 +152,13 @@ impl Layers {
         let mut layers = ironic_conf::load(files.ironic_conf.as_deref(), env)
             .map_err(|problem| vec![problem])?;
         let mut problems = Vec::new();
-        if let Some(path) = &files.toml
-            && let Err(problem) = layers.add_toml(path)
-        {
-            problems.push(problem);
+        if let Some(path) = &files.toml {
+            if files.ironic_conf.is_none() {
+                layers.add_system_dirs(path);
+            }
+            if let Err(problem) = layers.add_toml(path) {
+                problems.push(problem);
+            }
         }
         for (name, value) in env {
             if let Some(rest) = name.strip_prefix(ENV_PREFIX) {
@@ -197,6 +197,20 @@ impl Layers {
         match problems.is_empty() {
             true => Ok(layers),
             false => Err(problems),
+        }
+    }
+
+    /// The directories of a worker configured by its own file alone: the
+    /// system ones, never the no-configuration state directory (relative to
+    /// wherever the worker was started).
+    fn add_system_dirs(&mut self, file: &Path) {
+        let source = Source::FileDefault(file.to_path_buf());
+        for (section, key, dir) in [
+            ("pxe", "instance_master_path", super::SYSTEM_MASTER_PATH),
+            ("pxe", "images_path", super::pxe::SYSTEM_IMAGES_PATH),
+            ("deploy", "http_root", super::deploy::SYSTEM_HTTP_ROOT),
+        ] {
+            self.set(section, key, Raw::Text(dir.to_string()), source.clone());
         }
     }
 
@@ -266,10 +280,7 @@ impl Layers {
             let Some(winner) = stack.last().filter(|s| s.source.is_workers()) else {
                 continue;
             };
-            let ironic = stack
-                .iter()
-                .rev()
-                .find(|s| matches!(s.source, Source::IronicConf { .. } | Source::OsloEnv(_)));
+            let ironic = stack.iter().rev().find(|s| s.source.is_ironics());
             if let Some(ironic) = ironic
                 && ironic.value.text() != winner.value.text()
             {

@@ -15,7 +15,7 @@
 //! One file per section, its fields, their defaults and the checks of that
 //! section side by side (`default.rs` is `[DEFAULT]`, then `agent`,
 //! `deploy`, `pxe`, `conductor`, `amqp`, `http`, `metrics`, `source`,
-//! `convert`, `cache`, `glance`, `notifications`, `oci`, `peers`); the
+//! `convert`, `cache`, `glance`, `notifications`, `oci`, `peers`, `log`); the
 //! [`Config`] that holds them and the checks across sections (this file).
 //! The layers and the source of every value (`layers`), turning the layers'
 //! values into the typed sections (`value`), problems that name an option
@@ -35,22 +35,25 @@ mod conductor;
 mod convert;
 mod default;
 mod deploy;
+mod dirs;
 mod glance;
 mod http;
 pub(crate) mod ironic_conf;
 mod layers;
+mod log;
 mod metrics;
 mod notifications;
 mod oci;
 mod peers;
 mod pxe;
+mod show;
 mod source;
 mod value;
 
 pub use agent::AgentSection;
 pub use amqp::{AmqpSection, split_broker_urls};
 pub use cache::CacheSection;
-pub use check::{Problem, Report};
+pub use check::{Problem, Report, refusal};
 pub use conductor::{BLOCKED_FILE_URL_PATHS, ConductorSection, blocked_dir};
 pub use convert::ConvertSection;
 pub use default::{DefaultSection, system_hostname};
@@ -58,6 +61,7 @@ pub use deploy::DeploySection;
 pub use glance::GlanceSection;
 pub use http::HttpSection;
 pub use layers::{ENV_PREFIX, Files, Layers, Raw, Setting, Source};
+pub use log::{LogFormat, LogSection};
 pub use metrics::MetricsSection;
 pub use notifications::NotificationsSection;
 pub use oci::OciSection;
@@ -105,6 +109,8 @@ pub struct Config {
     pub oci: OciSection,
     /// `[peers]`: masters fetched from the other conductors' workers.
     pub peers: PeersSection,
+    /// `[log]`: the log format and the access log.
+    pub log: LogSection,
 }
 
 /// A configuration as read: its values, every layer's settings (where
@@ -128,8 +134,11 @@ pub fn read(
     flags: &[String],
 ) -> Result<Loaded, Vec<Problem>> {
     let mut layers = Layers::read(files, env, flags)?;
-    let config: Config = value::typed(&layers)?;
-    let mut report = Report::default();
+    let (config, unfit) = value::typed::<Config>(&layers)?;
+    let mut report = Report {
+        errors: unfit,
+        ..Report::default()
+    };
     config.check(&mut report);
     if let Some(path) = &layers.ironic_master_path {
         config.check_master_not_ironics(path, &mut report);
@@ -140,11 +149,53 @@ pub fn read(
     }
     let mut warnings = std::mem::take(&mut layers.warnings);
     warnings.extend(report.warnings);
+    warnings.extend(overrides(&layers));
     Ok(Loaded {
         config,
         layers,
         warnings,
     })
+}
+
+/// Every option of Ironic's configuration that one of the worker's own
+/// settings overrides with another value, as a warning with both values:
+/// the worker then disagrees with the conductor it serves.
+fn overrides(layers: &Layers) -> Vec<Problem> {
+    let shown = |name: &str, s: &Setting| crate::secrets::shown_value(name, &s.value.text());
+    layers
+        .overridden()
+        .into_iter()
+        .map(|((section, option), ironic, winner)| Problem {
+            option: Some((section.clone(), option.clone())),
+            source: winner.source.clone(),
+            message: format!(
+                "{} overrides {} from {}",
+                shown(option, winner),
+                shown(option, ironic),
+                ironic.source
+            ),
+        })
+        .collect()
+}
+
+impl Loaded {
+    /// The configuration in force as TOML, each option with its source,
+    /// secrets masked (`config show`).
+    pub fn show(&self) -> String {
+        show::show(&self.config, &self.layers)
+    }
+
+    /// Checks that this process can write the directories the worker
+    /// writes (before `serve` takes work, and in `config check`): the
+    /// problems, each naming its option and source; warnings join
+    /// [`Loaded::warnings`].
+    pub fn check_dirs(&mut self) -> Vec<Problem> {
+        let mut report = Report::default();
+        dirs::check_dirs(&self.config, &mut report);
+        let report = report.with_sources(&self.layers);
+        self.warnings.extend(report.warnings);
+        report.errors
+    }
 }
 
 impl Config {
@@ -171,6 +222,7 @@ impl Config {
 
     /// Every section's checks, then those across sections.
     fn check(&self, report: &mut Report) {
+        self.default.check(report);
         self.agent.check(report);
         self.deploy.check(report);
         self.pxe.check(report);
@@ -183,6 +235,27 @@ impl Config {
         self.peers.check(report);
         self.check_served_dirs(report);
         self.check_published_url(report);
+        for (section, option, dir) in [
+            (
+                "pxe",
+                "instance_master_path",
+                &self.pxe.instance_master_path,
+            ),
+            ("pxe", "images_path", &self.pxe.images_path),
+            ("deploy", "http_root", &self.deploy.http_root),
+        ] {
+            if dir.is_relative() {
+                report.error(
+                    section,
+                    option,
+                    format!(
+                        "{} must be an absolute path (a relative one depends on where the \
+                         worker is started)",
+                        dir.display()
+                    ),
+                );
+            }
+        }
         let factor = self.raw_image_growth_factor();
         if !factor.is_finite() || factor < 1.0 {
             let section = match self.convert.raw_image_growth_factor {
@@ -221,7 +294,9 @@ impl Config {
         }
     }
 
-    /// An image server that speaks only HTTPS is not published as http://.
+    /// An image server that speaks only HTTPS is not published as http://,
+    /// and a URL derived from a wildcard or loopback listen address, which
+    /// no node can reach, is worth a warning.
     fn check_published_url(&self, report: &mut Report) {
         if self.http.tls_enabled() && self.deploy.http_url.starts_with("http://") {
             report.error(
@@ -229,6 +304,19 @@ impl Config {
                 "http_url",
                 "is http:// but the image server speaks only HTTPS ([http]tls_cert_file is \
                  set); use https://",
+            );
+        }
+        let ip = self.http.listen.ip();
+        if self.deploy.http_url.is_empty() && (ip.is_unspecified() || ip.is_loopback()) {
+            report.warn(
+                "deploy",
+                "http_url",
+                format!(
+                    "unset: nodes are given {}, derived from [http]listen {}, which no node \
+                     can reach; set it to this host's address on the provisioning network",
+                    self.http_url(),
+                    self.http.listen
+                ),
             );
         }
     }
@@ -331,12 +419,18 @@ impl Config {
     }
 }
 
-/// Directory for the default paths: `$XDG_STATE_HOME/ironic-image-worker`,
-/// else `./ironic-image-worker-state` (both writable without root).
+/// Directory for the default paths of a worker without configuration
+/// files: `$XDG_STATE_HOME/ironic-image-worker`, else
+/// `./ironic-image-worker-state` (both writable without root), made
+/// absolute so that what `config show` prints is where files go.
 pub fn default_state_dir() -> PathBuf {
-    match std::env::var_os("XDG_STATE_HOME") {
+    let dir = match std::env::var_os("XDG_STATE_HOME") {
         Some(dir) if !dir.is_empty() => PathBuf::from(dir).join("ironic-image-worker"),
         _ => PathBuf::from("ironic-image-worker-state"),
+    };
+    match std::env::current_dir() {
+        Ok(cwd) if dir.is_relative() => cwd.join(dir),
+        _ => dir,
     }
 }
 

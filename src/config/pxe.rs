@@ -6,12 +6,16 @@ use super::check::Report;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
-/// Where the worker keeps its masters when it reads an ironic.conf and its
-/// own file does not say otherwise: a directory of its own, never Ironic's,
-/// on the same file system as Ironic's default `images_path`. (With no
+/// Where the worker keeps its masters when it reads a configuration file
+/// that does not say otherwise: a directory of its own, never Ironic's, on
+/// the same file system as Ironic's default `images_path`. (With no
 /// configuration at all the default is a writable directory under the
 /// state directory, so the worker starts without root.)
 pub const SYSTEM_MASTER_PATH: &str = "/var/lib/ironic-image-worker/master_images";
+
+/// `images_path` of a worker configured by its own file without an
+/// ironic.conf (with one, Ironic's own `images_path` is shared).
+pub const SYSTEM_IMAGES_PATH: &str = "/var/lib/ironic-image-worker/images";
 
 /// `[pxe]` options shared with Ironic.
 #[derive(Debug, Clone, Deserialize, Serialize)]

@@ -33,34 +33,53 @@ impl de::Error for DeError {
 }
 
 /// Builds `T` (the whole configuration) from the effective values of
-/// `layers`. On failure every option that does not fit is one problem:
-/// each is tried alone, so one bad value never hides another.
-pub fn typed<T: DeserializeOwned>(layers: &Layers) -> Result<T, Vec<Problem>> {
+/// `layers`, with a problem for every option that does not fit: when they
+/// do not all fit, each is tried alone, so one bad value never hides
+/// another, and `T` is built of those that fit (the checks of the others
+/// can still run). `Err` only when even those do not make a `T`.
+pub fn typed<T: DeserializeOwned>(layers: &Layers) -> Result<(T, Vec<Problem>), Vec<Problem>> {
     let all: Vec<(&OptionName, &Setting)> = layers.effective().collect();
     if let Ok(value) = T::deserialize(Sections::of(&all)) {
-        return Ok(value);
+        return Ok((value, Vec::new()));
     }
     let mut problems = Vec::new();
+    let mut fitting = Vec::new();
     for (name, setting) in &all {
-        if let Err(e) = T::deserialize(Sections::of(&[(*name, *setting)])) {
-            problems.push(Problem {
+        match T::deserialize(Sections::of(&[(*name, *setting)])) {
+            Ok(_) => fitting.push((*name, *setting)),
+            Err(e) => problems.push(Problem {
                 option: Some((*name).clone()),
                 source: setting.source.clone(),
-                message: e.0,
-            });
+                message: plainer(&name.0, e.0),
+            }),
         }
     }
-    if problems.is_empty() {
-        // Options that fit alone but not together: name the first source.
-        let e = T::deserialize(Sections::of(&all)).err();
-        problems.push(Problem::of_source(
-            all.first()
-                .map(|(_, s)| s.source.clone())
-                .unwrap_or(super::layers::Source::Default),
-            e.map(|e| e.0).unwrap_or_default(),
-        ));
+    match T::deserialize(Sections::of(&fitting)) {
+        Ok(value) => Ok((value, problems)),
+        Err(e) => {
+            // Options that fit alone but not together: name the first source.
+            let source = fitting.first().map(|(_, s)| s.source.clone());
+            problems.push(Problem::of_source(
+                source.unwrap_or(super::layers::Source::Default),
+                e.0,
+            ));
+            Err(problems)
+        }
     }
-    Err(problems)
+}
+
+/// serde's "unknown field" said in the configuration's words: an unknown
+/// section or option, with the names it could have been.
+fn plainer(section: &str, message: String) -> String {
+    let Some(rest) = message.strip_prefix("unknown field `") else {
+        return message;
+    };
+    let (name, known) = rest.split_once('`').unwrap_or((rest, ""));
+    let what = match name == section {
+        true => "unknown section",
+        false => "unknown option",
+    };
+    format!("{what}{}", known.replacen(", expected", "; expected", 1))
 }
 
 /// The whole configuration as a map of sections.
@@ -285,6 +304,20 @@ impl<'de> Deserializer<'de> for RawValue {
         self.deserialize_string(visitor)
     }
 
+    fn deserialize_enum<V: Visitor<'de>>(
+        self,
+        name: &'static str,
+        variants: &'static [&'static str],
+        visitor: V,
+    ) -> Result<V::Value, DeError> {
+        match self.0 {
+            Raw::Toml(v) => v
+                .deserialize_enum(name, variants, visitor)
+                .map_err(toml_error),
+            Raw::Text(t) => visitor.visit_enum(t.trim().to_string().into_deserializer()),
+        }
+    }
+
     fn deserialize_newtype_struct<V: Visitor<'de>>(
         self,
         _name: &'static str,
@@ -295,7 +328,7 @@ impl<'de> Deserializer<'de> for RawValue {
 
     forward_to_deserialize_any! {
         i128 u128 char bytes byte_buf unit unit_struct seq tuple
-        tuple_struct map struct enum identifier ignored_any
+        tuple_struct map struct identifier ignored_any
     }
 }
 
@@ -368,9 +401,18 @@ mod tests {
         s: Section,
     }
 
+    #[derive(Debug, Deserialize, Default, PartialEq)]
+    #[serde(rename_all = "lowercase")]
+    enum Kind {
+        #[default]
+        Text,
+        Json,
+    }
+
     #[derive(Debug, Deserialize, Default)]
     #[serde(default, deny_unknown_fields)]
     struct Section {
+        kind: Kind,
         n: u16,
         b: bool,
         f: f64,
@@ -385,7 +427,10 @@ mod tests {
         for (key, value) in options {
             layers.set("s", key, value.clone(), Source::Flag(format!("s.{key}")));
         }
-        typed(&layers)
+        match typed(&layers)? {
+            (demo, problems) if problems.is_empty() => Ok(demo),
+            (_, problems) => Err(problems),
+        }
     }
 
     fn text(t: &str) -> Raw {
@@ -401,8 +446,10 @@ mod tests {
             ("text", text("123456")),
             ("maybe", text("7")),
             ("list", text("a, b,,c")),
+            ("kind", text("json")),
         ])
         .unwrap();
+        assert_eq!(d.s.kind, Kind::Json);
         assert_eq!(d.s.n, 1000);
         assert!(d.s.b);
         assert_eq!(d.s.f, 1000.0);
@@ -431,7 +478,9 @@ mod tests {
         assert!(lines[1].starts_with("[s]n (--set s.n): "), "{lines:?}");
         assert!(lines[1].contains("out of range"), "{lines:?}");
         assert!(
-            lines[2].starts_with("[s]nosuch (--set s.nosuch): unknown field"),
+            lines[2].starts_with(
+                "[s]nosuch (--set s.nosuch): unknown option; expected one of `kind`, `n`"
+            ),
             "{lines:?}"
         );
     }

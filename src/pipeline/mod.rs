@@ -274,11 +274,20 @@ impl Pipeline {
         if matches!(result, Ok(Released::Stray)) {
             return None;
         }
-        if let Err(e) = result {
-            tracing::warn!(error = %e, "request failed");
-            done = done.failed(&e);
-        }
         done.duration_ms = started.elapsed().as_millis() as u64;
+        // One line per action answered, inside the request's span (node,
+        // request id, action): what to grep for a node.
+        match result {
+            Err(e) => {
+                tracing::warn!(error = %e, duration_ms = done.duration_ms, "request failed");
+                done = done.failed(&e);
+            }
+            Ok(_) => tracing::info!(
+                duration_ms = done.duration_ms,
+                image_url = done.image_url.as_deref().unwrap_or(""),
+                "request done"
+            ),
+        }
         Some(done)
     }
 

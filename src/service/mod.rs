@@ -18,9 +18,18 @@ use std::sync::Arc;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-/// Runs the worker until a termination signal.
-pub async fn serve(config: Config) -> Result<()> {
+/// Runs the worker until a termination signal; `files` names the
+/// configuration files read, for the start-up line.
+pub async fn serve(config: Config, files: &str) -> Result<()> {
     let metrics = Arc::new(Metrics::new());
+    let limits = image_server_limits(&config);
+    let security = image_server_security(&config, &metrics)?;
+    let settings = crate::broker::Settings::of(&config);
+    let brokers = crate::broker::Brokers::new(&settings.amqp)?;
+    // Listen first: a worker that cannot (a port in use) stops before it
+    // makes or changes anything on disk.
+    let image_listener = bind("[http]listen", config.http.listen).await?;
+    let ops_listener = bind("[metrics]listen", config.metrics.listen).await?;
     let pipeline = Arc::new(Pipeline::new(config.clone(), metrics.clone())?);
     pipeline.recover()?;
     let roots = ImageRoots::new(
@@ -28,22 +37,7 @@ pub async fn serve(config: Config) -> Result<()> {
         &[&config.pxe.instance_master_path, &config.pxe.images_path],
     )
     .map_err(|e| Error::io("resolve served directories", e))?;
-    let limits = image_server_limits(&config);
-    let security = image_server_security(&config, &metrics)?;
-    let settings = crate::broker::Settings::of(&config);
-    let brokers = crate::broker::Brokers::new(&settings.amqp)?;
-    let image_listener = bind(config.http.listen).await?;
-    let ops_listener = bind(config.metrics.listen).await?;
-    tracing::info!(
-        host = %config.default.host,
-        images = %config.http.listen,
-        metrics = %config.metrics.listen,
-        http_url = %config.http_url(),
-        max_connections = limits.max_connections,
-        tls = security.tls.is_some(),
-        basic_auth = security.auth.is_some(),
-        "ironic-image-worker serving"
-    );
+    announce(&config, limits, &security, files);
     let (stop_tx, stop_rx) = watch::channel(false);
     let stopped = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
@@ -54,8 +48,7 @@ pub async fn serve(config: Config) -> Result<()> {
         image_listener,
         roots,
         metrics.clone(),
-        limits,
-        security,
+        (limits, security, access_log(&config)),
         stopped(stop_rx.clone()),
     ));
     let ops = tokio::spawn(http::serve_ops(
@@ -96,20 +89,44 @@ pub async fn serve(config: Config) -> Result<()> {
     let _ = stop_tx.send(true);
     let _ = consumer.await;
     let _ = housekeeping.await;
-    // Downloads by nodes may last long; give them a moment, then stop.
-    let servers = async {
-        for server in [Some(images), Some(ops), peers].into_iter().flatten() {
+    let servers = [Some(images), Some(ops), peers].into_iter().flatten();
+    stop_servers(servers.collect()).await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// The start-up line: where the worker serves, what it read, what next.
+fn announce(config: &Config, limits: http::Limits, security: &http::Security, files: &str) {
+    tracing::info!(
+        host = %config.default.host,
+        images = %config.http.listen,
+        metrics = %config.metrics.listen,
+        http_url = %config.http_url(),
+        max_connections = limits.max_connections,
+        tls = security.tls.is_some(),
+        basic_auth = security.auth.is_some(),
+        configuration = files,
+        next = "check `ironic-image-worker config show`; try `ironic-image-worker send prepare \
+                --node <uuid> --image-source <url> --wait`; /readyz on the metrics address says \
+                when the broker is connected",
+        "ironic-image-worker serving"
+    );
+}
+
+/// Waits for the listeners to finish: downloads by nodes may last long, so
+/// they get a moment, then stop.
+async fn stop_servers(servers: Vec<tokio::task::JoinHandle<std::io::Result<()>>>) {
+    let all = async {
+        for server in servers {
             let _ = server.await;
         }
     };
-    if tokio::time::timeout(std::time::Duration::from_secs(5), servers)
+    if tokio::time::timeout(std::time::Duration::from_secs(5), all)
         .await
         .is_err()
     {
         tracing::info!("closing remaining image downloads");
     }
-    tracing::info!("stopped");
-    Ok(())
 }
 
 /// Connects the peers' link to the broker when `[peers]` is on and hands
@@ -145,7 +162,7 @@ async fn spawn_peer_listener(
         max_uploads: config.peers.max_uploads,
         live: pipeline.live_masters(),
     };
-    let listener = bind(listen).await?;
+    let listener = bind("[peers]listen", listen).await?;
     tracing::info!(peers = %listen, "serving masters to peers");
     let limits = http::Limits {
         max_connections: http::listener::OPS_MAX_CONNECTIONS,
@@ -249,10 +266,23 @@ fn image_server_security(config: &Config, metrics: &Metrics) -> Result<http::Sec
     Ok(http::Security { tls, auth })
 }
 
-async fn bind(addr: std::net::SocketAddr) -> Result<TcpListener> {
-    let listener = TcpListener::bind(addr)
-        .await
-        .map_err(|e| Error::new(ErrorCode::Internal, format!("cannot listen on {addr}: {e}")))?;
+/// How the image server logs its requests (`[log]access_log`, `format`).
+fn access_log(config: &Config) -> http::AccessLog {
+    match (config.log.access_log, config.log.format) {
+        (false, _) => http::AccessLog::Off,
+        (true, crate::config::LogFormat::Text) => http::AccessLog::Combined,
+        (true, crate::config::LogFormat::Json) => http::AccessLog::Json,
+    }
+}
+
+/// Listens on `addr`, the value of `option`; an error names both.
+async fn bind(option: &str, addr: std::net::SocketAddr) -> Result<TcpListener> {
+    let listener = TcpListener::bind(addr).await.map_err(|e| {
+        Error::new(
+            ErrorCode::Internal,
+            format!("{option} {addr}: cannot listen: {e}"),
+        )
+    })?;
     if let Ok(bound) = listener.local_addr() {
         crate::sources::http_client::note_listener(bound);
     }
