@@ -30,6 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{Notify, mpsc, watch};
 use tokio_util::task::TaskTracker;
+use tracing::Instrument;
 
 /// How long a job answered but not acknowledged (its connection died) is
 /// remembered, so that its redelivered copy is acknowledged silently.
@@ -106,6 +107,9 @@ pub(super) struct Job {
     redelivered: bool,
     /// When this process received it (ms since the epoch).
     received_ms: u64,
+    /// The span of every line written about it: its node, request id and
+    /// action, once parsed.
+    span: tracing::Span,
 }
 
 /// Prepare slots for a prefetch: a quarter of the deliveries (at least one)
@@ -226,7 +230,7 @@ impl Dispatcher {
             }
         };
         self.remember(&job);
-        self.arm_early_ack(&job.tracked, session, received);
+        self.arm_early_ack(&job.tracked, session, received, &job.span);
         self.enqueue(node, job);
     }
 
@@ -247,7 +251,17 @@ impl Dispatcher {
         }
         let dead_letter = matches!(inbound, Inbound::Invalid(_));
         let text = |s: &Option<lapin::types::ShortString>| s.as_ref().map(|s| s.to_string());
+        let span = match &inbound {
+            Inbound::Work(req) => tracing::info_span!(
+                "delivery",
+                node = %req.node_uuid,
+                request_id = req.request_id.as_deref().unwrap_or(""),
+                action = req.action.as_str()
+            ),
+            _ => tracing::info_span!("delivery"),
+        };
         Job {
+            span,
             source: if from_ironic {
                 "notification"
             } else {
@@ -300,20 +314,29 @@ impl Dispatcher {
     /// was `received`, whether the job runs by then or still waits behind
     /// another of its node (the broker counts from the delivery). From
     /// then on the job is answered when done, and a crash loses it.
-    fn arm_early_ack(&self, tracked: &Arc<Tracked<Acker>>, session: u64, received: Instant) {
+    fn arm_early_ack(
+        &self,
+        tracked: &Arc<Tracked<Acker>>,
+        session: u64,
+        received: Instant,
+        span: &tracing::Span,
+    ) {
         let Some(after) = self.ack_early_after() else {
             return;
         };
         let t = tracked.clone();
-        let timer = tokio::spawn(async move {
-            tokio::time::sleep_until((received + after).into()).await;
-            if let Some((_, acker)) = t.ack_early(Some(session)) {
-                tracing::info!(
-                    "unacknowledged for three quarters of the consumer timeout: acknowledged early"
-                );
-                let _ = acker.ack(BasicAckOptions::default()).await;
+        let timer = tokio::spawn(
+            async move {
+                tokio::time::sleep_until((received + after).into()).await;
+                if let Some((_, acker)) = t.ack_early(Some(session)) {
+                    tracing::info!(
+                        "unacknowledged for three quarters of the consumer timeout: acknowledged early"
+                    );
+                    let _ = acker.ack(BasicAckOptions::default()).await;
+                }
             }
-        });
+            .instrument(span.clone()),
+        );
         tracked.arm(session, timer.abort_handle());
     }
 
@@ -375,13 +398,19 @@ impl Dispatcher {
             });
         } else {
             tracing::info!("a redelivered copy of work still running here: adopted");
-            self.arm_early_ack(&tracked, session, received);
+            self.arm_early_ack(&tracked, session, received, &tracing::Span::current());
         }
         true
     }
 
     /// Handles one job to the end: answer, then ack (or dead-letter).
-    async fn settle(&self, mut job: Job) {
+    async fn settle(&self, job: Job) {
+        let span = job.span.clone();
+        self.settle_in_span(job).instrument(span).await
+    }
+
+    /// [`Dispatcher::settle`], inside the job's span.
+    async fn settle_in_span(&self, mut job: Job) {
         let inbound = std::mem::replace(&mut job.inbound, Inbound::Ignore("settled"));
         match inbound {
             Inbound::Work(request) => self.work(*request, &job).await,
