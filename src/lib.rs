@@ -5,7 +5,7 @@
 //!
 //! | module | holds |
 //! |---|---|
-//! | [`cli`] | the command line: `serve`, one-shot `prepare`/`deployed`/`cleanup`, `cache`, `inspect`, `send` |
+//! | [`cli`] | the command line: `serve`, one-shot `prepare`/`deployed`/`cleanup`, `cache`, `inspect`, `send`, `retire`, `config check`/`show` |
 //! | `service` | the long-running `serve` process and systemd readiness |
 //! | `broker` | AMQP: topology, session and reconnection, dispatch, publishing completions |
 //! | `messages` | request and completion types; parsing commands and Ironic notifications |
@@ -15,10 +15,11 @@
 //! | `store` | the master cache, eviction, node links, locks, write-and-hash, checksums |
 //! | `http` | the image server and the operations listener (`/metrics`, `/healthz`, `/readyz`) |
 //! | `metrics` | Prometheus metrics and transfer progress |
-//! | [`config`] | configuration (TOML, environment, `--set`, ironic.conf) |
+//! | [`config`] | configuration: a file per section, the layers (defaults, ironic.conf, TOML, environment, `--set`) with each value's source |
 //! | `node` | the validated node UUID |
 //! | `peers` | what the workers of one deployment say to each other: signed master URLs, sealed queries and offers |
 //! | `fsutil` | file-system helpers every layer may use (permissions, atomic replacement, the O_NOFOLLOW walk) |
+//! | [`secrets`] | masking secrets (URL credentials and signatures, secret options) for every layer's logs, errors and files |
 //! | `retry` | the jittered exponential backoff of reconnects and download retries |
 //! | [`error`] | the one error type and its closed list of codes |
 //!
@@ -46,6 +47,7 @@ pub(crate) mod node;
 pub(crate) mod peers;
 pub(crate) mod pipeline;
 pub(crate) mod retry;
+pub mod secrets;
 pub(crate) mod service;
 pub(crate) mod sources;
 pub(crate) mod store;

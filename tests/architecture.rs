@@ -34,27 +34,33 @@ const ALLOWED: &[(&str, &[&str])] = &[
     (
         "broker",
         &[
-            "pipeline", "messages", "metrics", "config", "retry", "peers", "error",
+            "pipeline", "messages", "metrics", "config", "retry", "peers", "secrets", "error",
         ],
     ),
     (
         "pipeline",
         &[
             "sources", "image", "store", "messages", "metrics", "config", "node", "fsutil",
-            "peers", "error",
+            "peers", "secrets", "error",
         ],
     ),
     ("messages", &["node", "error"]),
     (
         "sources",
-        &["messages", "config", "retry", "fsutil", "peers", "error"],
+        &[
+            "messages", "config", "retry", "fsutil", "peers", "secrets", "error",
+        ],
     ),
     ("image", &["store", "fsutil", "error"]),
     ("store", &["config", "node", "fsutil", "error"]),
     ("http", &["metrics", "fsutil", "peers", "error"]),
     ("metrics", &["messages"]),
-    ("config", &["image", "store", "node", "fsutil", "error"]),
+    (
+        "config",
+        &["image", "store", "node", "fsutil", "secrets", "error"],
+    ),
     ("fsutil", &["error"]),
+    ("secrets", &[]),
     ("node", &["error"]),
     ("peers", &[]),
     ("retry", &[]),

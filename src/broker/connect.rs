@@ -6,8 +6,9 @@
 //! stops the worker with a clear message instead of failing every
 //! reconnect. Nothing here logs a password or key.
 
-use crate::config::{AmqpSection, Config, redact_url};
+use crate::config::AmqpSection;
 use crate::error::{Error, ErrorCode, Result};
+use crate::secrets::redact_url;
 use lapin::tcp::{AsyncTcpStream, RustlsConnector};
 use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{Connection, ConnectionProperties};
@@ -29,8 +30,7 @@ pub struct Brokers {
 impl Brokers {
     /// Parses `[amqp]url` and loads the TLS files. Errors name the option
     /// and the file, never a secret.
-    pub fn new(config: &Config) -> Result<Brokers> {
-        let a = &config.amqp;
+    pub fn new(a: &AmqpSection) -> Result<Brokers> {
         let mut uris = Vec::new();
         let mut names = Vec::new();
         for url in &a.url {

@@ -30,6 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{Notify, mpsc, watch};
 use tokio_util::task::TaskTracker;
+use tracing::Instrument;
 
 /// How long a job answered but not acknowledged (its connection died) is
 /// remembered, so that its redelivered copy is acknowledged silently.
@@ -61,6 +62,10 @@ pub(super) struct Dispatcher {
     host: String,
     /// Ironic's notification exchange (deliveries from it are notifications).
     notification_exchange: String,
+    /// `[notifications]deploy_interfaces`: the nodes notifications act on.
+    deploy_interfaces: Vec<String>,
+    /// `[amqp]max_message_bytes`: the longest body read.
+    max_message_bytes: usize,
     /// The broker's consumer timeout in force, in milliseconds (0: none):
     /// `[amqp]consumer_timeout`, or the value the broker reported when it
     /// closed a channel over it. A delivery still unacknowledged three
@@ -102,6 +107,9 @@ pub(super) struct Job {
     redelivered: bool,
     /// When this process received it (ms since the epoch).
     received_ms: u64,
+    /// The span of every line written about it: its node, request id and
+    /// action, once parsed.
+    span: tracing::Span,
 }
 
 /// Prepare slots for a prefetch: a quarter of the deliveries (at least one)
@@ -112,15 +120,20 @@ fn prepare_slots(prefetch: u16) -> usize {
 }
 
 impl Dispatcher {
-    pub(super) fn new(pipeline: Arc<Pipeline>, metrics: Arc<Metrics>) -> Dispatcher {
-        let config = pipeline.config();
-        let timeout = config.amqp.consumer_timeout;
-        let slots = prepare_slots(config.amqp.prefetch);
-        let slow_downloads = config.source.slow_downloads as usize;
-        let queue = super::Topology::new(config).queue;
+    pub(super) fn new(
+        pipeline: Arc<Pipeline>,
+        metrics: Arc<Metrics>,
+        settings: &super::Settings,
+    ) -> Dispatcher {
+        let amqp = &settings.amqp;
+        let timeout = amqp.consumer_timeout;
+        let slots = prepare_slots(amqp.prefetch);
+        let queue = super::Topology::new(&settings.host, amqp).queue;
         Dispatcher {
-            host: config.default.host.clone(),
-            notification_exchange: config.amqp.notification_exchange.clone(),
+            host: settings.host.clone(),
+            notification_exchange: amqp.notification_exchange.clone(),
+            deploy_interfaces: settings.notifications.deploy_interfaces.clone(),
+            max_message_bytes: amqp.max_message_bytes,
             consumer_timeout_ms: AtomicU64::new(timeout.saturating_mul(1000)),
             pipeline,
             metrics,
@@ -130,7 +143,7 @@ impl Dispatcher {
             next_session: AtomicU64::new(1),
             tracker: TaskTracker::new(),
             prepare_slots: Arc::new(tokio::sync::Semaphore::new(slots)),
-            slow_lane: Arc::new(tokio::sync::Semaphore::new(slow_downloads)),
+            slow_lane: Arc::new(tokio::sync::Semaphore::new(settings.slow_downloads)),
             queue,
         }
     }
@@ -217,21 +230,20 @@ impl Dispatcher {
             }
         };
         self.remember(&job);
-        self.arm_early_ack(&job.tracked, session, received);
+        self.arm_early_ack(&job.tracked, session, received, &job.span);
         self.enqueue(node, job);
     }
 
     /// A delivery parsed into a job holding its copy.
     fn job(&self, session: u64, identity: u64, delivery: Delivery) -> Job {
         let from_ironic = delivery.exchange.as_str() == self.notification_exchange;
-        let config = self.pipeline.config();
         let received_ms = super::stamp::now_ms();
         let mut inbound = inbound::parse(
             &delivery.data,
             from_ironic,
             &self.host,
-            &config.notifications.deploy_interfaces,
-            config.amqp.max_message_bytes,
+            &self.deploy_interfaces,
+            self.max_message_bytes,
         );
         if let Inbound::Work(req) = &mut inbound {
             let command_time = super::stamp::issued_ms(&delivery.properties, received_ms);
@@ -239,7 +251,17 @@ impl Dispatcher {
         }
         let dead_letter = matches!(inbound, Inbound::Invalid(_));
         let text = |s: &Option<lapin::types::ShortString>| s.as_ref().map(|s| s.to_string());
+        let span = match &inbound {
+            Inbound::Work(req) => tracing::info_span!(
+                "delivery",
+                node = %req.node_uuid,
+                request_id = req.request_id.as_deref().unwrap_or(""),
+                action = req.action.as_str()
+            ),
+            _ => tracing::info_span!("delivery"),
+        };
         Job {
+            span,
             source: if from_ironic {
                 "notification"
             } else {
@@ -292,20 +314,29 @@ impl Dispatcher {
     /// was `received`, whether the job runs by then or still waits behind
     /// another of its node (the broker counts from the delivery). From
     /// then on the job is answered when done, and a crash loses it.
-    fn arm_early_ack(&self, tracked: &Arc<Tracked<Acker>>, session: u64, received: Instant) {
+    fn arm_early_ack(
+        &self,
+        tracked: &Arc<Tracked<Acker>>,
+        session: u64,
+        received: Instant,
+        span: &tracing::Span,
+    ) {
         let Some(after) = self.ack_early_after() else {
             return;
         };
         let t = tracked.clone();
-        let timer = tokio::spawn(async move {
-            tokio::time::sleep_until((received + after).into()).await;
-            if let Some((_, acker)) = t.ack_early(Some(session)) {
-                tracing::info!(
-                    "unacknowledged for three quarters of the consumer timeout: acknowledged early"
-                );
-                let _ = acker.ack(BasicAckOptions::default()).await;
+        let timer = tokio::spawn(
+            async move {
+                tokio::time::sleep_until((received + after).into()).await;
+                if let Some((_, acker)) = t.ack_early(Some(session)) {
+                    tracing::info!(
+                        "unacknowledged for three quarters of the consumer timeout: acknowledged early"
+                    );
+                    let _ = acker.ack(BasicAckOptions::default()).await;
+                }
             }
-        });
+            .instrument(span.clone()),
+        );
         tracked.arm(session, timer.abort_handle());
     }
 
@@ -367,13 +398,19 @@ impl Dispatcher {
             });
         } else {
             tracing::info!("a redelivered copy of work still running here: adopted");
-            self.arm_early_ack(&tracked, session, received);
+            self.arm_early_ack(&tracked, session, received, &tracing::Span::current());
         }
         true
     }
 
     /// Handles one job to the end: answer, then ack (or dead-letter).
-    async fn settle(&self, mut job: Job) {
+    async fn settle(&self, job: Job) {
+        let span = job.span.clone();
+        self.settle_in_span(job).instrument(span).await
+    }
+
+    /// [`Dispatcher::settle`], inside the job's span.
+    async fn settle_in_span(&self, mut job: Job) {
         let inbound = std::mem::replace(&mut job.inbound, Inbound::Ignore("settled"));
         match inbound {
             Inbound::Work(request) => self.work(*request, &job).await,

@@ -38,6 +38,39 @@ pub use connect::Brokers;
 pub use session::run;
 pub use topology::{Topology, WARM_ALL_KEY};
 
+use crate::config::{AmqpSection, Config, NotificationsSection, PeersSection};
+
+/// What the broker layer is configured with: its own sections, handed to it
+/// by the service (or the CLI's `send`), never read through the pipeline.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// `[DEFAULT]host`: the queue and the routing keys are named after it,
+    /// and only notifications for this conductor are acted on.
+    pub host: String,
+    /// `[amqp]`: the brokers, the topology names and the limits.
+    pub amqp: AmqpSection,
+    /// `[notifications]`: which nodes Ironic's notifications may act on.
+    pub notifications: NotificationsSection,
+    /// `[peers]`: the peers' exchange, query timeout and advertised URL.
+    pub peers: PeersSection,
+    /// `[source]slow_downloads`: the width of the slow lane that slow
+    /// prepares move to, freeing their prepare slot.
+    pub slow_downloads: usize,
+}
+
+impl Settings {
+    /// The broker layer's sections of `config`.
+    pub fn of(config: &Config) -> Settings {
+        Settings {
+            host: config.default.host.clone(),
+            amqp: config.amqp.clone(),
+            notifications: config.notifications.clone(),
+            peers: config.peers.clone(),
+            slow_downloads: config.source.slow_downloads as usize,
+        }
+    }
+}
+
 /// The AMQP reply code of a broker's refusal (404 NOT_FOUND, 406
 /// PRECONDITION_FAILED, ...), read from the error itself rather than its
 /// text.

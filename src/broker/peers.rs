@@ -123,20 +123,21 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// after a loss) until `stop`; returns it for the pipeline.
 pub fn start(
     pipeline: Arc<Pipeline>,
+    settings: &super::Settings,
     brokers: Brokers,
     metrics: Arc<Metrics>,
     stop: watch::Receiver<bool>,
 ) -> crate::error::Result<Arc<PeerLink>> {
-    let config = pipeline.config();
+    let peers = &settings.peers;
     let link = Arc::new(PeerLink {
         metrics,
-        secret: config.peers.load_secret()?,
+        secret: peers.load_secret()?,
         replays: Mutex::new(Replays::default()),
-        exchange: config.peers.exchange.clone(),
-        host: config.default.host.clone(),
+        exchange: peers.exchange.clone(),
+        host: settings.host.clone(),
         process: uuid::Uuid::new_v4().simple().to_string(),
-        url: config.peers.advertised_url().unwrap_or_default(),
-        timeout: Duration::from_millis(config.peers.query_timeout_ms),
+        url: peers.advertised_url().unwrap_or_default(),
+        timeout: Duration::from_millis(peers.query_timeout_ms),
         live: Mutex::new(None),
         pending: Mutex::new(HashMap::new()),
         held: Arc::new(Mutex::new(HashSet::new())),

@@ -10,7 +10,6 @@ use super::connect::Brokers;
 use super::dispatch::Dispatcher;
 use super::publisher::Publisher;
 use super::topology::Topology;
-use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::pipeline::Pipeline;
 use backon::BackoffBuilder;
@@ -44,12 +43,16 @@ enum Ended {
 pub async fn run(
     pipeline: Arc<Pipeline>,
     metrics: Arc<Metrics>,
+    settings: super::Settings,
     brokers: Brokers,
     connected: Arc<AtomicBool>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let config = pipeline.config().clone();
-    let dispatcher = Arc::new(Dispatcher::new(pipeline.clone(), metrics.clone()));
+    let dispatcher = Arc::new(Dispatcher::new(
+        pipeline.clone(),
+        metrics.clone(),
+        &settings,
+    ));
     let mut backoff = reconnect_backoff();
     let mut next = 0usize;
     let mut failed_in_row = 0usize;
@@ -66,7 +69,7 @@ pub async fn run(
             dispatcher: &dispatcher,
             metrics: &metrics,
             connected: &connected,
-            config: &config,
+            settings: &settings,
         };
         let outcome = session(&shared, index, !declared, &mut stop).await;
         connected.store(false, Ordering::Relaxed);
@@ -90,7 +93,7 @@ pub async fn run(
             }
             Err(e) => {
                 failed_in_row += 1;
-                tracing::warn!(broker = %brokers.name(index), error = %e.text, "broker unavailable");
+                e.log(brokers.name(index));
                 if failed_in_row.is_multiple_of(brokers.len()) {
                     backoff.next().unwrap_or(MAX_DELAY).min(MAX_DELAY)
                 } else {
@@ -111,15 +114,15 @@ pub async fn run(
     // Stopped while disconnected: jobs still running get the grace period
     // (their answers need a connection; what stays unacknowledged is
     // redelivered after the restart).
-    drain(&dispatcher, &config).await;
+    drain(&dispatcher, &settings).await;
 }
 
 /// Lets in-flight work finish within `[amqp]shutdown_grace`, taking no new
 /// work; what is still unacknowledged after it is redelivered, what was
 /// acknowledged early is lost (said in the log, with how many).
-async fn drain(dispatcher: &Dispatcher, config: &Config) {
+async fn drain(dispatcher: &Dispatcher, settings: &super::Settings) {
     dispatcher.tracker.close();
-    let grace = Duration::from_secs(config.amqp.shutdown_grace);
+    let grace = Duration::from_secs(settings.amqp.shutdown_grace);
     if tokio::time::timeout(grace, dispatcher.tracker.wait())
         .await
         .is_err()
@@ -151,6 +154,30 @@ impl Failed {
             reply_code: super::reply_code(e),
         }
     }
+
+    /// Logs the failure with broker `name` and what to check.
+    fn log(&self, name: &str) {
+        tracing::warn!(
+            broker = %name,
+            error = %self.text,
+            hint = self.hint(),
+            "broker unavailable"
+        );
+    }
+
+    /// What the operator should check, for the refusals that have one
+    /// cause in practice.
+    fn hint(&self) -> &'static str {
+        if self.reply_code == Some(ACCESS_REFUSED) || self.text.contains("ACCESS_REFUSED") {
+            "check the user and password of [amqp]url and the user's permissions on its \
+             virtual host"
+        } else if self.reply_code == Some(NOT_FOUND) {
+            "the queue or exchange does not exist: give the user the configure permission, \
+             or import the definitions (operations guide, least-privilege broker user)"
+        } else {
+            ""
+        }
+    }
 }
 
 /// Jittered exponential backoff; [`MAX_DELAY`] caps each value after jitter.
@@ -170,6 +197,9 @@ struct Opened {
     publisher: Publisher,
 }
 
+/// AMQP's reply code for an operation the user's permissions refuse.
+const ACCESS_REFUSED: u16 = 403;
+
 /// The steps of [`open`], named in a timeout's message.
 const STEPS: [&str; 4] = [
     "connect",
@@ -184,24 +214,38 @@ async fn open(
     brokers: &Brokers,
     index: usize,
     declare: bool,
-    config: &Config,
+    settings: &super::Settings,
     step: &std::sync::atomic::AtomicUsize,
 ) -> lapin::Result<Opened> {
     step.store(0, Ordering::Relaxed);
     let props = ConnectionProperties::default()
-        .with_connection_name(format!("ironic-image-worker@{}", config.default.host).into());
+        .with_connection_name(format!("ironic-image-worker@{}", settings.host).into());
     let conn = brokers.connect(index, props).await?;
     step.store(1, Ordering::Relaxed);
-    let consume_channel = conn.create_channel().await?;
+    let mut consume_channel = conn.create_channel().await?;
     let publish_channel = conn.create_channel().await?;
     let probe_channel = conn.create_channel().await?;
-    let topology = Topology::new(config);
+    let topology = Topology::new(&settings.host, &settings.amqp);
     step.store(2, Ordering::Relaxed);
-    if declare {
-        topology.declare(&conn, &consume_channel, config).await?;
+    if declare
+        && let Err(e) = topology
+            .declare(&conn, &consume_channel, &settings.amqp)
+            .await
+    {
+        if super::reply_code(&e) != Some(ACCESS_REFUSED) {
+            return Err(e);
+        }
+        // A user without the configure permission (a least-privilege
+        // set-up): the topology is the broker's, imported from
+        // ops/rabbitmq/definitions.json; consuming tells whether it is there.
+        tracing::info!(
+            queue = %topology.queue,
+            "the broker user may not declare: using the exchanges and queues defined on the broker"
+        );
+        consume_channel = conn.create_channel().await?;
     }
     consume_channel
-        .basic_qos(config.amqp.prefetch, BasicQosOptions::default())
+        .basic_qos(settings.amqp.prefetch, BasicQosOptions::default())
         .await?;
     let publisher = Publisher::new(publish_channel, &topology.events_exchange).await?;
     step.store(3, Ordering::Relaxed);
@@ -231,7 +275,7 @@ struct Shared<'a> {
     metrics: &'a Metrics,
     /// Mirrors the connection state for `/readyz`.
     connected: &'a AtomicBool,
-    config: &'a Config,
+    settings: &'a super::Settings,
 }
 
 /// One connection's lifetime, to broker `index` (declaring the topology
@@ -247,12 +291,12 @@ async fn session(
         dispatcher,
         metrics,
         connected,
-        config,
+        settings,
     } = *shared;
-    let limit = Duration::from_secs(config.amqp.connect_timeout.max(1));
+    let limit = Duration::from_secs(settings.amqp.connect_timeout.max(1));
     let step = std::sync::atomic::AtomicUsize::new(0);
     let opened = tokio::select! {
-        opened = tokio::time::timeout(limit, open(brokers, index, declare, config, &step)) => match opened {
+        opened = tokio::time::timeout(limit, open(brokers, index, declare, settings, &step)) => match opened {
             Ok(Ok(opened)) => opened,
             Ok(Err(e)) => return Err(Failed::of(&e)),
             Err(_) => {
@@ -269,7 +313,7 @@ async fn session(
     tracing::info!(
         broker = %brokers.name(index),
         heartbeat = opened.conn.configuration().heartbeat(),
-        queue = %Topology::new(config).queue,
+        queue = %Topology::new(&settings.host, &settings.amqp).queue,
         "consuming"
     );
     let mut opened = opened;
@@ -283,7 +327,7 @@ async fn session(
             .consume_channel
             .basic_cancel(opened.consumer.tag(), BasicCancelOptions::default())
             .await;
-        drain(dispatcher, config).await;
+        drain(dispatcher, settings).await;
     }
     // Work goes on; answers wait for the next connection.
     dispatcher.disconnected(link.session);
@@ -303,7 +347,8 @@ async fn consume(
     link: &super::dispatch::Link,
     stop: &mut watch::Receiver<bool>,
 ) -> Ended {
-    let dead_letter_queue = Topology::new(shared.config).dead_letter_queue;
+    let dead_letter_queue =
+        Topology::new(&shared.settings.host, &shared.settings.amqp).dead_letter_queue;
     let mut census = tokio::time::interval(DEAD_LETTER_CENSUS);
     loop {
         // Deliveries (and the consumer's error) first: a consumer timeout

@@ -1,7 +1,7 @@
 //! The broker objects the worker declares: exchanges, the per-host queue with
 //! its dead-letter queue, and the bindings to Ironic's notification exchange.
 
-use crate::config::Config;
+use crate::config::AmqpSection;
 use lapin::options::*;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ExchangeKind};
@@ -36,10 +36,8 @@ pub struct Topology {
 }
 
 impl Topology {
-    /// Derives the names for `config`.
-    pub fn new(config: &Config) -> Topology {
-        let a = &config.amqp;
-        let host = &config.default.host;
+    /// Derives the names for conductor `host` from `[amqp]`.
+    pub fn new(host: &str, a: &AmqpSection) -> Topology {
         let queue = format!("{}.{host}", a.queue_prefix);
         Topology {
             command_exchange: a.command_exchange.clone(),
@@ -73,7 +71,7 @@ impl Topology {
         &self,
         conn: &Connection,
         channel: &Channel,
-        config: &Config,
+        amqp: &AmqpSection,
     ) -> lapin::Result<()> {
         let durable = ExchangeDeclareOptions {
             durable: true,
@@ -93,17 +91,17 @@ impl Topology {
                 )
                 .await?;
         }
-        self.declare_queues(channel, config).await?;
+        self.declare_queues(channel, amqp).await?;
         if self.notification_bindings.is_empty() {
             return Ok(());
         }
-        self.bind_notifications(conn, channel, config).await
+        self.bind_notifications(conn, channel, amqp).await
     }
 
     /// The dead-letter queue, then the work queue dead-lettering into it,
     /// bound to the command exchange.
-    async fn declare_queues(&self, channel: &Channel, config: &Config) -> lapin::Result<()> {
-        let queue_type = AMQPValue::LongString(config.amqp.queue_type.as_str().into());
+    async fn declare_queues(&self, channel: &Channel, amqp: &AmqpSection) -> lapin::Result<()> {
+        let queue_type = AMQPValue::LongString(amqp.queue_type.as_str().into());
         let mut dead_args = FieldTable::default();
         dead_args.insert("x-queue-type".into(), queue_type.clone());
         let mut args = dead_args.clone();
@@ -115,10 +113,10 @@ impl Topology {
             "x-dead-letter-routing-key".into(),
             AMQPValue::LongString(self.dead_letter_queue.as_str().into()),
         );
-        if config.amqp.queue_type == "quorum" {
+        if amqp.queue_type == "quorum" {
             args.insert(
                 "x-delivery-limit".into(),
-                AMQPValue::LongInt(config.amqp.delivery_limit as i32),
+                AMQPValue::LongInt(amqp.delivery_limit as i32),
             );
         }
         let q = QueueDeclareOptions {
@@ -160,7 +158,7 @@ impl Topology {
         &self,
         conn: &Connection,
         channel: &Channel,
-        config: &Config,
+        amqp: &AmqpSection,
     ) -> lapin::Result<()> {
         let probe = conn.create_channel().await?;
         let passive = ExchangeDeclareOptions {
@@ -179,7 +177,7 @@ impl Topology {
             .is_err()
         {
             let create = ExchangeDeclareOptions {
-                durable: config.amqp.notification_exchange_durable,
+                durable: amqp.notification_exchange_durable,
                 ..ExchangeDeclareOptions::default()
             };
             channel

@@ -9,6 +9,7 @@
 //! through the broker and wait for its completion). Must not know how the
 //! pipeline does its work.
 
+pub(crate) mod configuration;
 pub(crate) mod send;
 
 use crate::config::Config;
@@ -18,30 +19,55 @@ use crate::messages::{Action, Completion, InstanceInfo, Options, Status};
 use crate::metrics::Metrics;
 use crate::pipeline::Pipeline;
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use std::ffi::OsString;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-/// Top-level arguments.
+/// The command line: options every command shares, then the command.
 #[derive(Debug, Parser)]
-#[command(name = "ironic-image-worker", version, about)]
+#[command(
+    name = "ironic-image-worker",
+    version,
+    about = "Caches, converts, checksums and serves Ironic instance images for Ironic's \
+             direct deploy, driven by RabbitMQ.",
+    long_about = "Caches, converts, checksums and serves Ironic instance images for Ironic's \
+                  direct deploy, driven by RabbitMQ.\n\nStart with `config check` and \
+                  `config show` (the configuration in force and where each value came from), \
+                  then `serve`. Every command reads the service's configuration: \
+                  /etc/ironic-image-worker/worker.toml and /etc/ironic/ironic.conf when they \
+                  exist, unless --config / --ironic-config name others ('' for none)."
+)]
 pub struct Cli {
-    /// TOML configuration file (Ironic's section and option names).
-    #[arg(long, global = true, env = "IRONIC_IMAGE_WORKER_CONFIG")]
-    pub config: Option<PathBuf>,
-    /// An existing ironic.conf to take the options shared with the conductor
+    /// The worker's TOML configuration file (Ironic's section and option
+    /// names); default /etc/ironic-image-worker/worker.toml when it
+    /// exists; '' for none.
+    #[arg(
+        long,
+        global = true,
+        env = "IRONIC_IMAGE_WORKER_CONFIG",
+        value_name = "FILE"
+    )]
+    pub config: Option<OsString>,
+    /// The conductor's ironic.conf, to take the options shared with it
     /// from (host, transport_url, [deploy], [pxe], [agent], [conductor],
     /// [glance], notification topics); `--config`, the environment and
-    /// `--set` override it.
-    #[arg(long, global = true, env = "IRONIC_IMAGE_WORKER_IRONIC_CONFIG")]
-    pub ironic_config: Option<PathBuf>,
+    /// `--set` override it. Default /etc/ironic/ironic.conf when it
+    /// exists; '' for none.
+    #[arg(
+        long,
+        global = true,
+        env = "IRONIC_IMAGE_WORKER_IRONIC_CONFIG",
+        value_name = "FILE"
+    )]
+    pub ironic_config: Option<OsString>,
     /// Override one option, e.g. `--set DEFAULT.host=cond-1` (repeatable).
     #[arg(long = "set", global = true, value_name = "SECTION.OPTION=VALUE")]
     pub set: Vec<String>,
-    /// Log format on stderr.
-    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Human)]
-    pub log_format: LogFormat,
+    /// Log format on stderr (default `[log]format`).
+    #[arg(long, global = true, value_enum)]
+    pub log_format: Option<LogFormat>,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
@@ -50,10 +76,21 @@ pub struct Cli {
 /// Log output formats.
 #[derive(Debug, Clone, Copy, ValueEnum)]
 pub enum LogFormat {
-    /// Human-readable lines.
+    /// Human-readable lines (also `text`).
+    #[value(alias = "text")]
     Human,
     /// One JSON object per line.
     Json,
+}
+
+impl LogFormat {
+    /// The flag's format, else `[log]format`'s.
+    fn or_configured(flag: Option<LogFormat>, configured: crate::config::LogFormat) -> LogFormat {
+        flag.unwrap_or(match configured {
+            crate::config::LogFormat::Text => LogFormat::Human,
+            crate::config::LogFormat::Json => LogFormat::Json,
+        })
+    }
 }
 
 /// Subcommands.
@@ -69,9 +106,22 @@ pub enum Command {
     Cleanup(NodeArgs),
     /// Publish a command to a running worker through the broker.
     Send(SendArgs),
+    /// Delete the queues of a conductor taken out of service (its command
+    /// queue and dead-letter queue), which would otherwise stay bound to
+    /// Ironic's notifications and to `all.image.warm` and grow for ever.
+    /// Refused while a worker still consumes them.
+    Retire {
+        /// The retired conductor's host name (`[DEFAULT]host` of its worker).
+        #[arg(long, visible_alias = "host")]
+        conductor: String,
+    },
     /// Look at or clean the master image cache.
     #[command(subcommand)]
     Cache(CacheCommand),
+    /// Check the configuration (exit 1 with one line per problem) or show
+    /// the values in force with their sources.
+    #[command(subcommand)]
+    Config(ConfigCommand),
     /// Detect an image file's format and virtual size and check its safety.
     Inspect {
         /// The image file.
@@ -92,6 +142,19 @@ pub enum Command {
         #[arg(long)]
         grow_to: Option<u64>,
     },
+}
+
+/// `config` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Read and check the configuration and the directories it names (as
+    /// the user running it): exit 0 when valid, else exit 1 with one line
+    /// per problem naming the option and where its value came from.
+    Check,
+    /// Print the configuration in force as TOML, each option with where
+    /// its value came from (default, ironic.conf, OS_ variable, TOML file,
+    /// IRONIC_IMAGE_WORKER__ variable, --set); secrets masked.
+    Show,
 }
 
 /// `cache` subcommands.
@@ -267,7 +330,8 @@ async fn send_command(config: &Config, args: SendArgs) -> Result<ExitCode> {
         limit: std::time::Duration::from_secs(args.timeout),
         expect: args.expect,
     });
-    let answers = crate::cli::send::send(config, target, &req, wait).await?;
+    let answers =
+        crate::cli::send::send(&crate::broker::Settings::of(config), target, &req, wait).await?;
     if wait.is_none() {
         println!("{}", serde_json::json!({"request_id": request_id}));
         return Ok(ExitCode::SUCCESS);
@@ -335,7 +399,9 @@ fn colour_logs() -> bool {
 /// Sets up logging on stderr (`RUST_LOG` filters, default `info`).
 pub fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-        tracing_subscriber::EnvFilter::new("info,lapin=warn,lapin::returned_messages=error")
+        // The AMQP library's own error lines repeat (as dumps) what the
+        // worker logs of every failure with its broker and a hint.
+        tracing_subscriber::EnvFilter::new("info,lapin=off")
     });
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -347,7 +413,9 @@ pub fn init_logging(format: LogFormat) {
     };
 }
 
-/// Entry point of the binary.
+/// Entry point of the binary: reads the configuration, sets up logging as
+/// it says, then runs the command. A fatal error is printed as its
+/// message alone (its code is for completion events).
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Command::ConvertChild {
@@ -359,7 +427,44 @@ pub fn main() -> ExitCode {
     {
         return crate::image::convert::child_main(src, dst, *sha512, *grow_to);
     }
-    init_logging(cli.log_format);
+    let files = configuration::files(cli.config.as_ref(), cli.ironic_config.as_ref());
+    let env: Vec<(String, String)> = std::env::vars().collect();
+    let loaded = crate::config::read(&files, &env, &cli.set);
+    match &cli.command {
+        Command::Config(ConfigCommand::Check) => return configuration::check(loaded, &files),
+        Command::Config(ConfigCommand::Show) => return configuration::show(loaded, &files),
+        _ => {}
+    }
+    let mut loaded = match loaded {
+        Ok(loaded) => loaded,
+        Err(problems) => {
+            eprintln!("ironic-image-worker: the configuration is refused:");
+            for problem in problems {
+                eprintln!("  {problem}");
+            }
+            return ExitCode::FAILURE;
+        }
+    };
+    let format = LogFormat::or_configured(cli.log_format, loaded.config.log.format);
+    init_logging(format);
+    // The access log follows the format in force, the flag's included.
+    loaded.config.log.format = match format {
+        LogFormat::Human => crate::config::LogFormat::Text,
+        LogFormat::Json => crate::config::LogFormat::Json,
+    };
+    // Commands that act on the cache or serve say what is likely wrong;
+    // clients of a running worker (send, retire, cache list, inspect) do not.
+    let acts = matches!(
+        cli.command,
+        Command::Serve
+            | Command::Prepare(_)
+            | Command::Deployed(_)
+            | Command::Cleanup(_)
+            | Command::Cache(CacheCommand::Clean { .. })
+    );
+    for warning in loaded.warnings.iter().filter(|_| acts) {
+        tracing::warn!("{warning}");
+    }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
@@ -367,34 +472,48 @@ pub fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(cli)) {
+    match runtime.block_on(run(cli.command, loaded, &files)) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("ironic-image-worker: {e}");
+            eprintln!("ironic-image-worker: {}", e.message);
             ExitCode::FAILURE
         }
     }
 }
 
-async fn run(cli: Cli) -> Result<ExitCode> {
-    let files = crate::config::Files {
-        ironic_conf: cli.ironic_config.clone(),
-        toml: cli.config.clone(),
-    };
-    let config = Config::load(&files, &cli.set)?;
-    let request = match cli.command {
+async fn run(
+    command: Command,
+    mut loaded: crate::config::Loaded,
+    files: &crate::config::Files,
+) -> Result<ExitCode> {
+    let request = match command {
         Command::Serve => {
-            crate::service::serve(config).await?;
+            let problems = loaded.check_dirs();
+            if !problems.is_empty() {
+                return Err(crate::config::refusal(&problems));
+            }
+            crate::service::serve(loaded.config, &configuration::describe(files)).await?;
             return Ok(ExitCode::SUCCESS);
         }
-        Command::Inspect { file } => return Ok(inspect(&config, &file)),
-        Command::Cache(cmd) => return cache_command(config, cmd),
-        Command::ConvertChild { .. } => return Ok(ExitCode::FAILURE),
+        Command::Inspect { file } => return Ok(inspect(&loaded.config, &file)),
+        Command::Cache(cmd) => {
+            refuse_foreign_cache(&loaded.config)?;
+            return cache_command(loaded.config, cmd);
+        }
+        Command::ConvertChild { .. } | Command::Config(_) => return Ok(ExitCode::FAILURE),
         Command::Prepare(args) => request(Action::Prepare, args.node, Some(args.image)),
         Command::Deployed(args) => request(Action::Deployed, args, None),
         Command::Cleanup(args) => request(Action::Cleanup, args, None),
-        Command::Send(args) => return send_command(&config, args).await,
+        Command::Send(args) => return send_command(&loaded.config, args).await,
+        Command::Retire { conductor } => {
+            let settings = crate::broker::Settings::of(&loaded.config);
+            let deleted = crate::cli::send::retire(&settings, &conductor).await?;
+            println!("{}", serde_json::json!({"deleted_queues": deleted}));
+            return Ok(ExitCode::SUCCESS);
+        }
     };
+    let config = loaded.config;
+    refuse_foreign_cache(&config)?;
     let metrics = Arc::new(Metrics::new());
     let pipeline = Pipeline::new(config, metrics.clone())?;
     pipeline.recover()?;
@@ -407,6 +526,34 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         eprintln!();
     }
     Ok(print_completion(&done))
+}
+
+/// Refuses to work on a cache another user owns when run as root: every
+/// file root makes there (a lock, a temporary, a master) is one the
+/// service's user cannot remove, and its next clean-up fails on it. Run
+/// the command as the owner instead.
+fn refuse_foreign_cache(config: &Config) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    if !rustix::process::geteuid().is_root() {
+        return Ok(());
+    }
+    let dir = &config.pxe.instance_master_path;
+    let owner = dir
+        .ancestors()
+        .find_map(|d| std::fs::metadata(d).ok())
+        .map(|m| m.uid());
+    match owner {
+        Some(uid) if uid != 0 => Err(crate::error::Error::new(
+            crate::error::ErrorCode::Internal,
+            format!(
+                "[pxe]instance_master_path {} belongs to uid {uid}: run as root, this command \
+                 would leave files there the service cannot remove; run it as that user \
+                 (sudo -u '#{uid}' ironic-image-worker ...)",
+                dir.display()
+            ),
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// Draws the in-flight transfer gauges as a progress bar on a terminal.

@@ -3,7 +3,6 @@
 //! temporary reply queue, and can wait for the completion events.
 
 use crate::broker::{Brokers, Topology, WARM_ALL_KEY};
-use crate::config::Config;
 use crate::error::{Error, ErrorCode, Result};
 use crate::messages::Request;
 use crate::messages::{Action, Completion};
@@ -65,24 +64,27 @@ pub struct Wait {
 /// that came back: exactly one from one host (or an error after
 /// `wait.limit`), from every conductor those that came within the limit.
 pub async fn send(
-    config: &Config,
+    settings: &crate::broker::Settings,
     target: Target<'_>,
     req: &Request,
     wait: Option<Wait>,
 ) -> Result<Vec<Completion>> {
-    let (conn, name) = connect_first(config).await?;
+    let (conn, name) = connect_first(&settings.amqp).await?;
     let broker = |e: lapin::Error| {
         Error::new(
             ErrorCode::Internal,
             format!("broker {name}: {}", crate::error::error_chain(&e)),
         )
     };
+    if let (Some(_), Target::Host(host)) = (wait, target) {
+        require_consumer(&conn, &Topology::new(host, &settings.amqp).queue).await?;
+    }
     let channel = conn.create_channel().await.map_err(broker)?;
     channel
         .confirm_select(ConfirmSelectOptions::default())
         .await
         .map_err(broker)?;
-    let topology = Topology::new(config);
+    let topology = Topology::new(&settings.host, &settings.amqp);
     let (reply, replies) = reply_queue(&channel, &topology).await.map_err(broker)?;
     let correlation = req.request_id.clone().unwrap_or_default();
     let key = target.routing_key(req.action);
@@ -113,6 +115,84 @@ pub async fn send(
     };
     let _ = conn.close(200, "bye".into()).await;
     Ok(answers)
+}
+
+/// Deletes the command and dead-letter queues of conductor `host`, only
+/// while nobody consumes them; returns the names deleted (a queue already
+/// gone is not an error).
+pub async fn retire(settings: &crate::broker::Settings, host: &str) -> Result<Vec<String>> {
+    let (conn, name) = connect_first(&settings.amqp).await?;
+    let broker = |e: lapin::Error| {
+        Error::new(
+            ErrorCode::Internal,
+            format!("broker {name}: {}", crate::error::error_chain(&e)),
+        )
+    };
+    let topology = Topology::new(host, &settings.amqp);
+    let mut deleted = Vec::new();
+    for queue in [&topology.queue, &topology.dead_letter_queue] {
+        let channel = conn.create_channel().await.map_err(broker)?;
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        let Ok(found) = channel
+            .queue_declare(queue.as_str().into(), passive, FieldTable::default())
+            .await
+        else {
+            continue;
+        };
+        if found.consumer_count() > 0 {
+            return Err(Error::new(
+                ErrorCode::Internal,
+                format!(
+                    "{queue} has {} consumer(s): the worker of {host} is still running; stop it \
+                     first",
+                    found.consumer_count()
+                ),
+            ));
+        }
+        // Quorum queues do not take `if_unused`: the consumers were counted
+        // just before.
+        channel
+            .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+            .await
+            .map_err(broker)?;
+        deleted.push(queue.clone());
+    }
+    let _ = conn.close(200, "bye".into()).await;
+    Ok(deleted)
+}
+
+/// Fails at once, sending nothing, when no worker consumes `queue`: a
+/// `--wait` would otherwise wait its whole timeout for an answer nobody
+/// gives (as the deploy interface fails a prepare no worker takes).
+async fn require_consumer(conn: &lapin::Connection, queue: &str) -> Result<()> {
+    let nobody = |why: String| {
+        Error::new(
+            ErrorCode::Internal,
+            format!("{why}: is that conductor's worker running? Nothing was sent."),
+        )
+    };
+    let probe = conn
+        .create_channel()
+        .await
+        .map_err(|e| nobody(format!("cannot look at {queue}: {e}")))?;
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    match probe
+        .queue_declare(queue.into(), passive, FieldTable::default())
+        .await
+    {
+        Ok(q) if q.consumer_count() == 0 => Err(nobody(format!("no worker consumes {queue}"))),
+        Ok(_) => {
+            let _ = probe.close(200, "bye".into()).await;
+            Ok(())
+        }
+        Err(_) => Err(nobody(format!("there is no queue {queue}"))),
+    }
 }
 
 /// The properties of a command: JSON, persistent, answered to `reply`
@@ -181,12 +261,12 @@ async fn reply_queue(
 }
 
 /// A connection to the first broker of the configured list that answers.
-async fn connect_first(config: &Config) -> Result<(lapin::Connection, String)> {
-    let brokers = Brokers::new(config)?;
+async fn connect_first(amqp: &crate::config::AmqpSection) -> Result<(lapin::Connection, String)> {
+    let brokers = Brokers::new(amqp)?;
     let mut failures = Vec::new();
     for index in 0..brokers.len() {
         let attempt = tokio::time::timeout(
-            Duration::from_secs(config.amqp.connect_timeout.max(1)),
+            Duration::from_secs(amqp.connect_timeout.max(1)),
             brokers.connect(index, ConnectionProperties::default()),
         )
         .await;

@@ -9,6 +9,8 @@
 //! `[agent]image_download_source`, which only counts when set explicitly
 //! (see docs/contract.md, "Which images are cached").
 
+use super::check::Problem;
+use super::layers::{Layers, Raw, Source};
 use crate::error::{Error, ErrorCode, Result};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -18,15 +20,17 @@ use std::path::Path;
 #[derive(Debug, Default, Clone)]
 pub struct IniFile {
     sections: BTreeMap<String, BTreeMap<String, Vec<String>>>,
+    /// The options oslo.config's environment variables set, with the
+    /// variable that set each.
+    from_env: BTreeMap<(String, String), String>,
 }
 
-/// How an ironic.conf value is turned into a worker option.
+/// How an ironic.conf value is turned into a worker option: as text,
+/// typed by the option receiving it, or as a list (oslo's `ListOpt`:
+/// comma- or line-separated).
 #[derive(Clone, Copy)]
 enum Kind {
-    Str,
-    Bool,
-    Int,
-    Float,
+    Text,
     List,
 }
 
@@ -35,41 +39,41 @@ const SAME: &[(&str, &[(&str, Kind)])] = &[
     (
         "DEFAULT",
         &[
-            ("host", Kind::Str),
-            ("force_raw_images", Kind::Bool),
+            ("host", Kind::Text),
+            ("force_raw_images", Kind::Text),
             // Ironic options that change the image path (docs/contract.md,
             // "Ironic's image options").
-            ("raw_image_growth_factor", Kind::Float),
-            ("webserver_verify_ca", Kind::Str),
-            ("webserver_connection_timeout", Kind::Int),
+            ("raw_image_growth_factor", Kind::Text),
+            ("webserver_verify_ca", Kind::Text),
+            ("webserver_connection_timeout", Kind::Text),
         ],
     ),
     (
         "agent",
         &[
-            ("image_download_source", Kind::Str),
-            ("stream_raw_images", Kind::Bool),
-            ("allow_md5_checksum", Kind::Bool),
+            ("image_download_source", Kind::Text),
+            ("stream_raw_images", Kind::Text),
+            ("allow_md5_checksum", Kind::Text),
         ],
     ),
     (
         "deploy",
         &[
-            ("http_root", Kind::Str),
-            ("http_url", Kind::Str),
-            ("http_image_subdir", Kind::Str),
+            ("http_root", Kind::Text),
+            ("http_url", Kind::Text),
+            ("http_image_subdir", Kind::Text),
             // The image server's authentication.
-            ("image_server_auth_strategy", Kind::Str),
-            ("image_server_user", Kind::Str),
-            ("image_server_password", Kind::Str),
+            ("image_server_auth_strategy", Kind::Text),
+            ("image_server_user", Kind::Text),
+            ("image_server_password", Kind::Text),
         ],
     ),
     (
         "pxe",
         &[
-            ("images_path", Kind::Str),
-            ("image_cache_size", Kind::Int),
-            ("image_cache_ttl", Kind::Int),
+            ("images_path", Kind::Text),
+            ("image_cache_size", Kind::Text),
+            ("image_cache_ttl", Kind::Text),
         ],
     ),
     (
@@ -77,39 +81,39 @@ const SAME: &[(&str, &[(&str, Kind)])] = &[
         &[
             ("permitted_image_formats", Kind::List),
             ("file_url_allowed_paths", Kind::List),
-            ("disable_deep_image_inspection", Kind::Bool),
-            ("disable_support_for_checksum_files", Kind::Bool),
-            ("conductor_always_validates_images", Kind::Bool),
+            ("disable_deep_image_inspection", Kind::Text),
+            ("disable_support_for_checksum_files", Kind::Text),
+            ("conductor_always_validates_images", Kind::Text),
         ],
     ),
     (
         "glance",
         &[
-            ("endpoint_override", Kind::Str),
-            ("auth_type", Kind::Str),
-            ("auth_url", Kind::Str),
-            ("username", Kind::Str),
-            ("password", Kind::Str),
-            ("user_domain_name", Kind::Str),
-            ("user_domain_id", Kind::Str),
-            ("project_name", Kind::Str),
-            ("project_id", Kind::Str),
-            ("project_domain_name", Kind::Str),
-            ("project_domain_id", Kind::Str),
-            ("application_credential_id", Kind::Str),
-            ("application_credential_secret", Kind::Str),
-            ("token", Kind::Str),
-            ("region_name", Kind::Str),
+            ("endpoint_override", Kind::Text),
+            ("auth_type", Kind::Text),
+            ("auth_url", Kind::Text),
+            ("username", Kind::Text),
+            ("password", Kind::Text),
+            ("user_domain_name", Kind::Text),
+            ("user_domain_id", Kind::Text),
+            ("project_name", Kind::Text),
+            ("project_id", Kind::Text),
+            ("project_domain_name", Kind::Text),
+            ("project_domain_id", Kind::Text),
+            ("application_credential_id", Kind::Text),
+            ("application_credential_secret", Kind::Text),
+            ("token", Kind::Text),
+            ("region_name", Kind::Text),
             ("valid_interfaces", Kind::List),
-            ("insecure", Kind::Bool),
+            ("insecure", Kind::Text),
         ],
     ),
     (
         "oci",
         &[
-            ("authentication_config", Kind::Str),
-            ("verify_ca", Kind::Str),
-            ("permit_fallback_to_http_transport", Kind::Bool),
+            ("authentication_config", Kind::Text),
+            ("verify_ca", Kind::Text),
+            ("permit_fallback_to_http_transport", Kind::Text),
             ("secure_cdn_registries", Kind::List),
         ],
     ),
@@ -123,7 +127,7 @@ const RENAMED: &[(&str, &str, &str, &str, Kind)] = &[
         "control_exchange",
         "amqp",
         "notification_exchange",
-        Kind::Str,
+        Kind::Text,
     ),
     (
         "oslo_messaging_notifications",
@@ -137,35 +141,35 @@ const RENAMED: &[(&str, &str, &str, &str, Kind)] = &[
         "ssl_ca_file",
         "amqp",
         "ssl_ca_file",
-        Kind::Str,
+        Kind::Text,
     ),
     (
         "oslo_messaging_rabbit",
         "ssl_cert_file",
         "amqp",
         "ssl_cert_file",
-        Kind::Str,
+        Kind::Text,
     ),
     (
         "oslo_messaging_rabbit",
         "ssl_key_file",
         "amqp",
         "ssl_key_file",
-        Kind::Str,
+        Kind::Text,
     ),
     (
         "oslo_messaging_rabbit",
         "ssl_version",
         "amqp",
         "ssl_version",
-        Kind::Str,
+        Kind::Text,
     ),
     (
         "oslo_messaging_rabbit",
         "amqp_durable_queues",
         "amqp",
         "notification_exchange_durable",
-        Kind::Bool,
+        Kind::Text,
     ),
 ];
 
@@ -322,8 +326,9 @@ fn unquote(v: &str) -> &str {
     v
 }
 
+/// An error of the ironic.conf read (its source is named by the caller).
 fn conf_error(message: String) -> Error {
-    Error::new(ErrorCode::Internal, format!("ironic.conf: {message}"))
+    Error::new(ErrorCode::Internal, message)
 }
 
 fn parse_bool(section: &str, key: &str, v: &str) -> Result<bool> {
@@ -418,77 +423,97 @@ impl IniFile {
             let name = oslo_env_name(sec, key);
             if let Some((_, value)) = env.iter().rev().find(|(n, _)| *n == name) {
                 *self.values_mut(sec, key) = vec![value.clone()];
+                self.from_env
+                    .insert((sec.to_string(), key.to_string()), name);
                 taken += 1;
             }
         }
         taken
     }
-}
 
-/// What the worker takes of Ironic's own configuration: the ironic.conf
-/// given (if any) with oslo.config's environment variables over it.
-#[derive(Debug, Default)]
-pub struct IronicLayer {
-    /// The worker's options, as a TOML table (the lowest layer).
-    pub table: toml::Table,
-    /// Ironic's `[pxe]instance_master_path`, when known, which the worker
-    /// must not share.
-    pub master_path: Option<std::path::PathBuf>,
+    /// Where `[section] key` was read: its variable, or its line in `file`.
+    fn source(&self, file: Option<&Path>, section: &str, key: &str) -> Source {
+        match (
+            self.from_env.get(&(section.to_string(), key.to_string())),
+            file,
+        ) {
+            (Some(name), _) => Source::OsloEnv(name.clone()),
+            (None, Some(file)) => Source::IronicConf {
+                file: file.to_path_buf(),
+                option: format!("[{section}]{key}"),
+            },
+            (None, None) => Source::Default,
+        }
+    }
 }
 
 /// Reads the ironic.conf at `path` (when given) and the `OS_` variables of
-/// `env`. Without a file, only the options the variables set are taken
-/// (none of Ironic's path defaults).
-pub fn load(path: Option<&Path>, env: &[(String, String)]) -> Result<IronicLayer> {
+/// `env` into the lowest layer of the worker's configuration. Without a
+/// file, only the options the variables set are taken (none of Ironic's
+/// path defaults).
+pub fn load(path: Option<&Path>, env: &[(String, String)]) -> Result<Layers, Problem> {
+    let whole = |e: Error| {
+        let source = match path {
+            Some(file) => Source::IronicConf {
+                file: file.to_path_buf(),
+                option: String::new(),
+            },
+            None => Source::OsloEnv(format!("{OSLO_ENV_PREFIX}*")),
+        };
+        Problem::of_source(source, e.message)
+    };
     let mut ini = match path {
         Some(path) => {
             let text = std::fs::read_to_string(path)
-                .map_err(|e| conf_error(format!("cannot read {}: {e}", path.display())))?;
-            IniFile::parse(&text)?
+                .map_err(|e| conf_error(format!("cannot read it: {e}")))
+                .map_err(whole)?;
+            IniFile::parse(&text).map_err(whole)?
         }
         None => IniFile::default(),
     };
     let from_env = ini.overlay_env(env);
+    let mut layers = Layers::default();
     if path.is_none() && from_env == 0 {
-        return Ok(IronicLayer::default());
+        return Ok(layers);
     }
-    let master_path = match ini.get("pxe", "instance_master_path")? {
+    let master_path = match ini.get("pxe", "instance_master_path").map_err(whole)? {
         Some(v) => Some(v),
-        None if path.is_some() => Some(ini.substitute("pxe", "$state_path/master_images", 0)?),
+        None if path.is_some() => Some(
+            ini.substitute("pxe", "$state_path/master_images", 0)
+                .map_err(whole)?,
+        ),
         None => None,
     };
-    Ok(IronicLayer {
-        table: map_options(&ini, path.is_some())?,
-        master_path: master_path.map(std::path::PathBuf::from),
-    })
+    layers.ironic_master_path = master_path.map(std::path::PathBuf::from);
+    map_options(&ini, path, &mut layers).map_err(whole)?;
+    Ok(layers)
 }
 
 /// Maps the shared options of a parsed ironic.conf to the worker's options;
-/// `whole_file` adds what a real ironic.conf implies beyond its lines
+/// a whole `file` adds what a real ironic.conf implies beyond its lines
 /// (Ironic's path defaults, the worker's own master directory), which
 /// options from the environment alone do not.
-fn map_options(ini: &IniFile, whole_file: bool) -> Result<toml::Table> {
-    let mut table = toml::Table::new();
-    let mut put = |section: &str, key: &str, value: toml::Value| {
-        if let toml::Value::Table(t) = table
-            .entry(section.to_string())
-            .or_insert_with(|| toml::Value::Table(toml::Table::new()))
-        {
-            t.insert(key.to_string(), value);
-        }
-    };
+fn map_options(ini: &IniFile, file: Option<&Path>, layers: &mut Layers) -> Result<()> {
     // The worker's masters never live in Ironic's `[pxe]instance_master_path`
     // (Ironic's clean-up deletes every unlinked file there): that option is
     // not taken from ironic.conf.
-    if whole_file {
-        put(
+    if let Some(file) = file {
+        let implied = Source::FileDefault(file.to_path_buf());
+        let master = crate::config::SYSTEM_MASTER_PATH.to_string();
+        layers.set(
             "pxe",
             "instance_master_path",
-            toml::Value::String(crate::config::SYSTEM_MASTER_PATH.to_string()),
+            Raw::Text(master),
+            implied.clone(),
         );
         for (section, key, value) in IRONIC_DEFAULTS {
             if *section != "DEFAULT" && ini.raw(section, key).is_none() {
-                put(section, key, toml::Value::String((*value).to_string()));
+                layers.set(
+                    section,
+                    key,
+                    Raw::Text((*value).to_string()),
+                    implied.clone(),
+                );
             }
         }
     }
@@ -501,49 +526,44 @@ fn map_options(ini: &IniFile, whole_file: bool) -> Result<toml::Table> {
             continue;
         };
         let value = match kind {
-            Kind::Str => toml::Value::String(v),
-            Kind::Bool => toml::Value::Boolean(parse_bool(isec, ikey, &v)?),
-            Kind::Int => toml::Value::Integer(
-                v.trim()
-                    .parse()
-                    .map_err(|_| conf_error(format!("[{isec}]{ikey}: {v:?} is not an integer")))?,
-            ),
-            Kind::Float => toml::Value::Float(
-                v.trim()
-                    .parse()
-                    .map_err(|_| conf_error(format!("[{isec}]{ikey}: {v:?} is not a number")))?,
-            ),
-            Kind::List => toml::Value::Array(
+            Kind::Text => Raw::Text(v),
+            Kind::List => Raw::Toml(toml::Value::Array(
                 v.split([',', '\n'])
                     .map(str::trim)
                     .filter(|s| !s.is_empty())
                     .map(|s| toml::Value::String(s.to_string()))
                     .collect(),
-            ),
+            )),
         };
-        put(wsec, wkey, value);
+        layers.set(wsec, wkey, value, ini.source(file, isec, ikey));
     }
+    map_transport(ini, file, layers)
+}
+
+/// `[DEFAULT]transport_url` (with `[oslo_messaging_rabbit]ssl`) as the
+/// worker's `[amqp]url`.
+fn map_transport(ini: &IniFile, file: Option<&Path>, layers: &mut Layers) -> Result<()> {
     if let Some(transport) = ini.get("DEFAULT", "transport_url")? {
         let ssl = match ini.get("oslo_messaging_rabbit", "ssl")? {
             Some(v) => parse_bool("oslo_messaging_rabbit", "ssl", &v)?,
             None => false,
         };
         let urls = amqp_url_from_transport(&transport, ssl)?;
-        put(
-            "amqp",
-            "url",
-            toml::Value::Array(urls.into_iter().map(toml::Value::String).collect()),
-        );
+        let urls = toml::Value::Array(urls.into_iter().map(toml::Value::String).collect());
+        let source = ini.source(file, "DEFAULT", "transport_url");
+        layers.set("amqp", "url", Raw::Toml(urls), source);
     }
     if let Some(other) = ini.get("oslo_messaging_notifications", "transport_url")?
         && Some(&other) != ini.get("DEFAULT", "transport_url")?.as_ref()
     {
-        tracing::warn!(
-            "[oslo_messaging_notifications]transport_url names another broker; the worker \
-             listens on [DEFAULT]transport_url only (set [amqp]url to choose)"
-        );
+        layers.warnings.push(Problem::of_source(
+            ini.source(file, "oslo_messaging_notifications", "transport_url"),
+            "names another broker; the worker listens on [DEFAULT]transport_url only \
+             (set [amqp]url to choose)"
+                .into(),
+        ));
     }
-    Ok(table)
+    Ok(())
 }
 
 #[cfg(test)]
@@ -600,11 +620,35 @@ mod tests {
 
     #[test]
     fn unset_paths_take_ironic_defaults() {
-        let table = map_options(&IniFile::parse("[DEFAULT]\nhost = c\n").unwrap(), true).unwrap();
-        assert_eq!(table["deploy"]["http_root"].as_str(), Some("/httpboot"));
+        let ini = IniFile::parse("[DEFAULT]\nhost = c\n").unwrap();
+        let file = Path::new("/etc/ironic/ironic.conf");
+        let mut layers = Layers::default();
+        map_options(&ini, Some(file), &mut layers).unwrap();
+        let http_root = layers.stack("deploy", "http_root");
+        assert_eq!(http_root[0].value, Raw::Text("/httpboot".into()));
+        assert_eq!(http_root[0].source, Source::FileDefault(file.into()));
         assert!(
-            table.get("agent").is_none(),
+            layers.stack("agent", "image_download_source").is_empty(),
             "image_download_source only when set"
+        );
+        assert_eq!(
+            layers.source_of("DEFAULT", "host"),
+            Source::IronicConf {
+                file: file.into(),
+                option: "[DEFAULT]host".into()
+            }
+        );
+    }
+
+    #[test]
+    fn oslo_variables_are_their_own_source() {
+        let mut ini = IniFile::parse("[DEFAULT]\nhost = c\n").unwrap();
+        ini.overlay_env(&[("OS_DEFAULT__HOST".into(), "d".into())]);
+        let mut layers = Layers::default();
+        map_options(&ini, Some(Path::new("/x.conf")), &mut layers).unwrap();
+        assert_eq!(
+            layers.source_of("DEFAULT", "host"),
+            Source::OsloEnv("OS_DEFAULT__HOST".into())
         );
     }
 }

@@ -4,14 +4,14 @@
 //! the management network and authenticated by a secret every worker of a
 //! deployment shares.
 
-use super::config_error;
+use super::check::{Report, config_error};
 use crate::error::Result;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 
 /// `[peers]`: off unless `listen` and a secret (`secret` or
 /// `secret_file`) are set.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PeersSection {
     /// Where the peer listener binds (the management network, never the
@@ -59,18 +59,22 @@ impl PeersSection {
 
     /// The shared secret (`secret`, else the first line of `secret_file`).
     pub fn load_secret(&self) -> Result<Vec<u8>> {
-        let secret = if self.secret_file.is_empty() {
-            self.secret.clone()
+        self.read_secret()
+            .map_err(|(option, why)| config_error(format!("[peers]{option}: {why}")))
+    }
+
+    /// [`PeersSection::load_secret`], or the option at fault and why.
+    fn read_secret(&self) -> Result<Vec<u8>, (&'static str, String)> {
+        let (option, secret) = if self.secret_file.is_empty() {
+            ("secret", self.secret.clone())
         } else {
-            let text = std::fs::read_to_string(&self.secret_file).map_err(|e| {
-                config_error(format!("[peers]secret_file {}: {e}", self.secret_file))
-            })?;
-            text.lines().next().unwrap_or_default().trim().to_string()
+            let text = std::fs::read_to_string(&self.secret_file)
+                .map_err(|e| ("secret_file", format!("{}: {e}", self.secret_file)))?;
+            let first = text.lines().next().unwrap_or_default().trim().to_string();
+            ("secret_file", first)
         };
         if secret.len() < 16 {
-            return Err(config_error(
-                "[peers]secret must be at least 16 characters".to_string(),
-            ));
+            return Err((option, "the secret must be at least 16 characters".into()));
         }
         Ok(secret.into_bytes())
     }
@@ -89,34 +93,51 @@ impl PeersSection {
     /// Checks a configured `[peers]`: both or neither of listen and a
     /// secret, one secret only, a readable secret, an http(s) URL, and
     /// bounds that are not zero.
-    pub(super) fn validate(&self) -> Result<()> {
+    pub(super) fn check(&self, report: &mut Report) {
         let has_secret = !(self.secret.is_empty() && self.secret_file.is_empty());
         if self.listen.is_some() != has_secret {
-            return Err(config_error(
-                "[peers]: listen and a secret (secret or secret_file) are set together".to_string(),
-            ));
+            let set = match self.listen.is_some() {
+                true => "listen",
+                false if self.secret.is_empty() => "secret_file",
+                false => "secret",
+            };
+            report.error(
+                "peers",
+                set,
+                "listen and a secret (secret or secret_file) are set together",
+            );
         }
         if !self.enabled() {
-            return Ok(());
+            return;
         }
         if !self.secret.is_empty() && !self.secret_file.is_empty() {
-            return Err(config_error(
-                "[peers]: secret and secret_file are exclusive".to_string(),
-            ));
+            report.error(
+                "peers",
+                "secret_file",
+                "secret and secret_file are exclusive",
+            );
+        } else if let Err((option, why)) = self.read_secret() {
+            report.error("peers", option, why);
         }
-        self.load_secret()?;
         if !self.url.is_empty() && listener_url(&self.url).is_none() {
-            return Err(config_error(format!(
-                "[peers]url must be http(s)://<host>[:<port>] (no user, path or query), not {:?}",
-                self.url
-            )));
+            report.error(
+                "peers",
+                "url",
+                format!(
+                    "must be http(s)://<host>[:<port>] (no user, path or query), not {:?}",
+                    self.url
+                ),
+            );
         }
-        if self.query_timeout_ms == 0 || self.url_ttl == 0 || self.max_uploads == 0 {
-            return Err(config_error(
-                "[peers]: query_timeout_ms, url_ttl and max_uploads must be above 0".to_string(),
-            ));
+        for (option, value) in [
+            ("query_timeout_ms", self.query_timeout_ms),
+            ("url_ttl", self.url_ttl),
+            ("max_uploads", self.max_uploads as u64),
+        ] {
+            if value == 0 {
+                report.error("peers", option, "must be above 0");
+            }
         }
-        Ok(())
     }
 }
 

@@ -456,15 +456,22 @@ impl Connection {
         I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
         let (app, shared) = (self.app.clone(), self.shared.clone());
+        let client = self.shared.stream.peer_addr().ok();
         let service = hyper::service::service_fn(move |req: axum::http::Request<Incoming>| {
             let guard = InFlight::enter(&shared);
             let app = app.clone();
+            let mut req = req.map(Body::new);
+            if let Some(addr) = client {
+                req.extensions_mut()
+                    .insert(crate::http::access::ClientAddr(addr));
+            }
             async move {
-                let response = app.oneshot(req.map(Body::new)).await?;
+                let response = app.oneshot(req).await?;
                 Ok::<_, Infallible>(response.map(|body| {
                     Body::new(crate::http::Holding {
                         body,
                         sent: None,
+                        log: None,
                         _held: guard,
                     })
                 }))

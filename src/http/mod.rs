@@ -12,11 +12,13 @@
 //! request's file beneath the served directories (`open`), the response
 //! from that file (`body`) and the conditional / Range / If-Range rules
 //! (`ranges`), HTTPS with certificates reloaded as they change (`tls`) and
-//! HTTP Basic authentication (`auth`), and the peer listener that serves
+//! HTTP Basic authentication (`auth`), the access log (`access`), and the
+//! peer listener that serves
 //! masters to the other workers on URLs signed with their shared secret
 //! (`peers`). Must not know the broker or the
 //! pipeline's internals.
 
+pub mod access;
 pub mod auth;
 pub(crate) mod body;
 pub(crate) mod listener;
@@ -26,6 +28,7 @@ pub mod peers;
 pub(crate) mod ranges;
 pub mod tls;
 
+pub use crate::http::access::AccessLog;
 pub use crate::http::auth::BasicAuth;
 pub use crate::http::listener::Limits;
 pub use crate::http::tls::Tls;
@@ -89,16 +92,17 @@ struct ImageState {
     roots: ImageRoots,
     metrics: Arc<Metrics>,
     auth: Option<BasicAuth>,
+    access: AccessLog,
 }
 
 /// Serves images from `roots` on `listener` within `limits`, with
-/// `security`, until `shutdown` completes.
+/// `security`, logging each request as `access` says, until `shutdown`
+/// completes.
 pub async fn serve_images(
     listener: TcpListener,
     roots: ImageRoots,
     metrics: Arc<Metrics>,
-    limits: Limits,
-    security: Security,
+    (limits, security, access): (Limits, Security, AccessLog),
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let stats = crate::http::listener::Stats {
@@ -109,6 +113,7 @@ pub async fn serve_images(
         roots,
         metrics,
         auth: security.auth,
+        access,
     });
     let app = Router::new().fallback(serve_image).with_state(state);
     let listener = crate::http::listener::Listener {
@@ -119,6 +124,7 @@ pub async fn serve_images(
 }
 
 async fn serve_image(State(state): State<Arc<ImageState>>, req: Request) -> Response {
+    let mut entry = access::Entry::start(state.access, &req);
     let response = if let Some(auth) = &state.auth
         && !auth.allows(req.headers())
     {
@@ -134,6 +140,9 @@ async fn serve_image(State(state): State<Arc<ImageState>>, req: Request) -> Resp
             Ok((file, meta)) => crate::http::body::respond(&req, file, &meta),
         }
     };
+    if let Some(entry) = &mut entry {
+        entry.answered(response.status().as_u16());
+    }
     let status = response.status().as_u16().to_string();
     state
         .metrics
@@ -146,6 +155,7 @@ async fn serve_image(State(state): State<Arc<ImageState>>, req: Request) -> Resp
         Body::new(Holding {
             body,
             sent: Some(sent),
+            log: entry,
             _held: (),
         })
     })
@@ -158,6 +168,9 @@ async fn serve_image(State(state): State<Arc<ImageState>>, req: Request) -> Resp
 pub(crate) struct Holding<H> {
     pub(crate) body: Body,
     pub(crate) sent: Option<prometheus::IntCounter>,
+    /// The request's access-log entry, which counts the bytes too and is
+    /// logged when the body is done with.
+    pub(crate) log: Option<access::Entry>,
     pub(crate) _held: H,
 }
 
@@ -172,9 +185,14 @@ impl<H: Unpin + Send + 'static> HttpBody for Holding<H> {
         let frame = Pin::new(&mut self.body).poll_frame(cx);
         if let Poll::Ready(Some(Ok(f))) = &frame
             && let Some(data) = f.data_ref()
-            && let Some(sent) = &self.sent
         {
-            sent.inc_by(data.len() as u64);
+            let len = data.len() as u64;
+            if let Some(sent) = &self.sent {
+                sent.inc_by(len);
+            }
+            if let Some(entry) = &mut self.log {
+                entry.bytes += len;
+            }
         }
         frame
     }
@@ -223,6 +241,15 @@ struct OpsState {
     health: Health,
 }
 
+impl OpsState {
+    /// What `/readyz` finds, also set as the readiness gauge.
+    fn problems(&self) -> Vec<String> {
+        let problems = self.health.problems();
+        self.metrics.ready.set(i64::from(problems.is_empty()));
+        problems
+    }
+}
+
 /// Serves `/metrics`, `/healthz` and `/readyz` until `shutdown` completes,
 /// with the timeouts of `limits` and a small connection cap of its own.
 pub async fn serve_ops(
@@ -241,6 +268,9 @@ pub async fn serve_ops(
         .route(
             "/metrics",
             get(|State(s): State<Arc<OpsState>>| async move {
+                // The readiness gauge is what /readyz would answer now.
+                let ready = s.clone();
+                let _ = tokio::task::spawn_blocking(move || ready.problems()).await;
                 (
                     [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
                     s.metrics.render(),
@@ -251,7 +281,7 @@ pub async fn serve_ops(
         .route(
             "/readyz",
             get(|State(s): State<Arc<OpsState>>| async move {
-                let problems = tokio::task::spawn_blocking(move || s.health.problems())
+                let problems = tokio::task::spawn_blocking(move || s.problems())
                     .await
                     .unwrap_or_else(|e| vec![format!("readiness check failed: {e}")]);
                 if problems.is_empty() {

@@ -85,6 +85,7 @@ async fn serve_master(State(state): State<Arc<PeerState>>, req: Request) -> Resp
         Body::new(Holding {
             body,
             sent: Some(sent),
+            log: None,
             _held: slot,
         })
     })

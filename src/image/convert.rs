@@ -731,10 +731,7 @@ fn child_copy(
             if i.saturating_mul(map.l1_span()) >= virtual_size {
                 break;
             }
-            if reported.elapsed() >= Duration::from_secs(1) {
-                reported = std::time::Instant::now();
-                report(&ChildReport::Progress { progress: out.off });
-            }
+            report_every_second(&mut reported, out.off);
             let l2_at = qcow2::l2_offset(u64::from_be_bytes(entry.try_into().unwrap_or_default()));
             if l2_at == 0 {
                 continue;
@@ -749,8 +746,7 @@ fn child_copy(
                 if start >= end {
                     continue;
                 }
-                out.sink.write_zeros(start - out.off).await?;
-                out.off = start;
+                out.zeros_to(start, &mut reported).await?;
                 match run.stored {
                     qcow2::Stored::Plain(host) => {
                         let from = host + (start - run.guest);
@@ -763,9 +759,22 @@ fn child_copy(
                 }
             }
         }
-        out.sink.write_zeros(virtual_size - out.off).await?;
+        out.zeros_to(virtual_size, &mut reported).await?;
         out.sink.finish().await
     })
+}
+
+/// Zeros handed to the hashers at once: the sink queues a few pieces per
+/// hasher, so the writer waits for them within a few of these and the
+/// progress it reports stays close to the bytes hashed.
+const ZERO_PIECE: u64 = 64 << 20;
+
+/// Reports the guest offset reached when a second has passed since `last`.
+fn report_every_second(last: &mut std::time::Instant, off: u64) {
+    if last.elapsed() >= Duration::from_secs(1) {
+        *last = std::time::Instant::now();
+        report(&ChildReport::Progress { progress: off });
+    }
 }
 
 /// The raw disk being written, at guest offset `off`, with the buffers
@@ -781,6 +790,19 @@ struct Output {
 }
 
 impl Output {
+    /// Continues with zeros (holes, hashed as zeros) up to guest offset
+    /// `to`, in pieces, reporting progress: the hashing of a large sparse
+    /// disk's zeros is most of its conversion time.
+    async fn zeros_to(&mut self, to: u64, reported: &mut std::time::Instant) -> Result<()> {
+        while self.off < to {
+            let n = (to - self.off).min(ZERO_PIECE);
+            self.sink.write_zeros(n).await?;
+            self.off += n;
+            report_every_second(reported, self.off);
+        }
+        Ok(())
+    }
+
     /// Copies the guest range `[off, end)` stored as it is from host
     /// offset `from` on, one chunk at a time, each read as soon as it has
     /// been downloaded and then given back.

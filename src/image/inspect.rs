@@ -158,17 +158,62 @@ pub fn read_header(path: &Path) -> Result<(Vec<u8>, u64)> {
 pub fn inspect_file(path: &Path) -> Result<Inspection> {
     let (header, file_size) = read_header(path)?;
     let format = detect(&header);
-    let virtual_size = match format {
-        Format::Qcow2 => header
-            .get(24..32)
+    let truncated = || {
+        Error::new(
+            ErrorCode::CorruptImage,
+            format!("{} header is truncated", format.name()),
+        )
+    };
+    let be64 = |at: usize| {
+        header
+            .get(at..at + 8)
             .map(|b| u64::from_be_bytes(b.try_into().unwrap_or_default()))
-            .ok_or_else(|| Error::new(ErrorCode::CorruptImage, "qcow2 header is truncated"))?,
+    };
+    let le64 = |at: usize| {
+        header
+            .get(at..at + 8)
+            .map(|b| u64::from_le_bytes(b.try_into().unwrap_or_default()))
+    };
+    let virtual_size = match format {
+        Format::Qcow2 => be64(24).ok_or_else(truncated)?,
+        // A sparse VMDK's capacity, in sectors (a descriptor file alone
+        // is refused by the safety check).
+        Format::Vmdk if header.starts_with(b"KDMV") => {
+            le64(12).ok_or_else(truncated)?.saturating_mul(512)
+        }
+        // The footer (its copy at the start of a dynamic disk): current size.
+        Format::Vhd => be64(48).ok_or_else(truncated)?,
+        // VDI 1.1: the disk size in the header.
+        Format::Vdi => le64(0x170).ok_or_else(truncated)?,
+        Format::Vhdx => vhdx_virtual_size(path)?,
         _ => file_size,
     };
     Ok(Inspection {
         format,
         virtual_size,
         file_size,
+    })
+}
+
+/// The virtual size of a VHDX, read by `qemu-img info` (its metadata
+/// region is a table of GUID-keyed items; VHDX has no backing-file
+/// reference qemu follows).
+fn vhdx_virtual_size(path: &Path) -> Result<u64> {
+    let out = std::process::Command::new("qemu-img")
+        .args(["info", "--output=json", "-f", "vhdx"])
+        .arg(path)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| Error::io("run qemu-img info", e))?;
+    let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    info["virtual-size"].as_u64().ok_or_else(|| {
+        Error::new(
+            ErrorCode::CorruptImage,
+            format!(
+                "vhdx: no virtual size: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        )
     })
 }
 
@@ -231,6 +276,17 @@ pub fn safety_check(
     found: &Inspection,
     limits: qcow2::Limits,
 ) -> Result<Option<qcow2::Header>> {
+    if found.virtual_size > limits.max_virtual_size {
+        return Err(Error::new(
+            ErrorCode::UnsafeImage,
+            format!(
+                "{}: virtual size {} exceeds the limit {} ([convert]max_virtual_size_gib)",
+                found.format.name(),
+                found.virtual_size,
+                limits.max_virtual_size
+            ),
+        ));
+    }
     match found.format {
         Format::Qcow2 => {
             let (head, file_size) = read_header(path)?;

@@ -50,6 +50,12 @@ pub struct Metrics {
     pub transfer: transfer::TransferMetrics,
     /// What crossed between workers (`[peers]`).
     pub peers: peers::PeerMetrics,
+    /// 1 while `/readyz` would answer ready, else 0 (set on every scrape
+    /// and readiness check).
+    pub ready: IntGauge,
+    /// CPU seconds of the finished child processes (the qcow2 converter,
+    /// `qemu-img`), which `process_cpu_seconds_total` does not count.
+    children_cpu: prometheus::Counter,
 }
 
 const PREFIX: &str = "ironic_image_worker_";
@@ -160,23 +166,81 @@ impl Metrics {
                 &["action"],
             ),
             in_flight_done: r.gauge_vec(
-                "in_flight_bytes_done",
+                "in_flight_done_bytes",
                 "Bytes done of in-flight downloads and conversions, by stage.",
                 &["stage"],
             ),
             in_flight_expected: r.gauge_vec(
-                "in_flight_bytes_expected",
+                "in_flight_expected_bytes",
                 "Bytes expected of in-flight downloads and conversions, by stage (0 when unknown).",
                 &["stage"],
             ),
             transfer: transfer::TransferMetrics::register(&r),
             peers: peers::PeerMetrics::register(&r),
+            ready: r.gauge(
+                "ready",
+                "1 while /readyz answers ready (broker connected, directories writable), else 0.",
+            ),
+            children_cpu: r.add(prometheus::Counter::with_opts(Registrar::opts(
+                "children_cpu_seconds_total",
+                "CPU time (user and system) of the finished child processes: the qcow2 converter and qemu-img.",
+            ))),
             registry: registry.clone(),
         };
+        let build = r.gauge_vec(
+            "build_info",
+            "Always 1; the version of the running binary as a label.",
+            &["version"],
+        );
+        build.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
+        metrics.initialise_series();
         let _ = registry.register(Box::new(
             prometheus::process_collector::ProcessCollector::for_self(),
         ));
         metrics
+    }
+
+    /// Creates the series of every label value known in advance, at 0, so
+    /// that every documented series exists from the first scrape (a rate
+    /// or an alert over a series that appears only once used misreads).
+    fn initialise_series(&self) {
+        for stage in ["download", "convert"] {
+            self.in_flight_done.with_label_values(&[stage]);
+            self.in_flight_expected.with_label_values(&[stage]);
+        }
+        for action in ["prepare", "deployed", "cleanup", "warm"] {
+            self.in_flight.with_label_values(&[action]);
+            self.completions.with_label_values(&[action, "success", ""]);
+        }
+        for cache in ["hit", "miss", "pass_through"] {
+            self.prepare_seconds.with_label_values(&[cache]);
+        }
+        for mode in ["after_download", "while_downloading"] {
+            self.transfer.conversions.with_label_values(&[mode]);
+        }
+        for result in ["ok", "error"] {
+            self.http.tls_reloads.with_label_values(&[result]);
+        }
+        for result in ["answered", "missed"] {
+            self.peers.queries.with_label_values(&[result]);
+        }
+    }
+
+    /// Brings the child processes' CPU time up to date (the kernel counts
+    /// the children a process waited for).
+    fn update_children_cpu(&self) {
+        // SAFETY: `rusage` is plain data, for which all zeros is a value.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: `usage` is valid for writes for the whole call.
+        if unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut usage) } != 0 {
+            return;
+        }
+        let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+        let total = secs(usage.ru_utime) + secs(usage.ru_stime);
+        let delta = total - self.children_cpu.get();
+        if delta > 0.0 {
+            self.children_cpu.inc_by(delta);
+        }
     }
 
     /// Counts a completion event.
@@ -209,6 +273,7 @@ impl Metrics {
 
     /// Renders all metrics in the Prometheus text format.
     pub fn render(&self) -> String {
+        self.update_children_cpu();
         let mut out = Vec::new();
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
         String::from_utf8(out).unwrap_or_default()

@@ -310,7 +310,7 @@ fn master_meta(
         fetched_at,
     } = downloaded;
     MasterMeta {
-        source: crate::config::redact_url(href),
+        source: crate::secrets::redact_url(href),
         fetched_at,
         source_last_modified: stat.last_modified.map(cache::unix_secs),
         source_size: digests.size,

@@ -180,7 +180,7 @@ impl Pipeline {
     fn keeper(&self) -> Keeper {
         Keeper {
             cache: self.cache.clone(),
-            policy: self.config.eviction_policy(),
+            policy: self.config.pxe.eviction_policy(),
             metrics: self.metrics.clone(),
         }
     }
@@ -193,11 +193,6 @@ impl Pipeline {
     ) -> Result<T> {
         let keeper = self.keeper();
         blocking(move || work(&keeper)).await
-    }
-
-    /// The configuration in force.
-    pub fn config(&self) -> &Config {
-        &self.config
     }
 
     /// Handles one request and always answers with a completion event. Every
@@ -253,7 +248,7 @@ impl Pipeline {
                 .image_source
                 .as_deref()
                 .filter(|s| s.len() <= crate::messages::MAX_URL_LEN)
-                .map(crate::config::redact_url);
+                .map(crate::secrets::redact_url);
         }
         let result = match NodeUuid::parse(&req.node_uuid) {
             // A warm names an image, not a node.
@@ -279,11 +274,20 @@ impl Pipeline {
         if matches!(result, Ok(Released::Stray)) {
             return None;
         }
-        if let Err(e) = result {
-            tracing::warn!(error = %e, "request failed");
-            done = done.failed(&e);
-        }
         done.duration_ms = started.elapsed().as_millis() as u64;
+        // One line per action answered, inside the request's span (node,
+        // request id, action): what to grep for a node.
+        match result {
+            Err(e) => {
+                tracing::warn!(error = %e, duration_ms = done.duration_ms, "request failed");
+                done = done.failed(&e);
+            }
+            Ok(_) => tracing::info!(
+                duration_ms = done.duration_ms,
+                image_url = done.image_url.as_deref().unwrap_or(""),
+                "request done"
+            ),
+        }
         Some(done)
     }
 

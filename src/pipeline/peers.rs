@@ -314,7 +314,7 @@ impl Pipeline {
         if o.state != OfferState::Verified
             || o.name != job.name
             || o.host == self.config.default.host
-            || m.source != crate::config::redact_url(job.href)
+            || m.source != crate::secrets::redact_url(job.href)
             || (m.converted && !job.force_raw)
         {
             return false;

@@ -227,7 +227,7 @@ impl Pipeline {
         let cached = match self
             .cache
             .load(job.name)
-            .filter(|m| m.meta.source == crate::config::redact_url(job.href))
+            .filter(|m| m.meta.source == crate::secrets::redact_url(job.href))
         {
             Some(m) => {
                 Some(Box::pin(self.complete_digests(job.name, m, job.expected, job.sha512)).await?)
@@ -489,7 +489,7 @@ impl Pipeline {
                         format!(
                             "the checksum is a checksum file URL ({}) and \
                              [conductor]disable_support_for_checksum_files is true",
-                            crate::config::redact_url(&url)
+                            crate::secrets::redact_url(&url)
                         ),
                     ));
                 }

@@ -83,7 +83,7 @@ impl Pipeline {
         let cached = self
             .cache
             .load(job.name)
-            .filter(|m| m.meta.source == crate::config::redact_url(job.href))
+            .filter(|m| m.meta.source == crate::secrets::redact_url(job.href))
             .filter(|m| m.meta.served_as_fetched());
         if let Some(m) = cached {
             let good = match job.expected {

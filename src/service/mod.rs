@@ -18,32 +18,26 @@ use std::sync::Arc;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-/// Runs the worker until a termination signal.
-pub async fn serve(config: Config) -> Result<()> {
+/// Runs the worker until a termination signal; `files` names the
+/// configuration files read, for the start-up line.
+pub async fn serve(config: Config, files: &str) -> Result<()> {
     let metrics = Arc::new(Metrics::new());
-    let pipeline = Arc::new(Pipeline::new(config, metrics.clone())?);
+    let limits = image_server_limits(&config);
+    let security = image_server_security(&config, &metrics)?;
+    let settings = crate::broker::Settings::of(&config);
+    let brokers = crate::broker::Brokers::new(&settings.amqp)?;
+    // Listen first: a worker that cannot (a port in use) stops before it
+    // makes or changes anything on disk.
+    let image_listener = bind("[http]listen", config.http.listen).await?;
+    let ops_listener = bind("[metrics]listen", config.metrics.listen).await?;
+    let pipeline = Arc::new(Pipeline::new(config.clone(), metrics.clone())?);
     pipeline.recover()?;
-    let config = pipeline.config().clone();
     let roots = ImageRoots::new(
         &config.deploy.http_root,
         &[&config.pxe.instance_master_path, &config.pxe.images_path],
     )
     .map_err(|e| Error::io("resolve served directories", e))?;
-    let limits = image_server_limits(&config);
-    let security = image_server_security(&config, &metrics)?;
-    let brokers = crate::broker::Brokers::new(&config)?;
-    let image_listener = bind(config.http.listen).await?;
-    let ops_listener = bind(config.metrics.listen).await?;
-    tracing::info!(
-        host = %config.default.host,
-        images = %config.http.listen,
-        metrics = %config.metrics.listen,
-        http_url = %config.http_url(),
-        max_connections = limits.max_connections,
-        tls = security.tls.is_some(),
-        basic_auth = security.auth.is_some(),
-        "ironic-image-worker serving"
-    );
+    announce(&config, limits, &security, files);
     let (stop_tx, stop_rx) = watch::channel(false);
     let stopped = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
@@ -54,8 +48,7 @@ pub async fn serve(config: Config) -> Result<()> {
         image_listener,
         roots,
         metrics.clone(),
-        limits,
-        security,
+        (limits, security, access_log(&config)),
         stopped(stop_rx.clone()),
     ));
     let ops = tokio::spawn(http::serve_ops(
@@ -65,16 +58,28 @@ pub async fn serve(config: Config) -> Result<()> {
         limits,
         stopped(stop_rx.clone()),
     ));
-    let peers = spawn_peer_listener(&pipeline, &metrics, limits, stopped(stop_rx.clone())).await?;
-    start_peer_link(&config, &pipeline, &metrics, &stop_rx)?;
+    let peers = spawn_peer_listener(
+        &config,
+        &pipeline,
+        &metrics,
+        limits,
+        stopped(stop_rx.clone()),
+    )
+    .await?;
+    start_peer_link(&settings, &pipeline, &metrics, &stop_rx)?;
     let consumer = tokio::spawn(crate::broker::run(
         pipeline.clone(),
         metrics.clone(),
+        settings,
         brokers,
         connected,
         stop_rx.clone(),
     ));
-    let housekeeping = tokio::spawn(housekeeping(pipeline.clone(), stop_rx.clone()));
+    let housekeeping = tokio::spawn(housekeeping(
+        pipeline.clone(),
+        config.cache.clean_interval,
+        stop_rx.clone(),
+    ));
     // Images are served from here on; the broker connection (which may come
     // later, with retries) is reported by /readyz, not by systemd.
     crate::service::sd_notify::notify("READY=1\nSTATUS=serving images; broker state on /readyz");
@@ -84,34 +89,63 @@ pub async fn serve(config: Config) -> Result<()> {
     let _ = stop_tx.send(true);
     let _ = consumer.await;
     let _ = housekeeping.await;
-    // Downloads by nodes may last long; give them a moment, then stop.
-    let servers = async {
-        for server in [Some(images), Some(ops), peers].into_iter().flatten() {
+    let servers = [Some(images), Some(ops), peers].into_iter().flatten();
+    stop_servers(servers.collect()).await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// The start-up line: where the worker serves, what it read, what next.
+fn announce(config: &Config, limits: http::Limits, security: &http::Security, files: &str) {
+    tracing::info!(
+        host = %config.default.host,
+        images = %config.http.listen,
+        metrics = %config.metrics.listen,
+        http_url = %config.http_url(),
+        max_connections = limits.max_connections,
+        tls = security.tls.is_some(),
+        basic_auth = security.auth.is_some(),
+        configuration = files,
+        next = "check `ironic-image-worker config show`; try `ironic-image-worker send prepare \
+                --node <uuid> --image-source <url> --wait`; /readyz on the metrics address says \
+                when the broker is connected",
+        "ironic-image-worker serving"
+    );
+}
+
+/// Waits for the listeners to finish: downloads by nodes may last long, so
+/// they get a moment, then stop.
+async fn stop_servers(servers: Vec<tokio::task::JoinHandle<std::io::Result<()>>>) {
+    let all = async {
+        for server in servers {
             let _ = server.await;
         }
     };
-    if tokio::time::timeout(std::time::Duration::from_secs(5), servers)
+    if tokio::time::timeout(std::time::Duration::from_secs(5), all)
         .await
         .is_err()
     {
         tracing::info!("closing remaining image downloads");
     }
-    tracing::info!("stopped");
-    Ok(())
 }
 
 /// Connects the peers' link to the broker when `[peers]` is on and hands
 /// it to the pipeline, so a miss asks the other workers first.
 fn start_peer_link(
-    config: &Config,
+    settings: &crate::broker::Settings,
     pipeline: &Arc<Pipeline>,
     metrics: &Arc<Metrics>,
     stop: &watch::Receiver<bool>,
 ) -> Result<()> {
-    if config.peers.enabled() {
-        let brokers = crate::broker::Brokers::new(config)?;
-        let link =
-            crate::broker::peers::start(pipeline.clone(), brokers, metrics.clone(), stop.clone())?;
+    if settings.peers.enabled() {
+        let brokers = crate::broker::Brokers::new(&settings.amqp)?;
+        let link = crate::broker::peers::start(
+            pipeline.clone(),
+            settings,
+            brokers,
+            metrics.clone(),
+            stop.clone(),
+        )?;
         pipeline.enable_peers(link)?;
     }
     Ok(())
@@ -120,12 +154,12 @@ fn start_peer_link(
 /// Starts the peer listener when `[peers]` is on: masters served to the
 /// other workers, on its own address (the management network).
 async fn spawn_peer_listener(
+    config: &Config,
     pipeline: &Pipeline,
     metrics: &Arc<Metrics>,
     limits: http::Limits,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<Option<tokio::task::JoinHandle<std::io::Result<()>>>> {
-    let config = pipeline.config();
     let (Some(listen), true) = (config.peers.listen, config.peers.enabled()) else {
         return Ok(None);
     };
@@ -135,7 +169,7 @@ async fn spawn_peer_listener(
         max_uploads: config.peers.max_uploads,
         live: pipeline.live_masters(),
     };
-    let listener = bind(listen).await?;
+    let listener = bind("[peers]listen", listen).await?;
     tracing::info!(peers = %listen, "serving masters to peers");
     let limits = http::Limits {
         max_connections: http::listener::OPS_MAX_CONNECTIONS,
@@ -166,13 +200,12 @@ fn health_of(config: &Config, connected: &Arc<std::sync::atomic::AtomicBool>) ->
     }
 }
 
-/// Applies the cache policy every `[cache]clean_interval` seconds (not only
-/// when an image is used), after expiring node files no command asked for
-/// (`[cache]node_files_ttl`), and refreshes the cache gauges every few
-/// seconds.
-async fn housekeeping(pipeline: Arc<Pipeline>, mut stop: watch::Receiver<bool>) {
+/// Applies the cache policy every `every` seconds (`[cache]clean_interval`,
+/// 0: never; not only when an image is used), after expiring node files no
+/// command asked for (`[cache]node_files_ttl`), and refreshes the cache
+/// gauges every few seconds.
+async fn housekeeping(pipeline: Arc<Pipeline>, every: u64, mut stop: watch::Receiver<bool>) {
     const GAUGES_EVERY: std::time::Duration = std::time::Duration::from_secs(15);
-    let every = pipeline.config().cache.clean_interval;
     let mut last_clean: Option<std::time::Instant> = None;
     loop {
         let due = every > 0
@@ -240,10 +273,23 @@ fn image_server_security(config: &Config, metrics: &Metrics) -> Result<http::Sec
     Ok(http::Security { tls, auth })
 }
 
-async fn bind(addr: std::net::SocketAddr) -> Result<TcpListener> {
-    let listener = TcpListener::bind(addr)
-        .await
-        .map_err(|e| Error::new(ErrorCode::Internal, format!("cannot listen on {addr}: {e}")))?;
+/// How the image server logs its requests (`[log]access_log`, `format`).
+fn access_log(config: &Config) -> http::AccessLog {
+    match (config.log.access_log, config.log.format) {
+        (false, _) => http::AccessLog::Off,
+        (true, crate::config::LogFormat::Text) => http::AccessLog::Combined,
+        (true, crate::config::LogFormat::Json) => http::AccessLog::Json,
+    }
+}
+
+/// Listens on `addr`, the value of `option`; an error names both.
+async fn bind(option: &str, addr: std::net::SocketAddr) -> Result<TcpListener> {
+    let listener = TcpListener::bind(addr).await.map_err(|e| {
+        Error::new(
+            ErrorCode::Internal,
+            format!("{option} {addr}: cannot listen: {e}"),
+        )
+    })?;
     if let Ok(bound) = listener.local_addr() {
         crate::sources::http_client::note_listener(bound);
     }

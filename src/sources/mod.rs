@@ -18,8 +18,9 @@ pub(crate) mod oci;
 pub(crate) mod oci_registry;
 pub mod peer;
 
-use crate::config::{Config, blocked_dir, redact_url};
+use crate::config::{Config, blocked_dir};
 use crate::error::{Error, ErrorCode, Result, error_chain};
+use crate::secrets::redact_url;
 use crate::sources::glance::Glance;
 use backon::{ExponentialBuilder, Retryable};
 use futures_util::StreamExt;

@@ -44,7 +44,7 @@ pub const MASTER_MARK: &str = "user.ironic-image-worker.master";
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MasterMeta {
     /// The `image_source` the master was made from, its secrets masked
-    /// ([`crate::config::redact_url`]): the sidecar is no place for them.
+    /// ([`crate::secrets::redact_url`]): the sidecar is no place for them.
     pub source: String,
     /// Unix time (s) at which the download started: the source must not be
     /// newer than this for the master to be fresh.

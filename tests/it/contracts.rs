@@ -84,7 +84,7 @@ fn defaults_need_no_root() {
         ["raw", "gpt", "qcow2", "iso"]
     );
     assert!(c.default.force_raw_images && c.agent.stream_raw_images);
-    assert_eq!(c.amqp_url_redacted(), "amqp://guest:***@127.0.0.1:5672/%2f");
+    assert_eq!(c.amqp.url_redacted(), "amqp://guest:***@127.0.0.1:5672/%2f");
 }
 
 fn toml_file(path: &std::path::Path) -> Files {
@@ -385,7 +385,7 @@ fn default_virtual_size_limit_is_one_tib() {
 /// standing as the user name.
 #[test]
 fn urls_are_redacted_of_their_user_info() {
-    use ironic_image_worker::config::redact_url;
+    use ironic_image_worker::secrets::redact_url;
     assert_eq!(
         redact_url("http://user:pw@host:8080/a@b?c=d@e"),
         "http://***@host:8080/a@b?c=d@e"
@@ -494,7 +494,72 @@ fn ironic_conf_multi_host_transport_and_tls() {
     assert_eq!(c.amqp.ssl_ca_file, ca.display().to_string());
     assert_eq!(c.amqp.ssl_version, "TLSv1_2");
     assert_eq!(
-        c.amqp_url_redacted(),
+        c.amqp.url_redacted(),
         "amqps://a:***@mq1:5671/ironic,amqps://b:***@mq2:5672/ironic,amqps://c:***@mq3/ironic"
     );
+}
+
+fn example_text() -> String {
+    let example = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("ops/worker.example.toml");
+    std::fs::read_to_string(example).unwrap()
+}
+
+/// The shipped sample sets nothing (as oslo's samples): installed as the
+/// worker's file next to an ironic.conf, it overrides none of it.
+#[test]
+fn example_configuration_sets_nothing() {
+    let text = example_text();
+    let set: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#') && !l.starts_with('['))
+        .collect();
+    assert!(set.is_empty(), "lines that set an option: {set:?}");
+}
+
+/// Each option's commented line shows its default, except those a
+/// `Default:` comment marks as computed or unset (shown by example):
+/// uncommented, the sample is the defaults.
+#[test]
+fn example_configuration_comments_are_the_defaults() {
+    let mut uncommented = String::new();
+    let mut example = false;
+    let mut shown = 0;
+    for line in example_text().lines().map(str::trim) {
+        let option = line.strip_prefix("# ").filter(|l| {
+            l.split_once('=').is_some_and(|(k, _)| {
+                let k = k.trim();
+                !k.is_empty()
+                    && k.chars()
+                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+            })
+        });
+        match option {
+            Some(setting) if !example => {
+                uncommented.push_str(setting);
+                uncommented.push('\n');
+                shown += 1;
+            }
+            Some(_) => example = false,
+            None if line.contains("Default:") => example = true,
+            None if line.starts_with('[') => {
+                uncommented.push_str(line);
+                uncommented.push('\n');
+            }
+            None => {}
+        }
+    }
+    assert!(shown > 80, "{shown} options shown with their defaults");
+    let ours: Config = toml::from_str(&uncommented).unwrap();
+    let json = |c: &Config| serde_json::to_value(c).unwrap();
+    let (ours, defaults) = (json(&ours), json(&Config::default()));
+    let table: toml::Table = uncommented.parse().unwrap();
+    for (section, options) in table {
+        for (option, _) in options.as_table().unwrap() {
+            assert_eq!(
+                ours[&section][option], defaults[&section][option],
+                "[{section}]{option}: the sample's value is not the default"
+            );
+        }
+    }
 }

@@ -26,6 +26,8 @@ mod metrics;
 mod node_files;
 mod notifications;
 mod oci;
+mod operators;
+mod packaging;
 mod peer_listener;
 mod peer_trust;
 mod peers;

@@ -157,8 +157,8 @@ async fn metrics_appear_and_move() {
     exactly("cache_evictions_total", &[], 0.0);
     at_least("active_links", &[], 1.0);
     exactly("operations_in_flight", &[], 0.0);
-    exactly("in_flight_bytes_done", &[("stage", "download")], 0.0);
-    exactly("in_flight_bytes_expected", &[("stage", "convert")], 0.0);
+    exactly("in_flight_done_bytes", &[("stage", "download")], 0.0);
+    exactly("in_flight_expected_bytes", &[("stage", "convert")], 0.0);
     exactly("amqp_connected", &[], 1.0);
     exactly("amqp_reconnects_total", &[], 0.0);
     assert!(
@@ -188,4 +188,76 @@ async fn metrics_appear_and_move() {
             "Prometheus naming: {line}"
         );
     }
+}
+
+/// Every series the operations guide lists exists from a fresh worker's
+/// first scrape (an alert or a rate over a series that appears only once
+/// used misreads), with the build version and the readiness as series of
+/// their own; names carry their unit last.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_documented_series_exists_from_the_start() {
+    let guide = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/operations.md"))
+        .unwrap();
+    let start = guide.find("`/metrics` (all names prefixed").unwrap();
+    let end = start + guide[start..].find("`process_*`").unwrap();
+    // Series of an open set of labels (an HTTP status, an error code or
+    // reason, an outcome) appear when first counted; the others at once.
+    let open = ["status", "reason", "code", "outcome"];
+    let documented: Vec<&str> = guide[start..end]
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .filter(|t| {
+            !open
+                .iter()
+                .any(|l| t.contains(&format!("{{{l}")) || t.contains(&format!(",{l}")))
+        })
+        .map(|t| t.split('{').next().unwrap_or(t))
+        // Metric names: words joined by `_` (label values such as `ok`
+        // and the prefix itself are not), the process metrics aside.
+        .filter(|t| t.chars().all(|c| c.is_ascii_lowercase() || c == '_'))
+        .filter(|t| t.contains('_') && !t.ends_with('_') && !t.starts_with("process_"))
+        .collect();
+    assert!(documented.len() > 25, "{documented:?}");
+    let env = Env::new("");
+    let worker = env.serve().await;
+    let (_, body) = get(&worker.metrics_url("/metrics")).await;
+    let text = String::from_utf8_lossy(&body).into_owned();
+    let m = scrape(&text);
+    let present = |name: &str| {
+        m.keys().any(|k| {
+            let n = k.split_once('{').map_or(k.as_str(), |(n, _)| n);
+            n == format!("ironic_image_worker_{name}")
+                || n == format!("ironic_image_worker_{name}_count")
+        })
+    };
+    let missing: Vec<&&str> = documented.iter().filter(|n| !present(n)).collect();
+    assert!(
+        missing.is_empty(),
+        "documented but absent: {missing:?}\n{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "ironic_image_worker_build_info{{version=\"{}\"}} 1",
+            env!("CARGO_PKG_VERSION")
+        )),
+        "{text}"
+    );
+    assert_eq!(
+        value(&m, "ironic_image_worker_ready", &[]),
+        Some(1.0),
+        "{text}"
+    );
+    for name in m.keys().filter(|k| k.contains("bytes")) {
+        let n = name.split_once('{').map_or(name.as_str(), |(n, _)| n);
+        assert!(
+            n.ends_with("_bytes")
+                || n.ends_with("_bytes_total")
+                || n.contains("_bytes_bucket")
+                || n.ends_with("_bytes_sum")
+                || n.ends_with("_bytes_count"),
+            "{n}: the unit comes last"
+        );
+    }
+    worker.terminate().await;
 }

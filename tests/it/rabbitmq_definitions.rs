@@ -66,3 +66,144 @@ async fn shipped_definitions_match_what_the_worker_declares() {
         "{metrics}"
     );
 }
+
+/// A vhost and a user of this test's own on the default node, deleted
+/// after it.
+struct OwnVhost {
+    name: String,
+}
+
+impl OwnVhost {
+    fn new() -> OwnVhost {
+        let name = format!("iiw-test-{}", uuid::Uuid::new_v4().simple());
+        tool("rabbitmqctl", &["-q", "add_vhost", &name]);
+        // The test's own client (guest) may do anything there.
+        tool(
+            "rabbitmqctl",
+            &[
+                "-q",
+                "set_permissions",
+                "-p",
+                &name,
+                "guest",
+                ".*",
+                ".*",
+                ".*",
+            ],
+        );
+        OwnVhost { name }
+    }
+}
+
+impl Drop for OwnVhost {
+    fn drop(&mut self) {
+        for args in [
+            &["-q", "delete_vhost", self.name.as_str()][..],
+            &["-q", "delete_user", self.name.as_str()][..],
+        ] {
+            let _ = std::process::Command::new("rabbitmqctl")
+                .args(args)
+                .output();
+        }
+    }
+}
+
+/// The least-privilege set-up of the operations guide: a vhost of its own,
+/// a user that may not configure anything there (only read its queues and
+/// publish answers), the shipped definitions imported with an absolute
+/// path. The worker consumes and answers instead of looping on
+/// ACCESS_REFUSED.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn least_privilege_user_on_a_vhost_of_its_own() {
+    let vhost = OwnVhost::new();
+    let user = vhost.name.clone();
+    tool(
+        "rabbitmqctl",
+        &["-q", "add_user", &user, "Pw-of-the-test-1"],
+    );
+    tool(
+        "rabbitmqctl",
+        &[
+            "-q",
+            "set_permissions",
+            "-p",
+            &vhost.name,
+            &user,
+            "^$",
+            "^(ironic-image-worker.*|amq\\.default)$",
+            "^ironic-image-worker.*$",
+        ],
+    );
+    let env = Env::new(&format!(
+        "[amqp]\nurl = \"amqp://{user}:Pw-of-the-test-1@127.0.0.1:5672/{}\"\n",
+        vhost.name
+    ));
+    let shipped = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/ops/rabbitmq/definitions.json"
+    ))
+    .unwrap();
+    let file = env.root().join("definitions.json");
+    assert!(file.is_absolute());
+    std::fs::write(
+        &file,
+        shipped.replace("conductor-1", &env.host).replace(
+            "\"vhost\": \"/\"",
+            &format!("\"vhost\": \"{}\"", vhost.name),
+        ),
+    )
+    .unwrap();
+    tool(
+        "rabbitmqctl",
+        &["-q", "import_definitions", file.to_str().unwrap()],
+    );
+    let worker = env.serve().await;
+    let broker =
+        Broker::connect_to(&format!("amqp://guest:guest@127.0.0.1:5672/{}", vhost.name)).await;
+    let src = env.root().join("src/disk.img");
+    random_file(&src, 1 << 20, 78);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let done = broker
+        .call(&env.host, prepare_cmd(&node(), &server.url("disk.img")))
+        .await;
+    assert_eq!(done["status"], "success", "{done}");
+    worker.terminate().await;
+}
+
+/// A retired conductor's queues are deleted by `retire` (they are bound to
+/// `all.image.warm` and would grow for ever), never while its worker
+/// still consumes them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retire_deletes_a_conductors_queues_once_its_worker_is_gone() {
+    let env = Env::new("");
+    let worker = env.serve().await;
+    let retire = [
+        "--ironic-config",
+        "",
+        "retire",
+        "--conductor",
+        env.host.as_str(),
+    ];
+    let refused = env.run(&retire).await;
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("is still running"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    worker.terminate().await;
+    let out = env.run(&retire).await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let queue = format!("ironic-image-worker.{}", env.host);
+    let listed = tool("rabbitmqctl", &["-q", "list_queues", "name"]);
+    assert!(
+        !listed
+            .lines()
+            .any(|l| l.trim() == queue || l.trim() == format!("{queue}.dead")),
+        "{listed}"
+    );
+}

@@ -17,11 +17,7 @@ fn unit_file_verifies() {
     assert!(shipped.contains("Type=notify"));
     // The unit names the installed binary; point it at the one under test.
     let unit = dir.path().join("ironic-image-worker.service");
-    std::fs::write(
-        &unit,
-        shipped.replace("/usr/local/bin/ironic-image-worker", BIN),
-    )
-    .unwrap();
+    std::fs::write(&unit, shipped.replace("/usr/bin/ironic-image-worker", BIN)).unwrap();
     let out = std::process::Command::new("systemd-analyze")
         .arg("verify")
         .arg(&unit)

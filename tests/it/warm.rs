@@ -114,7 +114,8 @@ async fn warm_then_prepare_is_a_hit() {
             .lines()
             .any(|l| l.starts_with("ironic_image_worker_completions_total")
                 && l.contains(r#"action="warm""#)
-                && l.contains(r#"status="success""#)),
+                && l.contains(r#"status="success""#)
+                && !l.ends_with(" 0")),
         "{metrics}"
     );
 }

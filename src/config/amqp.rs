@@ -1,0 +1,248 @@
+//! `[amqp]`: the worker's broker: the URLs of a cluster, TLS, heartbeats,
+//! and the names and kinds of its exchanges and queues.
+
+use super::check::Report;
+use crate::secrets::redact_url_list;
+use serde::{Deserialize, Serialize};
+
+/// `[amqp]`: the worker's broker settings.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AmqpSection {
+    /// Broker URLs (`amqp://` or `amqps://`), one per node of a cluster:
+    /// each reconnect tries the next one. A TOML array, or one string with
+    /// comma-separated URLs or hosts as in oslo.messaging's `transport_url`
+    /// (`amqp://u:p@h1:5672,u:p@h2:5672/vhost`). Never logged with a password.
+    #[serde(deserialize_with = "super::value::url_list")]
+    pub url: Vec<String>,
+    /// Heartbeat interval asked of the broker, seconds (0 = the broker's
+    /// choice). A connection silent for two intervals is declared dead, so a
+    /// hung or paused broker node is left within about twice this.
+    pub heartbeat: u16,
+    /// Seconds allowed to connect (TCP, TLS, AMQP handshake) and declare the
+    /// topology before the next broker is tried.
+    pub connect_timeout: u64,
+    /// CA certificates (PEM) that sign the brokers' certificates; empty =
+    /// the system trust store (oslo.messaging's `ssl_ca_file`).
+    pub ssl_ca_file: String,
+    /// Client certificate (PEM) for brokers that require one.
+    pub ssl_cert_file: String,
+    /// Private key (PEM, PKCS#8/PKCS#1/SEC1) of `ssl_cert_file`; never logged.
+    pub ssl_key_file: String,
+    /// Whether the broker certificate must name the host of the URL (the
+    /// chain is always verified).
+    pub ssl_verify_hostname: bool,
+    /// oslo.messaging's `ssl_version`: `TLSv1_2` or `TLSv1_3` pins that
+    /// version; empty (or `SSLv23`/`TLS`) allows TLS 1.2 and 1.3. Older
+    /// versions are refused.
+    pub ssl_version: String,
+    /// The broker's `consumer_timeout` in seconds (RabbitMQ's default 1800;
+    /// 0 = none): work still running after three quarters of it is
+    /// acknowledged early, so the broker neither closes the channel nor
+    /// redelivers it, and it is answered when done.
+    pub consumer_timeout: u64,
+    /// Command exchange (topic).
+    pub command_exchange: String,
+    /// Prefix of the per-host command queue (`<prefix>.<host>`).
+    pub queue_prefix: String,
+    /// Dead-letter exchange.
+    pub dead_letter_exchange: String,
+    /// Exchange for completion events without `reply_to`.
+    pub events_exchange: String,
+    /// `quorum` or `classic`.
+    pub queue_type: String,
+    /// Redeliveries allowed before a quorum queue dead-letters a message.
+    pub delivery_limit: u32,
+    /// Messages handled at once (AMQP prefetch).
+    pub prefetch: u16,
+    /// Whether to bind the per-host queue to Ironic's notification exchange.
+    pub bind_notifications: bool,
+    /// Ironic's notification exchange (`[DEFAULT]control_exchange`).
+    pub notification_exchange: String,
+    /// Notification topics (routing keys get `.info` / `.error` appended).
+    #[serde(deserialize_with = "super::value::list_opt")]
+    pub notification_topics: Vec<String>,
+    /// Durability used when the worker has to create Ironic's exchange
+    /// itself (oslo.messaging's `amqp_durable_queues`, default false); an
+    /// existing exchange is used as it is.
+    pub notification_exchange_durable: bool,
+    /// Seconds to wait for in-flight work on shutdown before requeueing it.
+    pub shutdown_grace: u64,
+    /// Largest message body read, bytes: a longer one is answered
+    /// `invalid_message` and dead-lettered unread, so one message costs
+    /// the worker memory of its own size at most. Commands are a few KiB;
+    /// Ironic's notifications carry the node's `instance_info`, a
+    /// configdrive included during a deploy.
+    pub max_message_bytes: usize,
+}
+
+impl Default for AmqpSection {
+    fn default() -> Self {
+        AmqpSection {
+            url: vec!["amqp://guest:guest@127.0.0.1:5672/%2f".into()],
+            heartbeat: 10,
+            connect_timeout: 10,
+            ssl_ca_file: String::new(),
+            ssl_cert_file: String::new(),
+            ssl_key_file: String::new(),
+            ssl_verify_hostname: true,
+            ssl_version: String::new(),
+            consumer_timeout: 1800,
+            command_exchange: "ironic-image-worker".into(),
+            queue_prefix: "ironic-image-worker".into(),
+            dead_letter_exchange: "ironic-image-worker.dlx".into(),
+            events_exchange: "ironic-image-worker.events".into(),
+            queue_type: "quorum".into(),
+            delivery_limit: 5,
+            prefetch: 32,
+            bind_notifications: true,
+            notification_exchange: "ironic".into(),
+            notification_topics: vec!["ironic_versioned_notifications".into()],
+            notification_exchange_durable: false,
+            shutdown_grace: 30,
+            max_message_bytes: 4 << 20,
+        }
+    }
+}
+
+impl AmqpSection {
+    /// The broker URLs with their passwords masked, for logs.
+    pub fn url_redacted(&self) -> String {
+        self.url
+            .iter()
+            .map(|u| redact_url_list(u))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Every broker URL parses, the TLS options name readable files, the
+    /// TLS version is one this TLS stack speaks, the queue type is known
+    /// and the limits are limits to the broker.
+    pub(super) fn check(&self, report: &mut Report) {
+        self.check_urls(report);
+        self.check_tls(report);
+        if !matches!(self.queue_type.as_str(), "quorum" | "classic") {
+            report.error(
+                "amqp",
+                "queue_type",
+                format!("unknown value {:?} (quorum or classic)", self.queue_type),
+            );
+        }
+        if self.prefetch == 0 {
+            report.error(
+                "amqp",
+                "prefetch",
+                "must be at least 1 (0 means unlimited to the broker)",
+            );
+        }
+        if i32::try_from(self.delivery_limit).is_err() {
+            report.error(
+                "amqp",
+                "delivery_limit",
+                format!(
+                    "{} is too large (at most {})",
+                    self.delivery_limit,
+                    i32::MAX
+                ),
+            );
+        }
+    }
+
+    fn check_urls(&self, report: &mut Report) {
+        if self.url.is_empty() {
+            report.error("amqp", "url", "no broker URL");
+        }
+        for (i, url) in self.url.iter().enumerate() {
+            if let Err(e) = url.parse::<lapin::uri::AMQPUri>() {
+                report.error(
+                    "amqp",
+                    "url",
+                    format!("#{} {}: {e}", i + 1, redact_url_list(url)),
+                );
+            } else if !(url.starts_with("amqp://") || url.starts_with("amqps://")) {
+                report.error(
+                    "amqp",
+                    "url",
+                    format!(
+                        "#{} {}: the scheme must be amqp:// or amqps://",
+                        i + 1,
+                        redact_url_list(url)
+                    ),
+                );
+            }
+        }
+    }
+
+    fn check_tls(&self, report: &mut Report) {
+        if self.ssl_cert_file.is_empty() != self.ssl_key_file.is_empty() {
+            let set = match self.ssl_cert_file.is_empty() {
+                true => "ssl_key_file",
+                false => "ssl_cert_file",
+            };
+            report.error("amqp", set, "ssl_cert_file and ssl_key_file go together");
+        }
+        for (name, path) in [
+            ("ssl_ca_file", &self.ssl_ca_file),
+            ("ssl_cert_file", &self.ssl_cert_file),
+            ("ssl_key_file", &self.ssl_key_file),
+        ] {
+            if !path.is_empty()
+                && let Err(e) = std::fs::metadata(path)
+            {
+                report.error("amqp", name, format!("{path}: {e}"));
+            }
+        }
+        match self.ssl_version.as_str() {
+            "" | "SSLv23" | "TLS" | "PROTOCOL_TLS" | "TLSv1_2" | "TLSv1.2" | "TLSv1_3"
+            | "TLSv1.3" => {}
+            other => report.error(
+                "amqp",
+                "ssl_version",
+                format!("{other:?}: only TLSv1_2 and TLSv1_3 are supported (empty allows both)"),
+            ),
+        }
+    }
+}
+
+/// Splits one `[amqp]url` string into broker URLs: `URL,URL,...` (each with
+/// its scheme), or oslo.messaging's multi-host form
+/// `scheme://[user:pass@]host[:port],[user:pass@]host[:port]/vhost?query`,
+/// where every host gets the scheme, virtual host and query. Errors never
+/// show a password.
+pub fn split_broker_urls(value: &str) -> std::result::Result<Vec<String>, String> {
+    let value = value.trim();
+    if !value.contains(',') {
+        return Ok(vec![value.to_string()]);
+    }
+    let pieces: Vec<&str> = value.split(',').map(str::trim).collect();
+    if pieces.iter().all(|p| p.contains("://")) {
+        return Ok(pieces.into_iter().map(str::to_string).collect());
+    }
+    let Some((scheme, rest)) = value.split_once("://") else {
+        return Err(format!(
+            "{}: a list must start with a scheme (amqp:// or amqps://)",
+            redact_url_list(value)
+        ));
+    };
+    let (authority, tail) = match rest.find('/') {
+        Some(i) => (&rest[..i], &rest[i..]),
+        None => (rest, ""),
+    };
+    if authority.contains("://") || tail.contains(',') {
+        return Err(format!(
+            "{}: mixes full URLs and bare hosts; write a list of full URLs",
+            redact_url_list(value)
+        ));
+    }
+    authority
+        .split(',')
+        .map(|host| {
+            let host = host.trim();
+            if host.is_empty() {
+                Err(format!("{}: an empty host", redact_url_list(value)))
+            } else {
+                Ok(format!("{scheme}://{host}{tail}"))
+            }
+        })
+        .collect()
+}

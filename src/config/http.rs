@@ -1,0 +1,82 @@
+//! `[http]`: the embedded image server: where it listens, its timeouts
+//! and connection cap, and HTTPS.
+
+use super::check::Report;
+use serde::{Deserialize, Serialize};
+use std::net::SocketAddr;
+
+/// `[http]`: the embedded image server.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HttpSection {
+    /// Listen address of the image server.
+    pub listen: SocketAddr,
+    /// Seconds a client has to send a complete request header (also the
+    /// longest a keep-alive connection waits for its next request).
+    pub header_timeout: u64,
+    /// Seconds without a byte received or sent (a client that stopped
+    /// reading a download) before a connection is closed.
+    pub idle_timeout: u64,
+    /// Connections the image server keeps open at once; 0 derives it from
+    /// the process file-descriptor limit, keeping descriptors for the
+    /// pipeline, the broker and the metrics listener.
+    pub max_connections: usize,
+    // HTTPS (the operations listener stays plain).
+    /// Certificate chain (PEM) of the image server; with `tls_key_file`
+    /// the server speaks only HTTPS. Reloaded when the file changes.
+    pub tls_cert_file: String,
+    /// Private key (PEM) of `tls_cert_file`; never logged.
+    pub tls_key_file: String,
+    /// Lowest TLS version accepted: `1.3` (the default, as Ironic's own
+    /// servers) or `1.2`.
+    pub tls_min_version: String,
+}
+
+impl Default for HttpSection {
+    fn default() -> Self {
+        HttpSection {
+            listen: SocketAddr::from(([0, 0, 0, 0], 8080)),
+            header_timeout: 60,
+            idle_timeout: 60,
+            max_connections: 0,
+            tls_cert_file: String::new(),
+            tls_key_file: String::new(),
+            tls_min_version: "1.3".into(),
+        }
+    }
+}
+
+impl HttpSection {
+    /// Whether the image server speaks HTTPS.
+    pub fn tls_enabled(&self) -> bool {
+        !self.tls_cert_file.is_empty()
+    }
+
+    /// TLS files both given and readable, a version this TLS stack speaks.
+    pub(super) fn check(&self, report: &mut Report) {
+        if self.tls_cert_file.is_empty() != self.tls_key_file.is_empty() {
+            let set = match self.tls_cert_file.is_empty() {
+                true => "tls_key_file",
+                false => "tls_cert_file",
+            };
+            report.error("http", set, "tls_cert_file and tls_key_file go together");
+        }
+        for (name, path) in [
+            ("tls_cert_file", &self.tls_cert_file),
+            ("tls_key_file", &self.tls_key_file),
+        ] {
+            if !path.is_empty()
+                && let Err(e) = std::fs::metadata(path)
+            {
+                report.error("http", name, format!("{path}: {e}"));
+            }
+        }
+        if !matches!(self.tls_min_version.as_str(), "1.2" | "1.3") {
+            report.error(
+                "http",
+                "tls_min_version",
+                format!("{:?}: 1.2 or 1.3", self.tls_min_version),
+            );
+        }
+    }
+}

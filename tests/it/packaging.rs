@@ -1,0 +1,359 @@
+//! The Debian package and the container image, built by the very recipes
+//! operators run (`packaging/deb/build`, `packaging/oci/build`), with the
+//! binary under test: the package is installed, run, upgraded and purged on
+//! this machine; the image is pushed to a registry, pulled back with skopeo,
+//! unpacked and the worker run from it, serving a prepare.
+
+use crate::common::*;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+const PACKAGE: &str = "ironic-image-worker";
+const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+
+fn sh(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Builds the package of the binary under test as `version` into `out`.
+fn build_deb(out: &Path, version: &str) -> PathBuf {
+    let printed = sh(Command::new(format!("{ROOT}/packaging/deb/build"))
+        .args(["--binary", BIN, "--version", version, "--out"])
+        .arg(out));
+    PathBuf::from(printed.trim())
+}
+
+/// Purges the package and what the test itself left (its cache file, the
+/// service user), whatever happened.
+struct Installed;
+
+impl Drop for Installed {
+    fn drop(&mut self) {
+        let _ = Command::new("dpkg").args(["--purge", PACKAGE]).output();
+        let _ = std::fs::remove_dir_all("/var/lib/ironic-image-worker");
+        let _ = Command::new("userdel").arg(PACKAGE).output();
+        let _ = Command::new("groupdel").arg(PACKAGE).output();
+    }
+}
+
+/// The files the package installs (everything but directories).
+fn package_files() -> Vec<PathBuf> {
+    sh(Command::new("dpkg").args(["-L", PACKAGE]))
+        .lines()
+        .map(PathBuf::from)
+        .filter(|p| p.is_file())
+        .collect()
+}
+
+/// Runs the installed worker as the service user with `args`.
+fn as_service(args: &[&str]) -> Command {
+    let mut cmd = Command::new("setpriv");
+    cmd.args(["--reuid", PACKAGE, "--regid", PACKAGE, "--init-groups"])
+        .arg(format!("/usr/bin/{PACKAGE}"))
+        .args(args)
+        .stdin(Stdio::null());
+    cmd
+}
+
+/// A prepare through the broker to the worker of `host`, then the served
+/// bytes fetched from its `image_url` and compared with the source.
+async fn prepare_and_fetch(host: &str, source: &Path) {
+    let server = SourceServer::start(source.parent().unwrap()).await;
+    let name = source.file_name().unwrap().to_str().unwrap();
+    let broker = Broker::connect().await;
+    let done = broker
+        .call(host, prepare_cmd(&node(), &server.url(name)))
+        .await;
+    assert_eq!(done["status"], "success", "{done}");
+    let (status, body) = get(done["image_url"].as_str().unwrap()).await;
+    assert_eq!(status, 200);
+    assert_eq!(body, std::fs::read(source).unwrap());
+}
+
+/// Waits for `/readyz` on `port` (serving, and consuming its queue).
+async fn wait_ready(port: u16) {
+    let url = format!("http://127.0.0.1:{port}/readyz");
+    for _ in 0..400 {
+        if reqwest::get(&url)
+            .await
+            .is_ok_and(|r| r.status().is_success())
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the worker did not start");
+}
+
+/// A worker started by the test, stopped (SIGTERM) when dropped, also when
+/// the test fails.
+struct Running(std::process::Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = Command::new("kill").arg(self.0.id().to_string()).output();
+        let _ = self.0.wait();
+    }
+}
+
+/// The settings that make an installed worker this test's own: its host
+/// name, loopback ports and the URL nodes get.
+fn own(env: &Env) -> Vec<String> {
+    let (h, m) = (env.http_port, env.metrics_port);
+    [
+        format!("DEFAULT.host={}", env.host),
+        format!("http.listen=127.0.0.1:{h}"),
+        format!("deploy.http_url=http://127.0.0.1:{h}"),
+        format!("metrics.listen=127.0.0.1:{m}"),
+    ]
+    .into_iter()
+    .flat_map(|s| ["--set".to_string(), s])
+    .collect()
+}
+
+/// Installed: the binary, the unit, the commented configuration, the docs,
+/// the service user and its directories; the worker runs from the installed
+/// files with `config check` passing. Upgraded: the operator's
+/// configuration and the caches stay, no stray file appears. Purged: not a
+/// file of the package is left, and the caches are untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn debian_package_installs_upgrades_and_purges() {
+    let env = Env::new("");
+    let _installed = Installed;
+    let out = env.root().join("deb");
+    let first = build_deb(&out, "0.1.0~test1");
+    sh(Command::new("dpkg").arg("-i").arg(&first));
+    for file in [
+        "/usr/bin/ironic-image-worker",
+        "/lib/systemd/system/ironic-image-worker.service",
+        "/usr/share/doc/ironic-image-worker/operations.md",
+        "/usr/share/ironic-image-worker/rabbitmq/definitions.json",
+    ] {
+        assert!(Path::new(file).is_file(), "{file}");
+    }
+    assert_eq!(
+        std::fs::read_to_string("/etc/ironic-image-worker/worker.toml").unwrap(),
+        std::fs::read_to_string(format!("{ROOT}/ops/worker.example.toml")).unwrap()
+    );
+    sh(Command::new("getent").args(["passwd", PACKAGE]));
+    for dir in ["master_images", "images", "httpboot"] {
+        let meta = std::fs::metadata(format!("/var/lib/ironic-image-worker/{dir}")).unwrap();
+        assert_ne!(std::os::unix::fs::MetadataExt::uid(&meta), 0, "{dir}");
+    }
+    let version = sh(Command::new("/usr/bin/ironic-image-worker").arg("--version"));
+    assert!(version.contains("0.1.0"), "{version}");
+    let check = sh(&mut as_service(&["--ironic-config", "", "config", "check"]));
+    assert!(
+        check.contains("/etc/ironic-image-worker/worker.toml"),
+        "{check}"
+    );
+
+    let mut args = own(&env);
+    args.extend([
+        "--ironic-config".to_string(),
+        String::new(),
+        "serve".to_string(),
+    ]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let worker = Running(as_service(&args).stderr(Stdio::null()).spawn().unwrap());
+    wait_ready(env.metrics_port).await;
+    let src = env.root().join("src/disk.img");
+    random_file(&src, 1 << 20, 91);
+    prepare_and_fetch(&env.host, &src).await;
+    drop(worker);
+    let masters = std::fs::read_dir("/var/lib/ironic-image-worker/master_images")
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().is_file())
+        .count();
+    assert!(
+        masters >= 1,
+        "the prepare's master is in the packaged cache"
+    );
+
+    // Upgrade, with the operator's own change to the configuration.
+    let changed = "[source]\nretries = 5\n";
+    std::fs::write("/etc/ironic-image-worker/worker.toml", changed).unwrap();
+    let second = build_deb(&out, "0.1.0~test2");
+    sh(Command::new("dpkg").arg("-i").arg(&second));
+    assert_eq!(
+        std::fs::read_to_string("/etc/ironic-image-worker/worker.toml").unwrap(),
+        changed
+    );
+    let stray = sh(Command::new("find").args([
+        "/etc/ironic-image-worker",
+        "/usr/share/ironic-image-worker",
+        "-name",
+        "*.dpkg-*",
+    ]));
+    assert!(stray.trim().is_empty(), "{stray}");
+    let status = sh(Command::new("dpkg-query").args(["-W", "-f=${Version}", PACKAGE]));
+    assert_eq!(status, "0.1.0~test2");
+    let after_upgrade = std::fs::read_dir("/var/lib/ironic-image-worker/master_images")
+        .unwrap()
+        .count();
+
+    let files = package_files();
+    sh(Command::new("dpkg").args(["--purge", PACKAGE]));
+    let left: Vec<&PathBuf> = files.iter().filter(|f| f.exists()).collect();
+    assert!(left.is_empty(), "left by the purge: {left:?}");
+    assert!(!Path::new("/etc/ironic-image-worker").exists());
+    assert_eq!(
+        std::fs::read_dir("/var/lib/ironic-image-worker/master_images")
+            .unwrap()
+            .count(),
+        after_upgrade,
+        "the purge touched the cache"
+    );
+}
+
+/// A registry of the test's own (Debian's docker-registry, plain HTTP).
+struct Registry {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl Registry {
+    async fn start(dir: &Path) -> Registry {
+        let port = free_port();
+        let config = dir.join("registry.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: 127.0.0.1:{port}\n",
+                dir.join("storage").display()
+            ),
+        )
+        .unwrap();
+        let child = Command::new("/usr/bin/docker-registry")
+            .arg("serve")
+            .arg(&config)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("/usr/bin/docker-registry");
+        let registry = Registry { child, port };
+        for _ in 0..100 {
+            if reqwest::get(format!("http://127.0.0.1:{port}/v2/"))
+                .await
+                .is_ok()
+            {
+                return registry;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("the registry did not start");
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The container image: built without a daemon, pushed to a registry,
+/// pulled back with skopeo and unpacked; the worker in it runs as its
+/// non-root user: `--version`, `config check`, and a prepare served from it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn container_image_is_pushed_pulled_and_serves() {
+    let env = Env::new("");
+    let dir = env.root().join("oci");
+    std::fs::create_dir_all(&dir).unwrap();
+    let built = sh(Command::new(format!("{ROOT}/packaging/oci/build"))
+        .args(["--binary", BIN, "--tag", "test", "--layout"])
+        .arg(dir.join("layout")));
+    assert!(built.trim().ends_with(":test"), "{built}");
+    let registry = Registry::start(&dir).await;
+    let remote = format!(
+        "docker://127.0.0.1:{}/ironic-image-worker:test",
+        registry.port
+    );
+    sh(Command::new("skopeo")
+        .args(["copy", "--dest-tls-verify=false"])
+        .arg(format!("oci:{}:test", dir.join("layout").display()))
+        .arg(&remote));
+    sh(Command::new("skopeo")
+        .args(["copy", "--src-tls-verify=false", &remote])
+        .arg(format!("oci:{}:test", dir.join("pulled").display())));
+    let bundle = dir.join("bundle");
+    sh(Command::new("umoci")
+        .args(["unpack", "--image"])
+        .arg(format!("{}:test", dir.join("pulled").display()))
+        .arg(&bundle));
+    let config: Value =
+        serde_json::from_slice(&std::fs::read(bundle.join("config.json")).unwrap()).unwrap();
+    let user = &config["process"]["user"];
+    assert_ne!(user["uid"], 0, "{user}");
+    let userspec = format!("{}:{}", user["uid"], user["gid"]);
+    let rootfs = bundle.join("rootfs");
+    let in_image = |args: &[&str]| {
+        let mut cmd = Command::new("chroot");
+        cmd.arg(format!("--userspec={userspec}"))
+            .arg(&rootfs)
+            .arg("/usr/bin/ironic-image-worker")
+            .args(args)
+            .stdin(Stdio::null());
+        cmd
+    };
+    let version = sh(&mut in_image(&["--version"]));
+    assert!(version.contains(env!("CARGO_PKG_VERSION")), "{version}");
+    let check = sh(&mut in_image(&["config", "check"]));
+    assert!(
+        check.contains("/etc/ironic-image-worker/worker.toml"),
+        "{check}"
+    );
+
+    let mut args = own(&env);
+    args.push("serve".into());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let worker = Running(in_image(&args).stderr(Stdio::null()).spawn().unwrap());
+    wait_ready(env.metrics_port).await;
+    let src = env.root().join("src/disk.img");
+    random_file(&src, 1 << 20, 92);
+    prepare_and_fetch(&env.host, &src).await;
+    drop(worker);
+    drop(registry);
+}
+
+/// The deploy interface builds as a wheel that carries its entry points
+/// (the deploy interface Ironic loads by name, and its options).
+#[test]
+fn plugin_builds_as_a_wheel() {
+    let dir = tempfile::tempdir().unwrap();
+    let python = ironic_python();
+    let wheel = sh(Command::new(format!("{ROOT}/packaging/wheel/build"))
+        .arg("--python")
+        .arg(&python)
+        .arg("--out")
+        .arg(dir.path()));
+    let wheel = PathBuf::from(wheel.trim());
+    assert!(wheel.is_file(), "{}", wheel.display());
+    let site = dir.path().join("site");
+    sh(Command::new(&python)
+        .args(["-m", "pip", "install", "--quiet", "--no-deps", "--target"])
+        .arg(&site)
+        .arg(&wheel));
+    let entry_points = std::fs::read_dir(&site)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .find(|e| e.file_name().to_string_lossy().ends_with(".dist-info"))
+        .map(|e| std::fs::read_to_string(e.path().join("entry_points.txt")).unwrap())
+        .unwrap();
+    assert!(
+        entry_points
+            .contains("direct-worker = ironic_image_worker_deploy.deploy:DirectWorkerDeploy"),
+        "{entry_points}"
+    );
+    assert!(site.join("ironic_image_worker_deploy/deploy.py").is_file());
+}
