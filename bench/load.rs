@@ -33,11 +33,21 @@ async fn main() -> Res<()> {
             )
             .await
         }
+        Some("rpc-hits") if args.len() == 6 => {
+            rpc_hits(
+                &args[1],
+                &args[2],
+                &args[3],
+                args[4].parse()?,
+                args[5].parse()?,
+            )
+            .await
+        }
         Some("burst") if args.len() >= 4 => burst(&args[1], args[2].parse()?, &args[3..]).await,
         Some("http") if args.len() == 3 => http(&args[1], args[2].parse()?).await,
         _ => {
             eprintln!(
-                "usage: bench-load hits HOST SOURCE MD5 COUNT WINDOW | burst HOST COUNT SOURCE... | http URL CLIENTS"
+                "usage: bench-load hits HOST SOURCE MD5 COUNT WINDOW | rpc-hits URL SOURCE MD5 COUNT WINDOW | burst HOST COUNT SOURCE... | http URL CLIENTS"
             );
             std::process::exit(2);
         }
@@ -165,6 +175,76 @@ async fn hits(host: &str, source: &str, md5: &str, count: usize, window: usize) 
         pct(0.99)
     );
     c.conn.close(200, "bye".into()).await?;
+    Ok(())
+}
+
+/// `COUNT` prepares for distinct nodes through the JSON-RPC listener at
+/// `url`, as Ironic's client sends them (`context`, `rpc.version`), with
+/// `WINDOW` calls in flight (one keep-alive connection each); each call
+/// returns its completion.
+async fn rpc_hits(url: &str, source: &str, md5: &str, count: usize, window: usize) -> Res<()> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let client = reqwest::Client::new();
+    let next = std::sync::Arc::new(AtomicUsize::new(0));
+    let info = serde_json::json!({"image_source": source, "image_checksum": md5});
+    let run = std::process::id();
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..window)
+        .map(|_| {
+            let (client, next, info, url) =
+                (client.clone(), next.clone(), info.clone(), url.to_string());
+            tokio::spawn(async move {
+                let (mut latencies, mut errors) = (Vec::new(), 0usize);
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= count {
+                        return Ok::<_, reqwest::Error>((latencies, errors));
+                    }
+                    let body = serde_json::json!({
+                        "jsonrpc": "2.0", "id": i, "method": "prepare",
+                        "params": {
+                            "node_uuid": uuid::Uuid::new_v4().to_string(),
+                            "request_id": format!("rpc-bench-{run}-{i}"),
+                            "instance_info": info,
+                            "context": {"request_id": format!("req-{i}")},
+                            "rpc.version": "1.0",
+                        },
+                    });
+                    let t = Instant::now();
+                    let v: serde_json::Value =
+                        client.post(&url).json(&body).send().await?.json().await?;
+                    latencies.push(t.elapsed());
+                    if v["result"]["status"] != "success" || v["result"]["cache"] != "hit" {
+                        errors += 1;
+                    }
+                }
+            })
+        })
+        .collect();
+    let (mut latencies, mut errors) = (Vec::with_capacity(count), 0usize);
+    for t in tasks {
+        let (l, e) = t.await??;
+        latencies.extend(l);
+        errors += e;
+    }
+    let total = start.elapsed().as_secs_f64();
+    latencies.sort();
+    let pct = |p: f64| {
+        latencies[((latencies.len() as f64 * p) as usize).min(latencies.len() - 1)].as_secs_f64()
+            * 1e3
+    };
+    println!(
+        "cache-hit prepares over JSON-RPC: {count} in {total:.2} s = {:.0}/s, window {window}, median {:.1} ms, p99 {:.1} ms, not-hit-or-error {errors}",
+        count as f64 / total,
+        pct(0.5),
+        pct(0.99),
+    );
+    println!(
+        "RESULT rate={:.0} p50_ms={:.1} p99_ms={:.1} errors={errors}",
+        count as f64 / total,
+        pct(0.5),
+        pct(0.99)
+    );
     Ok(())
 }
 

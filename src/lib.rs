@@ -7,7 +7,9 @@
 //! |---|---|
 //! | [`cli`] | the command line: `serve`, one-shot `prepare`/`deployed`/`cleanup`, `cache`, `inspect`, `send`, `retire`, `config check`/`show` |
 //! | `service` | the long-running `serve` process and systemd readiness |
-//! | `broker` | AMQP: topology, session and reconnection, dispatch, publishing completions |
+//! | `broker` | AMQP: topology, session and reconnection, deliveries and their acknowledgement, publishing completions |
+//! | `rpc` | the JSON-RPC listener: the commands for an Ironic without a broker |
+//! | `dispatch` | what both transports share: per-node order, prepare slots, deadlines, the answers given |
 //! | `messages` | request and completion types; parsing commands and Ironic notifications |
 //! | `pipeline` | one request end to end: prepare, deployed, cleanup |
 //! | `sources` | where bytes come from: http(s), `file://`, Glance |
@@ -37,6 +39,7 @@
 pub(crate) mod broker;
 pub mod cli;
 pub mod config;
+pub(crate) mod dispatch;
 pub mod error;
 pub(crate) mod fsutil;
 pub(crate) mod http;
@@ -47,6 +50,7 @@ pub(crate) mod node;
 pub(crate) mod peers;
 pub(crate) mod pipeline;
 pub(crate) mod retry;
+pub(crate) mod rpc;
 pub mod secrets;
 pub(crate) mod service;
 pub(crate) mod sources;

@@ -28,14 +28,24 @@ const ALLOWED: &[(&str, &[&str])] = &[
     (
         "service",
         &[
-            "broker", "http", "pipeline", "sources", "metrics", "config", "error",
+            "broker", "dispatch", "rpc", "http", "pipeline", "sources", "metrics", "config",
+            "error",
         ],
     ),
     (
         "broker",
         &[
-            "pipeline", "messages", "metrics", "config", "retry", "peers", "secrets", "error",
+            "dispatch", "pipeline", "messages", "metrics", "config", "retry", "peers", "secrets",
+            "error",
         ],
+    ),
+    (
+        "dispatch",
+        &["pipeline", "messages", "metrics", "node", "error"],
+    ),
+    (
+        "rpc",
+        &["dispatch", "http", "messages", "node", "fsutil", "error"],
     ),
     (
         "pipeline",

@@ -148,12 +148,17 @@ class _Reply(object):
             'x-max-length': _REPLY_QUEUE_LENGTH}
         self.found = []
 
-    def attach(self, connection, correlation_id):
-        """Declare the queue (again, after a reconnection) and consume it."""
+    def declare(self, connection):
+        """Declare the queue; returns the channel it was declared on."""
         channel = connection.channel()
         channel.queue_declare(queue=self.name, durable=True,
                               exclusive=False, auto_delete=False,
                               arguments=self.arguments)
+        return channel
+
+    def attach(self, connection, correlation_id):
+        """Declare the queue (again, after a reconnection) and consume it."""
+        channel = self.declare(connection)
 
         def _on_reply(message):
             if message.properties.get('correlation_id') == correlation_id:
@@ -253,12 +258,15 @@ class WorkerClient(object):
         finally:
             _release(channel)
 
-    def _await_consumer(self, connection, node_uuid):
-        """Wait up to [image_worker]worker_restart_grace for a consumer.
+    def _await_consumer(self, connection, node_uuid, limit=None):
+        """Wait up to [image_worker]worker_restart_grace (never beyond
+        ``limit`` seconds, the command's own timeout) for a consumer.
 
         :raises: ImageWorkerNotConsuming when none came.
         """
         grace = self.group.worker_restart_grace
+        if limit is not None:
+            grace = min(grace, limit)
         until = time.monotonic() + grace
         while self.consumers(connection) == 0:
             if time.monotonic() >= until:
@@ -367,7 +375,7 @@ class WorkerClient(object):
         sent = False
         try:
             if expire and timeout is not None:
-                self._await_consumer(link[0], node_uuid)
+                self._await_consumer(link[0], node_uuid, limit=timeout)
             if timeout is not None:
                 reply = _Reply(correlation_id, self.group.reply_queue_type,
                                timeout)
@@ -407,6 +415,83 @@ class WorkerClient(object):
             if reply is not None:
                 reply.delete(link[0])
             _release(link[0])
+
+    def send(self, action, node_uuid, timeout, instance_info=None,
+             options=None, extra=None, request_id=None):
+        """Send a command whose answer is collected later (``collect``).
+
+        The answer waits in a reply queue named after the request, which
+        expires ``timeout`` (plus a minute) after its last use; the command
+        expires in the broker after ``timeout``. Nothing here waits for the
+        worker's work.
+
+        :returns: the request id, to collect the answer with.
+        :raises: ImageWorkerBrokerUnreachable, ImageWorkerNotListening,
+            ImageWorkerNotConsuming (none of them sent).
+        """
+        request_id = request_id or uuidutils.generate_uuid()
+        body = dict(extra or {}, action=action, node_uuid=node_uuid,
+                    request_id=request_id)
+        if instance_info is not None:
+            body['instance_info'] = instance_info
+        if options:
+            body['options'] = options
+        reply = _Reply(request_id, self.group.reply_queue_type, timeout)
+        properties = {'content_type': 'application/json',
+                      'delivery_mode': 2,
+                      'correlation_id': request_id,
+                      'reply_to': reply.name,
+                      'expiration': str(int(timeout * 1000)),
+                      'application_headers': {
+                          'timestamp_in_ms': int(time.time() * 1000)}}
+        routing_key = '%s.node.%s' % (self.host, action)
+        connection = self._connect(node_uuid)
+        try:
+            self._await_consumer(connection, node_uuid, limit=timeout)
+            reply.declare(connection)
+            if not self._publish(connection.channel(), body, properties,
+                                 routing_key):
+                raise exception.ImageWorkerNotListening(
+                    node=node_uuid, host=self.host,
+                    exchange=self.group.exchange, routing_key=routing_key)
+            return request_id
+        except exception.ImageWorkerError:
+            raise
+        except _BROKER_ERRORS as e:
+            raise exception.ImageWorkerBrokerUnreachable(
+                node=node_uuid, reason=str(e))
+        finally:
+            _release(connection)
+
+    def collect(self, request_id, node_uuid):
+        """The answer of a command ``send`` sent, once it is there.
+
+        :returns: the completion (a dict), or None while there is none (the
+            reply queue is empty, or gone after its expiry).
+        :raises: ImageWorkerBrokerUnreachable
+        """
+        name = _Reply(request_id, self.group.reply_queue_type, 0).name
+        connection = self._connect(node_uuid)
+        try:
+            channel = connection.channel()
+            while True:
+                try:
+                    message = channel.basic_get(queue=name, no_ack=True)
+                except amqp.exceptions.NotFound:
+                    return None
+                if message is None:
+                    return None
+                if message.properties.get('correlation_id') == request_id:
+                    break
+            _release(channel)
+            _Reply(request_id, self.group.reply_queue_type, 0).delete(
+                connection)
+            return json.loads(message.body)
+        except _BROKER_ERRORS as e:
+            raise exception.ImageWorkerBrokerUnreachable(
+                node=node_uuid, reason=str(e), sent=True)
+        finally:
+            _release(connection)
 
 
 def _release(resource):

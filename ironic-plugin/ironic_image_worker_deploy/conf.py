@@ -10,17 +10,58 @@
 # License for the specific language governing permissions and limitations
 # under the License.
 
-"""Options of the ``[image_worker]`` section of ironic.conf."""
+"""Options of the ``[image_worker]`` section of ironic.conf, and the
+``[image_worker_json_rpc]`` group: Ironic's own JSON-RPC client options
+(``host_ip``, ``port``, ``auth_strategy``, keystoneauth's ``auth_type``,
+``username``, ``password``, ``use_ssl``, ``cafile``, ``insecure``,
+``timeout``), registered by Ironic's own ``ironic.conf.json_rpc``, as Ironic
+registers ``[json_rpc]`` and ``[ironic_networking_json_rpc]``."""
 
 from oslo_config import cfg
 
 from ironic.common.i18n import _
+from ironic.conf import json_rpc as ironic_json_rpc
 
 CONF = cfg.CONF
 
 GROUP = 'image_worker'
 
+JSON_RPC_GROUP = 'image_worker_json_rpc'
+
+# The worker's JSON-RPC port by default: not Ironic's own 8089, so that
+# both can run on one host.
+JSON_RPC_PORT = 8099
+
 opts = [
+    cfg.StrOpt('transport',
+               default='amqp',
+               choices=[('amqp', _('commands over RabbitMQ (the broker of '
+                                   '[image_worker]transport_url or '
+                                   '[DEFAULT]transport_url)')),
+                        ('json-rpc', _('commands through Ironic\'s JSON-RPC '
+                                       'client to the worker\'s [json_rpc] '
+                                       'listener, configured in '
+                                       '[image_worker_json_rpc]: for an '
+                                       'Ironic without a broker'))],
+               help=_('How the deploy interface reaches the worker.')),
+    cfg.BoolOpt('image_server_auth',
+                default=False,
+                help=_('Whether the worker\'s image port requires HTTP '
+                       'Basic (its [http]auth_strategy = http_basic). The '
+                       'agent is then handed [deploy]image_server_user and '
+                       'image_server_password for the worker\'s URL, as '
+                       'Ironic hands them for its own: validate refuses a '
+                       'node unless [deploy]image_server_auth_strategy is '
+                       'http_basic with both set, and the host of '
+                       '[deploy]http_url is permitted by '
+                       '[deploy]image_server_auth_hosts.')),
+    cfg.FloatOpt('poll_interval',
+                 default=2.0,
+                 min=0.2,
+                 help=_('Seconds between two looks at a prepare under way '
+                        'while the node boots its ramdisk (how soon a '
+                        'failure fails the deploy, and how soon a deploy '
+                        'waiting for its image goes on).')),
     cfg.StrOpt('exchange',
                default='ironic-image-worker',
                help=_('Topic exchange on which ironic-image-worker takes '
@@ -92,13 +133,20 @@ opts = [
 
 
 def register_opts(conf):
-    """Register the ``[image_worker]`` options on ``conf``."""
+    """Register the ``[image_worker]`` and ``[image_worker_json_rpc]``
+    options on ``conf``."""
     conf.register_opts(opts, group=GROUP)
+    ironic_json_rpc.register_opts(conf, group=JSON_RPC_GROUP)
+    conf.set_default('port', JSON_RPC_PORT, group=JSON_RPC_GROUP)
+    # Where the worker is (a sidecar beside the conductor by default), not
+    # where a server binds.
+    conf.set_default('host_ip', '127.0.0.1', group=JSON_RPC_GROUP)
 
 
 def list_opts():
     """Options for oslo-config-generator (``oslo.config.opts``)."""
-    return [(GROUP, opts)]
+    return [(GROUP, opts),
+            (JSON_RPC_GROUP, ironic_json_rpc.list_opts())]
 
 
 register_opts(CONF)

@@ -23,14 +23,21 @@ image itself; ``deployed`` and ``cleanup`` commands withdraw the node's files
 where Ironic removes its own.
 """
 
+import time
+
 from oslo_log import log
 
+from ironic.common import async_steps
+from ironic.common import exception as ironic_exception
 from ironic.common.glance_service import service_utils
 from ironic.common.i18n import _
 from ironic.common import image_service
 from ironic.common import images
 from ironic.common import metrics_utils
+from ironic.common import states
+from ironic.conductor import periodics
 from ironic.conductor import task_manager
+from ironic.conductor import utils as manager_utils
 from ironic.conf import CONF
 from ironic.drivers import base
 from ironic.drivers.modules import agent
@@ -41,6 +48,7 @@ from ironic_image_worker_deploy import client as worker_client
 from ironic_image_worker_deploy import conf as worker_conf  # noqa: F401
 from ironic_image_worker_deploy import exception
 from ironic_image_worker_deploy import hardware
+from ironic_image_worker_deploy import json_rpc as worker_json_rpc
 
 LOG = log.getLogger(__name__)
 
@@ -52,12 +60,56 @@ METRICS = metrics_utils.get_metrics_logger(__name__)
 _SERVED_FIELDS = ('image_checksum', 'image_os_hash_algo',
                   'image_os_hash_value', 'image_disk_format', 'image_size')
 
+# driver_internal_info: the prepare sent and not collected yet
+# ({'request_id', 'deadline' (epoch seconds), 'done' once collected}).
+PENDING = 'image_worker_prepare'
+
+
+def _waiting_for_the_worker(node):
+    """The periodic's predicate: a node whose prepare is under way."""
+    return PENDING in (node.driver_internal_info or {})
+
 
 class DirectWorkerDeploy(agent.AgentDeploy):
     """Direct deploy with the image work done by ironic-image-worker."""
 
-    def _client(self):
+    def _client(self, task=None):
+        """The worker's client for [image_worker]transport."""
+        if CONF.image_worker.transport == 'json-rpc':
+            return worker_json_rpc.JsonRpcWorkerClient(
+                CONF, context=task.context if task is not None else None)
         return worker_client.WorkerClient(CONF)
+
+    @METRICS.timer('DirectWorkerDeploy.validate')
+    def validate(self, task):
+        """Ironic's checks, then what the agent needs for the worker's URL.
+
+        :raises: InvalidParameterValue naming the option to set when the
+            worker's image port requires credentials the agent would not
+            be given.
+        """
+        super().validate(task)
+        if not CONF.image_worker.image_server_auth or not self._delegated(
+                task):
+            return
+        deploy = CONF.deploy
+        if (deploy.image_server_auth_strategy != 'http_basic'
+                or not deploy.image_server_user
+                or not deploy.image_server_password):
+            raise ironic_exception.InvalidParameterValue(_(
+                "[image_worker]image_server_auth says the image worker's "
+                "port requires HTTP Basic, but the agent would get no "
+                "credentials: set [deploy]image_server_auth_strategy = "
+                "http_basic with [deploy]image_server_user and "
+                "image_server_password (the worker's [http]auth_user and "
+                "auth_password)"))
+        if not image_service.is_host_auth_permitted(deploy.http_url or ''):
+            raise ironic_exception.InvalidParameterValue(_(
+                "[image_worker]image_server_auth says the image worker's "
+                "port requires HTTP Basic, but the credentials may not go "
+                "to %(url)s: add its host to "
+                "[deploy]image_server_auth_hosts") % {
+                    'url': deploy.http_url})
 
     @staticmethod
     def _delegated(task):
@@ -155,24 +207,20 @@ class DirectWorkerDeploy(agent.AgentDeploy):
                     'cpu_arch': node.properties['cpu_arch']}
         return {k: v for k, v in request.items() if v}, extra
 
-    def _ask_worker(self, node, request, extra):
-        """Send ``prepare`` and return the worker's successful answer.
-
-        :raises: ImageWorkerError and its subclasses.
-        """
-        options = {
+    @staticmethod
+    def _options(node):
+        return {
             'force_raw': bool(
                 deploy_utils.direct_deploy_should_convert_raw_image(node)),
             'stream_raw': bool(CONF.agent.stream_raw_images),
         }
-        done = self._client().call(
-            'prepare', node.uuid, instance_info=request, options=options,
-            timeout=CONF.image_worker.prepare_timeout, expire=True,
-            extra=extra)
+
+    @staticmethod
+    def _raise_if_failed(node, request_source, done):
         if done.get('status') != 'success' or not done.get('image_url'):
             error = done.get('error') or {}
             raise exception.ImageWorkerPrepareFailed(
-                node=node.uuid, image_href=request['image_source'],
+                node=node.uuid, image_href=request_source,
                 host=done.get('conductor_host'),
                 error_code=error.get('code', 'internal'),
                 reason=error.get('message',
@@ -180,23 +228,26 @@ class DirectWorkerDeploy(agent.AgentDeploy):
                 sent=True)
         LOG.info('Image worker prepared %(image)s for node %(node)s '
                  '(cache %(cache)s, converted %(converted)s, %(ms)s ms)',
-                 {'image': request['image_source'], 'node': node.uuid,
+                 {'image': request_source, 'node': node.uuid,
                   'cache': done.get('cache'),
                   'converted': done.get('converted'),
                   'ms': done.get('duration_ms')})
-        return done
 
     @METRICS.timer('DirectWorkerDeploy._build_instance_info')
     def _build_instance_info(self, task):
-        """The instance_info build_instance_info_for_deploy would build.
+        """The instance_info build_instance_info_for_deploy would build,
+        less what the worker answers (``image_url`` and the served bytes'
+        checksums, format and size, filled in by ``_collect``).
 
-        The worker downloads, verifies, converts and hashes (OCI images
-        too: it resolves the artifact); the conductor only reads Glance's
-        metadata (properties, container format, tags, kernel and ramdisk)
-        as Ironic does for a Glance image.
+        The prepare is sent here, as the deploy starts, and not waited
+        for: the worker downloads, verifies, converts and hashes while the
+        node boots its ramdisk (OCI images too: it resolves the artifact).
+        The conductor only reads Glance's metadata (properties, container
+        format, tags, kernel and ramdisk) as Ironic does for a Glance
+        image.
 
-        :raises: ImageWorkerError and its subclasses when the worker fails
-            or does not answer in time.
+        :raises: ImageWorkerError and its subclasses when the worker cannot
+            be sent the command.
         :raises: whatever Glance lookups or Ironic's parameter checks raise.
         """
         node = task.node
@@ -207,7 +258,9 @@ class DirectWorkerDeploy(agent.AgentDeploy):
         oci = image_service.is_container_registry_url(image_source)
         # As Ironic: a saved override of image_source is stale now.
         di_info.pop('image_source', None)
+        di_info.pop(PENDING, None)
         node.driver_internal_info = di_info
+        # No URL until the worker published one (what is set is served).
         instance_info['image_url'] = None
         # A registry token for the agent: the worker serves the image.
         instance_info.pop('image_request_authorization_secret', None)
@@ -217,13 +270,18 @@ class DirectWorkerDeploy(agent.AgentDeploy):
                            else instance_info.get('image_disk_format'))
         request, extra = self._prepare_command(node, instance_info,
                                                declared_format, oci)
-        done = self._ask_worker(node, request, extra)
-        instance_info['image_url'] = done['image_url']
-        for field in _SERVED_FIELDS:
-            if field in done:
-                instance_info[field] = done[field]
-        if oci:
-            self._record_oci(node, instance_info, done)
+        timeout = CONF.image_worker.prepare_timeout
+        request_id = self._client(task).send(
+            'prepare', node.uuid, timeout=timeout, instance_info=request,
+            options=self._options(node), extra=extra)
+        node.set_driver_internal_info(PENDING, {
+            'request_id': request_id,
+            'deadline': time.time() + timeout,
+            'oci': oci})
+        LOG.info('Sent prepare %(req)s of %(image)s for node %(node)s to '
+                 'the image worker; collected when the agent is ready',
+                 {'req': request_id, 'image': image_source,
+                  'node': node.uuid})
 
         if glance_info is not None:
             self._copy_glance_metadata(node, instance_info, glance_info)
@@ -234,6 +292,122 @@ class DirectWorkerDeploy(agent.AgentDeploy):
         else:
             instance_info['image_type'] = images.IMAGE_TYPE_WHOLE_DISK
         return instance_info
+
+    def _poll(self, task):
+        """The worker's answer to the node's prepare, if there is one yet
+        (kept in driver_internal_info once collected). A worker that
+        cannot be reached now is asked again later."""
+        pending = task.node.driver_internal_info[PENDING]
+        if pending.get('done'):
+            return pending['done']
+        try:
+            return self._client(task).collect(pending['request_id'],
+                                              task.node.uuid)
+        except exception.ImageWorkerError as e:
+            LOG.warning('Cannot ask the image worker about the prepare of '
+                        'node %(node)s yet: %(error)s',
+                        {'node': task.node.uuid, 'error': e})
+            return None
+
+    def _collect(self, task, done=None):
+        """Fill instance_info with the worker's answer, once there.
+
+        :returns: True when filled in; False while the worker works and
+            the prepare's deadline ([image_worker]prepare_timeout from the
+            send) is ahead.
+        :raises: ImageWorkerPrepareFailed (the worker's code and message),
+            ImageWorkerTimeout past the deadline; the node's files are
+            withdrawn first.
+        """
+        node = task.node
+        pending = node.driver_internal_info[PENDING]
+        source = node.instance_info.get('image_source')
+        done = done or self._poll(task)
+        try:
+            if done is None:
+                if time.time() < pending['deadline']:
+                    return False
+                raise exception.ImageWorkerTimeout(
+                    node=node.uuid, host=CONF.image_worker.conductor_host
+                    or CONF.host, action='prepare',
+                    timeout=CONF.image_worker.prepare_timeout, sent=True)
+            self._raise_if_failed(node, source, done)
+        except exception.ImageWorkerError as e:
+            node.del_driver_internal_info(PENDING)
+            node.save()
+            self._withdraw_after_failure(task, e)
+            raise
+        instance_info = node.instance_info
+        instance_info['image_url'] = done['image_url']
+        for field in _SERVED_FIELDS:
+            if field in done:
+                instance_info[field] = done[field]
+        if pending.get('oci'):
+            self._record_oci(node, instance_info, done)
+        node.instance_info = instance_info
+        node.del_driver_internal_info(PENDING)
+        node.save()
+        return True
+
+    @METRICS.timer('DirectWorkerDeploy.write_image')
+    @base.deploy_step(priority=80)
+    @task_manager.require_exclusive_lock
+    def write_image(self, task):
+        """Collect the worker's prepare, then write the image as ``direct``.
+
+        The agent is ready: if the worker has answered, its URL goes to the
+        agent now. If it still works, the step waits (Ironic's polling
+        flag: heartbeats do not move the deploy on) and
+        ``_check_prepares`` resumes it once the answer is there.
+        """
+        if (task.driver.storage.should_write_image(task)
+                and PENDING in task.node.driver_internal_info
+                and not self._collect(task)):
+            async_steps.set_node_flags(
+                task.node, skip_current_step=False, polling=True)
+            return states.DEPLOYWAIT
+        return super().write_image(task)
+
+    @METRICS.timer('DirectWorkerDeploy._check_prepares')
+    @periodics.node_periodic(
+        purpose='collecting image worker prepares',
+        spacing=CONF.image_worker.poll_interval,
+        filters={'provision_state': states.DEPLOYWAIT, 'reserved': False},
+        predicate_extra_fields=['driver_internal_info'],
+        predicate=_waiting_for_the_worker,
+    )
+    def _check_prepares(self, task, manager, context):
+        """Periodically: a node waiting for the worker goes on."""
+        self.check_prepare(task)
+
+    def check_prepare(self, task):
+        """Look at the node's prepare: a failure or the deadline fails the
+        deploy at once (even while the ramdisk still boots); an answer
+        resumes a ``write_image`` that waits for it."""
+        done = self._poll(task)
+        pending = task.node.driver_internal_info.get(PENDING) or {}
+        if done is None and time.time() < pending.get('deadline', 0):
+            return
+        task.upgrade_lock(purpose='collecting an image worker prepare')
+        node = task.node
+        if (PENDING not in node.driver_internal_info
+                or node.provision_state != states.DEPLOYWAIT):
+            return
+        waiting = node.driver_internal_info.get(
+            async_steps.DEPLOYMENT_POLLING)
+        if done is not None and done.get('status') == 'success':
+            pending['done'] = done
+            node.set_driver_internal_info(PENDING, pending)
+            node.save()
+            if waiting:
+                async_steps.set_node_flags(
+                    node, skip_current_step=False, polling=None)
+                manager_utils.notify_conductor_resume_deploy(task)
+            return
+        try:
+            self._collect(task, done)
+        except exception.ImageWorkerError as e:
+            deploy_utils.set_failed_state(task, str(e), collect_logs=False)
 
     @staticmethod
     def _record_oci(node, instance_info, done):
@@ -275,7 +449,8 @@ class DirectWorkerDeploy(agent.AgentDeploy):
         node = task.node
         timeout = (CONF.image_worker.command_timeout or None) if wait else None
         try:
-            done = self._client().call(action, node.uuid, timeout=timeout)
+            done = self._client(task).call(action, node.uuid,
+                                           timeout=timeout)
         except Exception as e:
             LOG.warning('Image worker did not confirm %(action)s for node '
                         '%(node)s: %(error)s',

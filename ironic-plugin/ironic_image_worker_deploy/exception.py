@@ -93,3 +93,31 @@ class ImageWorkerNotConsuming(ImageWorkerNotListening):
                  "%(host)s for node %(node)s: it has had no consumer for "
                  "%(grace)s seconds (error_code %(error_code)s). Is "
                  "ironic-image-worker running on that host?")
+
+
+class ImageWorkerUnreachable(ImageWorkerError):
+    """The worker's JSON-RPC listener could not be reached."""
+
+    _msg_fmt = _("Cannot reach the image worker's JSON-RPC listener at "
+                 "%(url)s for node %(node)s (error_code %(error_code)s): "
+                 "%(reason)s. Is ironic-image-worker running with "
+                 "[json_rpc]listen there? Check "
+                 "[image_worker_json_rpc]host_ip, port, use_ssl and cafile.")
+
+    def __init__(self, message=None, **kwargs):
+        kwargs.setdefault('error_code', 'no_worker')
+        super().__init__(message, **kwargs)
+
+
+class ImageWorkerUnauthorized(ImageWorkerError):
+    """The worker's JSON-RPC listener refused the credentials."""
+
+    _msg_fmt = _("The image worker's JSON-RPC listener at %(url)s refused "
+                 "the credentials for node %(node)s (error_code "
+                 "%(error_code)s): set [image_worker_json_rpc]auth_strategy "
+                 "= http_basic with username and password matching an "
+                 "entry of the worker's [json_rpc]http_basic_auth_user_file.")
+
+    def __init__(self, message=None, **kwargs):
+        kwargs.setdefault('error_code', 'unauthorized')
+        super().__init__(message, **kwargs)

@@ -1,6 +1,7 @@
-//! Deliveries in, answers out: routing each delivery to its node's work
-//! queue, running it, answering, then acknowledging (or dead-lettering an
-//! unusable message).
+//! Deliveries in, answers out: parsing each delivery, handing its work to
+//! the transport-neutral dispatch (`crate::dispatch`: per-node order,
+//! prepare slots, deadlines, the answer's record), answering through the
+//! broker, then acknowledging (or dead-lettering an unusable message).
 //!
 //! Work outlives the connection it arrived on. When the connection drops,
 //! running and queued jobs go on; their answers go out through the next
@@ -15,11 +16,10 @@
 use super::ack::{Adoption, Tracked};
 use super::deadline;
 use super::publisher::Publisher;
-use crate::error::{Error, ErrorCode};
+use crate::dispatch::{Carrier, Deferral, DeliveryKey, Dispatch, Job, Transport};
+use crate::messages::Completion;
 use crate::messages::inbound::{self, Inbound};
-use crate::messages::{Action, Completion};
-use crate::metrics::Metrics;
-use crate::pipeline::Pipeline;
+use futures_util::future::BoxFuture;
 use lapin::Acker;
 use lapin::message::Delivery;
 use lapin::options::*;
@@ -28,22 +28,13 @@ use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::sync::{Notify, mpsc, watch};
+use tokio::sync::{Notify, watch};
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 /// How long a job answered but not acknowledged (its connection died) is
 /// remembered, so that its redelivered copy is acknowledged silently.
 const ANSWERED_MEMORY: Duration = Duration::from_secs(600);
-
-/// How long a cleanup or `deployed` failing on a transient file-system
-/// error (read-only, I/O error, full) is retried before it is answered with
-/// the error.
-const RELEASE_RETRY_FOR: Duration = Duration::from_secs(600);
-
-/// How long a prepare waits for a free prepare slot before it is put back
-/// at the tail of the queue (so that other actions get the delivery slots).
-const DEFER_AFTER: Duration = Duration::from_secs(2);
 
 /// The current connection, as jobs see it: its id and its publisher.
 #[derive(Clone)]
@@ -54,11 +45,10 @@ pub(super) struct Link {
     pub(super) broken: Arc<Notify>,
 }
 
-/// State that outlives connections: the per-node work queues, the jobs
-/// awaiting acknowledgement, the current connection.
+/// State that outlives connections: the jobs awaiting acknowledgement,
+/// the current connection; the work itself is the shared dispatch's.
 pub(super) struct Dispatcher {
-    pipeline: Arc<Pipeline>,
-    metrics: Arc<Metrics>,
+    work: Arc<Dispatch>,
     host: String,
     /// Ironic's notification exchange (deliveries from it are notifications).
     notification_exchange: String,
@@ -71,28 +61,19 @@ pub(super) struct Dispatcher {
     /// closed a channel over it. A delivery still unacknowledged three
     /// quarters of it after it arrived is acknowledged early.
     consumer_timeout_ms: AtomicU64,
-    /// Per-node FIFO queues: deliveries for one node run in order (a warm's
-    /// queue is keyed by its image source, see [`order_key`]).
-    nodes: Mutex<HashMap<String, mpsc::UnboundedSender<Job>>>,
     /// Jobs not yet acknowledged, by delivery identity (see [`identity`]).
     pending: Mutex<HashMap<u64, Vec<Arc<Tracked<Acker>>>>>,
     /// The live connection, `None` while disconnected.
     link: watch::Sender<Option<Link>>,
     next_session: AtomicU64,
-    pub(super) tracker: TaskTracker,
-    /// Prepares running at once: fewer than the prefetch, so cleanups and
-    /// `deployed` always find a delivery slot free of downloads.
-    prepare_slots: Arc<tokio::sync::Semaphore>,
-    /// Places in the slow lane: prepares whose download is slow give back
-    /// their prepare slot and are acknowledged early (see [`Dispatcher::run`]).
-    slow_lane: Arc<tokio::sync::Semaphore>,
     /// This host's queue, where deferred prepares go back.
     queue: String,
 }
 
-/// A delivery and what it was parsed into.
-pub(super) struct Job {
-    inbound: Inbound,
+/// A delivery: the broker's side of its job (the shared dispatch's
+/// [`Carrier`]).
+pub(super) struct Delivered {
+    dispatcher: Arc<Dispatcher>,
     source: &'static str,
     reply_to: Option<String>,
     correlation_id: Option<String>,
@@ -107,27 +88,12 @@ pub(super) struct Job {
     redelivered: bool,
     /// When this process received it (ms since the epoch).
     received_ms: u64,
-    /// The span of every line written about it: its node, request id and
-    /// action, once parsed.
-    span: tracing::Span,
-}
-
-/// Prepare slots for a prefetch: a quarter of the deliveries (at least one)
-/// stays free for other actions.
-fn prepare_slots(prefetch: u16) -> usize {
-    let prefetch = usize::from(prefetch.max(1));
-    prefetch.saturating_sub((prefetch / 4).max(1)).max(1)
 }
 
 impl Dispatcher {
-    pub(super) fn new(
-        pipeline: Arc<Pipeline>,
-        metrics: Arc<Metrics>,
-        settings: &super::Settings,
-    ) -> Dispatcher {
+    pub(super) fn new(work: Arc<Dispatch>, settings: &super::Settings) -> Dispatcher {
         let amqp = &settings.amqp;
         let timeout = amqp.consumer_timeout;
-        let slots = prepare_slots(amqp.prefetch);
         let queue = super::Topology::new(&settings.host, amqp).queue;
         Dispatcher {
             host: settings.host.clone(),
@@ -135,17 +101,17 @@ impl Dispatcher {
             deploy_interfaces: settings.notifications.deploy_interfaces.clone(),
             max_message_bytes: amqp.max_message_bytes,
             consumer_timeout_ms: AtomicU64::new(timeout.saturating_mul(1000)),
-            pipeline,
-            metrics,
-            nodes: Mutex::new(HashMap::new()),
+            work,
             pending: Mutex::new(HashMap::new()),
             link: watch::Sender::new(None),
             next_session: AtomicU64::new(1),
-            tracker: TaskTracker::new(),
-            prepare_slots: Arc::new(tokio::sync::Semaphore::new(slots)),
-            slow_lane: Arc::new(tokio::sync::Semaphore::new(settings.slow_downloads)),
             queue,
         }
+    }
+
+    /// Every job's task (the shared dispatch's), for a drain on stop.
+    pub(super) fn tracker(&self) -> &TaskTracker {
+        &self.work.tracker
     }
 
     /// Makes `publisher` the way out for every job; returns the new link.
@@ -214,28 +180,46 @@ impl Dispatcher {
         if delivery.redelivered && self.adopt(session, identity, &delivery.acker, received) {
             return;
         }
-        let job = self.job(session, identity, delivery);
-        let node = match &job.inbound {
-            Inbound::Work(req) => order_key(req),
-            Inbound::Ignore(_) | Inbound::Moved { .. } => {
-                let d = self.clone();
-                self.tracker.spawn(async move { d.settle(job).await });
-                return;
-            }
-            Inbound::Invalid(_) => {
+        let (inbound, job) = self.job(session, identity, delivery);
+        match inbound {
+            Inbound::Work(request) => {
                 self.remember(&job);
-                let d = self.clone();
-                self.tracker.spawn(async move { d.settle(job).await });
-                return;
+                let span = crate::dispatch::span_of(&request);
+                self.arm_early_ack(&job.tracked, session, received, &span);
+                self.work.submit(Job {
+                    request: *request,
+                    carrier: Box::new(job),
+                });
             }
-        };
-        self.remember(&job);
-        self.arm_early_ack(&job.tracked, session, received, &job.span);
-        self.enqueue(node, job);
+            Inbound::Invalid(done) => {
+                self.remember(&job);
+                self.work
+                    .tracker
+                    .spawn(async move { job.dead_letter(&done).await });
+            }
+            Inbound::Ignore(why) => {
+                let work = self.work.clone();
+                self.work
+                    .tracker
+                    .spawn(async move { work.unanswered(&job, why).await });
+            }
+            Inbound::Moved { node, at_ms } => {
+                let work = self.work.clone();
+                self.work.tracker.spawn(async move {
+                    work.pipeline().note_moved(&node, at_ms).await;
+                    work.unanswered(&job, "no_action").await;
+                });
+            }
+        }
     }
 
-    /// A delivery parsed into a job holding its copy.
-    fn job(&self, session: u64, identity: u64, delivery: Delivery) -> Job {
+    /// A delivery parsed: what it asks, and the job holding its copy.
+    fn job(
+        self: &Arc<Self>,
+        session: u64,
+        identity: u64,
+        delivery: Delivery,
+    ) -> (Inbound, Delivered) {
         let from_ironic = delivery.exchange.as_str() == self.notification_exchange;
         let received_ms = super::stamp::now_ms();
         let mut inbound = inbound::parse(
@@ -251,17 +235,8 @@ impl Dispatcher {
         }
         let dead_letter = matches!(inbound, Inbound::Invalid(_));
         let text = |s: &Option<lapin::types::ShortString>| s.as_ref().map(|s| s.to_string());
-        let span = match &inbound {
-            Inbound::Work(req) => tracing::info_span!(
-                "delivery",
-                node = %req.node_uuid,
-                request_id = req.request_id.as_deref().unwrap_or(""),
-                action = req.action.as_str()
-            ),
-            _ => tracing::info_span!("delivery"),
-        };
-        Job {
-            span,
+        let job = Delivered {
+            dispatcher: self.clone(),
             source: if from_ironic {
                 "notification"
             } else {
@@ -269,7 +244,6 @@ impl Dispatcher {
             },
             reply_to: text(delivery.properties.reply_to()),
             correlation_id: text(delivery.properties.correlation_id()),
-            inbound,
             identity,
             tracked: Arc::new(Tracked::new(session, delivery.acker, dead_letter)),
             deadline: deadline::of(&delivery.properties, received_ms),
@@ -277,36 +251,8 @@ impl Dispatcher {
             properties: delivery.properties,
             redelivered: delivery.redelivered,
             received_ms,
-        }
-    }
-
-    /// Puts `job` at the tail of its node's FIFO queue, starting the
-    /// queue's task when the node has none.
-    fn enqueue(self: &Arc<Self>, node: String, job: Job) {
-        let mut nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner());
-        let job = match nodes.get(&node) {
-            Some(tx) => match tx.send(job) {
-                Ok(()) => return,
-                Err(mpsc::error::SendError(job)) => job,
-            },
-            None => job,
         };
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        let _ = tx.send(job);
-        nodes.insert(node.clone(), tx);
-        let d = self.clone();
-        self.tracker.spawn(async move {
-            loop {
-                while let Ok(job) = rx.try_recv() {
-                    d.settle(job).await;
-                }
-                let mut nodes = d.nodes.lock().unwrap_or_else(|p| p.into_inner());
-                if rx.is_empty() {
-                    nodes.remove(&node);
-                    return;
-                }
-            }
-        });
+        (inbound, job)
     }
 
     /// Starts the early acknowledgement of the copy of `session` held by
@@ -342,7 +288,7 @@ impl Dispatcher {
 
     /// Registers a job as awaiting acknowledgement, forgetting answered
     /// ones older than [`ANSWERED_MEMORY`].
-    fn remember(&self, job: &Job) {
+    fn remember(&self, job: &Delivered) {
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
         pending.retain(|_, jobs| {
             jobs.retain(|t| {
@@ -382,14 +328,15 @@ impl Dispatcher {
             }
             (t, adoption)
         };
-        self.metrics
+        self.work
+            .metrics()
             .ignored
             .with_label_values(&["redelivered_in_progress"])
             .inc();
         if let Adoption::SettleNow(acker) = adoption {
             tracing::info!("a redelivered copy of work already answered or accepted: settled");
             let dead_letter = tracked.dead_letter;
-            self.tracker.spawn(async move {
+            self.work.tracker.spawn(async move {
                 let _ = if dead_letter {
                     acker.reject(BasicRejectOptions { requeue: false }).await
                 } else {
@@ -403,127 +350,13 @@ impl Dispatcher {
         true
     }
 
-    /// Handles one job to the end: answer, then ack (or dead-letter).
-    async fn settle(&self, job: Job) {
-        let span = job.span.clone();
-        self.settle_in_span(job).instrument(span).await
-    }
-
-    /// [`Dispatcher::settle`], inside the job's span.
-    async fn settle_in_span(&self, mut job: Job) {
-        let inbound = std::mem::replace(&mut job.inbound, Inbound::Ignore("settled"));
-        match inbound {
-            Inbound::Work(request) => self.work(*request, &job).await,
-            Inbound::Invalid(done) => {
-                tracing::warn!(source = job.source, error = ?done.error, "dead-lettering an unusable message");
-                self.metrics.record(&done);
-                self.metrics
-                    .consumed(job.source, done.action.as_str(), "invalid");
-                if self.answer(&done, &job).await {
-                    self.finish(job.identity, &job.tracked, false).await;
-                }
-            }
-            Inbound::Ignore(why) => {
-                self.ignore(job.source, why, job.identity, &job.tracked)
-                    .await
-            }
-            Inbound::Moved { node, at_ms } => {
-                self.pipeline.note_moved(&node, at_ms).await;
-                self.ignore(job.source, "no_action", job.identity, &job.tracked)
-                    .await;
-            }
-        }
-    }
-
-    /// Runs a command or notification: waits for a prepare slot (or
-    /// defers the prepare), refuses it past its deadline, runs it, answers.
-    async fn work(&self, mut request: crate::messages::Request, job: &Job) {
-        let key = format!("{:016x}", job.identity);
-        if job.redelivered
-            && self
-                .pipeline
-                .answered_before(&request.node_uuid, &key)
-                .await
-        {
-            tracing::info!("a redelivered copy of work answered by a process of this host");
-            return self
-                .ignore(job.source, "answered_elsewhere", job.identity, &job.tracked)
-                .await;
-        }
-        let expired = || job.deadline.is_some_and(|at| super::stamp::now_ms() >= at);
-        // A warm downloads like a prepare: it shares the prepare slots.
-        let slot = if matches!(request.action, Action::Prepare | Action::Warm) {
-            match self.prepare_slot().await {
-                Some(slot) => Some(slot),
-                None if !expired() => return self.defer(job).await,
-                None => None,
-            }
-        } else {
-            None
-        };
-        let done = if expired() {
-            drop(slot);
-            let done = expired_answer(&request, &self.host);
-            self.metrics.record(&done);
-            done
-        } else {
-            // A stray cleanup (node not prepared here) is decided under
-            // the node lock, inside the pipeline.
-            let slow = slot.as_ref().map(|_| {
-                let (signal, slow) = crate::messages::SlowSignal::new();
-                request.slow = signal;
-                slow
-            });
-            let Some(done) = self.run(&request, &job.tracked, slot, slow).await else {
-                return self
-                    .ignore(job.source, "not_prepared_here", job.identity, &job.tracked)
-                    .await;
-            };
-            done
-        };
-        self.metrics
-            .consumed(job.source, done.action.as_str(), done.status.as_str());
-        if self.answer(&done, job).await {
-            self.pipeline.note_answered(&request.node_uuid, &key).await;
-            self.finish(job.identity, &job.tracked, true).await;
-        }
-    }
-
-    /// Acknowledges a message that needs no answer, counted by reason.
-    async fn ignore(
-        &self,
-        source: &'static str,
-        why: &'static str,
-        identity: u64,
-        tracked: &Arc<Tracked<Acker>>,
-    ) {
-        self.metrics.ignored.with_label_values(&[why]).inc();
-        self.metrics.consumed(source, "none", "ignored");
-        // A lost acknowledgement only means the message comes back and is
-        // ignored again.
-        let acker = tracked.take_acker();
-        if let Some((_, acker)) = acker {
-            let _ = acker.ack(BasicAckOptions::default()).await;
-        }
-        self.forget(identity, tracked);
-    }
-
-    /// A prepare slot, waiting up to [`DEFER_AFTER`] for one.
-    async fn prepare_slot(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
-        let slots = self.prepare_slots.clone();
-        tokio::time::timeout(DEFER_AFTER, slots.acquire_owned())
-            .await
-            .ok()
-            .and_then(|p| p.ok())
-    }
-
     /// Every prepare slot is busy (long downloads): the prepare goes back
     /// to the tail of the queue (a confirmed copy carrying the command's
     /// deadline, then this delivery is acknowledged), so the delivery slot
     /// serves other actions meanwhile. A copy whose connection is gone
     /// comes back by itself, as new work; if putting it back fails on the
     /// live connection, that connection is renewed and the copy comes back.
-    async fn defer(&self, job: &Job) {
+    async fn defer(&self, job: &Delivered) {
         let link = self.link.borrow().clone();
         let acker = job.tracked.take_acker();
         // The redelivered copy is new work, not a copy of running work.
@@ -551,7 +384,8 @@ impl Dispatcher {
         };
         match put_back {
             Ok(()) => self
-                .metrics
+                .work
+                .metrics()
                 .ignored
                 .with_label_values(&["deferred_prepare"])
                 .inc(),
@@ -562,77 +396,10 @@ impl Dispatcher {
         }
     }
 
-    /// Runs the work of a delivery, holding `slot` (a prepare's) while it
-    /// runs. Beside it, a prepare whose download is slow (`slow` notified)
-    /// moves to the slow lane when it has room: it gives back its prepare
-    /// slot and is acknowledged early, so that neither prepare slots nor
-    /// the prefetch fill with slow sources. (Work outlasting the consumer
-    /// timeout is acknowledged by its copy's timer, see `arm_early_ack`.)
-    async fn run(
-        &self,
-        request: &crate::messages::Request,
-        tracked: &Tracked<Acker>,
-        slot: Option<tokio::sync::OwnedSemaphorePermit>,
-        slow: Option<Arc<Notify>>,
-    ) -> Option<Completion> {
-        let slowed = async move {
-            let Some(slow) = slow else {
-                return std::future::pending().await;
-            };
-            slow.notified().await;
-            let _held = match self.slow_lane.clone().try_acquire_owned() {
-                Ok(lane) => {
-                    drop(slot);
-                    self.metrics.slow_lane.inc();
-                    if let Some((_, acker)) = tracked.ack_early(None) {
-                        tracing::info!("slow download moved to the slow lane: acknowledged early");
-                        let _ = acker.ack(BasicAckOptions::default()).await;
-                    }
-                    Some(lane)
-                }
-                Err(_) => slot,
-            };
-            std::future::pending::<()>().await
-        };
-        tokio::select! {
-            done = self.handle_retrying(request) => done,
-            () = slowed => None,
-        }
-    }
-
-    /// The pipeline's answer; a cleanup or `deployed` failing because the
-    /// file system is read-only, failing or full is tried again with
-    /// backoff for up to [`RELEASE_RETRY_FOR`], so the node is released once
-    /// the file system is back instead of being answered and forgotten.
-    async fn handle_retrying(&self, request: &crate::messages::Request) -> Option<Completion> {
-        let started = Instant::now();
-        let mut delay = Duration::from_millis(500);
-        loop {
-            let done = self.pipeline.handle_unless_stray(request).await?;
-            let transient = matches!(request.action, Action::Cleanup | Action::Deployed)
-                && done
-                    .error
-                    .as_ref()
-                    .is_some_and(|e| is_transient_io(e.os_error));
-            if !transient || started.elapsed() + delay > RELEASE_RETRY_FOR {
-                return Some(done);
-            }
-            tracing::warn!(
-                node = %request.node_uuid,
-                action = request.action.as_str(),
-                error = ?done.error,
-                retry_in = ?delay,
-                "releasing failed on a transient file-system error; retrying"
-            );
-            tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(Duration::from_secs(15));
-        }
-    }
-
     /// Publishes `done` through the live connection, waiting for one and
     /// trying again on the next if publishing fails. False only when the
     /// worker stops first (the copy is then redelivered after a restart).
-    async fn answer(&self, done: &Completion, job: &Job) -> bool {
+    async fn answer(&self, done: &Completion, job: &Delivered) -> bool {
         let (reply_to, correlation_id) = (job.reply_to.as_deref(), job.correlation_id.as_deref());
         let mut links = self.link.subscribe();
         loop {
@@ -735,59 +502,76 @@ fn identity(delivery: &Delivery) -> u64 {
     h.finish()
 }
 
-/// Whether an I/O failure's OS error is a file-system condition that goes
-/// away (read-only file system, I/O error, no space, quota).
-fn is_transient_io(os_error: Option<i32>) -> bool {
-    os_error.is_some_and(|e| [libc::EROFS, libc::EIO, libc::ENOSPC, libc::EDQUOT].contains(&e))
-}
-
-/// The answer to a command whose sender stopped waiting before its work
-/// could start.
-fn expired_answer(request: &crate::messages::Request, host: &str) -> Completion {
-    let err = Error::new(
-        ErrorCode::Expired,
-        "the command's deadline (its expiration, counted from its first delivery) \
-         passed before its work could start",
-    );
-    tracing::warn!(node = %request.node_uuid, action = request.action.as_str(), "refusing a command past its deadline");
-    let node = (request.action != Action::Warm).then(|| request.node_uuid.clone());
-    Completion::new(request.action, node, request.request_id.clone(), host).failed(&err)
-}
-
-/// The key of the FIFO queue a request waits in: its node, so a node's
-/// commands run in order; a warm, which names no node, waits behind the
-/// warms of the same image source (two warms of one image never download
-/// it twice at once here, the master lock serialises across processes) and
-/// never behind a node's commands (a key with a space is never a UUID).
-fn order_key(request: &crate::messages::Request) -> String {
-    match request.action {
-        Action::Warm => format!(
-            "warm {}",
-            request
-                .instance_info
-                .image_source
-                .as_deref()
-                .unwrap_or("")
-                .trim()
-        ),
-        _ => request.node_uuid.clone(),
+impl Delivered {
+    /// An unusable message: its error event, then a dead-letter.
+    async fn dead_letter(&self, done: &Completion) {
+        let d = &self.dispatcher;
+        tracing::warn!(source = self.source, error = ?done.error, "dead-lettering an unusable message");
+        d.work.metrics().record(done);
+        d.work
+            .metrics()
+            .consumed(self.source, done.action.as_str(), "invalid");
+        if d.answer(done, self).await {
+            d.finish(self.identity, &self.tracked, false).await;
+        }
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+impl Carrier for Delivered {
+    fn transport(&self) -> Transport {
+        Transport::Amqp
+    }
 
-    #[test]
-    fn transient_file_system_errors() {
-        let io = |errno| {
-            let e = crate::error::Error::io("remove x", std::io::Error::from_raw_os_error(errno));
-            e.os_error
-        };
-        assert!(is_transient_io(io(libc::EROFS)));
-        assert!(is_transient_io(io(libc::EIO)));
-        assert!(is_transient_io(io(libc::ENOSPC)));
-        assert!(!is_transient_io(io(libc::EACCES)));
-        assert!(!is_transient_io(None));
+    fn source(&self) -> &'static str {
+        self.source
+    }
+
+    fn deadline(&self) -> Option<u64> {
+        self.deadline
+    }
+
+    fn delivery_key(&self) -> Option<DeliveryKey> {
+        Some(DeliveryKey {
+            key: format!("{:016x}", self.identity),
+            redelivered: self.redelivered,
+        })
+    }
+
+    fn defer(&self) -> BoxFuture<'_, Deferral> {
+        Box::pin(async move {
+            self.dispatcher.defer(self).await;
+            Deferral::TakenBack
+        })
+    }
+
+    fn slowed(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            if let Some((_, acker)) = self.tracked.ack_early(None) {
+                tracing::info!("slow download moved to the slow lane: acknowledged early");
+                let _ = acker.ack(BasicAckOptions::default()).await;
+            }
+        })
+    }
+
+    fn answer<'a>(&'a self, done: &'a Completion) -> BoxFuture<'a, bool> {
+        Box::pin(self.dispatcher.answer(done, self))
+    }
+
+    fn finish(&self) -> BoxFuture<'_, ()> {
+        Box::pin(
+            self.dispatcher
+                .finish(self.identity, &self.tracked, !self.tracked.dead_letter),
+        )
+    }
+
+    /// Acknowledges a message that needs no answer (a lost acknowledgement
+    /// only means the message comes back and is ignored again).
+    fn unanswered(&self, _why: &'static str) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            if let Some((_, acker)) = self.tracked.take_acker() {
+                let _ = acker.ack(BasicAckOptions::default()).await;
+            }
+            self.dispatcher.forget(self.identity, &self.tracked);
+        })
     }
 }

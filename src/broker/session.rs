@@ -10,8 +10,8 @@ use super::connect::Brokers;
 use super::dispatch::Dispatcher;
 use super::publisher::Publisher;
 use super::topology::Topology;
+use crate::dispatch::Dispatch;
 use crate::metrics::Metrics;
-use crate::pipeline::Pipeline;
 use backon::BackoffBuilder;
 use futures_util::StreamExt;
 use lapin::options::*;
@@ -41,18 +41,14 @@ enum Ended {
 /// Runs the consumer until `stop` turns true, reconnecting as needed.
 /// `connected` mirrors the connection state for `/readyz`.
 pub async fn run(
-    pipeline: Arc<Pipeline>,
-    metrics: Arc<Metrics>,
+    work: Arc<Dispatch>,
     settings: super::Settings,
     brokers: Brokers,
     connected: Arc<AtomicBool>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let dispatcher = Arc::new(Dispatcher::new(
-        pipeline.clone(),
-        metrics.clone(),
-        &settings,
-    ));
+    let metrics = work.metrics().clone();
+    let dispatcher = Arc::new(Dispatcher::new(work, &settings));
     let mut backoff = reconnect_backoff();
     let mut next = 0usize;
     let mut failed_in_row = 0usize;
@@ -121,9 +117,9 @@ pub async fn run(
 /// work; what is still unacknowledged after it is redelivered, what was
 /// acknowledged early is lost (said in the log, with how many).
 async fn drain(dispatcher: &Dispatcher, settings: &super::Settings) {
-    dispatcher.tracker.close();
+    dispatcher.tracker().close();
     let grace = Duration::from_secs(settings.amqp.shutdown_grace);
-    if tokio::time::timeout(grace, dispatcher.tracker.wait())
+    if tokio::time::timeout(grace, dispatcher.tracker().wait())
         .await
         .is_err()
     {

@@ -51,7 +51,7 @@ impl Topology {
             events_exchange: a.events_exchange.clone(),
             queue,
             notification_exchange: a.notification_exchange.clone(),
-            notification_bindings: if a.bind_notifications {
+            notification_bindings: if a.binds_notifications() {
                 a.notification_topics
                     .iter()
                     .flat_map(|t| [format!("{t}.info"), format!("{t}.error")])

@@ -9,6 +9,10 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AmqpSection {
+    /// Whether the worker uses a broker at all. `false`: no connection,
+    /// no command queue, no notifications, no peers; commands come through
+    /// the JSON-RPC listener (`[json_rpc]`).
+    pub enabled: bool,
     /// Broker URLs (`amqp://` or `amqps://`), one per node of a cluster:
     /// each reconnect tries the next one. A TOML array, or one string with
     /// comma-separated URLs or hosts as in oslo.messaging's `transport_url`
@@ -55,8 +59,9 @@ pub struct AmqpSection {
     pub delivery_limit: u32,
     /// Messages handled at once (AMQP prefetch).
     pub prefetch: u16,
-    /// Whether to bind the per-host queue to Ironic's notification exchange.
-    pub bind_notifications: bool,
+    /// Whether to bind the per-host queue to Ironic's notification exchange
+    /// (unset: yes, with a broker).
+    pub bind_notifications: Option<bool>,
     /// Ironic's notification exchange (`[DEFAULT]control_exchange`).
     pub notification_exchange: String,
     /// Notification topics (routing keys get `.info` / `.error` appended).
@@ -79,6 +84,7 @@ pub struct AmqpSection {
 impl Default for AmqpSection {
     fn default() -> Self {
         AmqpSection {
+            enabled: true,
             url: vec!["amqp://guest:guest@127.0.0.1:5672/%2f".into()],
             heartbeat: 10,
             connect_timeout: 10,
@@ -95,7 +101,7 @@ impl Default for AmqpSection {
             queue_type: "quorum".into(),
             delivery_limit: 5,
             prefetch: 32,
-            bind_notifications: true,
+            bind_notifications: None,
             notification_exchange: "ironic".into(),
             notification_topics: vec!["ironic_versioned_notifications".into()],
             notification_exchange_durable: false,
@@ -106,6 +112,12 @@ impl Default for AmqpSection {
 }
 
 impl AmqpSection {
+    /// Whether the per-host queue is bound to Ironic's notifications: as
+    /// `bind_notifications` says, and by default whenever there is a broker.
+    pub fn binds_notifications(&self) -> bool {
+        self.enabled && self.bind_notifications.unwrap_or(true)
+    }
+
     /// The broker URLs with their passwords masked, for logs.
     pub fn url_redacted(&self) -> String {
         self.url

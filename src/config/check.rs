@@ -73,6 +73,31 @@ impl Report {
             .push(Problem::of_option(section, option, message.into()));
     }
 
+    /// Checks one HTTP Basic set-up of `section`: `noauth`, or `http_basic`
+    /// with a user (without `:`) and a password; `names` are the options of
+    /// the strategy, the user and the password, `values` theirs.
+    pub fn basic_auth(&mut self, section: &str, names: [&str; 3], values: [&str; 3]) {
+        let [strategy_name, user_name, password_name] = names;
+        let [strategy, user, password] = values;
+        match strategy {
+            "noauth" => {}
+            "http_basic" if user.is_empty() || password.is_empty() => self.error(
+                section,
+                strategy_name,
+                format!("http_basic needs {user_name} and {password_name}"),
+            ),
+            "http_basic" if user.contains(':') => {
+                self.error(section, user_name, "must not contain ':' (HTTP Basic)")
+            }
+            "http_basic" => {}
+            other => self.error(
+                section,
+                strategy_name,
+                format!("unknown value {other:?} (noauth or http_basic)"),
+            ),
+        }
+    }
+
     /// Records that `[section] option` is too large to be converted to
     /// the unit of `unit` (a wrapped limit would be a tiny one).
     pub fn fits(&mut self, section: &str, option: &str, value: u64, unit: u64) {

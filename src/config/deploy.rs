@@ -1,5 +1,6 @@
 //! `[deploy]`: where the published symlinks live, the URL nodes reach
-//! them under, and the image server's authentication (Ironic's own names).
+//! them under, and the credentials of the user's image servers (Ironic's
+//! own names and meaning).
 
 use super::check::Report;
 use serde::{Deserialize, Serialize};
@@ -19,15 +20,23 @@ pub struct DeploySection {
     pub http_url: String,
     /// Subdirectory of `http_root` holding the per-node symlinks.
     pub http_image_subdir: String,
-    // Image server authentication (Ironic's names; Ironic hands the same
-    // credentials to the agent in its image_info).
-    /// `noauth` or `http_basic` (every image request must carry
-    /// `image_server_user` / `image_server_password`).
+    // The credentials of the user's image servers, as Ironic 39 reads
+    // them: sent with the downloads of http(s) sources (and as the
+    // fallback credential of an OCI registry) to the hosts they are
+    // permitted for. Not the worker's own image port: `[http]auth_*`.
+    /// `noauth` or `http_basic`.
     pub image_server_auth_strategy: String,
     /// User name of `http_basic`.
     pub image_server_user: String,
     /// Password of `http_basic` (never logged).
     pub image_server_password: String,
+    /// Hosts the credentials may be sent to (`.example.com` matches its
+    /// subdomains); empty: see `image_server_auth_permit_unknown_hosts`.
+    #[serde(deserialize_with = "super::value::list_opt")]
+    pub image_server_auth_hosts: Vec<String>,
+    /// With no `image_server_auth_hosts`: send the credentials to every
+    /// host (true, Ironic 39's default) or to none.
+    pub image_server_auth_permit_unknown_hosts: bool,
 }
 
 impl Default for DeploySection {
@@ -39,6 +48,8 @@ impl Default for DeploySection {
             image_server_auth_strategy: "noauth".into(),
             image_server_user: String::new(),
             image_server_password: String::new(),
+            image_server_auth_hosts: Vec::new(),
+            image_server_auth_permit_unknown_hosts: true,
         }
     }
 }
@@ -64,31 +75,86 @@ impl DeploySection {
                 "must be one plain directory name",
             );
         }
-        let option = "image_server_auth_strategy";
-        match self.image_server_auth_strategy.as_str() {
-            "noauth" => {}
-            "http_basic"
-                if self.image_server_user.is_empty() || self.image_server_password.is_empty() =>
-            {
-                report.error(
-                    "deploy",
-                    option,
-                    "http_basic needs image_server_user and image_server_password",
-                )
-            }
-            "http_basic" if self.image_server_user.contains(':') => report.error(
-                "deploy",
+        report.basic_auth(
+            "deploy",
+            [
+                "image_server_auth_strategy",
                 "image_server_user",
-                "must not contain ':' (HTTP Basic)",
-            ),
-            "http_basic" => {}
-            other => report.error(
-                "deploy",
-                option,
-                format!("unknown value {other:?} (noauth or http_basic)"),
-            ),
-        }
+                "image_server_password",
+            ],
+            [
+                &self.image_server_auth_strategy,
+                &self.image_server_user,
+                &self.image_server_password,
+            ],
+        );
     }
+
+    /// The user and password to send to the image source `url`
+    /// (`[deploy]image_server_*`), as Ironic 39 sends them with its own
+    /// downloads: `http_basic` only, http(s) only, to a permitted host.
+    pub fn source_credentials(&self, url: &str) -> Option<(String, String)> {
+        (self.image_server_auth_strategy == "http_basic" && self.auth_permitted(url))
+            .then(|| self.credentials())
+    }
+
+    /// The fallback credential of the OCI registry of `image_source`
+    /// (Ironic 39: `[deploy]image_server_user` / `_password` when both are
+    /// set and the host is permitted, whatever the strategy).
+    pub fn oci_fallback_credentials(&self, image_source: &str) -> Option<(String, String)> {
+        (!self.image_server_user.is_empty()
+            && !self.image_server_password.is_empty()
+            && self.auth_permitted(image_source))
+        .then(|| self.credentials())
+    }
+
+    fn credentials(&self) -> (String, String) {
+        (
+            self.image_server_user.clone(),
+            self.image_server_password.clone(),
+        )
+    }
+
+    /// Ironic 39's `is_host_auth_permitted`: schemes that carry no
+    /// credential to a remote host are permitted; http, https and oci go
+    /// to a host of `image_server_auth_hosts` (exact, or `.suffix`), or to
+    /// any host when that list is empty and
+    /// `image_server_auth_permit_unknown_hosts` is true.
+    pub fn auth_permitted(&self, href: &str) -> bool {
+        let Some((scheme, rest)) = href.split_once("://") else {
+            return true;
+        };
+        if !["http", "https", "oci"].contains(&scheme.to_ascii_lowercase().as_str()) {
+            return true;
+        }
+        if self.image_server_auth_hosts.is_empty() {
+            return self.image_server_auth_permit_unknown_hosts;
+        }
+        let Some(host) = url_host(rest) else {
+            return false;
+        };
+        self.image_server_auth_hosts.iter().any(|entry| {
+            let entry = entry.trim().to_ascii_lowercase();
+            if entry.starts_with('.') {
+                host.ends_with(&entry)
+            } else {
+                host == entry
+            }
+        })
+    }
+}
+
+/// The host name of a URL's authority (`rest` is what follows `://`),
+/// lower-cased, without user info, port or IPv6 brackets.
+fn url_host(rest: &str) -> Option<String> {
+    let authority = rest.split(['/', '?', '#']).next()?;
+    let authority = authority.rsplit('@').next()?;
+    let host = if let Some(v6) = authority.strip_prefix('[') {
+        v6.split(']').next()?
+    } else {
+        authority.split(':').next()?
+    };
+    (!host.is_empty()).then(|| host.to_ascii_lowercase())
 }
 
 /// Whether `url` is `http://host...` or `https://host...`.

@@ -30,6 +30,15 @@ pub struct HttpSection {
     /// Lowest TLS version accepted: `1.3` (the default, as Ironic's own
     /// servers) or `1.2`.
     pub tls_min_version: String,
+    /// The image port's own authentication: `noauth` or `http_basic`
+    /// (every request carries `auth_user` / `auth_password`; Ironic hands
+    /// the agent its `[deploy]image_server_user` / `_password`, so set the
+    /// same there, with this host permitted).
+    pub auth_strategy: String,
+    /// User name of `http_basic`.
+    pub auth_user: String,
+    /// Password of `http_basic` (never logged).
+    pub auth_password: String,
 }
 
 impl Default for HttpSection {
@@ -42,6 +51,9 @@ impl Default for HttpSection {
             tls_cert_file: String::new(),
             tls_key_file: String::new(),
             tls_min_version: "1.3".into(),
+            auth_strategy: "noauth".into(),
+            auth_user: String::new(),
+            auth_password: String::new(),
         }
     }
 }
@@ -52,8 +64,14 @@ impl HttpSection {
         !self.tls_cert_file.is_empty()
     }
 
-    /// TLS files both given and readable, a version this TLS stack speaks.
+    /// TLS files both given and readable, a version this TLS stack speaks,
+    /// the credentials `http_basic` needs.
     pub(super) fn check(&self, report: &mut Report) {
+        report.basic_auth(
+            "http",
+            ["auth_strategy", "auth_user", "auth_password"],
+            [&self.auth_strategy, &self.auth_user, &self.auth_password],
+        );
         if self.tls_cert_file.is_empty() != self.tls_key_file.is_empty() {
             let set = match self.tls_cert_file.is_empty() {
                 true => "tls_key_file",

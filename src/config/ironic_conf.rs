@@ -62,10 +62,12 @@ const SAME: &[(&str, &[(&str, Kind)])] = &[
             ("http_root", Kind::Text),
             ("http_url", Kind::Text),
             ("http_image_subdir", Kind::Text),
-            // The image server's authentication.
+            // The credentials of the user's image servers.
             ("image_server_auth_strategy", Kind::Text),
             ("image_server_user", Kind::Text),
             ("image_server_password", Kind::Text),
+            ("image_server_auth_hosts", Kind::List),
+            ("image_server_auth_permit_unknown_hosts", Kind::Text),
         ],
     ),
     (

@@ -39,6 +39,7 @@ mod dirs;
 mod glance;
 mod http;
 pub(crate) mod ironic_conf;
+mod json_rpc;
 mod layers;
 mod log;
 mod metrics;
@@ -60,6 +61,7 @@ pub use default::{DefaultSection, system_hostname};
 pub use deploy::DeploySection;
 pub use glance::GlanceSection;
 pub use http::HttpSection;
+pub use json_rpc::JsonRpcSection;
 pub use layers::{ENV_PREFIX, Files, Layers, Raw, Setting, Source};
 pub use log::{LogFormat, LogSection};
 pub use metrics::MetricsSection;
@@ -111,6 +113,8 @@ pub struct Config {
     pub peers: PeersSection,
     /// `[log]`: the log format and the access log.
     pub log: LogSection,
+    /// `[json_rpc]`: the JSON-RPC listener (off unless `listen` is set).
+    pub json_rpc: JsonRpcSection,
 }
 
 /// A configuration as read: its values, every layer's settings (where
@@ -233,6 +237,8 @@ impl Config {
         self.convert.check(report);
         self.cache.check(report);
         self.peers.check(report);
+        self.json_rpc.check(report);
+        self.check_without_broker(report);
         self.check_served_dirs(report);
         self.check_published_url(report);
         for (section, option, dir) in [
@@ -335,6 +341,40 @@ impl Config {
                      [pxe]images_path)",
                     self.pxe.instance_master_path.display()
                 ),
+            );
+        }
+    }
+
+    /// With `[amqp]enabled = false` nothing may need the broker: peers
+    /// (their queries and claims cross it) are refused, and so is a
+    /// request for Ironic's notifications, which only come through it; and
+    /// the JSON-RPC listener must be on, or no command could arrive.
+    fn check_without_broker(&self, report: &mut Report) {
+        if self.amqp.enabled {
+            return;
+        }
+        if self.peers.enabled() {
+            report.error(
+                "peers",
+                "listen",
+                "[peers] needs the broker (queries and download claims go through it), but \
+                 [amqp]enabled = false: unset [peers]listen or enable [amqp]",
+            );
+        }
+        if self.amqp.bind_notifications == Some(true) {
+            report.error(
+                "amqp",
+                "bind_notifications",
+                "true needs the broker (Ironic's notifications come through it), but \
+                 [amqp]enabled = false",
+            );
+        }
+        if !self.json_rpc.enabled() {
+            report.error(
+                "amqp",
+                "enabled",
+                "false and no [json_rpc]listen: the worker would take no commands at all; set \
+                 [json_rpc]listen",
             );
         }
     }

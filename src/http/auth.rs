@@ -1,7 +1,7 @@
-//! HTTP Basic authentication on the image server
-//! (`[deploy]image_server_auth_strategy = "http_basic"` with Ironic's
-//! `image_server_user` / `image_server_password`, the credentials Ironic
-//! hands the agent for its image downloads).
+//! HTTP Basic authentication on the image server (`[http]auth_strategy =
+//! "http_basic"` with `auth_user` / `auth_password`; Ironic hands the agent
+//! its own `[deploy]image_server_user` / `_password` for the worker's URL,
+//! so they are set alike).
 //!
 //! The credentials a request carries are compared with the configured ones
 //! through their SHA-256 digests, in time that depends on neither, so the

@@ -25,11 +25,12 @@ pub async fn serve(config: Config, files: &str) -> Result<()> {
     let limits = image_server_limits(&config);
     let security = image_server_security(&config, &metrics)?;
     let settings = crate::broker::Settings::of(&config);
-    let brokers = crate::broker::Brokers::new(&settings.amqp)?;
+    let brokers = (config.amqp.enabled)
+        .then(|| crate::broker::Brokers::new(&settings.amqp))
+        .transpose()?;
     // Listen first: a worker that cannot (a port in use) stops before it
     // makes or changes anything on disk.
-    let image_listener = bind("[http]listen", config.http.listen).await?;
-    let ops_listener = bind("[metrics]listen", config.metrics.listen).await?;
+    let listeners = Listeners::bind(&config).await?;
     let pipeline = Arc::new(Pipeline::new(config.clone(), metrics.clone())?);
     pipeline.recover()?;
     let roots = ImageRoots::new(
@@ -39,42 +40,41 @@ pub async fn serve(config: Config, files: &str) -> Result<()> {
     .map_err(|e| Error::io("resolve served directories", e))?;
     announce(&config, limits, &security, files);
     let (stop_tx, stop_rx) = watch::channel(false);
-    let stopped = |mut rx: watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|s| *s).await;
-    };
-    let connected = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let health = health_of(&config, &connected);
+    let connected = brokers
+        .is_some()
+        .then(|| Arc::new(std::sync::atomic::AtomicBool::new(false)));
     let images = tokio::spawn(http::serve_images(
-        image_listener,
+        listeners.images,
         roots,
         metrics.clone(),
         (limits, security, access_log(&config)),
         stopped(stop_rx.clone()),
     ));
     let ops = tokio::spawn(http::serve_ops(
-        ops_listener,
+        listeners.ops,
         metrics.clone(),
-        health,
+        health_of(&config, connected.as_ref()),
         limits,
         stopped(stop_rx.clone()),
     ));
-    let peers = spawn_peer_listener(
-        &config,
-        &pipeline,
-        &metrics,
-        limits,
-        stopped(stop_rx.clone()),
-    )
-    .await?;
+    let peers = spawn_peer_listener(&config, &pipeline, &metrics, limits, &stop_rx).await?;
     start_peer_link(&settings, &pipeline, &metrics, &stop_rx)?;
-    let consumer = tokio::spawn(crate::broker::run(
+    let bounds = crate::dispatch::Bounds {
+        host: settings.host.clone(),
+        prefetch: settings.amqp.prefetch,
+        slow_downloads: settings.slow_downloads,
+    };
+    let work = Arc::new(crate::dispatch::Dispatch::new(
         pipeline.clone(),
         metrics.clone(),
-        settings,
-        brokers,
-        connected,
-        stop_rx.clone(),
+        bounds,
     ));
+    let rpc = spawn_json_rpc(listeners.rpc, &work, &config, &metrics, &stop_rx)?;
+    let grace = std::time::Duration::from_secs(settings.amqp.shutdown_grace);
+    let consumer = brokers.zip(connected).map(|(brokers, connected)| {
+        let run = crate::broker::run(work.clone(), settings, brokers, connected, stop_rx.clone());
+        tokio::spawn(run)
+    });
     let housekeeping = tokio::spawn(housekeeping(
         pipeline.clone(),
         config.cache.clean_interval,
@@ -87,12 +87,114 @@ pub async fn serve(config: Config, files: &str) -> Result<()> {
     crate::service::sd_notify::notify("STOPPING=1");
     tracing::info!("shutting down: finishing in-flight work");
     let _ = stop_tx.send(true);
-    let _ = consumer.await;
+    match consumer {
+        Some(consumer) => drop(consumer.await),
+        None => drain(&work, grace).await,
+    }
     let _ = housekeeping.await;
-    let servers = [Some(images), Some(ops), peers].into_iter().flatten();
+    let servers = [Some(images), Some(ops), peers, rpc].into_iter().flatten();
     stop_servers(servers.collect()).await;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// The listeners `serve` binds before it touches anything on disk.
+struct Listeners {
+    /// `[http]listen`: the image server.
+    images: TcpListener,
+    /// `[metrics]listen`: `/metrics`, `/healthz`, `/readyz`.
+    ops: TcpListener,
+    /// `[json_rpc]listen`, when set.
+    rpc: Option<(std::net::SocketAddr, TcpListener)>,
+}
+
+impl Listeners {
+    /// Binds every configured listener; an error names the option.
+    async fn bind(config: &Config) -> Result<Listeners> {
+        let images = bind("[http]listen", config.http.listen).await?;
+        let ops = bind("[metrics]listen", config.metrics.listen).await?;
+        let rpc = match config.json_rpc.listen {
+            Some(addr) => Some((addr, bind("[json_rpc]listen", addr).await?)),
+            None => None,
+        };
+        Ok(Listeners { images, ops, rpc })
+    }
+}
+
+/// Completes once `stop` turns true.
+async fn stopped(mut stop: watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
+/// A listener's task, ending when it stopped serving.
+type Server = tokio::task::JoinHandle<std::io::Result<()>>;
+
+/// Without a broker: lets the work under way finish within `grace`
+/// (`[amqp]shutdown_grace`; the broker's consumer does it otherwise).
+async fn drain(work: &crate::dispatch::Dispatch, grace: std::time::Duration) {
+    work.tracker.close();
+    if tokio::time::timeout(grace, work.tracker.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            ?grace,
+            "work under way did not finish in the grace period; its callers ask again"
+        );
+    }
+}
+
+/// Starts the JSON-RPC listener on `listener` (bound when
+/// `[json_rpc]listen` is set).
+fn spawn_json_rpc(
+    listener: Option<(std::net::SocketAddr, TcpListener)>,
+    work: &Arc<crate::dispatch::Dispatch>,
+    config: &Config,
+    metrics: &Metrics,
+    stop: &watch::Receiver<bool>,
+) -> Result<Option<Server>> {
+    let Some((listen, listener)) = listener else {
+        return Ok(None);
+    };
+    let c = &config.json_rpc;
+    let configuration = |e: String| Error::new(ErrorCode::Internal, format!("configuration: {e}"));
+    let auth = (c.auth_strategy == "http_basic")
+        .then(|| crate::rpc::htpasswd::Htpasswd::open(c.http_basic_auth_user_file.clone().into()))
+        .transpose()
+        .map_err(|e| configuration(format!("[json_rpc]http_basic_auth_user_file {e}")))?
+        .map(Arc::new);
+    let tls = c
+        .tls_enabled()
+        .then(|| {
+            let files = http::tls::TlsFiles {
+                cert: c.tls_cert_file.clone().into(),
+                key: c.tls_key_file.clone().into(),
+                min_version: http::tls::MinVersion::parse(&c.tls_min_version)
+                    .unwrap_or(http::tls::MinVersion::Tls13),
+            };
+            http::Tls::load(files, Some(metrics.http.tls_reloads.clone()))
+        })
+        .transpose()
+        .map_err(|e| configuration(format!("[json_rpc]tls_cert_file: {e}")))?
+        .map(Arc::new);
+    let limits = http::Limits {
+        max_connections: c.max_connections,
+        ..image_server_limits(config)
+    };
+    tracing::info!(json_rpc = %listen, auth = %c.auth_strategy, tls = tls.is_some(), "serving JSON-RPC");
+    let server = crate::rpc::RpcServer {
+        work: work.clone(),
+        auth,
+        tls,
+        limits,
+        max_body_bytes: c.max_body_bytes,
+        request_timeout: std::time::Duration::from_secs(c.request_timeout),
+    };
+    Ok(Some(tokio::spawn(crate::rpc::serve(
+        listener,
+        server,
+        stopped(stop.clone()),
+    ))))
 }
 
 /// The start-up line: where the worker serves, what it read, what next.
@@ -115,7 +217,7 @@ fn announce(config: &Config, limits: http::Limits, security: &http::Security, fi
 
 /// Waits for the listeners to finish: downloads by nodes may last long, so
 /// they get a moment, then stop.
-async fn stop_servers(servers: Vec<tokio::task::JoinHandle<std::io::Result<()>>>) {
+async fn stop_servers(servers: Vec<Server>) {
     let all = async {
         for server in servers {
             let _ = server.await;
@@ -158,8 +260,8 @@ async fn spawn_peer_listener(
     pipeline: &Pipeline,
     metrics: &Arc<Metrics>,
     limits: http::Limits,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> Result<Option<tokio::task::JoinHandle<std::io::Result<()>>>> {
+    stop: &watch::Receiver<bool>,
+) -> Result<Option<Server>> {
     let (Some(listen), true) = (config.peers.listen, config.peers.enabled()) else {
         return Ok(None);
     };
@@ -180,13 +282,13 @@ async fn spawn_peer_listener(
         server,
         metrics.clone(),
         limits,
-        shutdown,
+        stopped(stop.clone()),
     ))))
 }
 
 /// What `/readyz` checks: the directories the worker writes, and the broker
-/// connection the consumer reports in `connected`.
-fn health_of(config: &Config, connected: &Arc<std::sync::atomic::AtomicBool>) -> Health {
+/// connection the consumer reports in `connected` (none without a broker).
+fn health_of(config: &Config, connected: Option<&Arc<std::sync::atomic::AtomicBool>>) -> Health {
     Health {
         dirs: vec![
             config.pxe.instance_master_path.clone(),
@@ -196,7 +298,7 @@ fn health_of(config: &Config, connected: &Arc<std::sync::atomic::AtomicBool>) ->
                 .http_root
                 .join(&config.deploy.http_image_subdir),
         ],
-        broker: Some(connected.clone()),
+        broker: connected.cloned(),
     }
 }
 
@@ -251,8 +353,7 @@ fn image_server_limits(config: &Config) -> http::Limits {
 }
 
 /// The image server's TLS (`[http]tls_*`) and Basic authentication
-/// (`[deploy]image_server_*`); a certificate that does not load stops the
-/// start.
+/// (`[http]auth_*`); a certificate that does not load stops the start.
 fn image_server_security(config: &Config, metrics: &Metrics) -> Result<http::Security> {
     let tls = if config.tls_enabled() {
         let files = http::tls::TlsFiles {
@@ -267,9 +368,9 @@ fn image_server_security(config: &Config, metrics: &Metrics) -> Result<http::Sec
     } else {
         None
     };
-    let d = &config.deploy;
-    let auth = (d.image_server_auth_strategy == "http_basic")
-        .then(|| http::BasicAuth::new(&d.image_server_user, &d.image_server_password));
+    let h = &config.http;
+    let auth = (h.auth_strategy == "http_basic")
+        .then(|| http::BasicAuth::new(&h.auth_user, &h.auth_password));
     Ok(http::Security { tls, auth })
 }
 

@@ -97,6 +97,9 @@ pub struct Fetcher {
     small_timeout: Duration,
     glance: Arc<Glance>,
     oci: Arc<oci_registry::Registry>,
+    /// `[deploy]image_server_*`: the credentials of the user's image
+    /// servers, and the hosts they may go to.
+    image_servers: crate::config::DeploySection,
 }
 
 enum Failure {
@@ -323,7 +326,19 @@ impl Fetcher {
             small_timeout,
             glance,
             oci: Arc::new(oci_registry::Registry::new(config)?),
+            image_servers: config.deploy.clone(),
         })
+    }
+
+    /// A request to the http(s) source `url`, with the credentials of the
+    /// user's image servers when they may go to its host (as Ironic 39
+    /// sends them; reqwest drops them on a redirect to another host).
+    fn to_source(&self, method: reqwest::Method, url: &reqwest::Url) -> reqwest::RequestBuilder {
+        let req = self.client.request(method, url.clone());
+        match self.image_servers.source_credentials(url.as_str()) {
+            Some((user, password)) => req.basic_auth(user, Some(password)),
+            None => req,
+        }
     }
 
     /// The Glance client, for image metadata.
@@ -340,6 +355,15 @@ impl Fetcher {
         local: bool,
         cpu_arch: Option<&str>,
     ) -> Result<oci_registry::Resolved> {
+        // Without a pull secret, the image servers' credentials when they
+        // may go to this registry (Ironic 39's fallback, before
+        // `[oci]authentication_config`).
+        let credential = credential.or_else(|| {
+            let href = format!("oci://{}/{}", r.registry, r.repo);
+            self.image_servers
+                .oci_fallback_credentials(&href)
+                .map(|(user, password)| oci::Credential::from_secret(&format!("{user}:{password}")))
+        });
         self.retrying(|| self.oci.resolve(r, credential.clone(), local, cpu_arch))
             .await
     }
@@ -398,8 +422,7 @@ impl Fetcher {
             Source::Http(url) => {
                 self.retrying(|| async {
                     let resp = self
-                        .client
-                        .head(url.clone())
+                        .to_source(reqwest::Method::HEAD, url)
                         .timeout(self.small_timeout)
                         .send()
                         .await
@@ -438,8 +461,7 @@ impl Fetcher {
         let source = Source::Http(parsed.clone());
         self.retrying(|| async {
             let resp = self
-                .client
-                .get(parsed.clone())
+                .to_source(reqwest::Method::GET, &parsed)
                 .timeout(self.small_timeout)
                 .send()
                 .await
@@ -480,8 +502,8 @@ impl Fetcher {
             match source {
                 Source::File(f) => Ok(self.copy_file(f, to).await?),
                 Source::Http(url) => {
-                    self.get_http(source, self.client.get(url.clone()), to)
-                        .await
+                    let req = self.to_source(reqwest::Method::GET, url);
+                    self.get_http(source, req, to).await
                 }
                 Source::Glance(id) => {
                     let req = self.glance.data_request(id).await?;

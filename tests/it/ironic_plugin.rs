@@ -69,6 +69,9 @@ async fn direct_worker_deploy_interface_in_ironic() {
     // A worker the tests start and stop (its queue outlives it).
     let spare = Env::new("");
     let worker = env.serve().await;
+    // A worker with no broker at all, called through Ironic's JSON-RPC
+    // client over TLS (a CA of the test's own) with HTTP Basic.
+    let rpc = RpcWorker::start().await;
 
     let mut cmd = tokio::process::Command::new(python);
     cmd.args([
@@ -97,6 +100,13 @@ async fn direct_worker_deploy_interface_in_ironic() {
             .replacen("amqp://", "rabbit://", 1)
             .replace("%2f", ""),
     )
+    .env("IIW_RPC_PORT", rpc.port.to_string())
+    .env("IIW_RPC_CA", &rpc.ca)
+    .env("IIW_RPC_USER", "ironic")
+    .env("IIW_RPC_PASSWORD", RpcWorker::PASSWORD)
+    .env("IIW_RPC_HTTP_PORT", rpc.env.http_port.to_string())
+    .env("IIW_RPC_HTTP_ROOT", rpc.env.link_dir().parent().unwrap())
+    .env("IIW_RPC_IMAGES_PATH", rpc.env.images_dir())
     .env_remove("IRONIC_IMAGE_WORKER_CONFIG")
     .kill_on_drop(true);
     let out = tokio::time::timeout(Duration::from_secs(300), cmd.output())
@@ -115,4 +125,49 @@ async fn direct_worker_deploy_interface_in_ironic() {
         "no case may be skipped:\n{text}"
     );
     drop(worker);
+    drop(rpc);
+}
+
+/// A worker with `[amqp]enabled = false` and its JSON-RPC listener over
+/// TLS (certificate of a CA of its own) with `http_basic` (user `ironic`).
+struct RpcWorker {
+    // Stopped before its directories go.
+    _worker: Worker,
+    env: Env,
+    port: u16,
+    ca: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl RpcWorker {
+    const PASSWORD: &str = "rpc-s3cret";
+
+    async fn start() -> RpcWorker {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = ca::TestCa::new(dir.path(), "plugin-rpc-ca");
+        let (cert, key) = ca.issue(
+            "plugin-rpc",
+            "localhost",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
+        );
+        let htpasswd = dir.path().join("htpasswd");
+        let file = htpasswd.to_str().unwrap();
+        tool("htpasswd", &["-Bbc", file, "ironic", Self::PASSWORD]);
+        let port = free_port();
+        let env = Env::new(&format!(
+            "[amqp]\nenabled = false\n[json_rpc]\nlisten = \"127.0.0.1:{port}\"\n\
+             auth_strategy = \"http_basic\"\nhttp_basic_auth_user_file = \"{file}\"\n\
+             tls_cert_file = \"{}\"\ntls_key_file = \"{}\"\n",
+            cert.display(),
+            key.display()
+        ));
+        let worker = env.serve().await;
+        RpcWorker {
+            ca: ca.pem.clone(),
+            env,
+            port,
+            _dir: dir,
+            _worker: worker,
+        }
+    }
 }

@@ -168,11 +168,13 @@ async fn tls_env(http_extra: &str, deploy_extra: &str) -> (Env, PathBuf, String,
     (env, certs, url, sha256sum(&image))
 }
 
-const BASIC: &str = "image_server_auth_strategy = \"http_basic\"\nimage_server_user = \"ironic\"\nimage_server_password = \"s3cret-pw\"";
+/// The image port's own Basic authentication (`[http]`).
+const BASIC: &str =
+    "auth_strategy = \"http_basic\"\nauth_user = \"ironic\"\nauth_password = \"s3cret-pw\"";
 
 #[tokio::test]
 async fn agent_downloads_over_https_with_basic_auth() {
-    let (env, certs, url, sha) = tls_env("", BASIC).await;
+    let (env, certs, url, sha) = tls_env(BASIC, "").await;
     let worker = env.serve().await;
     let ca = certs.join("ca1.pem");
     let (ok, out) = ipa_download(env.root(), &url, &sha, &ca, Some(("ironic", "s3cret-pw"))).await;
@@ -481,6 +483,14 @@ fn tls_and_auth_options_are_checked() {
         ],
         &[&cert, &key, "http.tls_min_version=1.1"],
         &[&cert, &key, "deploy.http_url=http://127.0.0.1:8080"],
+        &["http.auth_strategy=http_basic", "http.auth_user=u"],
+        &["http.auth_strategy=http_basic", "http.auth_password=p"],
+        &[
+            "http.auth_strategy=http_basic",
+            "http.auth_user=a:b",
+            "http.auth_password=p",
+        ],
+        &["http.auth_strategy=keystone"],
         &[
             "deploy.image_server_auth_strategy=http_basic",
             "deploy.image_server_user=u",

@@ -27,6 +27,7 @@ import time
 from unittest import mock
 
 import fixtures as fx
+from oslo_config import cfg
 
 from ironic.common import driver_factory
 from ironic.common import states
@@ -105,8 +106,9 @@ class TestCase(db_base.DbTestCase):
         pass
 
 
-class DirectWorkerTestCase(TestCase):
-    """Ironic drives the interface; the worker does the image work."""
+class _DeployCase(TestCase):
+    """Ironic drives the interface; the worker does the image work (the
+    set-up and helpers of the cases below)."""
 
     def setUp(self):
         super().setUp()
@@ -179,13 +181,33 @@ class DirectWorkerTestCase(TestCase):
             target_provision_state=states.ACTIVE,
             instance_info=instance_info, driver_internal_info={})
 
-    def _prepare(self, node):
-        """What the conductor does for a deploy, up to the image step."""
+    def _send(self, node):
+        """What the conductor does as a deploy starts: the prepare is sent
+        to the worker, not waited for."""
         with task_manager.acquire(self.context, node.uuid) as task:
             conductor_utils.update_image_type(task.context, task.node)
             task.driver.deploy.validate(task)
             task.driver.deploy.prepare(task)
-            return task.node.instance_info
+            self.assertIsNone(task.node.instance_info['image_url'])
+            self.assertIn(deploy.PENDING, task.node.driver_internal_info)
+
+    def _collected(self, node, within=120):
+        """The instance_info once the worker's answer is collected (as the
+        write_image step collects it, asked again until it is there)."""
+        deadline = time.monotonic() + within
+        while True:
+            with task_manager.acquire(self.context, node.uuid) as task:
+                if task.driver.deploy._collect(task):
+                    self.assertNotIn(deploy.PENDING,
+                                     task.node.driver_internal_info)
+                    return task.node.instance_info
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.05)
+
+    def _prepare(self, node):
+        """The prepare sent, then its answer collected."""
+        self._send(node)
+        return self._collected(node)
 
     def _agent_image_info(self, node):
         """The image_info Ironic's write_image step hands the agent."""
@@ -254,7 +276,10 @@ class DirectWorkerTestCase(TestCase):
                          parts.file_hash(got, 'md5'))
         os.unlink(got)
 
-    # cases
+
+
+class DirectWorkerTestCase(_DeployCase):
+    """Through RabbitMQ (the default transport)."""
 
     def test_http_qcow2_converted_and_verified_by_the_agent(self):
         img, ref = self._image('conv')
@@ -332,40 +357,6 @@ class DirectWorkerTestCase(TestCase):
         self.assertEqual(['cleanup'], [a for a, _ in sent])
         self.assertEqual('success', sent[0][1]['status'])
         self.assertEqual([], self._node_files(node))
-
-    def test_answer_survives_a_closed_broker_connection(self):
-        img, ref = self._image('cut', size=6 << 20, seed=8)
-        node = self._node(image_source=self.source.url('cut.qcow2'),
-                          image_os_hash_algo='sha256',
-                          image_os_hash_value=parts.file_hash(
-                              img, 'sha256'))
-        gate = self.source.gate('cut.qcow2')
-        found = []
-        closed = []
-
-        def connected():
-            found[:] = found or parts.broker_connections(node.uuid)
-            return found and self.source.count('GET', '/cut.qcow2') > 0
-
-        def cut():
-            # The command is in the worker's hands: close the interface's
-            # connection from the broker side, then let the worker answer
-            # (into the reply queue, while the interface reconnects).
-            for pid, heartbeat in found:
-                closed.append(heartbeat)
-                parts.close_broker_connection(pid)
-            gate.set()
-
-        thread = self._when(connected, cut)
-        info = self._prepare(node)
-        thread.join()
-        self.assertEqual(1, len(closed))
-        # Heartbeats as the conductor's own RPC connection has them.
-        self.assertEqual(
-            CONF.oslo_messaging_rabbit.heartbeat_timeout_threshold,
-            closed[0])
-        self.assertGreater(closed[0], 0)
-        self._assert_served(node, info, ref)
 
     def test_two_nodes_one_image_one_download(self):
         img, ref = self._image('shared', size=8 << 20, seed=5)
@@ -462,19 +453,38 @@ class DirectWorkerTestCase(TestCase):
         self.assertFalse(e.sent)
         self.assertEqual([], sent)
 
-    def test_worker_dying_during_the_prepare_fails_after_the_grace(self):
+    def test_no_consumer_never_outlives_the_prepare_timeout(self):
+        spare = self._spare()
+        # The restart grace (30 s) is longer than the prepare's timeout.
+        self.config(worker_restart_grace=30, prepare_timeout=3,
+                    group='image_worker')
+        spare.start()
+        spare.stop()
+        node = self._node(image_source=self.source.url('absent.raw'),
+                          image_checksum='0' * 32)
+        started = time.monotonic()
+        e = self.assertRaises(exception.ImageWorkerNotConsuming,
+                              self._prepare, node)
+        self.assertLess(time.monotonic() - started, 3 + 3)
+        self.assertFalse(e.sent)
+
+    def test_worker_dying_during_the_prepare_fails_at_the_timeout(self):
         img, _ = self._image('dying', size=4 << 20, qcow2=False, seed=9)
         node = self._node(image_source=self.source.url('dying.raw'),
                           image_checksum=parts.file_hash(img, 'md5'))
         spare = self._spare()
+        self.config(prepare_timeout=5, group='image_worker')
         spare.start()
         gate = self.source.gate('dying.raw')
         sent = self._record_commands()
         thread = self._when(
             lambda: self.source.count('GET', '/dying.raw') > 0, spare.kill)
-        e = self.assertRaises(exception.ImageWorkerNotConsuming,
+        started = time.monotonic()
+        e = self.assertRaises(exception.ImageWorkerTimeout,
                               self._prepare, node)
         thread.join()
+        # Within prepare_timeout (and a poll), never a grace beyond it.
+        self.assertLess(time.monotonic() - started, 5 + 3)
         self.assertTrue(e.sent)
         # The prepare is back in the queue: a cleanup follows it, not
         # waited for (nobody consumes).
@@ -567,6 +577,206 @@ class DirectWorkerTestCase(TestCase):
         self.assertNotIn('robot:wrong', logs.output)
 
 
+class DirectWorkerJsonRpcTestCase(_DeployCase):
+    """Through Ironic's own JSON-RPC client ([image_worker]transport =
+    json-rpc) to a worker with no broker at all, over TLS with a CA and
+    HTTP Basic against its htpasswd file. The conductor's broker is
+    pointed at a closed port: nothing may need it."""
+
+    def setUp(self):
+        super().setUp()
+        if not parts.env('IIW_RPC_PORT'):
+            self.skipTest('run through cargo test --test it ironic_plugin::')
+        self.http_root = parts.env('IIW_RPC_HTTP_ROOT')
+        self.images_path = parts.env('IIW_RPC_IMAGES_PATH')
+        self.http_url = 'http://127.0.0.1:%s' % parts.env('IIW_RPC_HTTP_PORT')
+        self.config(http_url=self.http_url, http_root=self.http_root,
+                    group='deploy')
+        self.config(images_path=self.images_path, group='pxe')
+        self.config(transport_url='rabbit://guest:guest@127.0.0.1:1/')
+        self.config(transport='json-rpc', group='image_worker')
+        self._rpc(parts.env('IIW_RPC_PASSWORD'))
+
+    def _rpc(self, password, port=None):
+        """[image_worker_json_rpc] as an operator writes it."""
+        from keystoneauth1 import loading
+        from ironic.common.json_rpc import client as json_rpc_client
+        group = conf.JSON_RPC_GROUP
+        # What keystoneauth registers when it loads the plugin named by
+        # auth_type from ironic.conf.
+        CONF.register_opts(loading.get_auth_plugin_conf_options('http_basic'),
+                           group=group)
+        self.config(host_ip='127.0.0.1',
+                    port=int(port or parts.env('IIW_RPC_PORT')),
+                    auth_strategy='http_basic', auth_type='http_basic',
+                    username=parts.env('IIW_RPC_USER'), password=password,
+                    use_ssl=True, cafile=parts.env('IIW_RPC_CA'),
+                    group=group)
+        json_rpc_client._SESSIONS.pop(group, None)
+        self.addCleanup(json_rpc_client._SESSIONS.pop, group, None)
+
+    def test_deploy_overlaps_the_image_work_with_the_boot(self):
+        img, ref = self._image('rpc', size=16 << 20, seed=21)
+        node = self._node(image_source=self.source.url('rpc.qcow2'),
+                          image_os_hash_algo='sha256',
+                          image_os_hash_value=parts.file_hash(img, 'sha256'))
+        gate = self.source.gate('rpc.qcow2')
+        started = time.monotonic()
+        self._send(node)
+        # Sent, not waited for: the worker is still downloading.
+        self.assertLess(time.monotonic() - started, 10)
+        node.refresh()
+        node.provision_state = states.DEPLOYWAIT
+        node.save()
+        # The agent is ready before the image: the step waits (polling).
+        with mock.patch.object(agent_client.AgentClient,
+                               'execute_deploy_step', autospec=True) as m, \
+                task_manager.acquire(self.context, node.uuid) as task:
+            self.assertEqual(states.DEPLOYWAIT,
+                             task.driver.deploy.write_image(task))
+            self.assertFalse(m.called)
+            self.assertTrue(task.node.driver_internal_info[
+                'deployment_polling'])
+        gate.set()
+        resumed = []
+        with mock.patch.object(
+                deploy.manager_utils, 'notify_conductor_resume_deploy',
+                autospec=True, side_effect=lambda t: resumed.append(
+                    t.node.uuid)):
+            deadline = time.monotonic() + 60
+            while not resumed and time.monotonic() < deadline:
+                with task_manager.acquire(self.context, node.uuid,
+                                          shared=True) as task:
+                    task.driver.deploy.check_prepare(task)
+                time.sleep(0.1)
+        self.assertEqual([node.uuid], resumed)
+        node.refresh()
+        self.assertNotIn('deployment_polling', node.driver_internal_info)
+        # The step runs again: the agent gets the worker's URL.
+        info = self._collected(node)
+        self._assert_served(node, info, ref)
+        self.assertEqual(1, self.source.count('GET', '/rpc.qcow2'))
+
+    def test_two_nodes_one_image_one_download(self):
+        img, ref = self._image('rpc2', size=8 << 20, seed=22)
+        sha = parts.file_hash(img, 'sha256')
+        nodes = [self._node(image_source=self.source.url('rpc2.qcow2'),
+                            image_os_hash_algo='sha256',
+                            image_os_hash_value=sha) for _ in range(2)]
+        for n in nodes:
+            self._send(n)
+        infos = [self._collected(n) for n in nodes]
+        self.assertNotEqual(infos[0]['image_url'], infos[1]['image_url'])
+        self.assertEqual(1, self.source.count('GET', '/rpc2.qcow2'))
+        self._assert_served(nodes[1], infos[1], ref)
+
+    def test_checksum_mismatch_fails_the_deploy_with_the_code(self):
+        self._image('rpcliar', size=4 << 20, qcow2=False, seed=23)
+        node = self._node(image_source=self.source.url('rpcliar.raw'),
+                          image_os_hash_algo='sha256',
+                          image_os_hash_value='0' * 64)
+        sent = self._record_commands()
+        self._send(node)
+        # While the ramdisk still boots: the failure fails the deploy.
+        node.refresh()
+        node.provision_state = states.DEPLOYWAIT
+        node.save()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with task_manager.acquire(self.context, node.uuid,
+                                      shared=True) as task:
+                task.driver.deploy.check_prepare(task)
+            node.refresh()
+            if node.provision_state != states.DEPLOYWAIT:
+                break
+            time.sleep(0.1)
+        self.assertEqual(states.DEPLOYFAIL, node.provision_state)
+        self.assertIn('checksum_mismatch', node.last_error)
+        self.assertEqual([], self._node_files(node))
+        self.assertEqual(['cleanup'], [a for a, _ in sent])
+        self.assertEqual('success', sent[0][1]['status'])
+
+    def test_deployed_and_teardown_remove_the_node_files(self):
+        img, _ = self._image('rpclife', size=4 << 20, qcow2=False, seed=24)
+        node = self._node(image_source=self.source.url('rpclife.raw'),
+                          image_checksum=parts.file_hash(img, 'md5'))
+        sent = self._record_commands()
+        self._prepare(node)
+        self.assertEqual(2, len(self._node_files(node)))
+        with task_manager.acquire(self.context, node.uuid) as task:
+            task.driver.deploy.clean_up(task)
+        self.assertEqual('cleanup', sent[-1][0])
+        self.assertEqual('success', sent[-1][1]['status'])
+        self.assertEqual([], self._node_files(node))
+
+    def test_worker_down_fails_at_once(self):
+        import socket
+        with socket.socket() as s:
+            s.bind(('127.0.0.1', 0))
+            closed = s.getsockname()[1]
+        self._rpc(parts.env('IIW_RPC_PASSWORD'), port=closed)
+        node = self._node(image_source=self.source.url('absent.raw'),
+                          image_checksum='0' * 32)
+        started = time.monotonic()
+        e = self.assertRaises(exception.ImageWorkerUnreachable,
+                              self._send, node)
+        self.assertLess(time.monotonic() - started,
+                        CONF.image_worker.prepare_timeout)
+        self.assertEqual('no_worker', e.error_code)
+        self.assertIn('[image_worker_json_rpc]host_ip', str(e))
+        self.assertFalse(e.sent)
+
+    def test_validate_refuses_a_worker_url_the_agent_cannot_read(self):
+        from ironic.common import exception as ironic_exception
+        self.config(image_server_auth=True, group='image_worker')
+        node = self._node(image_source=self.source.url('absent.raw'),
+                          image_checksum='0' * 32)
+
+        def validate():
+            with task_manager.acquire(self.context, node.uuid) as task:
+                conductor_utils.update_image_type(task.context, task.node)
+                task.driver.deploy.validate(task)
+
+        e = self.assertRaises(ironic_exception.InvalidParameterValue,
+                              validate)
+        self.assertIn('[deploy]image_server_auth_strategy', str(e))
+        self.config(image_server_auth_strategy='http_basic',
+                    image_server_user='agent', image_server_password='pw',
+                    image_server_auth_hosts=['images.example.com'],
+                    group='deploy')
+        e = self.assertRaises(ironic_exception.InvalidParameterValue,
+                              validate)
+        self.assertIn('[deploy]image_server_auth_hosts', str(e))
+        self.config(image_server_auth_hosts=['127.0.0.1'], group='deploy')
+        validate()
+
+    def test_a_prepare_the_worker_lost_fails_at_once(self):
+        # As after a restart of the worker: it has no record of the
+        # request the node waits for.
+        node = self._node(image_source=self.source.url('absent.raw'),
+                          image_checksum='0' * 32)
+        node.set_driver_internal_info(deploy.PENDING, {
+            'request_id': uuidutils.generate_uuid(),
+            'deadline': time.time() + 600})
+        node.save()
+        started = time.monotonic()
+        with task_manager.acquire(self.context, node.uuid) as task:
+            e = self.assertRaises(exception.ImageWorkerPrepareFailed,
+                                  task.driver.deploy._collect, task)
+        self.assertEqual('no_worker', e.error_code)
+        self.assertLess(time.monotonic() - started, 30)
+
+    def test_wrong_password_is_refused_naming_the_options(self):
+        self._rpc('not-the-password')
+        node = self._node(image_source=self.source.url('absent.raw'),
+                          image_checksum='0' * 32)
+        e = self.assertRaises(exception.ImageWorkerUnauthorized,
+                              self._send, node)
+        self.assertEqual('unauthorized', e.error_code)
+        self.assertIn('[image_worker_json_rpc]', str(e))
+        self.assertIn('http_basic_auth_user_file', str(e))
+
+
 class HardwareTypesTestCase(TestCase):
     """direct-worker is accepted wherever Ironic accepts direct."""
 
@@ -643,12 +853,27 @@ class BrokerSettingsTestCase(TestCase):
                           'amqp://guest:guest@h3:5673/ironic'], urls)
 
     def test_options_for_the_config_generator(self):
-        [(group, opts)] = conf.list_opts()
+        [(group, opts), (rpc_group, rpc_opts)] = conf.list_opts()
         self.assertEqual('image_worker', group)
+        # Ironic's own JSON-RPC client options, as for [json_rpc].
+        self.assertEqual('image_worker_json_rpc', rpc_group)
+        self.assertTrue({'host_ip', 'port', 'auth_strategy', 'use_ssl',
+                         'cafile', 'username', 'password'}
+                        <= {o.name for o in rpc_opts})
+        # Not Ironic's own port: both listen on one host. (A fresh
+        # configuration: the test fixture's reset drops set defaults.)
+        fresh = cfg.ConfigOpts()
+        conf.register_opts(fresh)
+        fresh([])
+        self.assertEqual(conf.JSON_RPC_PORT, fresh.image_worker_json_rpc.port)
+        self.assertNotEqual(CONF.json_rpc.port,
+                            fresh.image_worker_json_rpc.port)
         self.assertEqual({'exchange', 'queue_prefix', 'conductor_host',
                           'transport_url', 'prepare_timeout',
                           'command_timeout', 'worker_restart_grace',
-                          'reply_queue_type', 'connect_timeout'},
+                          'reply_queue_type', 'connect_timeout',
+                          'transport', 'poll_interval',
+                          'image_server_auth'},
                          {o.name for o in opts})
 
     def test_tls_from_oslo_messaging_rabbit(self):

@@ -1,0 +1,289 @@
+//! The JSON-RPC listener with no broker at all (`[amqp]enabled = false`),
+//! called with Ironic 39's own JSON-RPC client (`ironic.common.json_rpc`,
+//! from the Ironic virtualenv, see tests/helpers/json_rpc_call.py) and,
+//! for what that client never sends, with plain HTTP.
+
+use crate::common;
+
+use common::*;
+use serde_json::{Value, json};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// A worker environment with no broker and JSON-RPC on a port of its own;
+/// `extra` goes into `[json_rpc]`.
+fn env_without_broker(extra: &str) -> (Env, u16) {
+    let port = free_port();
+    let env = Env::new(&format!(
+        "[amqp]\nenabled = false\n[json_rpc]\nlisten = \"127.0.0.1:{port}\"\n{extra}\n"
+    ));
+    (env, port)
+}
+
+/// Runs `calls` through Ironic's JSON-RPC client; one answer a call.
+async fn ironic_client(port: u16, args: &[&str], calls: &[Value]) -> Vec<Value> {
+    let python = tokio::task::spawn_blocking(ironic_python).await.unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/helpers/json_rpc_call.py");
+    let mut cmd = tokio::process::Command::new(python);
+    cmd.arg(script)
+        .arg(port.to_string())
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true);
+    let mut child = cmd.spawn().unwrap();
+    let input: String = calls.iter().map(|c| c.to_string() + "\n").collect();
+    use tokio::io::AsyncWriteExt;
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(input.as_bytes()).await.unwrap();
+    drop(stdin);
+    let out = tokio::time::timeout(Duration::from_secs(180), child.wait_with_output())
+        .await
+        .expect("the client finished")
+        .unwrap();
+    let answers: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(answers.len(), calls.len(), "one answer a call: {answers:?}");
+    answers
+}
+
+fn call(method: &str, params: Value) -> Value {
+    json!({"method": method, "params": params})
+}
+
+/// A JSON-RPC request over plain HTTP; (status, body).
+async fn post(url: &str, body: &Value) -> (u16, Value) {
+    let r = reqwest::Client::new()
+        .post(url)
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let text = r.text().await.unwrap();
+    (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+}
+
+/// A qcow2 image in `dir` and its `qemu-img convert` reference.
+fn image(dir: &Path, name: &str) -> (PathBuf, PathBuf) {
+    let raw = dir.join(format!("{name}.raw"));
+    patchy_raw(&raw, 8 << 20, 7);
+    let img = dir.join(format!("{name}.qcow2"));
+    qcow2_from(&raw, &img, &[]);
+    let reference = dir.join(format!("{name}.ref"));
+    reference_raw(&img, &reference);
+    (img, reference)
+}
+
+/// prepare, the same prepare again, status, a cast, a checksum mismatch,
+/// deployed and cleanup through Ironic's client, against a worker with no
+/// broker: the answers are the completions (errors carry the worker's
+/// code), one download for everything, the served bytes are qemu-img's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_through_ironics_client_without_a_broker() {
+    let (env, port) = env_without_broker("");
+    let (img, reference) = image(&env.root().join("src"), "disk");
+    let source = SourceServer::start(&env.root().join("src")).await;
+    let worker = env.serve().await;
+    let (n1, n2, n3) = (node(), node(), node());
+    let info = json!({"image_source": source.url("disk.qcow2"),
+                      "image_os_hash_algo": "sha256", "image_os_hash_value": sha256sum(&img)});
+    let prepare = |n: &str, id: &str| {
+        call(
+            "prepare",
+            json!({"node_uuid": n, "request_id": id, "instance_info": info,
+                               "options": {"force_raw": true, "stream_raw": true}}),
+        )
+    };
+    let bad = json!({"image_source": source.url("disk.qcow2"), "image_os_hash_algo": "sha256",
+                     "image_os_hash_value": "0".repeat(64)});
+    let answers = ironic_client(
+        port,
+        &[],
+        &[
+            prepare(&n1, "r1"),
+            prepare(&n1, "r1"),
+            call("status", json!({"node_uuid": n1})),
+            call(
+                "prepare",
+                json!({"node_uuid": n3, "request_id": "r3", "instance_info": bad}),
+            ),
+            call("prepare", json!({"node_uuid": "not-a-uuid"})),
+            call("no_such_method", json!({})),
+        ],
+    )
+    .await;
+    let done = &answers[0]["result"];
+    assert_valid_completion(done);
+    assert_eq!(done["status"], "success");
+    assert_eq!(done["image_checksum"], md5sum(&reference));
+    let (status, served) = get(done["image_url"].as_str().unwrap()).await;
+    assert_eq!(status, 200);
+    assert_eq!(served, std::fs::read(&reference).unwrap());
+    assert_eq!(
+        answers[1]["result"], *done,
+        "the same request, the same answer"
+    );
+    assert_eq!(answers[2]["result"], *done);
+    // Published again for the same node: not an error, the same URL.
+    let again = ironic_client(port, &[], &[prepare(&n1, "r1-again")]).await;
+    assert_eq!(again[0]["result"]["status"], "success", "{again:?}");
+    assert_eq!(again[0]["result"]["image_url"], done["image_url"]);
+    let mismatch = &answers[3]["error"];
+    assert_eq!(mismatch["class"], "ironic.common.exception.IronicException");
+    assert!(
+        mismatch["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("checksum_mismatch: ")
+    );
+    assert_eq!(
+        answers[4]["error"]["class"],
+        "ironic.common.exception.InvalidParameterValue"
+    );
+    assert!(
+        answers[4]["error"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("invalid_node_uuid: ")
+    );
+    assert!(answers[5]["error"].is_object());
+
+    // A cast is queued; status tells its end.
+    let cast = json!({"method": "prepare", "cast": true,
+                      "params": {"node_uuid": n2, "request_id": "r2", "instance_info": info,
+                                 "options": {"force_raw": true, "stream_raw": true}}});
+    assert_eq!(
+        ironic_client(port, &[], &[cast]).await[0]["result"],
+        Value::Null
+    );
+    let url = format!("http://127.0.0.1:{port}/");
+    let status = json!({"jsonrpc": "2.0", "id": 1, "method": "status",
+                        "params": {"node_uuid": n2.to_uppercase(), "request_id": "r2"}});
+    let mut known = Value::Null;
+    for _ in 0..200 {
+        known = post(&url, &status).await.1["result"].clone();
+        if known["status"] != "in_progress" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(known["status"], "success", "{known}");
+    assert_eq!(known["cache"], "hit");
+    assert_eq!(
+        source.count("GET", "disk.qcow2"),
+        2,
+        "one download, one for the mismatch"
+    );
+
+    let answers = ironic_client(
+        port,
+        &[],
+        &[
+            call("deployed", json!({"node_uuid": n1, "request_id": "d1"})),
+            call("cleanup", json!({"node_uuid": n2, "request_id": "c2"})),
+        ],
+    )
+    .await;
+    assert_eq!(answers[0]["result"]["status"], "success", "{answers:?}");
+    assert_eq!(answers[1]["result"]["status"], "success");
+    assert!(list_visible(&env.link_dir()).is_empty());
+    drop(worker);
+}
+
+/// What Ironic's client never sends, over plain HTTP: a GET, a body over
+/// the limit, a batch, an unknown method.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_listener_refuses_what_is_not_a_bounded_json_rpc_call() {
+    let (env, port) = env_without_broker("max_body_bytes = 4096");
+    let _worker = env.serve().await;
+    let url = format!("http://127.0.0.1:{port}/");
+    let r = reqwest::get(&url).await.unwrap();
+    assert_eq!(r.status().as_u16(), 405);
+    let big = json!({"jsonrpc": "2.0", "id": 1, "method": "warm",
+                     "params": {"instance_info": {"image_source": "x".repeat(10_000)}}});
+    assert_eq!(post(&url, &big).await.0, 413);
+    let (status, batch) = post(&url, &json!([{"jsonrpc": "2.0", "id": 1, "method": "x"}])).await;
+    assert_eq!(
+        (status, batch["error"]["code"].as_i64()),
+        (200, Some(-32600))
+    );
+    let unknown = json!({"jsonrpc": "2.0", "id": 7, "method": "reboot", "params": {}});
+    let (_, answer) = post(&url, &unknown).await;
+    assert_eq!(answer["error"]["code"], -32601);
+    assert_eq!(answer["id"], 7);
+    let (status, body) = post(&url, &json!({"jsonrpc": "2.0", "method": "reboot"})).await;
+    assert_eq!(
+        (status, body),
+        (204, Value::Null),
+        "a notification is answered with nothing"
+    );
+}
+
+/// `http_basic` against an htpasswd file of bcrypt entries, over TLS with
+/// a CA: Ironic's client with the right password gets in, with a wrong
+/// one gets a 401; a request without credentials is refused; a new
+/// password written to the file counts at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_basic_from_htpasswd_over_tls() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = ca::TestCa::new(dir.path(), "rpc-ca");
+    let (cert, key) = ca.issue(
+        "rpc-server",
+        "localhost",
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
+    );
+    let htpasswd = dir.path().join("htpasswd");
+    tool(
+        "htpasswd",
+        &["-Bbc", htpasswd.to_str().unwrap(), "ironic", "s3cret"],
+    );
+    let (env, port) = env_without_broker(&format!(
+        "auth_strategy = \"http_basic\"\nhttp_basic_auth_user_file = \"{}\"\n\
+         tls_cert_file = \"{}\"\ntls_key_file = \"{}\"",
+        htpasswd.display(),
+        cert.display(),
+        key.display()
+    ));
+    let _worker = env.serve().await;
+    let n = node();
+    let status = || call("status", json!({"node_uuid": n}));
+    let cafile = ca.pem.to_str().unwrap();
+    let with = |user: &'static str, password: &'static str| {
+        ["--user", user, "--password", password, "--cafile", cafile]
+    };
+    let right = ironic_client(port, &with("ironic", "s3cret"), &[status()]).await;
+    assert_eq!(right[0]["result"]["status"], "unknown", "{right:?}");
+    let wrong = ironic_client(port, &with("ironic", "guess"), &[status(), status()]).await;
+    for answer in &wrong {
+        assert_eq!(answer["error"]["status"], 401, "{answer}");
+    }
+    let client = reqwest::Client::builder()
+        .add_root_certificate(
+            reqwest::Certificate::from_pem(&std::fs::read(&ca.pem).unwrap()).unwrap(),
+        )
+        .build()
+        .unwrap();
+    let bare = client
+        .post(format!("https://127.0.0.1:{port}/"))
+        .json(&json!({"jsonrpc": "2.0", "id": 1, "method": "status", "params": {}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bare.status().as_u16(), 401);
+    assert!(bare.headers().contains_key("www-authenticate"));
+    tool(
+        "htpasswd",
+        &["-Bb", htpasswd.to_str().unwrap(), "ironic", "n3w"],
+    );
+    let after = ironic_client(port, &with("ironic", "s3cret"), &[status()]).await;
+    assert_eq!(
+        after[0]["error"]["status"], 401,
+        "the old password no longer lets in"
+    );
+    let after = ironic_client(port, &with("ironic", "n3w"), &[status()]).await;
+    assert_eq!(after[0]["result"]["status"], "unknown");
+}
