@@ -437,8 +437,7 @@ pub async fn hash_file(path: &Path, sha512: bool) -> Result<Digests> {
     }
     drop(rx);
     let _ = reader.await;
-    result?;
-    sink.finish().await
+    finish_or_abandon(sink, result).await
 }
 
 /// What an output of unannounced length asks before it grows further: the
@@ -505,10 +504,23 @@ pub async fn decompress_zstd(
     drop(rx);
     let read = reader
         .await
-        .map_err(|e| Error::new(ErrorCode::Internal, format!("zstd task: {e}")))?;
-    result?;
-    read?;
-    sink.finish().await
+        .map_err(|e| Error::new(ErrorCode::Internal, format!("zstd task: {e}")))
+        .and_then(|read| read);
+    finish_or_abandon(sink, result.and(read)).await
+}
+
+/// Finishes the sink after a pass that succeeded; after one that failed,
+/// abandons it and waits until its file is closed, so that the caller's
+/// removal of the partial output gives its space back at once (a dropped
+/// sink would keep writing for a while).
+async fn finish_or_abandon(sink: Sink, pass: Result<()>) -> Result<Digests> {
+    match pass {
+        Ok(()) => sink.finish().await,
+        Err(e) => {
+            sink.abandon().await;
+            Err(e)
+        }
+    }
 }
 
 /// Body of the `convert-child` process: qcow2 -> raw by our own reader (tables checked by `qcow2`, compressed clusters by `inflate`), hashed
