@@ -124,6 +124,21 @@ opts = [
                       'and expires (x-expires) after the wait, so that '
                       'the interface reconnects and waits on for the '
                       'answer when its broker connection fails.')),
+    cfg.ListOpt('extend_hardware_types',
+                default=[],
+                help=_('In-tree hardware types (names as in '
+                       '[DEFAULT]enabled_hardware_types, e.g. redfish, '
+                       'ipmi, idrac) made to accept the direct-worker '
+                       'deploy interface, listed right after direct, when '
+                       'Ironic loads the interface. For deployments that '
+                       'cannot choose a node\'s hardware type (Metal3\'s '
+                       'baremetal-operator derives it from the BMC '
+                       'address); otherwise use the hardware types of '
+                       'this package (ipmi-worker, redfish-worker, '
+                       'idrac-worker, intel-ipmi-worker, '
+                       'manual-management-worker), which leave Ironic\'s '
+                       'own types as they are. A name that is not a '
+                       'hardware type fails the interface\'s loading.')),
     cfg.FloatOpt('connect_timeout',
                  default=10.0,
                  min=0.1,

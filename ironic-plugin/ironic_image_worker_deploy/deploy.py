@@ -47,8 +47,8 @@ from ironic_image_worker_deploy import client as worker_client
 # Importing conf registers the [image_worker] options, once per process.
 from ironic_image_worker_deploy import conf as worker_conf  # noqa: F401
 from ironic_image_worker_deploy import exception
-from ironic_image_worker_deploy import hardware
 from ironic_image_worker_deploy import json_rpc as worker_json_rpc
+from ironic_image_worker_deploy import supported
 
 LOG = log.getLogger(__name__)
 
@@ -56,9 +56,10 @@ METRICS = metrics_utils.get_metrics_logger(__name__)
 
 # What the worker reports about the served file, copied into instance_info
 # when present (an http(s) source in ``http`` download mode is not served by
-# the worker: only what it was given comes back).
-_SERVED_FIELDS = ('image_checksum', 'image_os_hash_algo',
-                  'image_os_hash_value', 'image_disk_format', 'image_size')
+# the worker: only what it was given comes back). ``image_checksum`` is
+# apart: see ``apply_answer``.
+_SERVED_FIELDS = ('image_os_hash_algo', 'image_os_hash_value',
+                  'image_disk_format', 'image_size')
 
 # driver_internal_info: the prepare sent and not collected yet
 # ({'request_id', 'deadline' (epoch seconds), 'done' once collected}).
@@ -70,15 +71,45 @@ def _waiting_for_the_worker(node):
     return PENDING in (node.driver_internal_info or {})
 
 
+def apply_answer(instance_info, done):
+    """``instance_info`` filled from the worker's successful answer to a
+    prepare: its ``image_url`` and what it reports about the served bytes.
+
+    ``image_checksum`` is the worker's or none: a checksum the answer does
+    not carry (a worker that serves no MD5) would be of other bytes (the
+    source before its conversion), and Ironic itself clears it when it
+    converts (``build_instance_info_for_deploy``); the agent then verifies
+    ``image_os_hash_value``.
+    """
+    instance_info['image_url'] = done['image_url']
+    instance_info['image_checksum'] = done.get('image_checksum')
+    for field in _SERVED_FIELDS:
+        if field in done:
+            instance_info[field] = done[field]
+    return instance_info
+
+
+def client_for(conf, context=None):
+    """The worker's client for ``[image_worker]transport``."""
+    if conf.image_worker.transport == 'json-rpc':
+        return worker_json_rpc.JsonRpcWorkerClient(conf, context=context)
+    return worker_client.WorkerClient(conf)
+
+
 class DirectWorkerDeploy(agent.AgentDeploy):
     """Direct deploy with the image work done by ironic-image-worker."""
 
+    def __init__(self):
+        super().__init__()
+        # Ironic creates its enabled interfaces before it asks a hardware
+        # type which of them it supports, and after the configuration is
+        # read: the operator's opt-in is applied here (see supported.py).
+        supported.accept_in(CONF.image_worker.extend_hardware_types,
+                            DirectWorkerDeploy)
+
     def _client(self, task=None):
         """The worker's client for [image_worker]transport."""
-        if CONF.image_worker.transport == 'json-rpc':
-            return worker_json_rpc.JsonRpcWorkerClient(
-                CONF, context=task.context if task is not None else None)
-        return worker_client.WorkerClient(CONF)
+        return client_for(CONF, task.context if task is not None else None)
 
     @METRICS.timer('DirectWorkerDeploy.validate')
     def validate(self, task):
@@ -125,8 +156,17 @@ class DirectWorkerDeploy(agent.AgentDeploy):
             return False
         return not node.driver_internal_info.get('is_source_a_path')
 
+    # NOTE: a private method of Ironic's, overridden on purpose. It is the
+    # hook ``CustomAgentDeploy.prepare`` calls (its docstring: "Called from
+    # `prepare` to populate fields ... Does nothing in the base class"),
+    # which ``AgentDeploy`` itself overrides to cache and hash the image in
+    # the conductor; Ironic 39 has no public hook at that point (after the
+    # provisioning network is set up, before the agent boots) and
+    # overriding the public ``prepare`` would mean copying it. Pinned by
+    # tests/unit/test_ironic_hooks.py: its signature, and that Ironic's
+    # ``prepare`` reaches it.
     def _update_instance_info(self, task):
-        """Update instance information with extra data for deploy."""
+        """Send the prepare to the worker (Ironic's hook in ``prepare``)."""
         if not self._delegated(task):
             LOG.info('Image of node %(node)s is prepared by Ironic itself '
                      '(swift download or source path)',
@@ -337,11 +377,7 @@ class DirectWorkerDeploy(agent.AgentDeploy):
             node.save()
             self._withdraw_after_failure(task, e)
             raise
-        instance_info = node.instance_info
-        instance_info['image_url'] = done['image_url']
-        for field in _SERVED_FIELDS:
-            if field in done:
-                instance_info[field] = done[field]
+        instance_info = apply_answer(node.instance_info, done)
         if pending.get('oci'):
             self._record_oci(node, instance_info, done)
         node.instance_info = instance_info
@@ -489,7 +525,3 @@ class DirectWorkerDeploy(agent.AgentDeploy):
             super().clean_up(task)
         finally:
             self._tell_worker(task, 'cleanup')
-
-
-# Accepted by every hardware type that accepts ``direct`` (see hardware.py).
-hardware.accept_where_direct_is(DirectWorkerDeploy)

@@ -10,54 +10,56 @@
 # License for the specific language governing permissions and limitations
 # under the License.
 
-"""Lists ``direct-worker`` wherever a hardware type lists ``direct``.
 
-Ironic accepts an interface for a hardware type only when the interface's
-exact class is in the type's ``supported_deploy_interfaces`` list
-(``type(iface) in supported`` in ``driver_factory.get_interface`` and
-``enabled_supported_interfaces``), and picks the default interface by
-looking classes up in a dict keyed by class (``default_interface``). A
-subclass of ``AgentDeploy`` therefore passes no ``isinstance`` test there,
-and no class can compare equal to ``AgentDeploy`` without also hashing like
-it, which would merge ``direct`` and ``direct-worker`` in that dict. So the
-lists themselves name the interface: every in-tree hardware type (ipmi,
-redfish, idrac, ilo, manual-management, fake-hardware, ...) gets its list
-from ``GenericHardware.supported_deploy_interfaces``, which is wrapped once
-to add ``direct-worker`` right after ``direct``. Ironic loads the enabled
-deploy interfaces (this package among them) before it registers the
-conductor's hardware interfaces, so the registration sees the longer list.
-A hardware type outside Ironic that writes its own list without calling
-``GenericHardware``'s does not get ``direct-worker``.
+"""Hardware types that list ``direct-worker``, registered under
+``ironic.hardware.types``: Ironic's own generic types, each with
+``direct-worker`` first among its deploy interfaces (so it is their default
+deploy interface when enabled and ``[DEFAULT]default_deploy_interface`` is
+not set). Everything else (power, management, boot, ...) is the in-tree
+type's: a node moves to one with ``baremetal node set --driver
+redfish-worker`` and keeps its ``driver_info``. Ironic's own hardware types
+are left as they are (see supported.py for deployments that cannot choose a
+node's hardware type).
 """
 
+from ironic.drivers import drac
 from ironic.drivers import generic
-from ironic.drivers.modules import agent
+from ironic.drivers import intel_ipmi
+from ironic.drivers import ipmi
+from ironic.drivers import redfish
 
-_MARK = '_lists_direct_worker'
-
-
-def with_interface(classes, interface_class):
-    """``classes`` with ``interface_class`` after ``AgentDeploy``, if there."""
-    classes = list(classes)
-    if agent.AgentDeploy in classes and interface_class not in classes:
-        classes.insert(classes.index(agent.AgentDeploy) + 1,
-                       interface_class)
-    return classes
+from ironic_image_worker_deploy import deploy
+from ironic_image_worker_deploy import supported
 
 
-def accept_where_direct_is(interface_class):
-    """Make GenericHardware and its subclasses list ``interface_class``.
+class _ListsDirectWorker:
+    """Lists ``direct-worker`` first, then the in-tree type's interfaces."""
 
-    Idempotent: a second call (a reload of the module) changes nothing.
-    """
-    listed = generic.GenericHardware.__dict__['supported_deploy_interfaces']
-    if getattr(listed.fget, _MARK, False):
-        return
-
+    @property
     def supported_deploy_interfaces(self):
-        return with_interface(listed.fget(self), interface_class)
+        """List of supported deploy interfaces."""
+        return supported.with_interface(super().supported_deploy_interfaces,
+                                        deploy.DirectWorkerDeploy, first=True)
 
-    setattr(supported_deploy_interfaces, _MARK, True)
-    supported_deploy_interfaces.__doc__ = listed.__doc__
-    generic.GenericHardware.supported_deploy_interfaces = property(
-        supported_deploy_interfaces)
+
+class IPMIWorkerHardware(_ListsDirectWorker, ipmi.IPMIHardware):
+    """``ipmi`` with ``direct-worker`` (entry point ``ipmi-worker``)."""
+
+
+class IntelIPMIWorkerHardware(_ListsDirectWorker,
+                              intel_ipmi.IntelIPMIHardware):
+    """``intel-ipmi`` with ``direct-worker`` (``intel-ipmi-worker``)."""
+
+
+class RedfishWorkerHardware(_ListsDirectWorker, redfish.RedfishHardware):
+    """``redfish`` with ``direct-worker`` (``redfish-worker``)."""
+
+
+class IDRACWorkerHardware(_ListsDirectWorker, drac.IDRACHardware):
+    """``idrac`` with ``direct-worker`` (``idrac-worker``)."""
+
+
+class ManualManagementWorkerHardware(_ListsDirectWorker,
+                                     generic.ManualManagementHardware):
+    """``manual-management`` with ``direct-worker``
+    (``manual-management-worker``)."""

@@ -33,6 +33,8 @@ fn plugin_python() -> PathBuf {
             "import importlib.metadata as m, os, ironic_image_worker_deploy as p\n\
              assert any(e.name == 'direct-worker' for e in \
              m.entry_points(group='ironic.hardware.interfaces.deploy'))\n\
+             assert any(e.name == 'redfish-worker' for e in \
+             m.entry_points(group='ironic.hardware.types'))\n\
              print(os.path.dirname(p.__file__))",
         ])
         .stderr(std::process::Stdio::null())
@@ -54,6 +56,34 @@ fn plugin_python() -> PathBuf {
         );
     }
     python
+}
+
+/// The plug-in's own unit tests (Ironic's code and test fixtures, no
+/// worker, broker or network), run as its developers run them in its
+/// folder; `.ci/run` runs this test first, which also makes the Ironic
+/// virtualenv with the plug-in installed.
+#[test]
+fn plugin_unit_tests() {
+    let out = std::process::Command::new(plugin_python())
+        .args([
+            "-m",
+            "pytest",
+            "-q",
+            "ironic_image_worker_deploy/tests/unit",
+        ])
+        .current_dir(plugin_dir())
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "pytest failed:\n{text}");
+    assert!(
+        !text.contains(" skipped"),
+        "no case may be skipped:\n{text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -82,6 +112,7 @@ async fn direct_worker_deploy_interface_in_ironic() {
         "no:cacheprovider",
         "-W",
         "ignore::DeprecationWarning",
+        "--ignore=ironic_image_worker_deploy/tests/unit",
         "ironic_image_worker_deploy/tests",
     ])
     .current_dir(plugin_dir())

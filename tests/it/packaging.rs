@@ -327,7 +327,8 @@ async fn container_image_is_pushed_pulled_and_serves() {
 }
 
 /// The deploy interface builds as a wheel that carries its entry points
-/// (the deploy interface Ironic loads by name, and its options).
+/// (the deploy interface Ironic loads by name, its hardware types, and its
+/// options).
 #[test]
 fn plugin_builds_as_a_wheel() {
     let dir = tempfile::tempdir().unwrap();
@@ -353,6 +354,15 @@ fn plugin_builds_as_a_wheel() {
     assert!(
         entry_points
             .contains("direct-worker = ironic_image_worker_deploy.deploy:DirectWorkerDeploy"),
+        "{entry_points}"
+    );
+    // Its hardware types, which list direct-worker (Ironic's own are left
+    // as they are).
+    assert!(
+        entry_points.contains("[ironic.hardware.types]")
+            && entry_points.contains(
+                "redfish-worker = ironic_image_worker_deploy.hardware:RedfishWorkerHardware"
+            ),
         "{entry_points}"
     );
     assert!(site.join("ironic_image_worker_deploy/deploy.py").is_file());

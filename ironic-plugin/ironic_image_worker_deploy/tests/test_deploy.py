@@ -27,24 +27,19 @@ import time
 from unittest import mock
 
 import fixtures as fx
-from oslo_config import cfg
 
-from ironic.common import driver_factory
 from ironic.common import states
 from ironic.conductor import task_manager
 from ironic.conductor import utils as conductor_utils
 from ironic.conf import CONF
-from ironic.drivers import generic
-from ironic.drivers.modules import agent
 from ironic.drivers.modules import agent_client
-from ironic.tests.unit.db import base as db_base
 from ironic.tests.unit.objects import utils as obj_utils
 from oslo_utils import uuidutils
 
-from ironic_image_worker_deploy import client as worker_client
 from ironic_image_worker_deploy import conf
 from ironic_image_worker_deploy import deploy
 from ironic_image_worker_deploy import exception
+from ironic_image_worker_deploy.tests import base
 from ironic_image_worker_deploy.tests import parts
 
 WORKER_HOST = parts.env('IIW_WORKER_HOST')
@@ -93,20 +88,7 @@ _CONDUCTOR_IMAGE_WORK = (
 )
 
 
-class TestCase(db_base.DbTestCase):
-    """Ironic's database test case, run by pytest."""
-
-    # The tests run qemu-img and the agent's download code, and loading
-    # Ironic's hardware types runs tools too.
-    block_execute = False
-
-    def _clear_attrs(self):
-        # Ironic's clean-up drops every public attribute, pytest's own
-        # reference to the test method included; keep them.
-        pass
-
-
-class _DeployCase(TestCase):
+class _DeployCase(base.TestCase):
     """Ironic drives the interface; the worker does the image work (the
     set-up and helpers of the cases below)."""
 
@@ -275,7 +257,6 @@ class _DeployCase(TestCase):
         self.assertEqual(parts.file_hash(reference, 'md5'),
                          parts.file_hash(got, 'md5'))
         os.unlink(got)
-
 
 
 class DirectWorkerTestCase(_DeployCase):
@@ -775,115 +756,3 @@ class DirectWorkerJsonRpcTestCase(_DeployCase):
         self.assertEqual('unauthorized', e.error_code)
         self.assertIn('[image_worker_json_rpc]', str(e))
         self.assertIn('http_basic_auth_user_file', str(e))
-
-
-class HardwareTypesTestCase(TestCase):
-    """direct-worker is accepted wherever Ironic accepts direct."""
-
-    def test_generic_hardware_types_accept_it(self):
-        self.config(enabled_hardware_types=['manual-management', 'ipmi',
-                                            'redfish', 'fake-hardware'])
-        self.config(enabled_deploy_interfaces=['fake', 'direct',
-                                               'direct-worker'])
-        for name in ('manual-management', 'ipmi', 'redfish'):
-            hw_type = driver_factory.get_hardware_type(name)
-            self.assertIn('direct-worker',
-                          driver_factory.enabled_supported_interfaces(
-                              hw_type)['deploy'])
-        node = obj_utils.create_test_node(
-            self.context, uuid=uuidutils.generate_uuid(),
-            driver='manual-management', deploy_interface='direct-worker',
-            boot_interface='pxe', power_interface='fake',
-            management_interface='fake', network_interface='noop')
-        with task_manager.acquire(self.context, node.uuid) as task:
-            self.assertIsInstance(task.driver.deploy,
-                                  deploy.DirectWorkerDeploy)
-
-    def test_default_when_direct_is_not_enabled(self):
-        # As the conductor registers its interfaces at start.
-        self.config(enabled_hardware_types=['manual-management', 'ipmi'])
-        self.config(enabled_deploy_interfaces=['direct-worker', 'ramdisk'])
-        driver_factory.all_interfaces()
-        for name in ('manual-management', 'ipmi'):
-            hw_type = driver_factory.get_hardware_type(name)
-            self.assertEqual('direct-worker', driver_factory.default_interface(
-                hw_type, 'deploy', driver_name=name))
-        # With both, direct stays the default it was.
-        self.config(enabled_deploy_interfaces=['direct-worker', 'direct'])
-        driver_factory._INTERFACE_LOADERS['deploy']._extension_manager = None
-        hw_type = driver_factory.get_hardware_type('ipmi')
-        self.assertEqual('direct', driver_factory.default_interface(
-            hw_type, 'deploy', driver_name='ipmi'))
-
-    def test_a_class_of_its_own(self):
-        # Python's contract: equal objects hash alike. direct-worker is
-        # neither equal to direct nor merged with it in a dict or set.
-        self.assertNotEqual(agent.AgentDeploy, deploy.DirectWorkerDeploy)
-        self.assertEqual(2, len({agent.AgentDeploy,
-                                 deploy.DirectWorkerDeploy}))
-        supported = (generic.ManualManagementHardware()
-                     .supported_deploy_interfaces)
-        self.assertEqual(1, supported.count(deploy.DirectWorkerDeploy))
-        self.assertEqual(supported.index(agent.AgentDeploy) + 1,
-                         supported.index(deploy.DirectWorkerDeploy))
-
-    def test_options_registered_once(self):
-        with mock.patch.object(CONF, 'register_opts', autospec=True) as m, \
-                mock.patch.object(CONF, 'register_opt', autospec=True) as o:
-            deploy.DirectWorkerDeploy()
-            worker_client.ssl_params()
-            worker_client.ssl_params()
-        self.assertFalse(m.called)
-        self.assertFalse(o.called)
-
-
-class BrokerSettingsTestCase(TestCase):
-    """The worker's broker is ironic.conf's own."""
-
-    def test_every_host_of_the_transport_url(self):
-        self.config(transport_url='rabbit://u%40x:p%2Fw@h1:5671,'
-                                  'u%40x:p%2Fw@[::1]:5672/ironic')
-        urls, _ = worker_client.broker_urls()
-        self.assertEqual(['amqp://u%40x:p%2Fw@h1:5671/ironic',
-                          'amqp://u%40x:p%2Fw@[::1]:5672/ironic'], urls)
-        self.config(transport_url='rabbit://h2:5673,h3:5673/ironic',
-                    group='image_worker')
-        urls, _ = worker_client.broker_urls()
-        self.assertEqual(['amqp://guest:guest@h2:5673/ironic',
-                          'amqp://guest:guest@h3:5673/ironic'], urls)
-
-    def test_options_for_the_config_generator(self):
-        [(group, opts), (rpc_group, rpc_opts)] = conf.list_opts()
-        self.assertEqual('image_worker', group)
-        # Ironic's own JSON-RPC client options, as for [json_rpc].
-        self.assertEqual('image_worker_json_rpc', rpc_group)
-        self.assertTrue({'host_ip', 'port', 'auth_strategy', 'use_ssl',
-                         'cafile', 'username', 'password'}
-                        <= {o.name for o in rpc_opts})
-        # Not Ironic's own port: both listen on one host. (A fresh
-        # configuration: the test fixture's reset drops set defaults.)
-        fresh = cfg.ConfigOpts()
-        conf.register_opts(fresh)
-        fresh([])
-        self.assertEqual(conf.JSON_RPC_PORT, fresh.image_worker_json_rpc.port)
-        self.assertNotEqual(CONF.json_rpc.port,
-                            fresh.image_worker_json_rpc.port)
-        self.assertEqual({'exchange', 'queue_prefix', 'conductor_host',
-                          'transport_url', 'prepare_timeout',
-                          'command_timeout', 'worker_restart_grace',
-                          'reply_queue_type', 'connect_timeout',
-                          'transport', 'poll_interval',
-                          'image_server_auth'},
-                         {o.name for o in opts})
-
-    def test_tls_from_oslo_messaging_rabbit(self):
-        self.config(transport_url='rabbit://u:p@h1:5671/')
-        _, parsed = worker_client.broker_urls()
-        self.assertFalse(worker_client.ssl_params(parsed_url=parsed))
-        self.config(ssl=True, ssl_ca_file='/etc/ca.pem',
-                    ssl_cert_file='/etc/c.pem', ssl_key_file='/etc/k.pem',
-                    group='oslo_messaging_rabbit')
-        params = worker_client.ssl_params(parsed_url=parsed)
-        self.assertEqual('/etc/ca.pem', params['ca_certs'])
-        self.assertEqual('/etc/c.pem', params['certfile'])
-        self.assertEqual('/etc/k.pem', params['keyfile'])

@@ -849,33 +849,35 @@ pub fn ironic_python() -> PathBuf {
     };
     if !ready() {
         tool("python3", &["-m", "venv", venv.to_str().unwrap()]);
+        let pip = venv.join("bin/pip");
+        let quiet = ["install", "-q", "--disable-pip-version-check"];
+        let (ironic, others): (Vec<&str>, Vec<&str>) =
+            ironic_test_pins().partition(|pin| pin.starts_with("ironic=="));
+        // Ironic first, as an operator installs it; then its test tools.
+        tool(pip.to_str().unwrap(), &[&quiet[..], &ironic[..]].concat());
         tool(
-            venv.join("bin/pip").to_str().unwrap(),
-            &["install", "-q", "--disable-pip-version-check", IRONIC_PIP],
+            pip.to_str().unwrap(),
+            &[&quiet[..], &others[..], REPO_TEST_PIP].concat(),
         );
-        let mut args = vec!["install", "-q", "--disable-pip-version-check"];
-        args.extend_from_slice(IRONIC_TEST_PIP);
-        tool(venv.join("bin/pip").to_str().unwrap(), &args);
         assert!(ready(), "ironic is importable in {}", venv.display());
     }
     python
 }
 
-/// The Ironic release the notification tests emit with.
-pub const IRONIC_PIP: &str = "ironic==39.0.0";
+/// The pins of the Ironic virtualenv, defined once in the deploy
+/// interface's `test-requirements.txt` (the Ironic release, the agent whose
+/// download code verifies the result, and what runs Ironic's own test
+/// fixtures under pytest), which its developers install with pip.
+fn ironic_test_pins() -> impl Iterator<Item = &'static str> {
+    include_str!("../../../ironic-plugin/test-requirements.txt")
+        .lines()
+        .map(str::trim)
+        .filter(|line| !line.is_empty() && !line.starts_with('#'))
+}
 
-/// Beside Ironic, for the deploy interface tests (tests/it/ironic_plugin.rs):
-/// the agent whose download code verifies the result, and what runs
-/// Ironic's own test fixtures under pytest.
-pub const IRONIC_TEST_PIP: &[&str] = &[
-    "ironic-python-agent==13.0.0",
-    "pytest==9.2.0",
-    "fixtures==4.3.2",
-    "oslotest==6.1.1",
-    "testtools==2.9.1",
-    // Pushes OCI artifacts as operators do (tests/it/oci.rs).
-    "oras==0.2.43",
-];
+/// Beside the plug-in's pins, for this repository's own tests: pushes OCI
+/// artifacts as operators do (tests/it/oci.rs).
+const REPO_TEST_PIP: &[&str] = &["oras==0.2.43"];
 
 /// What a ready Ironic virtualenv imports.
 const IRONIC_VENV_IMPORTS: &str = "import ironic.conductor.notification_utils, \
