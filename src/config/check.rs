@@ -98,6 +98,34 @@ impl Report {
         }
     }
 
+    /// Checks one HTTPS set-up of `section` (`tls_cert_file`,
+    /// `tls_key_file`, `tls_min_version`): both files or neither, each
+    /// readable, and a version rustls speaks.
+    pub fn tls(&mut self, section: &str, cert: &str, key: &str, min_version: &str) {
+        if cert.is_empty() != key.is_empty() {
+            let set = if cert.is_empty() {
+                "tls_key_file"
+            } else {
+                "tls_cert_file"
+            };
+            self.error(section, set, "tls_cert_file and tls_key_file go together");
+        }
+        for (name, path) in [("tls_cert_file", cert), ("tls_key_file", key)] {
+            if !path.is_empty()
+                && let Err(e) = std::fs::metadata(path)
+            {
+                self.error(section, name, format!("{path}: {e}"));
+            }
+        }
+        if !matches!(min_version, "1.2" | "1.3") {
+            self.error(
+                section,
+                "tls_min_version",
+                format!("{min_version:?}: 1.2 or 1.3"),
+            );
+        }
+    }
+
     /// Records that `[section] option` is too large to be converted to
     /// the unit of `unit` (a wrapped limit would be a tiny one).
     pub fn fits(&mut self, section: &str, option: &str, value: u64, unit: u64) {

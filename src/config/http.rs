@@ -72,29 +72,11 @@ impl HttpSection {
             ["auth_strategy", "auth_user", "auth_password"],
             [&self.auth_strategy, &self.auth_user, &self.auth_password],
         );
-        if self.tls_cert_file.is_empty() != self.tls_key_file.is_empty() {
-            let set = match self.tls_cert_file.is_empty() {
-                true => "tls_key_file",
-                false => "tls_cert_file",
-            };
-            report.error("http", set, "tls_cert_file and tls_key_file go together");
-        }
-        for (name, path) in [
-            ("tls_cert_file", &self.tls_cert_file),
-            ("tls_key_file", &self.tls_key_file),
-        ] {
-            if !path.is_empty()
-                && let Err(e) = std::fs::metadata(path)
-            {
-                report.error("http", name, format!("{path}: {e}"));
-            }
-        }
-        if !matches!(self.tls_min_version.as_str(), "1.2" | "1.3") {
-            report.error(
-                "http",
-                "tls_min_version",
-                format!("{:?}: 1.2 or 1.3", self.tls_min_version),
-            );
-        }
+        report.tls(
+            "http",
+            &self.tls_cert_file,
+            &self.tls_key_file,
+            &self.tls_min_version,
+        );
     }
 }

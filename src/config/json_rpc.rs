@@ -87,34 +87,12 @@ impl JsonRpcSection {
                 format!("unknown value {other:?} (noauth or http_basic)"),
             ),
         }
-        if self.tls_cert_file.is_empty() != self.tls_key_file.is_empty() {
-            let set = match self.tls_cert_file.is_empty() {
-                true => "tls_key_file",
-                false => "tls_cert_file",
-            };
-            report.error(
-                "json_rpc",
-                set,
-                "tls_cert_file and tls_key_file go together",
-            );
-        }
-        for (name, path) in [
-            ("tls_cert_file", &self.tls_cert_file),
-            ("tls_key_file", &self.tls_key_file),
-        ] {
-            if !path.is_empty()
-                && let Err(e) = std::fs::metadata(path)
-            {
-                report.error("json_rpc", name, format!("{path}: {e}"));
-            }
-        }
-        if !matches!(self.tls_min_version.as_str(), "1.2" | "1.3") {
-            report.error(
-                "json_rpc",
-                "tls_min_version",
-                format!("{:?}: 1.2 or 1.3", self.tls_min_version),
-            );
-        }
+        report.tls(
+            "json_rpc",
+            &self.tls_cert_file,
+            &self.tls_key_file,
+            &self.tls_min_version,
+        );
         for (option, value) in [
             ("max_body_bytes", self.max_body_bytes as u64),
             ("max_connections", self.max_connections as u64),
