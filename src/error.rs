@@ -120,9 +120,7 @@ impl Error {
     /// Wraps a local I/O failure, mapping ENOSPC/EDQUOT to `insufficient_disk_space`.
     pub fn io(context: impl fmt::Display, err: std::io::Error) -> Self {
         let code = match err.raw_os_error() {
-            Some(libc_enospc) if libc_enospc == 28 || libc_enospc == 122 => {
-                ErrorCode::InsufficientDiskSpace
-            }
+            Some(libc::ENOSPC | libc::EDQUOT) => ErrorCode::InsufficientDiskSpace,
             _ if err.kind() == std::io::ErrorKind::StorageFull => ErrorCode::InsufficientDiskSpace,
             _ => ErrorCode::Internal,
         };

@@ -53,8 +53,11 @@ pub struct PeerFetcher {
 
 /// How one GET from a holder ended, short of every byte.
 enum Short {
-    /// Try this holder again later (reset, timeout, too slow).
-    Again(Reason),
+    /// Try this holder again later (reset, timeout, too slow), with the
+    /// transport's own error when there was one (refused, TLS, DNS and
+    /// timeouts all count as `unreachable` for the metric; the log line
+    /// tells them apart).
+    Again(Reason, Option<String>),
     /// The holder is busy: come back after this long (no strike).
     Busy(Duration),
     /// This holder cannot serve these bytes.
@@ -127,7 +130,15 @@ impl PeerFetcher {
             match self.get_from(holder, name, size, &mut got, &to).await {
                 Ok(()) => {}
                 Err(Short::Stop(e)) => return Err(e),
-                Err(Short::Again(why)) => {
+                Err(Short::Again(why, cause)) => {
+                    tracing::warn!(
+                        holder = %holder.host,
+                        url = %holder.url,
+                        master = name,
+                        reason = why,
+                        cause = cause.as_deref().unwrap_or(why),
+                        "peer transfer broke off; trying again"
+                    );
                     failed(holder, why);
                     strikes[i] += 1;
                     turn = i + 1;
@@ -179,7 +190,7 @@ impl PeerFetcher {
         if *got > 0 {
             req = req.header(reqwest::header::RANGE, format!("bytes={got}-"));
         }
-        let resp = req.send().await.map_err(|_| Short::Again("unreachable"))?;
+        let resp = req.send().await.map_err(unreachable)?;
         check_response(&resp, *got, size)?;
         let mut body = resp.bytes_stream();
         let mut rate = RateCheck::new(self.min_rate, self.min_rate_window);
@@ -188,7 +199,7 @@ impl PeerFetcher {
                 Err(_) => {}
                 Ok(None) => break,
                 Ok(Some(chunk)) => {
-                    let chunk = chunk.map_err(|_| Short::Again("unreachable"))?;
+                    let chunk = chunk.map_err(unreachable)?;
                     if *got + chunk.len() as u64 > size {
                         return Err(Short::Drop("size"));
                     }
@@ -200,14 +211,24 @@ impl PeerFetcher {
                 }
             }
             if rate.too_slow().is_some() {
-                return Err(Short::Again("too_slow"));
+                return Err(Short::Again("too_slow", None));
             }
         }
         match *got == size {
             true => Ok(()),
-            false => Err(Short::Again("short")),
+            false => Err(Short::Again("short", None)),
         }
     }
+}
+
+/// A transport failure: retried, its cause (with the library's own
+/// sources: refused, TLS, DNS, timeout) kept for the log line, without the
+/// URL (its signature is a credential while it lasts).
+fn unreachable(e: reqwest::Error) -> Short {
+    Short::Again(
+        "unreachable",
+        Some(crate::error::error_chain(&e.without_url())),
+    )
 }
 
 /// The status and headers a holder must answer for bytes `from..size`.
@@ -237,7 +258,7 @@ fn check_response(
         503 => Err(Short::Busy(retry_after(resp))),
         401 | 403 => Err(Short::Drop("refused")),
         404 => Err(Short::Drop("gone")),
-        500..=599 => Err(Short::Again("status")),
+        500..=599 => Err(Short::Again("status", Some(resp.status().to_string()))),
         _ => Err(Short::Drop("status")),
     }
 }
