@@ -342,6 +342,14 @@ class DirectWorkerDeploy(agent.AgentDeploy):
         for field in _SERVED_FIELDS:
             if field in done:
                 instance_info[field] = done[field]
+        if (done['image_url'] != source
+                and 'image_checksum' not in done):
+            # The worker serves bytes of its own without their MD5
+            # ([agent]served_md5 = false): image_os_hash_* alone describe
+            # them, and the MD5 Ironic was given (of the source) must not
+            # reach the agent. Ironic clears it the same way after a
+            # conversion (deploy_utils).
+            instance_info['image_checksum'] = None
         if pending.get('oci'):
             self._record_oci(node, instance_info, done)
         node.instance_info = instance_info
