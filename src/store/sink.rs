@@ -23,6 +23,11 @@ const DEPTH: usize = 4;
 /// Start write-back every this many bytes so the final fsync is short
 /// (buffered writes).
 const WRITEBACK_WINDOW: u64 = 32 << 20;
+/// Granularity of the holes of a served file: qemu-img's (`convert -O raw`
+/// leaves every zero 4 KiB block of its output a hole), so a served disk
+/// allocates what qemu-img's output of the same image does, not every
+/// 1 MiB chunk that holds a byte of data.
+const HOLE_BLOCK: u64 = 4096;
 /// Alignment of direct (`O_DIRECT`) writes: offsets, lengths and buffers.
 /// Chunks are allocated with it, so a full chunk goes to the device as it
 /// is, without a copy into a bounce buffer.
@@ -535,9 +540,18 @@ fn write_file(
         if let Some(pace) = &held {
             pace.hold(offset);
         }
-        if !crate::fsutil::is_zero(&chunk) {
-            write_at(&file, direct.as_ref(), &chunk, offset).map_err(|e| io("write", e))?;
-        }
+        // Served bytes keep every zero block as a hole; a scratch file
+        // (read by the converter as it grows, removed after) is written
+        // whole unless the chunk is all zeros, so its length follows the
+        // download closely.
+        let written = if durable {
+            write_sparse(&file, direct.as_ref(), &chunk, offset)
+        } else if !crate::fsutil::is_zero(&chunk) {
+            write_at(&file, direct.as_ref(), &chunk, offset)
+        } else {
+            Ok(())
+        };
+        written.map_err(|e| io("write", e))?;
         offset += chunk.len() as u64;
         if direct.is_none() && durable && offset - synced >= WRITEBACK_WINDOW {
             start_writeback(&file, synced, offset - synced);
@@ -552,6 +566,32 @@ fn write_file(
         file.sync_data().map_err(|e| io("sync", e))?;
     }
     Ok(Output::Written)
+}
+
+/// Writes `data` at `at` leaving its zero blocks (of [`HOLE_BLOCK`], aligned
+/// on the file's offsets) as holes: each run of blocks holding data is one
+/// write, so dense data still goes out in whole chunks.
+fn write_sparse(file: &File, direct: Option<&File>, data: &[u8], at: u64) -> std::io::Result<()> {
+    let mut run: Option<usize> = None;
+    let mut i = 0usize;
+    while i < data.len() {
+        let block_end = ((at + i as u64) / HOLE_BLOCK + 1) * HOLE_BLOCK - at;
+        let end = (block_end as usize).min(data.len());
+        let zero = crate::fsutil::is_zero(&data[i..end]);
+        match (zero, run) {
+            (false, None) => run = Some(i),
+            (true, Some(start)) => {
+                write_at(file, direct, &data[start..i], at + start as u64)?;
+                run = None;
+            }
+            _ => {}
+        }
+        i = end;
+    }
+    if let Some(start) = run {
+        write_at(file, direct, &data[start..], at + start as u64)?;
+    }
+    Ok(())
 }
 
 /// Writes `data` at `at`: the aligned part through `direct` when it is open
@@ -745,6 +785,28 @@ mod tests {
             assert_eq!(d.sha256.len(), 64, "{name}");
             assert_eq!(d.md5.is_empty(), !served, "{name}");
         }
+    }
+
+    /// Zero 4 KiB blocks inside a chunk with data become holes (the file
+    /// holds the bytes, and allocates only the blocks with data).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn zero_blocks_inside_a_chunk_are_holes() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+        let path = dir.path().join("scattered");
+        let mut bytes = vec![0u8; 4 << 20];
+        for at in (0..bytes.len()).step_by(64 << 10) {
+            bytes[at..at + 4096].fill(0x5a);
+        }
+        bytes[(3 << 20) + 40_000] = 1;
+        let mut sink = Sink::create(&path, Served::default()).unwrap();
+        sink.write(&bytes).await.unwrap();
+        sink.finish().await.unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), bytes);
+        let allocated = std::fs::metadata(&path).unwrap().blocks() * 512;
+        // 64 blocks of data plus one: what the file system may round up
+        // (its blocks are at most 64 KiB here) stays far below 4 MiB.
+        assert!(allocated <= 65 * 4096 * 2, "{allocated} bytes allocated");
     }
 
     /// An abandoned sink has closed its file when `abandon` returns, and
