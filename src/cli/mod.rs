@@ -138,6 +138,9 @@ pub enum Command {
         /// Also compute SHA-512.
         #[arg(long)]
         sha512: bool,
+        /// Leave the MD5 out.
+        #[arg(long)]
+        no_md5: bool,
         /// The source is still being downloaded and will have this size.
         #[arg(long)]
         grow_to: Option<u64>,
@@ -422,10 +425,15 @@ pub fn main() -> ExitCode {
         src,
         dst,
         sha512,
+        no_md5,
         grow_to,
     } = &cli.command
     {
-        return crate::image::convert::child_main(src, dst, *sha512, *grow_to);
+        let served = crate::store::sink::Served {
+            md5: !no_md5,
+            sha512: *sha512,
+        };
+        return crate::image::convert::child_main(src, dst, served, *grow_to);
     }
     let files = configuration::files(cli.config.as_ref(), cli.ironic_config.as_ref());
     let env: Vec<(String, String)> = std::env::vars().collect();

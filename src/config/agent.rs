@@ -16,6 +16,12 @@ pub struct AgentSection {
     /// whose only checksum is MD5 (inline or in a checksum file) is refused
     /// with `checksum_not_permitted`.
     pub allow_md5_checksum: bool,
+    /// The worker's own (default true): the completion carries the MD5 of
+    /// the served bytes (`image_checksum`). False: no MD5 of them is
+    /// computed at all, and `image_os_hash_*` alone verify them (sha256,
+    /// sha512 when the request's algorithm is), as Ironic itself does
+    /// after a conversion since Ironic 15; MD5 is the dearest digest.
+    pub served_md5: bool,
 }
 
 impl Default for AgentSection {
@@ -24,6 +30,7 @@ impl Default for AgentSection {
             image_download_source: "local".into(),
             stream_raw_images: true,
             allow_md5_checksum: true,
+            served_md5: true,
         }
     }
 }

@@ -15,7 +15,7 @@ use crate::image::inflate::Inflater;
 use crate::image::inspect::{Format, Inspection};
 use crate::image::qcow2;
 use crate::image::reclaim::Reclaimer;
-use crate::store::sink::{CHUNK, Digests, Pace, Sink};
+use crate::store::sink::{CHUNK, Digests, Pace, Served, Sink};
 use serde::{Deserialize, Serialize};
 use std::io::Read;
 use std::path::Path;
@@ -80,18 +80,18 @@ pub async fn to_raw(
     dst: &Path,
     found: &Inspection,
     header: Option<&qcow2::Header>,
-    sha512: bool,
+    served: Served,
     limits: Limits,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<Digests> {
     let timeout = limits.timeout(found.virtual_size);
     match (found.format, header) {
         (Format::Qcow2, Some(h)) if h.converter_reads() => {
-            run_child(src, dst, sha512, None, limits, timeout, progress, None)
+            run_child(src, dst, served, None, limits, timeout, progress, None)
                 .await
                 .map_err(StreamFailure::into_error)
         }
-        (format, _) => qemu_img(src, dst, format, sha512, timeout).await,
+        (format, _) => qemu_img(src, dst, format, served, timeout).await,
     }
 }
 
@@ -110,7 +110,7 @@ pub async fn qcow2_to_raw_streaming(
     dst: &Path,
     total: u64,
     virtual_size: u64,
-    sha512: bool,
+    served: Served,
     limits: Limits,
     progress: &(dyn Fn(u64) + Sync),
     pace: &Pace,
@@ -120,7 +120,7 @@ pub async fn qcow2_to_raw_streaming(
     run_child(
         src,
         dst,
-        sha512,
+        served,
         grow,
         limits,
         timeout,
@@ -162,14 +162,14 @@ impl From<Error> for StreamFailure {
 async fn run_child(
     src: &Path,
     dst: &Path,
-    sha512: bool,
+    served: Served,
     grow_to: Option<u64>,
     limits: Limits,
     timeout: Duration,
     progress: &(dyn Fn(u64) + Sync),
     pace: Option<&Pace>,
 ) -> Result<Digests, StreamFailure> {
-    let mut cmd = child_command(src, dst, sha512, grow_to, limits.memory);
+    let mut cmd = child_command(src, dst, served, grow_to, limits.memory);
     let mut child = cmd.spawn().map_err(|e| Error::io("start converter", e))?;
     let (Some(stdout), Some(mut stderr)) = (child.stdout.take(), child.stderr.take()) else {
         return Err(Error::new(ErrorCode::Internal, "converter pipes missing").into());
@@ -229,14 +229,17 @@ async fn run_child(
 fn child_command(
     src: &Path,
     dst: &Path,
-    sha512: bool,
+    served: Served,
     grow_to: Option<u64>,
     memory: u64,
 ) -> tokio::process::Command {
     let mut cmd = tokio::process::Command::new("/proc/self/exe");
     cmd.arg("convert-child").arg(src).arg(dst);
-    if sha512 {
+    if served.sha512 {
         cmd.arg("--sha512");
+    }
+    if !served.md5 {
+        cmd.arg("--no-md5");
     }
     if let Some(total) = grow_to {
         cmd.arg("--grow-to").arg(total.to_string());
@@ -314,7 +317,7 @@ async fn qemu_img(
     src: &Path,
     dst: &Path,
     format: Format,
-    sha512: bool,
+    served: Served,
     timeout: Duration,
 ) -> Result<Digests> {
     let run = tokio::process::Command::new("qemu-img")
@@ -353,7 +356,7 @@ async fn qemu_img(
         &std::fs::File::open(dst).map_err(|e| Error::io("open converted image", e))?,
         0o644,
     )?;
-    hash_file(dst, sha512).await
+    hash_file(dst, served).await
 }
 
 /// Free space below which a failed write is taken for a full disk: qemu-img
@@ -370,12 +373,12 @@ fn disk_full_at(path: &Path) -> bool {
 /// Digests of an existing file, read once: its holes (found with
 /// `SEEK_HOLE`/`SEEK_DATA`) are hashed as zeros without being read, so a
 /// sparse result of qemu-img costs what its data costs to read.
-pub async fn hash_file(path: &Path, sha512: bool) -> Result<Digests> {
+pub async fn hash_file(path: &Path, served: Served) -> Result<Digests> {
     enum Part {
         Data(Vec<u8>),
         Zeros(u64),
     }
-    let mut sink = Sink::hash_only(sha512);
+    let mut sink = Sink::hash_only(served);
     let file = std::fs::File::open(path).map_err(|e| Error::io(path.display(), e))?;
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Part>>(4);
     let shown = path.display().to_string();
@@ -454,11 +457,11 @@ pub trait Growth: Send {
 pub async fn decompress_zstd(
     src: &Path,
     dst: &Path,
-    sha512: bool,
+    served: Served,
     max_size: u64,
     growth: &mut dyn Growth,
 ) -> Result<Digests> {
-    let mut sink = Sink::create(dst, sha512)?;
+    let mut sink = Sink::create(dst, served)?;
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>>>(4);
     let src = src.to_path_buf();
     let reader = tokio::task::spawn_blocking(move || {
@@ -529,11 +532,11 @@ async fn finish_or_abandon(sink: Sink, pass: Result<()>) -> Result<Digests> {
 pub fn child_main(
     src: &Path,
     dst: &Path,
-    sha512: bool,
+    served: Served,
     grow_to: Option<u64>,
 ) -> std::process::ExitCode {
     let mut punched = false;
-    let report = match child_convert(src, dst, sha512, grow_to, &mut punched) {
+    let report = match child_convert(src, dst, served, grow_to, &mut punched) {
         Ok(d) => ChildReport::Done(d),
         Err(e) => {
             let _ = std::fs::remove_file(dst);
@@ -556,7 +559,7 @@ pub fn child_main(
 fn child_convert(
     src: &Path,
     dst: &Path,
-    sha512: bool,
+    served: Served,
     grow_to: Option<u64>,
     punched: &mut bool,
 ) -> Result<Digests> {
@@ -573,7 +576,7 @@ fn child_convert(
     let map = Map::read(&tables)?;
     // Only a download being converted is given back as it is read.
     let mut reclaim = Reclaimer::new(&tables.file, &map.header, &map.l1, grows);
-    let done = child_copy(dst, sha512, &map, &tables, &mut reclaim);
+    let done = child_copy(dst, served, &map, &tables, &mut reclaim);
     *punched = grows && reclaim.spoiled();
     done
 }
@@ -721,7 +724,7 @@ impl GrowingFile {
 /// source is given back by `reclaim`.
 fn child_copy(
     dst: &Path,
-    sha512: bool,
+    served: Served,
     map: &Map,
     tables: &GrowingFile,
     reclaim: &mut Reclaimer,
@@ -730,7 +733,7 @@ fn child_copy(
     rt.block_on(async {
         let virtual_size = raw_size(map.header.virtual_size);
         let mut out = Output {
-            sink: Sink::create(dst, sha512)?,
+            sink: Sink::create(dst, served)?,
             off: 0,
             inflater: Inflater::new(&map.header)?,
             stream: Vec::new(),

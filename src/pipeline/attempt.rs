@@ -194,12 +194,11 @@ impl Pipeline {
         let file = TempGuard::new(self.cache.temp_path(job.name)?);
         let pace = Arc::new(Pace::default());
         let hashes = Hashes {
-            sha512: job.sha512,
+            served: job.served,
             lazy_if_converted: job.force_raw,
             converted: Some(crate::image::inspect::will_be_converted),
             keep: job.expected.map(|e| e.algo),
             pace: converting.then(|| pace.clone()),
-            skip_md5: false,
         };
         let sink = Sink::create_hashing(file.path(), hashes)?;
         let state = DownloadState::new();
@@ -256,7 +255,7 @@ impl Pipeline {
                 let out = TempGuard::new(self.cache.temp_path(job.name).ok()?);
                 let started = Instant::now();
                 tokio::select! {
-                    r = self.stream_convert(job.name, &view.path, out.path(), &view.state, &view.pace, job.sha512) => {
+                    r = self.stream_convert(job.name, &view.path, out.path(), &view.state, &view.pace, job.served) => {
                         view.pace.finish();
                         done = match r {
                             Ok((d, live)) => Some((view.id, Streamed { out, result: Ok((d, started.elapsed())), live })),

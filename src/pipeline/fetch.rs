@@ -19,7 +19,7 @@ use crate::metrics::progress::Transfer;
 use crate::sources::{Source, SourceStat};
 use crate::store::cache::{self, Master, MasterMeta};
 use crate::store::checksum::Expected;
-use crate::store::sink::Digests;
+use crate::store::sink::{Digests, Served};
 use std::path::Path;
 use std::time::{Instant, SystemTime};
 
@@ -34,8 +34,10 @@ pub(super) struct MasterFetch<'a> {
     pub(super) name: &'a str,
     /// The checksum the source bytes must have, when one is known.
     pub(super) expected: Option<&'a Expected>,
-    /// Whether SHA-512 digests are computed.
-    pub(super) sha512: bool,
+    /// The digests of the served bytes computed (SHA-512 when the
+    /// request's algorithm is sha512, MD5 unless `[agent] served_md5` is
+    /// false).
+    pub(super) served: Served,
     /// Whether images that can be converted are converted to raw.
     pub(super) force_raw: bool,
     /// Ironic's `instance_info` (the declared disk format).
@@ -178,7 +180,7 @@ impl Pipeline {
         // Its length is nobody's announcement: room is made as it grows,
         // as for a download without one.
         let mut room = Room::ahead_of(self.keeper(), 0);
-        let d = convert::decompress_zstd(temp, out.path(), job.sha512, max, &mut room).await?;
+        let d = convert::decompress_zstd(temp, out.path(), job.served, max, &mut room).await?;
         Ok(Some((out, d)))
     }
 
@@ -248,7 +250,7 @@ impl Pipeline {
             out.path(),
             found,
             qcow2,
-            job.sha512,
+            job.served,
             self.config.convert.limits(),
             &|done| transfer.set_done(done),
         )

@@ -475,7 +475,7 @@ impl Pipeline {
         };
         if as_fetched {
             meta.source_size = meta.size;
-            meta.source_md5 = Some(meta.md5.clone());
+            meta.source_md5 = Some(meta.md5.clone()).filter(|m| !m.is_empty());
             meta.source_sha256 = Some(meta.sha256.clone());
             meta.source_sha512 = meta.sha512.clone();
         }
@@ -729,9 +729,11 @@ fn sha256_of(o: &Offer) -> String {
 
 /// Whether offer `o` holds exactly the bytes `m` describes.
 fn same(o: &Offer, m: &OfferedMaster) -> bool {
-    o.master
-        .as_ref()
-        .is_some_and(|x| x.size == m.size && x.md5 == m.md5 && x.sha256 == m.sha256)
+    o.master.as_ref().is_some_and(|x| {
+        x.size == m.size
+            && x.sha256 == m.sha256
+            && (x.md5 == m.md5 || x.md5.is_empty() || m.md5.is_empty())
+    })
 }
 
 /// The sidecar an offered master would have here (inode set on commit).

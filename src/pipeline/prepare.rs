@@ -13,6 +13,7 @@ use crate::node::NodeUuid;
 use crate::sources::Source;
 use crate::store::cache::{self, Master, MasterMeta};
 use crate::store::checksum::{Algo, ChecksumSpec, Expected, parse_checksum_file};
+use crate::store::sink::Served;
 
 impl Pipeline {
     /// Makes the image ready for `node` and fills `done` with where and
@@ -45,7 +46,13 @@ impl Pipeline {
         }
         let expected = Box::pin(self.expected_of(image.spec.clone(), &image.source)).await?;
         let (name, force_raw) = self.master_of(&image, req);
-        let job = image.job(&name, expected.as_ref(), force_raw, req);
+        let job = image.job(
+            &name,
+            expected.as_ref(),
+            force_raw,
+            req,
+            self.config.agent.served_md5,
+        );
         let mut node_lock = self.node_locks.acquire(node.as_str()).await?;
         let mut master_lock = self.cache.lock(&name).await?;
         let result = self.prepare_locked(node, req, &job, done).await;
@@ -210,7 +217,7 @@ impl Pipeline {
             "{}/{}/{}",
             self.http_url, self.config.deploy.http_image_subdir, node
         ));
-        fill_image(&master.meta, job.sha512, outcome, done);
+        fill_image(&master.meta, job.served, outcome, done);
         Ok(())
     }
 
@@ -230,7 +237,7 @@ impl Pipeline {
             .filter(|m| m.meta.source == crate::secrets::redact_url(job.href))
         {
             Some(m) => {
-                Some(Box::pin(self.complete_digests(job.name, m, job.expected, job.sha512)).await?)
+                Some(Box::pin(self.complete_digests(job.name, m, job.expected, job.served)).await?)
             }
             None => None,
         }
@@ -301,25 +308,28 @@ impl Pipeline {
 
     /// Computes from the master the digests its sidecar lacks and this
     /// request needs (the expected algorithm over the source bytes when the
-    /// master is those very bytes; SHA-512 of the served bytes), instead of
-    /// downloading again, and records them.
+    /// master is those very bytes; SHA-512 and MD5 of the served bytes when
+    /// `served` wants them: a master made with `[agent] served_md5 = false`
+    /// has no MD5), instead of downloading again, and records them.
     async fn complete_digests(
         &self,
         name: &str,
         mut master: Master,
         expected: Option<&Expected>,
-        want_sha512: bool,
+        served: Served,
     ) -> Result<Master> {
         let meta = &master.meta;
         let source_missing = expected
             .map(|e| e.algo)
             .filter(|&algo| source_digest(meta, algo).is_none() && meta.served_as_fetched());
-        let served_missing = (want_sha512 && meta.sha512.is_none()).then_some(Algo::Sha512);
+        let sha512_missing = (served.sha512 && meta.sha512.is_none()).then_some(Algo::Sha512);
+        let md5_missing = (served.md5 && meta.md5.is_empty()).then_some(Algo::Md5);
         let mut learnt = false;
-        let mut missing: Vec<Algo> = [source_missing, served_missing]
+        let mut missing: Vec<Algo> = [source_missing, sha512_missing, md5_missing]
             .into_iter()
             .flatten()
             .collect();
+        missing.sort_by_key(|a| a.name());
         missing.dedup();
         for algo in missing {
             let path = master.path.clone();
@@ -329,8 +339,12 @@ impl Pipeline {
             if meta.served_as_fetched() {
                 set_source_digest(meta, algo, hex.clone());
             }
-            if algo == Algo::Sha512 && (served_missing.is_some() || meta.served_as_fetched()) {
-                meta.sha512 = Some(hex);
+            match algo {
+                Algo::Sha512 if sha512_missing.is_some() || meta.served_as_fetched() => {
+                    meta.sha512 = Some(hex)
+                }
+                Algo::Md5 if meta.md5.is_empty() => meta.md5 = hex,
+                _ => {}
             }
             learnt = true;
         }
@@ -534,20 +548,25 @@ pub(super) struct ImagePlan {
 }
 
 impl ImagePlan {
-    /// The download of this image into the master `name`.
+    /// The download of this image into the master `name`; `served_md5`
+    /// is `[agent] served_md5`.
     pub(super) fn job<'a>(
         &'a self,
         name: &'a str,
         expected: Option<&'a Expected>,
         force_raw: bool,
         req: &'a Request,
+        served_md5: bool,
     ) -> MasterFetch<'a> {
         MasterFetch {
             source: &self.source,
             href: &self.href,
             name,
             expected,
-            sha512: expected.is_some_and(|e| e.algo == Algo::Sha512),
+            served: Served {
+                md5: served_md5,
+                sha512: expected.is_some_and(|e| e.algo == Algo::Sha512),
+            },
             force_raw,
             info: &self.info,
             slow: &req.slow,
@@ -570,15 +589,17 @@ pub(super) struct Obtained {
 
 /// What a request served from the master described by `meta` answers of
 /// it: the checksums of exactly the served bytes, their format and size,
-/// whether converted, hit or miss (everything but a prepare's URL).
+/// whether converted, hit or miss (everything but a prepare's URL). The
+/// MD5 (`image_checksum`) only when `served` has it: without it, Ironic
+/// verifies with `image_os_hash_*` alone, as after its own conversions.
 pub(super) fn fill_image(
     meta: &MasterMeta,
-    sha512: bool,
+    served: Served,
     outcome: CacheOutcome,
     done: &mut Completion,
 ) {
-    done.image_checksum = Some(meta.md5.clone());
-    let (algo, value) = match (&meta.sha512, sha512) {
+    done.image_checksum = Some(meta.md5.clone()).filter(|m| served.md5 && !m.is_empty());
+    let (algo, value) = match (&meta.sha512, served.sha512) {
         (Some(v), true) => ("sha512", v.clone()),
         _ => ("sha256", meta.sha256.clone()),
     };

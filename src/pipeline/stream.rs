@@ -10,7 +10,7 @@ use crate::image::convert;
 use crate::image::inspect;
 use crate::metrics::progress::Transfer;
 use crate::peers::live::LiveGuard;
-use crate::store::sink::Digests;
+use crate::store::sink::{Digests, Served};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 impl Pipeline {
@@ -27,7 +27,7 @@ impl Pipeline {
         out: &std::path::Path,
         state: &DownloadState,
         pace: &crate::store::sink::Pace,
-        sha512: bool,
+        served: Served,
     ) -> Result<(Digests, Option<LiveGuard>), convert::StreamFailure> {
         let not_now = |why: &str| Error::new(ErrorCode::Internal, why.to_string());
         let wait_for = |len: u64| state.wait_for(temp, len);
@@ -57,7 +57,7 @@ impl Pipeline {
             out,
             total,
             header.virtual_size,
-            sha512,
+            served,
             self.config.convert.limits(),
             &|done| transfer.set_done(done),
             pace,

@@ -14,6 +14,7 @@ use crate::messages::{CacheOutcome, Completion, InstanceInfo};
 use crate::sources::Source;
 use crate::store::cache::{self, Master};
 use crate::store::checksum::{Algo, Expected};
+use crate::store::sink::Served;
 
 impl Pipeline {
     /// Whether an http(s) source in `http` mode is inspected before its URL
@@ -45,7 +46,12 @@ impl Pipeline {
             href,
             name: &name,
             expected: expected.as_ref(),
-            sha512: expected.as_ref().is_some_and(|e| e.algo == Algo::Sha512),
+            // The master may serve a prepare later: its digests as a
+            // prepare's.
+            served: Served {
+                md5: self.config.agent.served_md5,
+                sha512: expected.as_ref().is_some_and(|e| e.algo == Algo::Sha512),
+            },
             force_raw: false,
             info,
             slow: &req.slow,

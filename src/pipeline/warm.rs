@@ -41,7 +41,13 @@ impl Pipeline {
         }
         let expected = Box::pin(self.expected_of(image.spec.clone(), &image.source)).await?;
         let (name, force_raw) = self.master_of(&image, req);
-        let job = image.job(&name, expected.as_ref(), force_raw, req);
+        let job = image.job(
+            &name,
+            expected.as_ref(),
+            force_raw,
+            req,
+            self.config.agent.served_md5,
+        );
         let mut master_lock = self.cache.lock(&name).await?;
         let obtained = match self.obtain_master(&job, None).await {
             Ok(o) => o,
@@ -69,7 +75,7 @@ impl Pipeline {
         }
         drop(hold);
         tracing::info!(cache = ?outcome, master = %master.path.display(), "warmed");
-        fill_image(&master.meta, job.sha512, outcome, done);
+        fill_image(&master.meta, job.served, outcome, done);
         Ok(())
     }
 }

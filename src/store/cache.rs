@@ -70,7 +70,9 @@ pub struct MasterMeta {
     pub disk_format: String,
     /// Size of the master's bytes.
     pub size: u64,
-    /// MD5 of the master's bytes.
+    /// MD5 of the master's bytes; empty when it was not computed
+    /// (`[agent] served_md5 = false`; computed from the master when a
+    /// request needs it).
     pub md5: String,
     /// SHA-256 of the master's bytes.
     pub sha256: String,
@@ -114,11 +116,17 @@ impl MasterMeta {
                 mine.clone_from(theirs);
             }
         }
+        if self.md5.is_empty() {
+            self.md5.clone_from(&other.md5);
+        }
     }
 
-    /// True when both describe the same served bytes.
+    /// True when both describe the same served bytes (an MD5 not computed
+    /// on either side is not compared).
     fn same_bytes(&self, other: &MasterMeta) -> bool {
-        self.size == other.size && self.md5 == other.md5 && self.sha256 == other.sha256
+        self.size == other.size
+            && self.sha256 == other.sha256
+            && (self.md5 == other.md5 || self.md5.is_empty() || other.md5.is_empty())
     }
 }
 

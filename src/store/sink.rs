@@ -1,5 +1,6 @@
 //! One pass per byte: every byte that will be served is written to its file
-//! and fed to the MD5 and SHA-256 hashers (plus the source-verification
+//! and fed to the SHA-256 hasher (and the MD5 and SHA-512 ones when they are
+//! wanted, see [`Served`]) (plus the source-verification
 //! digest when Ironic named another algorithm) in the same pass, each on its
 //! own blocking thread, so hashing runs in parallel with the I/O and a cache
 //! hit never has to read the image again.
@@ -22,6 +23,11 @@ const DEPTH: usize = 4;
 /// Start write-back every this many bytes so the final fsync is short
 /// (buffered writes).
 const WRITEBACK_WINDOW: u64 = 32 << 20;
+/// Granularity of the holes of a served file: qemu-img's (`convert -O raw`
+/// leaves every zero 4 KiB block of its output a hole), so a served disk
+/// allocates what qemu-img's output of the same image does, not every
+/// 1 MiB chunk that holds a byte of data.
+const HOLE_BLOCK: u64 = 4096;
 /// Alignment of direct (`O_DIRECT`) writes: offsets, lengths and buffers.
 /// Chunks are allocated with it, so a full chunk goes to the device as it
 /// is, without a copy into a bounce buffer.
@@ -32,7 +38,8 @@ const DIRECT_ALIGN: usize = 4096;
 pub struct Digests {
     /// Bytes written.
     pub size: u64,
-    /// MD5 hex of the bytes.
+    /// MD5 hex of the bytes; empty when it was not computed (see
+    /// [`Served`]).
     pub md5: String,
     /// SHA-256 hex of the bytes.
     pub sha256: String,
@@ -78,11 +85,35 @@ static ZEROS: [u8; 64 * 1024] = [0; 64 * 1024];
 /// will be converted rather than served as they are.
 pub type Converted = fn(&[u8]) -> bool;
 
+/// Which digests of the served bytes are computed besides SHA-256 (always
+/// computed: Ironic writes it into `image_os_hash_value`). MD5 is the
+/// dearest digest (about 0.8 GB/s a core against 1.8 GB/s for SHA-256), so
+/// it is computed only when the completion will carry it (`[agent]
+/// served_md5`); SHA-512 only when the request's algorithm is sha512.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Served {
+    /// Compute the MD5 (`image_checksum`).
+    pub md5: bool,
+    /// Compute the SHA-512.
+    pub sha512: bool,
+}
+
+impl Default for Served {
+    /// MD5 and SHA-256: what a completion carries by default.
+    fn default() -> Served {
+        Served {
+            md5: true,
+            sha512: false,
+        }
+    }
+}
+
 /// Which digests a [`Sink`] computes.
 #[derive(Debug, Clone, Default)]
 pub struct Hashes {
-    /// Compute SHA-512 too.
-    pub sha512: bool,
+    /// The digests of the served bytes (MD5 is computed anyway when it is
+    /// `keep`).
+    pub served: Served,
     /// For a download that will be converted when it turns out to be a
     /// convertible format (`converted`): skip every digest but
     /// `keep`, since the served bytes are hashed by the conversion and the
@@ -99,10 +130,6 @@ pub struct Hashes {
     /// The converter reading a scratch file while it is written: the writer
     /// keeps within [`PACE_LEAD`] of it.
     pub pace: Option<Arc<Pace>>,
-    /// Leave MD5 out (an empty string) unless it is `keep`: for bytes whose
-    /// MD5 is known from elsewhere once their SHA-256 is checked (MD5 is
-    /// the dearest digest: about 600 MB/s a core).
-    pub skip_md5: bool,
 }
 
 /// How far a scratch file's writer may run ahead of its converter. The
@@ -233,12 +260,12 @@ impl Drop for Chunk {
 
 impl Sink {
     /// Creates `path` (which must not exist, mode 0644) and starts the writer
-    /// and the hashers. SHA-512 is computed too when `sha512` is set.
-    pub fn create(path: &Path, sha512: bool) -> Result<Sink> {
+    /// and the hashers of the `served` digests.
+    pub fn create(path: &Path, served: Served) -> Result<Sink> {
         Self::create_hashing(
             path,
             Hashes {
-                sha512,
+                served,
                 ..Hashes::default()
             },
         )
@@ -264,11 +291,11 @@ impl Sink {
     }
 
     /// Hashes without writing anywhere (for bytes already on disk).
-    pub fn hash_only(sha512: bool) -> Sink {
+    pub fn hash_only(served: Served) -> Sink {
         Sink::new(
             None,
             Hashes {
-                sha512,
+                served,
                 ..Hashes::default()
             },
         )
@@ -292,10 +319,10 @@ impl Sink {
             });
         }
         let mut algos = vec![Algo::Sha256];
-        if !hashes.skip_md5 || hashes.keep == Some(Algo::Md5) {
+        if hashes.served.md5 || hashes.keep == Some(Algo::Md5) {
             algos.push(Algo::Md5);
         }
-        if hashes.sha512 {
+        if hashes.served.sha512 || hashes.keep == Some(Algo::Sha512) {
             algos.push(Algo::Sha512);
         }
         for algo in algos {
@@ -513,9 +540,18 @@ fn write_file(
         if let Some(pace) = &held {
             pace.hold(offset);
         }
-        if !crate::fsutil::is_zero(&chunk) {
-            write_at(&file, direct.as_ref(), &chunk, offset).map_err(|e| io("write", e))?;
-        }
+        // Served bytes keep every zero block as a hole; a scratch file
+        // (read by the converter as it grows, removed after) is written
+        // whole unless the chunk is all zeros, so its length follows the
+        // download closely.
+        let written = if durable {
+            write_sparse(&file, direct.as_ref(), &chunk, offset)
+        } else if !crate::fsutil::is_zero(&chunk) {
+            write_at(&file, direct.as_ref(), &chunk, offset)
+        } else {
+            Ok(())
+        };
+        written.map_err(|e| io("write", e))?;
         offset += chunk.len() as u64;
         if direct.is_none() && durable && offset - synced >= WRITEBACK_WINDOW {
             start_writeback(&file, synced, offset - synced);
@@ -530,6 +566,32 @@ fn write_file(
         file.sync_data().map_err(|e| io("sync", e))?;
     }
     Ok(Output::Written)
+}
+
+/// Writes `data` at `at` leaving its zero blocks (of [`HOLE_BLOCK`], aligned
+/// on the file's offsets) as holes: each run of blocks holding data is one
+/// write, so dense data still goes out in whole chunks.
+fn write_sparse(file: &File, direct: Option<&File>, data: &[u8], at: u64) -> std::io::Result<()> {
+    let mut run: Option<usize> = None;
+    let mut i = 0usize;
+    while i < data.len() {
+        let block_end = ((at + i as u64) / HOLE_BLOCK + 1) * HOLE_BLOCK - at;
+        let end = (block_end as usize).min(data.len());
+        let zero = crate::fsutil::is_zero(&data[i..end]);
+        match (zero, run) {
+            (false, None) => run = Some(i),
+            (true, Some(start)) => {
+                write_at(file, direct, &data[start..i], at + start as u64)?;
+                run = None;
+            }
+            _ => {}
+        }
+        i = end;
+    }
+    if let Some(start) = run {
+        write_at(file, direct, &data[start..], at + start as u64)?;
+    }
+    Ok(())
 }
 
 /// Writes `data` at `at`: the aligned part through `direct` when it is open
@@ -680,7 +742,14 @@ mod tests {
             bytes.extend_from_slice(b"tail");
             bytes[..lead.len()].copy_from_slice(lead);
             let path = dir.path().join(name);
-            let mut sink = Sink::create(&path, true).unwrap();
+            let mut sink = Sink::create(
+                &path,
+                Served {
+                    md5: true,
+                    sha512: true,
+                },
+            )
+            .unwrap();
             for piece in bytes.chunks(300_007) {
                 sink.write(piece).await.unwrap();
             }
@@ -702,12 +771,11 @@ mod tests {
     async fn lazy_hashes_skip_what_conversion_recomputes() {
         let dir = tempfile::tempdir_in("/var/tmp").unwrap();
         let hashes = Hashes {
-            sha512: false,
+            served: Served::default(),
             lazy_if_converted: true,
             converted: Some(|first: &[u8]| first.starts_with(b"QFI\xfb")),
             keep: Some(Algo::Sha256),
             pace: None,
-            skip_md5: false,
         };
         for (name, lead, served) in [("q", &b"QFI\xfb"[..], false), ("r", &b"data"[..], true)] {
             let mut sink = Sink::create_hashing(&dir.path().join(name), hashes.clone()).unwrap();
@@ -719,13 +787,35 @@ mod tests {
         }
     }
 
+    /// Zero 4 KiB blocks inside a chunk with data become holes (the file
+    /// holds the bytes, and allocates only the blocks with data).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn zero_blocks_inside_a_chunk_are_holes() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+        let path = dir.path().join("scattered");
+        let mut bytes = vec![0u8; 4 << 20];
+        for at in (0..bytes.len()).step_by(64 << 10) {
+            bytes[at..at + 4096].fill(0x5a);
+        }
+        bytes[(3 << 20) + 40_000] = 1;
+        let mut sink = Sink::create(&path, Served::default()).unwrap();
+        sink.write(&bytes).await.unwrap();
+        sink.finish().await.unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), bytes);
+        let allocated = std::fs::metadata(&path).unwrap().blocks() * 512;
+        // 64 blocks of data plus one: what the file system may round up
+        // (its blocks are at most 64 KiB here) stays far below 4 MiB.
+        assert!(allocated <= 65 * 4096 * 2, "{allocated} bytes allocated");
+    }
+
     /// An abandoned sink has closed its file when `abandon` returns, and
     /// has not extended it to the bytes it was given.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_abandoned_sink_has_let_go_of_its_file() {
         let dir = tempfile::tempdir_in("/var/tmp").unwrap();
         let path = dir.path().join("gone");
-        let mut sink = Sink::create(&path, false).unwrap();
+        let mut sink = Sink::create(&path, Served::default()).unwrap();
         sink.write(&[9u8; 3 << 20]).await.unwrap();
         sink.write_zeros(1 << 30).await.unwrap();
         sink.abandon().await;
@@ -748,7 +838,10 @@ mod tests {
         ] {
             let hashes = Hashes {
                 keep,
-                skip_md5: true,
+                served: Served {
+                    md5: false,
+                    sha512: false,
+                },
                 ..Hashes::default()
             };
             let mut sink = Sink::create_hashing(&dir.path().join(name), hashes).unwrap();

@@ -725,3 +725,38 @@ async fn converter_stopped_by_its_limits_is_not_run_again() {
     );
     assert!(env.temporaries().is_empty());
 }
+
+/// A qcow2 whose data is scattered 4 KiB writes (one every 64 KiB, so
+/// every 1 MiB of the disk holds some data and mostly zeros) is served
+/// with the holes `qemu-img convert -O raw` keeps: at most 1.1 times the
+/// blocks qemu-img's output allocates (a 4 KiB zero block is a hole, not
+/// only a whole zero chunk), and the very same bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scattered_small_writes_allocate_what_qemu_img_allocates() {
+    let env = Env::new("");
+    let img = env.root().join("allowed/scattered.qcow2");
+    tool(
+        "qemu-img",
+        &["create", "-q", "-f", "qcow2", img.to_str().unwrap(), "48M"],
+    );
+    let writes: Vec<String> = (0..(48u64 << 20) / (64 << 10))
+        .map(|i| format!("write -P 0x5a {} 4k", i * (64 << 10) + (i % 3) * 4096))
+        .collect();
+    let writes: Vec<&str> = writes.iter().map(String::as_str).collect();
+    qemu_io(&img, &writes);
+    let reference = env.root().join("scattered.ref");
+    reference_raw(&img, &reference);
+    let theirs = std::fs::metadata(&reference).unwrap().blocks();
+
+    let node = node();
+    let (ok, ev) = env.prepare(&node, &file_url(&img), &[]).await;
+    assert!(ok, "{ev}");
+    let ours = std::fs::metadata(disk_of(&env, &node)).unwrap().blocks();
+    assert!(
+        ours * 10 <= theirs * 11,
+        "served file allocates {} KiB, qemu-img's {} KiB",
+        ours / 2,
+        theirs / 2
+    );
+    assert_sparse_copy(&env, &node, &reference, (ours + 1) * 512, "4 KiB holes");
+}

@@ -160,7 +160,8 @@ async fn direct_worker_deploy_interface_in_ironic() {
 }
 
 /// A worker with `[amqp]enabled = false` and its JSON-RPC listener over
-/// TLS (certificate of a CA of its own) with `http_basic` (user `ironic`).
+/// TLS (certificate of a CA of its own) with `http_basic` (user `ironic`);
+/// it publishes no MD5 (`[agent]served_md5 = false`).
 struct RpcWorker {
     // Stopped before its directories go.
     _worker: Worker,
@@ -186,7 +187,8 @@ impl RpcWorker {
         tool("htpasswd", &["-Bbc", file, "ironic", Self::PASSWORD]);
         let port = free_port();
         let env = Env::new(&format!(
-            "[amqp]\nenabled = false\n[json_rpc]\nlisten = \"127.0.0.1:{port}\"\n\
+            "[amqp]\nenabled = false\n[agent]\nserved_md5 = false\n\
+             [json_rpc]\nlisten = \"127.0.0.1:{port}\"\n\
              auth_strategy = \"http_basic\"\nhttp_basic_auth_user_file = \"{file}\"\n\
              tls_cert_file = \"{}\"\ntls_key_file = \"{}\"\n",
             cert.display(),

@@ -34,6 +34,7 @@ mod peer_trust;
 mod peers;
 mod pipeline;
 mod rabbitmq_definitions;
+mod served_digests;
 mod source_auth;
 mod systemd;
 mod tls;
