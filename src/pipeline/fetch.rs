@@ -206,20 +206,13 @@ impl Pipeline {
         format: inspect::Format,
         info: &InstanceInfo,
     ) -> Result<()> {
-        let c = &self.config.conductor;
-        if c.disable_deep_image_inspection {
-            tracing::warn!(
-                format = format.name(),
-                "[conductor]disable_deep_image_inspection: the declared and permitted formats \
-                 are not checked"
-            );
-            return Ok(());
+        match self.formats(info) {
+            Some(formats) => formats.check(format),
+            None => {
+                super::prepare::warn_formats_unchecked(format.name());
+                Ok(())
+            }
         }
-        inspect::check_format(
-            format,
-            info.image_disk_format.as_deref(),
-            &c.permitted_image_formats,
-        )
     }
 
     /// Converts the complete download to raw (after making room for it)

@@ -32,6 +32,7 @@ pub mod peers;
 mod prepare;
 mod stream;
 mod validated;
+mod verdict;
 mod warm;
 
 use keeper::Keeper;
@@ -119,11 +120,9 @@ impl Pipeline {
     }
 
     /// True when the node has a published link or a cached image here.
-    pub fn has_node_files(&self, node: &str) -> bool {
-        NodeUuid::parse(node).is_ok_and(|n| {
-            self.links.symlink_path(&n).symlink_metadata().is_ok()
-                || self.links.node_dir(&n).exists()
-        })
+    fn has_node_files(&self, node: &NodeUuid) -> bool {
+        self.links.symlink_path(node).symlink_metadata().is_ok()
+            || self.links.node_dir(node).exists()
     }
 
     /// Applies the cache policy (see `eviction`), reclaiming at least
@@ -302,7 +301,7 @@ impl Pipeline {
         self.note_released(node, req).await;
         // The node's lock file goes with its files (when it never had any
         // here, or has none left); a failed removal keeps it.
-        if only_if_prepared && !self.has_node_files(node.as_str()) {
+        if only_if_prepared && !self.has_node_files(node) {
             node_lock.remove_file();
             return Ok(Released::Stray);
         }
@@ -321,7 +320,7 @@ impl Pipeline {
             Ok(())
         })
         .await?;
-        if whole_dir || !self.has_node_files(node.as_str()) {
+        if whole_dir || !self.has_node_files(node) {
             node_lock.remove_file();
         }
         self.refresh_cache_gauges().await;

@@ -20,10 +20,10 @@
 use super::Pipeline;
 use super::attempt::DELIVERY_DEPTH;
 use super::fetch::MasterFetch;
-use super::prepare::source_digest;
+use super::verdict::{self, Verdict};
 use crate::error::{Error, ErrorCode, Result};
 use crate::fsutil::TempGuard;
-use crate::image::inspect::{self, Format};
+use crate::image::inspect;
 use crate::peers::live::{LiveGuard, LiveMasters};
 use crate::peers::wire::{Offer, OfferState, OfferedMaster};
 use crate::sources::http_client;
@@ -302,11 +302,11 @@ impl Pipeline {
         }
     }
 
-    /// Whether an offer may stand for what the request wants, from what
-    /// its holder recorded, as a cache hit is judged by its sidecar: the
-    /// same source, the expected checksum among the verified source
-    /// digests (or checked in the transfer, for unconverted bytes), the
-    /// declared and permitted format.
+    /// Whether an offer may stand for what the request wants: a verified
+    /// master of the same name from another host, whose record fits the
+    /// request as a cache hit's sidecar would ([`verdict::judge`]; an
+    /// expected checksum not recorded is checked on the bytes received,
+    /// freshness before they are fetched).
     fn acceptable(&self, job: &MasterFetch<'_>, o: &Offer) -> bool {
         let Some(m) = o.master.as_ref() else {
             return false;
@@ -314,30 +314,13 @@ impl Pipeline {
         if o.state != OfferState::Verified
             || o.name != job.name
             || o.host == self.config.default.host
-            || m.source != crate::secrets::redact_url(job.href)
-            || (m.converted && !job.force_raw)
         {
             return false;
         }
-        let meta = meta_of(m);
-        if let Some(e) = job.expected {
-            let recorded = source_digest(&meta, e.algo);
-            let ok = match recorded {
-                Some(hex) => hex == e.hex,
-                None => meta.served_as_fetched(),
-            };
-            if !ok {
-                return false;
-            }
-        }
-        let Some(format) = Format::from_name(&m.source_format) else {
-            return false;
-        };
-        let served_ok = match m.converted {
-            true => m.disk_format == "raw",
-            false => m.disk_format == format.served_name(),
-        };
-        served_ok && self.check_declared_format(format, job.info).is_ok()
+        matches!(
+            verdict::judge(&meta_of(m), &self.wanted(job, false)),
+            Verdict::Fits(_)
+        )
     }
 
     /// Fetches the master chosen among `offers` by rule (see [`chosen`])

@@ -5,9 +5,9 @@
 //! is only a string built from the configuration.
 
 use super::fetch::MasterFetch;
+use super::verdict::{self, Fit, Formats, Verdict, Wanted, source_digest};
 use super::{Pipeline, Released, Request, blocking};
 use crate::error::{Error, ErrorCode, Result};
-use crate::image::inspect;
 use crate::messages::{CacheOutcome, Completion, InstanceInfo};
 use crate::node::NodeUuid;
 use crate::sources::Source;
@@ -46,18 +46,9 @@ impl Pipeline {
         let expected = Box::pin(self.expected_of(image.spec.clone(), &image.source)).await?;
         let (name, force_raw) = self.master_of(&image, req);
         let job = image.job(&name, expected.as_ref(), force_raw, req);
-        let mut node_lock = self.node_locks.acquire(node.as_str()).await?;
-        let mut master_lock = self.cache.lock(&name).await?;
-        let result = self.prepare_locked(node, req, &job, done).await;
-        // Lock files stay while what they guard exists: a failure that
-        // leaves no master, or no files of the node, removes them.
-        if result.is_err() {
-            self.cache.release_failed(&name, &mut master_lock);
-            if !self.has_node_files(node.as_str()) {
-                node_lock.remove_file();
-            }
-        }
-        result.map(|()| Released::Done)
+        let locked = self.prepare_locked(node, req, &job, done);
+        self.locked(Some(node), &name, locked).await?;
+        Ok(Released::Done)
     }
 
     /// What a prepare and a warm of `req`'s image decide before taking any
@@ -190,7 +181,11 @@ impl Pipeline {
             outcome,
             linked,
             hold: _hold,
-        } = self.obtain_master(job, Some(node)).await?;
+        } = self
+            .obtain_master(job, false, &|m| {
+                self.links.disk_is(node, &m.path, &m.meta.sha256)
+            })
+            .await?;
         // The node may have moved on while the image was made (a cleanup
         // waits for this lock; a notification does not).
         self.check_not_stale(node, req)?;
@@ -214,60 +209,129 @@ impl Pipeline {
         Ok(())
     }
 
-    /// The master of `job`, under its master lock: the cached one when it
-    /// is still good (its missing digests computed, its declared format
-    /// checked again), else a new one (`fetch_master`). What a prepare and
-    /// a warm share; `node`, when given, is the node a prepare links it
-    /// for (a master that node links already needs no freshness check).
+    /// The master of `job`, under its master lock: the cached one when its
+    /// record fits the request ([`verdict::judge`]; its missing digests
+    /// computed first, its freshness asked of the source when no checksum
+    /// was given), else a new one (`fetch_master`). What a prepare, a warm
+    /// and a validated pass-through share; `as_fetched` when only the
+    /// source's own bytes will do. A master `linked` says its node links
+    /// already needs no freshness check (a repeated event).
     pub(super) async fn obtain_master(
         &self,
         job: &MasterFetch<'_>,
-        node: Option<&NodeUuid>,
+        as_fetched: bool,
+        linked: &(dyn Fn(&Master) -> bool + Sync),
     ) -> Result<Obtained> {
-        let cached = match self
-            .cache
-            .load(job.name)
-            .filter(|m| m.meta.source == crate::secrets::redact_url(job.href))
-        {
-            Some(m) => {
-                Some(Box::pin(self.complete_digests(job.name, m, job.expected, job.sha512)).await?)
+        let want = self.wanted(job, as_fetched);
+        let cached = match self.cache.load(job.name) {
+            Some(m) if !matches!(verdict::judge(&m.meta, &want), Verdict::Unfit(_)) => {
+                let completed = self.complete_digests(job.name, m, job.expected, job.sha512);
+                Some(Box::pin(completed).await?)
             }
-            None => None,
-        }
-        .filter(|m| matches_expected(&m.meta, job.expected));
-        let linked = match (&cached, node) {
-            (Some(m), Some(node)) => self.links.disk_is(node, &m.path, &m.meta.sha256),
-            _ => false,
+            _ => None,
         };
-        let (master, outcome, hold) = match cached {
-            // The node already links this verified master: a repeated event.
-            Some(m) if linked => (m, CacheOutcome::Hit, None),
-            Some(m)
-                if job.expected.is_some()
-                    || Box::pin(self.is_fresh(job.source, &m.meta)).await? =>
-            {
-                (m, CacheOutcome::Hit, None)
+        if let Some(m) = cached {
+            let linked = linked(&m);
+            if let Some(fits) = Box::pin(self.still_fits(job, &want, &m, linked)).await? {
+                fits?;
+                return Ok(Obtained {
+                    master: m,
+                    outcome: CacheOutcome::Hit,
+                    linked,
+                    hold: None,
+                });
             }
-            _ => {
-                let (m, hold) = Box::pin(self.fetch_master(job)).await?;
-                (m, CacheOutcome::Miss, Some(hold))
-            }
-        };
-        if outcome == CacheOutcome::Hit {
-            // Declared format and policy are checked on every request, not
-            // only when the master was made.
-            let format =
-                inspect::Format::from_name(&master.meta.source_format).ok_or_else(|| {
-                    Error::new(ErrorCode::Internal, "cache sidecar names an unknown format")
-                })?;
-            self.check_declared_format(format, job.info)?;
         }
+        let (master, hold) = Box::pin(self.fetch_master(job)).await?;
         Ok(Obtained {
             master,
-            outcome,
-            linked,
-            hold,
+            outcome: CacheOutcome::Miss,
+            linked: false,
+            hold: Some(hold),
         })
+    }
+
+    /// Whether the cached master `m` (its digests completed) is the
+    /// request's: `None` when it is not (a miss), else `Ok` or the error
+    /// the request fails with. Freshness is asked of the source only when
+    /// the verdict needs it and the node does not link `m` already.
+    async fn still_fits(
+        &self,
+        job: &MasterFetch<'_>,
+        want: &Wanted<'_>,
+        m: &Master,
+        linked: bool,
+    ) -> Result<Option<Result<()>>> {
+        let (fit, refusal) = match verdict::judge(&m.meta, want) {
+            Verdict::Fits(fit) => (fit, None),
+            Verdict::Refused(fit, e) => (fit, Some(e)),
+            Verdict::Unfit(why) => {
+                tracing::debug!(
+                    master = job.name,
+                    ?why,
+                    "the cached master is not this request's"
+                );
+                return Ok(None);
+            }
+        };
+        let fits = match fit {
+            Fit::Verified => true,
+            // Its digests were completed: a digest still unknown is not there.
+            Fit::OnceHashed(_) => false,
+            Fit::IfFresh => linked || self.is_fresh(job.source, &m.meta).await?,
+        };
+        if want.formats.is_none() && fits {
+            warn_formats_unchecked(&m.meta.source_format);
+        }
+        Ok(fits.then(|| refusal.map_or(Ok(()), Err)))
+    }
+
+    /// What `job` wants of its master, as [`verdict::judge`] weighs it.
+    pub(super) fn wanted<'a>(&'a self, job: &MasterFetch<'a>, as_fetched: bool) -> Wanted<'a> {
+        Wanted {
+            source: crate::secrets::redact_url(job.href),
+            expected: job.expected,
+            force_raw: job.force_raw,
+            as_fetched,
+            formats: self.formats(job.info),
+        }
+    }
+
+    /// The formats a request takes (`None` with
+    /// `[conductor]disable_deep_image_inspection`: not checked).
+    pub(super) fn formats<'a>(&'a self, info: &'a InstanceInfo) -> Option<Formats<'a>> {
+        let c = &self.config.conductor;
+        (!c.disable_deep_image_inspection).then_some(Formats {
+            declared: info.image_disk_format.as_deref(),
+            permitted: &c.permitted_image_formats,
+        })
+    }
+
+    /// Runs `work` (a prepare's, a warm's or a validation's) under master
+    /// `name`'s lock, and first `node`'s when given. Lock files stay only
+    /// while what they guard exists: a failure that leaves no master, or
+    /// no files of the node, removes them.
+    pub(super) async fn locked<T>(
+        &self,
+        node: Option<&NodeUuid>,
+        name: &str,
+        work: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
+        let mut node_lock = match node {
+            Some(node) => Some(self.node_locks.acquire(node.as_str()).await?),
+            None => None,
+        };
+        let mut master_lock = self.cache.lock(name).await?;
+        let result = work.await;
+        if result.is_err() {
+            self.cache.release_failed(name, &mut master_lock);
+            if let (Some(node), Some(lock)) = (node, node_lock.as_mut())
+                && !self.has_node_files(node)
+            {
+                lock.remove_file();
+            }
+        }
+        result
     }
 
     /// Links `master` for `node` when `linked_here` (a hard link made here;
@@ -601,20 +665,14 @@ pub(super) enum Mode {
     Validate,
 }
 
-/// True when the master's recorded source digest equals what Ironic expects
-/// (or nothing is expected).
-fn matches_expected(meta: &MasterMeta, expected: Option<&Expected>) -> bool {
-    let Some(e) = expected else { return true };
-    source_digest(meta, e.algo) == Some(e.hex.as_str())
-}
-
-/// The recorded digest of the source bytes for `algo`, when computed.
-pub(super) fn source_digest(meta: &MasterMeta, algo: Algo) -> Option<&str> {
-    match algo {
-        Algo::Md5 => meta.source_md5.as_deref(),
-        Algo::Sha256 => meta.source_sha256.as_deref(),
-        Algo::Sha512 => meta.source_sha512.as_deref(),
-    }
+/// Says, once per request served from a master, that its format was not
+/// checked against the declared and permitted ones.
+pub(super) fn warn_formats_unchecked(format: &str) {
+    tracing::warn!(
+        format,
+        "[conductor]disable_deep_image_inspection: the declared and permitted formats \
+         are not checked"
+    );
 }
 
 fn set_source_digest(meta: &mut MasterMeta, algo: Algo, hex: String) {

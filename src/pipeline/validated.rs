@@ -7,12 +7,12 @@
 //! treats them like any unlinked master.
 
 use super::fetch::MasterFetch;
+use super::prepare::Obtained;
 use super::{Pipeline, Request};
-use crate::error::{Error, ErrorCode, Result};
-use crate::image::inspect;
+use crate::error::Result;
 use crate::messages::{CacheOutcome, Completion, InstanceInfo};
 use crate::sources::Source;
-use crate::store::cache::{self, Master};
+use crate::store::cache;
 use crate::store::checksum::{Algo, Expected};
 
 impl Pipeline {
@@ -50,12 +50,11 @@ impl Pipeline {
             info,
             slow: &req.slow,
         };
-        let mut master_lock = self.cache.lock(&name).await?;
-        let result = self.verified_master(&job).await;
-        if result.is_err() {
-            self.cache.release_failed(&name, &mut master_lock);
-        }
-        let (master, outcome) = result?;
+        // Only the source's own bytes will do: the agent downloads them.
+        let obtained = self.obtain_master(&job, true, &|_| false);
+        let Obtained {
+            master, outcome, ..
+        } = self.locked(None, &name, obtained).await?;
         let meta = &master.meta;
         done.image_url = Some(href.to_string());
         match expected {
@@ -74,32 +73,5 @@ impl Pipeline {
         done.converted = Some(false);
         tracing::info!(format = %meta.source_format, "inspected, the agent downloads from the source");
         Ok(outcome)
-    }
-
-    /// The cached master of `job` when it holds the expected bytes (or,
-    /// without a checksum, the source has not changed since), its format
-    /// checked again; else a new one, downloaded, verified and inspected.
-    async fn verified_master(&self, job: &MasterFetch<'_>) -> Result<(Master, CacheOutcome)> {
-        let cached = self
-            .cache
-            .load(job.name)
-            .filter(|m| m.meta.source == crate::secrets::redact_url(job.href))
-            .filter(|m| m.meta.served_as_fetched());
-        if let Some(m) = cached {
-            let good = match job.expected {
-                Some(e) => super::prepare::source_digest(&m.meta, e.algo) == Some(e.hex.as_str()),
-                None => Box::pin(self.is_fresh(job.source, &m.meta)).await?,
-            };
-            if good {
-                let format =
-                    inspect::Format::from_name(&m.meta.source_format).ok_or_else(|| {
-                        Error::new(ErrorCode::Internal, "cache sidecar names an unknown format")
-                    })?;
-                self.check_declared_format(format, job.info)?;
-                return Ok((m, CacheOutcome::Hit));
-            }
-        }
-        let (master, _hold) = Box::pin(self.fetch_master(job)).await?;
-        Ok((master, CacheOutcome::Miss))
     }
 }
