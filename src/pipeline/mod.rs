@@ -2,12 +2,25 @@
 //! It knows nothing of AMQP or HTTP serving: the broker layer, the one-shot
 //! CLI and the tests all call [`Pipeline::handle`] and get a [`Completion`].
 //!
-//! This file holds the request-level API and the order of a request's steps
-//! (deployed, cleanup, the dispatch of every action); preparing a node is
-//! in `prepare`, caching an image for no node in `warm`, making a new
-//! master in `fetch`, converting while
-//! downloading in `stream`, the cache housekeeping in `keeper`, the order
-//! of a node's commands (stale prepares, answers given) in `order`.
+//! This file holds the request-level API: the dispatch of every action,
+//! `deployed` and `cleanup`. Its modules, each using only those listed
+//! after it (`tests/architecture.rs` holds them to one direction):
+//!
+//! * a request: preparing a node (`prepare`), caching an image for no node
+//!   (`warm`), `http` mode's answers, passed through or validated first
+//!   (`validated`);
+//! * what those share: the image a request names, resolved before any lock
+//!   (`resolve`); its master under the locks, the cached one when it fits
+//!   or a new one (`obtain`);
+//! * making a new master: download, verify, decompress, inspect, convert,
+//!   commit (`fetch`); the other conductors' workers first (`peers`); each
+//!   download attempt's file, sink and conversion (`attempt`); converting a
+//!   qcow2 while it downloads (`stream`);
+//! * below them all: whether a master's record fits a request, a pure
+//!   function (`verdict`); what lets bytes stand as a master, the inspection
+//!   and the commit (`admit`); one master to obtain (`job`); the cache
+//!   housekeeping (`keeper`); the order of a node's commands, from its
+//!   ledger (`order`).
 
 use crate::config::Config;
 use crate::error::{Error, ErrorCode, Result};
@@ -24,18 +37,20 @@ use std::sync::Arc;
 use std::time::Instant;
 use tracing::Instrument;
 
+mod admit;
 mod attempt;
 mod fetch;
+mod job;
 mod keeper;
+mod obtain;
 mod order;
 pub mod peers;
 mod prepare;
+mod resolve;
 mod stream;
 mod validated;
 mod verdict;
 mod warm;
-
-use keeper::Keeper;
 
 /// Everything needed to serve nodes on this conductor host.
 pub struct Pipeline {
@@ -175,25 +190,6 @@ impl Pipeline {
         crate::store::eviction::list(&self.cache)
     }
 
-    /// The cache housekeeping, to run on a blocking thread.
-    fn keeper(&self) -> Keeper {
-        Keeper {
-            cache: self.cache.clone(),
-            policy: self.config.pxe.eviction_policy(),
-            metrics: self.metrics.clone(),
-        }
-    }
-
-    /// Runs cache housekeeping on a blocking thread, so the async threads
-    /// keep serving images and messages (statvfs, listing, unlinks).
-    async fn off_thread<T: Send + 'static>(
-        &self,
-        work: impl FnOnce(&Keeper) -> Result<T> + Send + 'static,
-    ) -> Result<T> {
-        let keeper = self.keeper();
-        blocking(move || work(&keeper)).await
-    }
-
     /// Handles one request and always answers with a completion event. Every
     /// log line inside carries the node, request id and action.
     /// `only_if_prepared` is not looked at: see [`Pipeline::handle_unless_stray`].
@@ -325,23 +321,6 @@ impl Pipeline {
         }
         self.refresh_cache_gauges().await;
         Ok(Released::Done)
-    }
-
-    /// After the cache grew: enforce the size limit and TTL (the new master is
-    /// protected by its link to the node, made before this runs).
-    async fn after_growth(&self) {
-        if let Err(e) = self.off_thread(|k| k.clean(0, false, false)).await {
-            tracing::warn!(error = %e, "cache clean-up failed");
-        }
-    }
-
-    async fn refresh_cache_gauges(&self) {
-        let _ = self
-            .off_thread(|k| {
-                k.refresh_cache_gauges();
-                Ok(())
-            })
-            .await;
     }
 }
 

@@ -19,12 +19,12 @@
 
 use super::Pipeline;
 use super::attempt::DELIVERY_DEPTH;
-use super::fetch::MasterFetch;
+use super::job::MasterFetch;
 use super::verdict::{self, Verdict};
 use crate::error::{Error, ErrorCode, Result};
 use crate::fsutil::TempGuard;
 use crate::image::inspect;
-use crate::peers::live::{LiveGuard, LiveMasters};
+use crate::peers::live::LiveMasters;
 use crate::peers::wire::{Offer, OfferState, OfferedMaster};
 use crate::sources::http_client;
 use crate::sources::peer::{Holder, PeerFetcher};
@@ -118,18 +118,6 @@ impl Pipeline {
     /// as it is written here.
     pub fn live_size(&self, name: &str) -> Option<u64> {
         self.live.get(name).map(|v| v.size)
-    }
-
-    /// With peers on: offers `out`, to become master `name` of `size`
-    /// bytes, to the workers waiting for it while it is written.
-    pub(super) fn publish_live(
-        &self,
-        name: &str,
-        out: &std::path::Path,
-        size: u64,
-    ) -> Option<LiveGuard> {
-        self.peers.get()?;
-        (size > 0).then(|| self.live.publish(name, out.to_path_buf(), size))
     }
 
     /// What this worker offers of master `name`: its sidecar's facts, when

@@ -6,22 +6,64 @@
 //! to no node), so a repeated request does not download them again; eviction
 //! treats them like any unlinked master.
 
-use super::fetch::MasterFetch;
-use super::prepare::Obtained;
+use super::job::MasterFetch;
+use super::obtain::Obtained;
+use super::resolve::ImagePlan;
 use super::{Pipeline, Request};
 use crate::error::Result;
 use crate::messages::{CacheOutcome, Completion, InstanceInfo};
 use crate::sources::Source;
 use crate::store::cache;
-use crate::store::checksum::{Algo, Expected};
+use crate::store::checksum::{Algo, ChecksumSpec, Expected};
 
 impl Pipeline {
-    /// Whether an http(s) source in `http` mode is inspected before its URL
-    /// is answered: `conductor_always_validates_images`, unless deep image
-    /// inspection is disabled (Ironic then inspects nothing).
-    pub(super) fn validates_http_sources(&self) -> bool {
-        let c = &self.config.conductor;
-        c.conductor_always_validates_images && !c.disable_deep_image_inspection
+    /// `http` mode with validation: the image downloaded, verified and
+    /// inspected (or found so in the cache) and the source's own URL
+    /// answered; whether it was found in the cache.
+    pub(super) async fn validate_image(
+        &self,
+        image: ImagePlan,
+        req: &Request,
+        done: &mut Completion,
+    ) -> Result<CacheOutcome> {
+        let expected = Box::pin(self.expected_of(image.spec.clone(), &image.source)).await?;
+        let validated = self.validated_pass_through(
+            &image.source,
+            &image.href,
+            expected,
+            req,
+            &image.info,
+            done,
+        );
+        Box::pin(validated).await
+    }
+
+    /// `image_download_source = http` with an http(s) source: the agent
+    /// downloads from the source itself, after a HEAD check, as Ironic does.
+    pub(super) async fn pass_through(
+        &self,
+        source: &Source,
+        href: &str,
+        spec: Option<ChecksumSpec>,
+        done: &mut Completion,
+    ) -> Result<()> {
+        let stat = self.fetcher.stat(source).await?;
+        let expected = match spec {
+            None => None,
+            Some(spec) => Some(self.resolve_checksum(spec, source).await?),
+        };
+        done.image_url = Some(href.to_string());
+        if let Some(e) = expected {
+            if e.algo == Algo::Md5 {
+                done.image_checksum = Some(e.hex);
+            } else {
+                done.image_os_hash_algo = Some(e.algo.name().into());
+                done.image_os_hash_value = Some(e.hex);
+            }
+        }
+        done.image_size = stat.size;
+        done.converted = Some(false);
+        Ok(())
     }
 
     /// Downloads, verifies and inspects `source` (or finds it verified in

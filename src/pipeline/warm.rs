@@ -7,7 +7,8 @@
 //! unlinked master; a warm that finds it cached counts as a use of it
 //! (its last use is now), so warming again before a rollout keeps it.
 
-use super::prepare::{Mode, Obtained, fill_image};
+use super::obtain::{Obtained, fill_image};
+use super::resolve::Mode;
 use super::{Pipeline, Request};
 use crate::error::Result;
 use crate::messages::{CacheOutcome, Completion};
