@@ -245,26 +245,12 @@ impl Pipeline {
                 .filter(|s| s.len() <= crate::messages::MAX_URL_LEN)
                 .map(crate::secrets::redact_url);
         }
-        let result = match NodeUuid::parse(&req.node_uuid) {
-            // A warm names an image, not a node.
-            _ if req.action == Action::Warm => {
-                done.node_uuid = None;
-                Box::pin(self.warm(req, &mut done))
-                    .await
-                    .map(|()| Released::Done)
+        let result = match node_of(req) {
+            Ok(node) => {
+                done.node_uuid = node.as_ref().map(NodeUuid::to_string);
+                self.run(req, node.as_ref(), &mut done).await
             }
             Err(e) => Err(e),
-            Ok(node) => {
-                done.node_uuid = Some(node.to_string());
-                match req.action {
-                    Action::Prepare => self.prepare(&node, req, &mut done).await,
-                    Action::Deployed => self.release(&node, req, false).await,
-                    Action::Cleanup => self.release(&node, req, true).await,
-                    Action::Unknown | Action::Warm => {
-                        Err(Error::new(ErrorCode::InvalidMessage, "unknown action"))
-                    }
-                }
-            }
         };
         if matches!(result, Ok(Released::Stray)) {
             return None;
@@ -284,6 +270,24 @@ impl Pipeline {
             ),
         }
         Some(done)
+    }
+
+    /// Does what `req` asks of `node` (none for a warm).
+    async fn run(
+        &self,
+        req: &Request,
+        node: Option<&NodeUuid>,
+        done: &mut Completion,
+    ) -> Result<Released> {
+        match (req.action, node) {
+            (Action::Warm, _) => Box::pin(self.warm(req, done))
+                .await
+                .map(|()| Released::Done),
+            (Action::Prepare, Some(node)) => self.prepare(node, req, done).await,
+            (Action::Deployed, Some(node)) => self.release(node, req, false).await,
+            (Action::Cleanup, Some(node)) => self.release(node, req, true).await,
+            _ => Err(Error::new(ErrorCode::InvalidMessage, "unknown action")),
+        }
     }
 
     /// deployed: withdraw the URL and the node's link; cleanup: also remove
@@ -321,6 +325,15 @@ impl Pipeline {
         }
         self.refresh_cache_gauges().await;
         Ok(Released::Done)
+    }
+}
+
+/// The node `req` is about, parsed once here: `None` for a warm, which
+/// names an image, not a node.
+fn node_of(req: &Request) -> Result<Option<NodeUuid>> {
+    match req.action {
+        Action::Warm => Ok(None),
+        _ => NodeUuid::parse(&req.node_uuid).map(Some),
     }
 }
 

@@ -156,7 +156,7 @@ impl Pipeline {
             return Ok(PeerTurn::Source(None));
         };
         let mut waiting = Waiting::new(self.wait_limit(), &self.config.source);
-        let mut bad = HashSet::new();
+        let mut bad = BadHolders::default();
         let mut followed = HashSet::new();
         loop {
             let offers = self.ask(peers, job.name).await;
@@ -237,7 +237,7 @@ impl Pipeline {
         peers: &Peers,
         job: &MasterFetch<'_>,
         offers: Vec<Offer>,
-        bad: &mut HashSet<(String, String)>,
+        bad: &mut BadHolders,
     ) -> Option<(Master, TempGuard)> {
         let usable: Vec<Offer> = offers
             .into_iter()
@@ -267,8 +267,8 @@ impl Pipeline {
 
     /// Whether offer `o` may stand for what `job` wants and was not found
     /// bad before.
-    fn usable(&self, job: &MasterFetch<'_>, o: &Offer, bad: &HashSet<(String, String)>) -> bool {
-        !bad.contains(&(o.host.clone(), sha256_of(o))) && self.acceptable(job, o)
+    fn usable(&self, job: &MasterFetch<'_>, o: &Offer, bad: &BadHolders) -> bool {
+        !bad.holds(o) && self.acceptable(job, o)
     }
 
     /// Whether a peer's master `m` is fresh enough for `job`: always with an
@@ -319,7 +319,7 @@ impl Pipeline {
         peers: &Peers,
         job: &MasterFetch<'_>,
         offers: &[Offer],
-        bad: &mut HashSet<(String, String)>,
+        bad: &mut BadHolders,
     ) -> Result<(Master, TempGuard)> {
         let facts = chosen(offers).ok_or_else(|| Error::new(ErrorCode::Internal, "no offer"))?;
         let holders: Vec<Holder> = offers
@@ -344,7 +344,7 @@ impl Pipeline {
             && *reason != UNREACHABLE
         {
             for h in &holders {
-                bad.insert((h.host.clone(), facts.sha256.clone()));
+                bad.insert(&h.host, &facts.sha256);
             }
         }
         self.adopt(job, checked).await
@@ -359,7 +359,7 @@ impl Pipeline {
         peers: &Peers,
         job: &MasterFetch<'_>,
         offer: &Offer,
-        bad: &HashSet<(String, String)>,
+        bad: &BadHolders,
     ) -> Option<(Master, TempGuard)> {
         let size = offer.live_size?;
         let holder = holder_of(offer);
@@ -392,7 +392,7 @@ impl Pipeline {
         peers: &Peers,
         job: &MasterFetch<'_>,
         host: &str,
-        bad: &HashSet<(String, String)>,
+        bad: &BadHolders,
     ) -> Option<OfferedMaster> {
         for _ in 0..3 {
             let offers = self.ask(peers, job.name).await;
@@ -690,12 +690,25 @@ fn holder_of(o: &Offer) -> Holder {
     }
 }
 
-/// The offer's SHA-256 (empty while downloading).
-fn sha256_of(o: &Offer) -> String {
-    o.master
-        .as_ref()
-        .map(|m| m.sha256.clone())
-        .unwrap_or_default()
+/// The holders whose bytes failed a check, with the SHA-256 they offered:
+/// such an offer is not used again while this request waits (a holder
+/// offering other bytes later is judged afresh).
+#[derive(Default)]
+struct BadHolders(HashSet<(String, String)>);
+
+impl BadHolders {
+    /// `host`'s master of `sha256` failed a check.
+    fn insert(&mut self, host: &str, sha256: &str) {
+        self.0.insert((host.to_string(), sha256.to_string()));
+    }
+
+    /// Whether offer `o` is of bytes its holder was found bad for (never
+    /// one without a master: it is still downloading).
+    fn holds(&self, o: &Offer) -> bool {
+        o.master
+            .as_ref()
+            .is_some_and(|m| self.0.contains(&(o.host.clone(), m.sha256.clone())))
+    }
 }
 
 /// Whether offer `o` holds exactly the bytes `m` describes.
