@@ -11,7 +11,7 @@
 //! | `rpc` | the JSON-RPC listener: the commands for an Ironic without a broker |
 //! | `dispatch` | what both transports share: per-node order, prepare slots, deadlines, the answers given |
 //! | `messages` | request and completion types; parsing commands and Ironic notifications |
-//! | `pipeline` | one request end to end: prepare, deployed, cleanup |
+//! | `pipeline` | one request end to end: prepare, warm, deployed, cleanup; whether a cached or offered master fits a request; making a new master |
 //! | `sources` | where bytes come from: http(s), `file://`, Glance |
 //! | `image` | format detection, the qcow2 validator, conversion to raw |
 //! | `store` | the master cache, eviction, node links, locks, write-and-hash, checksums |

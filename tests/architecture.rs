@@ -1,7 +1,8 @@
 //! Keeps docs/architecture.md's layer table true: reads every file under
 //! `src/`, collects the `crate::<module>` paths it names and fails on one its
-//! folder's row does not allow, and fails on any function longer than the
-//! project's limit. Plain text scanning (comments and string literals are
+//! folder's row does not allow, fails on any function longer than the
+//! project's limit, and fails when the pipeline's modules import each other
+//! in a circle. Plain text scanning (comments and string literals are
 //! skipped), no compiler involved, so it runs in milliseconds.
 
 use std::collections::BTreeSet;
@@ -359,4 +360,138 @@ fn the_scanner_sees_through_comments_and_strings() {
     assert_eq!(function_lengths(&code), vec![(3, "f".to_string(), 1)]);
     let two = code_only("fn g() {\n    if x { y }\n}\nfn h();\n");
     assert_eq!(function_lengths(&two), vec![(1, "g".to_string(), 3)]);
+}
+
+/// The modules of the folder `dir` (`src/<dir>/<name>.rs` or
+/// `src/<dir>/<name>/`) each file names with `super::<name>`, as a graph
+/// from module to the siblings it uses (`mod.rs`, the folder's root that
+/// declares them all, left out).
+fn sibling_uses(dir: &Path) -> std::collections::BTreeMap<String, BTreeSet<String>> {
+    let mut files = Vec::new();
+    rust_files(dir, &mut files);
+    let module = |f: &Path| {
+        let rel = f.strip_prefix(dir).unwrap();
+        let first = rel
+            .components()
+            .next()
+            .unwrap()
+            .as_os_str()
+            .to_str()
+            .unwrap();
+        first.trim_end_matches(".rs").to_string()
+    };
+    let names: BTreeSet<String> = files.iter().map(|f| module(f)).collect();
+    let mut graph = std::collections::BTreeMap::new();
+    for file in &files {
+        let from = module(file);
+        if from == "mod" {
+            continue;
+        }
+        let code = code_only(&std::fs::read_to_string(file).unwrap());
+        let uses: &mut BTreeSet<String> = graph.entry(from.clone()).or_default();
+        // `super::x` from a file of the folder, `super::super::x` from a
+        // file of a subfolder; a subfolder's own files name each other
+        // through `super::` too, which stays inside the module.
+        let depth = file.strip_prefix(dir).unwrap().components().count();
+        let prefix = "super::".repeat(depth.max(1));
+        for (at, _) in code.match_indices(&prefix) {
+            if ident(code.as_bytes(), at) || code[..at].ends_with("super::") {
+                continue;
+            }
+            let name: String = code[at + prefix.len()..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            if name != from && names.contains(&name) {
+                uses.insert(name);
+            }
+        }
+        // `use super::{a, b::C}` lists.
+        for (at, _) in code.match_indices(&format!("{prefix}{{")) {
+            if code[..at].ends_with("super::") {
+                continue;
+            }
+            let list = &code[at + prefix.len() + 1..];
+            let list = &list[..list.find('}').unwrap_or(list.len())];
+            for item in list.split(',') {
+                let name = item.trim().split("::").next().unwrap_or("").trim();
+                if name != from && names.contains(name) {
+                    uses.insert(name.to_string());
+                }
+            }
+        }
+    }
+    graph
+}
+
+/// A cycle in `graph`, if there is one, as the path that closes it.
+fn find_cycle(graph: &std::collections::BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
+    fn visit(
+        node: &str,
+        graph: &std::collections::BTreeMap<String, BTreeSet<String>>,
+        path: &mut Vec<String>,
+        done: &mut BTreeSet<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(at) = path.iter().position(|n| n == node) {
+            let mut cycle = path[at..].to_vec();
+            cycle.push(node.to_string());
+            return Some(cycle);
+        }
+        if done.contains(node) {
+            return None;
+        }
+        path.push(node.to_string());
+        for next in graph.get(node).into_iter().flatten() {
+            if let Some(c) = visit(next, graph, path, done) {
+                return Some(c);
+            }
+        }
+        path.pop();
+        done.insert(node.to_string());
+        None
+    }
+    let mut done = BTreeSet::new();
+    graph
+        .keys()
+        .find_map(|n| visit(n, graph, &mut Vec::new(), &mut done))
+}
+
+#[test]
+fn the_pipelines_modules_use_each_other_in_one_direction() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/pipeline");
+    let graph = sibling_uses(&dir);
+    assert!(
+        graph.values().any(|uses| !uses.is_empty()),
+        "the scanner found no use between the pipeline's modules: {graph:?}"
+    );
+    if let Some(cycle) = find_cycle(&graph) {
+        panic!(
+            "the pipeline's modules use each other in a circle: {}",
+            cycle.join(" -> ")
+        );
+    }
+}
+
+#[test]
+fn the_circle_finder_finds_circles() {
+    let graph = |edges: &[(&str, &str)]| {
+        let mut g = std::collections::BTreeMap::<String, BTreeSet<String>>::new();
+        for (a, b) in edges {
+            g.entry(a.to_string()).or_default().insert(b.to_string());
+            g.entry(b.to_string()).or_default();
+        }
+        g
+    };
+    let circle = graph(&[
+        ("attempt", "fetch"),
+        ("fetch", "peers"),
+        ("peers", "attempt"),
+    ]);
+    assert_eq!(find_cycle(&circle).map(|c| c.len()), Some(4), "{circle:?}");
+    let line = graph(&[
+        ("fetch", "peers"),
+        ("peers", "attempt"),
+        ("fetch", "attempt"),
+    ]);
+    assert_eq!(find_cycle(&line), None);
 }

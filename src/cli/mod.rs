@@ -429,7 +429,7 @@ pub fn main() -> ExitCode {
         grow_to,
     } = &cli.command
     {
-        let served = crate::store::sink::Served {
+        let served = crate::image::convert::Served {
             md5: !no_md5,
             sha512: *sha512,
         };

@@ -15,7 +15,10 @@ use crate::image::inflate::Inflater;
 use crate::image::inspect::{Format, Inspection};
 use crate::image::qcow2;
 use crate::image::reclaim::Reclaimer;
-use crate::store::sink::{CHUNK, Digests, Pace, Served, Sink};
+/// Which digests a conversion computes; named here for the converter
+/// child's command line, which knows the image layer and not the store.
+pub use crate::store::sink::Served;
+use crate::store::sink::{CHUNK, Digests, Pace, Sink};
 use serde::{Deserialize, Serialize};
 use std::io::Read;
 use std::path::Path;

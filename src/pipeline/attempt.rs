@@ -9,14 +9,14 @@
 //! or HTTP serving.
 
 use super::Pipeline;
-use super::fetch::MasterFetch;
+use super::job::MasterFetch;
 use super::keeper::{GROWTH_STEP, Room};
 use super::stream::DownloadState;
 use crate::error::{Error, ErrorCode, Result};
 use crate::fsutil::TempGuard;
 use crate::image::convert;
 use crate::metrics::progress::Transfer;
-use crate::sources::{Delivery, SourceStat};
+use crate::sources::{Delivery, Source, SourceStat};
 use crate::store::sink::{Digests, Hashes, Pace, Sink};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -68,6 +68,13 @@ struct Current {
 type Views = watch::Sender<Option<Arc<AttemptView>>>;
 
 impl Pipeline {
+    /// Whether a qcow2 download is converted while it downloads.
+    pub(super) fn streams_while_downloading(&self, job: &MasterFetch<'_>) -> bool {
+        job.force_raw
+            && self.config.convert.stream_while_downloading
+            && !matches!(job.source, Source::File(_))
+    }
+
     /// Downloads `job.source` attempt by attempt (see the module
     /// documentation) and returns the completed attempt with the
     /// conversion that read it, if one ran to its end. Nothing is verified

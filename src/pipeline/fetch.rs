@@ -6,45 +6,21 @@
 //! nothing of nodes (linking is the request's business), the broker or HTTP
 //! serving.
 
+use super::Pipeline;
 use super::attempt::{Streamed, Written};
+use super::job::MasterFetch;
 use super::keeper::Room;
 use super::peers::PeerTurn;
-use super::{Pipeline, blocking};
 use crate::error::{Error, ErrorCode, Result};
 use crate::fsutil::TempGuard;
 use crate::image::convert;
 use crate::image::inspect;
-use crate::messages::InstanceInfo;
 use crate::metrics::progress::Transfer;
-use crate::sources::{Source, SourceStat};
+use crate::sources::SourceStat;
 use crate::store::cache::{self, Master, MasterMeta};
-use crate::store::checksum::Expected;
-use crate::store::sink::{Digests, Served};
+use crate::store::sink::Digests;
 use std::path::Path;
 use std::time::{Instant, SystemTime};
-
-/// What the steps of one master download share: where it comes from, the
-/// master's name, and what the request wants of it.
-pub(super) struct MasterFetch<'a> {
-    /// The image source.
-    pub(super) source: &'a Source,
-    /// The source as Ironic named it (recorded in the sidecar).
-    pub(super) href: &'a str,
-    /// The master's name in the cache.
-    pub(super) name: &'a str,
-    /// The checksum the source bytes must have, when one is known.
-    pub(super) expected: Option<&'a Expected>,
-    /// The digests of the served bytes computed (SHA-512 when the
-    /// request's algorithm is sha512, MD5 unless `[agent] served_md5` is
-    /// false).
-    pub(super) served: Served,
-    /// Whether images that can be converted are converted to raw.
-    pub(super) force_raw: bool,
-    /// Ironic's `instance_info` (the declared disk format).
-    pub(super) info: &'a InstanceInfo,
-    /// Raised when the download turns out slow.
-    pub(super) slow: &'a crate::messages::SlowSignal,
-}
 
 /// A verified download: its digests, what the source said about it, when
 /// the download started.
@@ -157,13 +133,6 @@ impl Pipeline {
         Ok((downloaded, file, streamed))
     }
 
-    /// Whether a qcow2 download is converted while it downloads.
-    pub(super) fn streams_while_downloading(&self, job: &MasterFetch<'_>) -> bool {
-        job.force_raw
-            && self.config.convert.stream_while_downloading
-            && !matches!(job.source, Source::File(_))
-    }
-
     /// A zstd-compressed download, decompressed into a new temporary with
     /// its digests; `None` when the download is not zstd.
     async fn decompress_zstd(
@@ -182,46 +151,6 @@ impl Pipeline {
         let mut room = Room::ahead_of(self.keeper(), 0);
         let d = convert::decompress_zstd(temp, out.path(), job.served, max, &mut room).await?;
         Ok(Some((out, d)))
-    }
-
-    /// Inspects the downloaded image: its format must be the declared one
-    /// and permitted, and a qcow2 must pass the safety checks.
-    pub(super) async fn inspect_download(
-        &self,
-        job: &MasterFetch<'_>,
-        temp: &Path,
-    ) -> Result<(inspect::Inspection, Option<crate::image::qcow2::Header>)> {
-        let found = inspect::inspect_file(temp)?;
-        self.check_declared_format(found.format, job.info)?;
-        let qcow2 =
-            inspect::safety_check_blocking(temp, &found, self.config.convert.qcow2_limits())
-                .await?;
-        Ok((found, qcow2))
-    }
-
-    /// The detected format must be the declared one and permitted, unless
-    /// `[conductor]disable_deep_image_inspection` is set: then, as in
-    /// Ironic, the detected format is only what decides the conversion
-    /// (the structural checks of `inspect::safety_check_blocking` stay).
-    pub(super) fn check_declared_format(
-        &self,
-        format: inspect::Format,
-        info: &InstanceInfo,
-    ) -> Result<()> {
-        let c = &self.config.conductor;
-        if c.disable_deep_image_inspection {
-            tracing::warn!(
-                format = format.name(),
-                "[conductor]disable_deep_image_inspection: the declared and permitted formats \
-                 are not checked"
-            );
-            return Ok(());
-        }
-        inspect::check_format(
-            format,
-            info.image_disk_format.as_deref(),
-            &c.permitted_image_formats,
-        )
     }
 
     /// Converts the complete download to raw (after making room for it)
@@ -261,40 +190,6 @@ impl Pipeline {
             .conversion("after_download", d.size, d.hashing(), started.elapsed());
         check_converted(out.path(), &d, found)?;
         Ok((out, d))
-    }
-
-    /// Commits `temp` as the master `name` with its sidecar, holding it by a
-    /// hard link first (see [`Pipeline::fetch_master`]).
-    pub(super) async fn commit_master(
-        &self,
-        name: &str,
-        temp: TempGuard,
-        meta: MasterMeta,
-    ) -> Result<(Master, TempGuard)> {
-        let hold = TempGuard::new(self.cache.temp_path(name)?);
-        let (cache, path, owned_name) = (
-            self.cache.clone(),
-            temp.path().to_path_buf(),
-            name.to_string(),
-        );
-        let hold_path = hold.path().to_path_buf();
-        // All on a blocking thread: the sync may write back gigabytes
-        // (qemu-img writes its output through the page cache, unsynced).
-        let master = blocking(move || {
-            // Durable before it becomes a master; the writers sync what
-            // they write (then this is cheap), except a download they were
-            // told is scratch (one that is converted), never committed
-            // itself, and qemu-img.
-            std::fs::File::open(&path)
-                .and_then(|f| f.sync_data())
-                .map_err(|e| Error::io("sync the new master", e))?;
-            std::fs::hard_link(&path, &hold_path)
-                .map_err(|e| Error::io("hold the new master", e))?;
-            cache.commit(&path, &owned_name, meta)
-        })
-        .await?;
-        temp.keep();
-        Ok((master, hold))
     }
 }
 

@@ -1,9 +1,11 @@
 //! The cache housekeeping the pipeline runs on a blocking thread: eviction
 //! under the cache policy, room before a download or conversion (and,
 //! with [`Room`], ahead of a file whose final length nobody announced), the
-//! cache gauges. It knows the cache directory and the policy, not requests,
+//! cache gauges, and the pipeline's ways of running it off the async
+//! threads. It knows the cache directory and the policy, not requests,
 //! nodes, the broker or HTTP serving.
 
+use super::{Pipeline, blocking};
 use crate::error::{Error, ErrorCode, Result};
 use crate::fsutil;
 use crate::metrics::Metrics;
@@ -12,6 +14,44 @@ use std::sync::Arc;
 
 /// How much free space a file of unannounced length makes sure of ahead.
 pub(super) const GROWTH_STEP: u64 = 256 << 20;
+
+impl Pipeline {
+    /// The cache housekeeping, to run on a blocking thread.
+    pub(super) fn keeper(&self) -> Keeper {
+        Keeper {
+            cache: self.cache.clone(),
+            policy: self.config.pxe.eviction_policy(),
+            metrics: self.metrics.clone(),
+        }
+    }
+
+    /// Runs cache housekeeping on a blocking thread, so the async threads
+    /// keep serving images and messages (statvfs, listing, unlinks).
+    pub(super) async fn off_thread<T: Send + 'static>(
+        &self,
+        work: impl FnOnce(&Keeper) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        let keeper = self.keeper();
+        blocking(move || work(&keeper)).await
+    }
+
+    /// After the cache grew: enforce the size limit and TTL (the new master is
+    /// protected by its link to the node, made before this runs).
+    pub(super) async fn after_growth(&self) {
+        if let Err(e) = self.off_thread(|k| k.clean(0, false, false)).await {
+            tracing::warn!(error = %e, "cache clean-up failed");
+        }
+    }
+
+    pub(super) async fn refresh_cache_gauges(&self) {
+        let _ = self
+            .off_thread(|k| {
+                k.refresh_cache_gauges();
+                Ok(())
+            })
+            .await;
+    }
+}
 
 /// The cache housekeeping (eviction, free space, gauges): cheap to clone,
 /// so it runs on a blocking thread.

@@ -2,12 +2,25 @@
 //! It knows nothing of AMQP or HTTP serving: the broker layer, the one-shot
 //! CLI and the tests all call [`Pipeline::handle`] and get a [`Completion`].
 //!
-//! This file holds the request-level API and the order of a request's steps
-//! (deployed, cleanup, the dispatch of every action); preparing a node is
-//! in `prepare`, caching an image for no node in `warm`, making a new
-//! master in `fetch`, converting while
-//! downloading in `stream`, the cache housekeeping in `keeper`, the order
-//! of a node's commands (stale prepares, answers given) in `order`.
+//! This file holds the request-level API: the dispatch of every action,
+//! `deployed` and `cleanup`. Its modules, each using only those listed
+//! after it (`tests/architecture.rs` holds them to one direction):
+//!
+//! * a request: preparing a node (`prepare`), caching an image for no node
+//!   (`warm`), `http` mode's answers, passed through or validated first
+//!   (`validated`);
+//! * what those share: the image a request names, resolved before any lock
+//!   (`resolve`); its master under the locks, the cached one when it fits
+//!   or a new one (`obtain`);
+//! * making a new master: download, verify, decompress, inspect, convert,
+//!   commit (`fetch`); the other conductors' workers first (`peers`); each
+//!   download attempt's file, sink and conversion (`attempt`); converting a
+//!   qcow2 while it downloads (`stream`);
+//! * below them all: whether a master's record fits a request, a pure
+//!   function (`verdict`); what lets bytes stand as a master, the inspection
+//!   and the commit (`admit`); one master to obtain (`job`); the cache
+//!   housekeeping (`keeper`); the order of a node's commands, from its
+//!   ledger (`order`).
 
 use crate::config::Config;
 use crate::error::{Error, ErrorCode, Result};
@@ -24,17 +37,20 @@ use std::sync::Arc;
 use std::time::Instant;
 use tracing::Instrument;
 
+mod admit;
 mod attempt;
 mod fetch;
+mod job;
 mod keeper;
+mod obtain;
 mod order;
 pub mod peers;
 mod prepare;
+mod resolve;
 mod stream;
 mod validated;
+mod verdict;
 mod warm;
-
-use keeper::Keeper;
 
 /// Everything needed to serve nodes on this conductor host.
 pub struct Pipeline {
@@ -119,11 +135,9 @@ impl Pipeline {
     }
 
     /// True when the node has a published link or a cached image here.
-    pub fn has_node_files(&self, node: &str) -> bool {
-        NodeUuid::parse(node).is_ok_and(|n| {
-            self.links.symlink_path(&n).symlink_metadata().is_ok()
-                || self.links.node_dir(&n).exists()
-        })
+    fn has_node_files(&self, node: &NodeUuid) -> bool {
+        self.links.symlink_path(node).symlink_metadata().is_ok()
+            || self.links.node_dir(node).exists()
     }
 
     /// Applies the cache policy (see `eviction`), reclaiming at least
@@ -174,25 +188,6 @@ impl Pipeline {
     /// The masters in the cache, oldest-used first.
     pub fn cache_entries(&self) -> Result<Vec<crate::store::eviction::Entry>> {
         crate::store::eviction::list(&self.cache)
-    }
-
-    /// The cache housekeeping, to run on a blocking thread.
-    fn keeper(&self) -> Keeper {
-        Keeper {
-            cache: self.cache.clone(),
-            policy: self.config.pxe.eviction_policy(),
-            metrics: self.metrics.clone(),
-        }
-    }
-
-    /// Runs cache housekeeping on a blocking thread, so the async threads
-    /// keep serving images and messages (statvfs, listing, unlinks).
-    async fn off_thread<T: Send + 'static>(
-        &self,
-        work: impl FnOnce(&Keeper) -> Result<T> + Send + 'static,
-    ) -> Result<T> {
-        let keeper = self.keeper();
-        blocking(move || work(&keeper)).await
     }
 
     /// Handles one request and always answers with a completion event. Every
@@ -250,26 +245,12 @@ impl Pipeline {
                 .filter(|s| s.len() <= crate::messages::MAX_URL_LEN)
                 .map(crate::secrets::redact_url);
         }
-        let result = match NodeUuid::parse(&req.node_uuid) {
-            // A warm names an image, not a node.
-            _ if req.action == Action::Warm => {
-                done.node_uuid = None;
-                Box::pin(self.warm(req, &mut done))
-                    .await
-                    .map(|()| Released::Done)
+        let result = match node_of(req) {
+            Ok(node) => {
+                done.node_uuid = node.as_ref().map(NodeUuid::to_string);
+                self.run(req, node.as_ref(), &mut done).await
             }
             Err(e) => Err(e),
-            Ok(node) => {
-                done.node_uuid = Some(node.to_string());
-                match req.action {
-                    Action::Prepare => self.prepare(&node, req, &mut done).await,
-                    Action::Deployed => self.release(&node, req, false).await,
-                    Action::Cleanup => self.release(&node, req, true).await,
-                    Action::Unknown | Action::Warm => {
-                        Err(Error::new(ErrorCode::InvalidMessage, "unknown action"))
-                    }
-                }
-            }
         };
         if matches!(result, Ok(Released::Stray)) {
             return None;
@@ -291,6 +272,24 @@ impl Pipeline {
         Some(done)
     }
 
+    /// Does what `req` asks of `node` (none for a warm).
+    async fn run(
+        &self,
+        req: &Request,
+        node: Option<&NodeUuid>,
+        done: &mut Completion,
+    ) -> Result<Released> {
+        match (req.action, node) {
+            (Action::Warm, _) => Box::pin(self.warm(req, done))
+                .await
+                .map(|()| Released::Done),
+            (Action::Prepare, Some(node)) => self.prepare(node, req, done).await,
+            (Action::Deployed, Some(node)) => self.release(node, req, false).await,
+            (Action::Cleanup, Some(node)) => self.release(node, req, true).await,
+            _ => Err(Error::new(ErrorCode::InvalidMessage, "unknown action")),
+        }
+    }
+
     /// deployed: withdraw the URL and the node's link; cleanup: also remove
     /// the node's directory. Doing it twice changes nothing. With
     /// `only_if_prepared`, a node without files here is left alone (decided
@@ -302,7 +301,7 @@ impl Pipeline {
         self.note_released(node, req).await;
         // The node's lock file goes with its files (when it never had any
         // here, or has none left); a failed removal keeps it.
-        if only_if_prepared && !self.has_node_files(node.as_str()) {
+        if only_if_prepared && !self.has_node_files(node) {
             node_lock.remove_file();
             return Ok(Released::Stray);
         }
@@ -321,28 +320,20 @@ impl Pipeline {
             Ok(())
         })
         .await?;
-        if whole_dir || !self.has_node_files(node.as_str()) {
+        if whole_dir || !self.has_node_files(node) {
             node_lock.remove_file();
         }
         self.refresh_cache_gauges().await;
         Ok(Released::Done)
     }
+}
 
-    /// After the cache grew: enforce the size limit and TTL (the new master is
-    /// protected by its link to the node, made before this runs).
-    async fn after_growth(&self) {
-        if let Err(e) = self.off_thread(|k| k.clean(0, false, false)).await {
-            tracing::warn!(error = %e, "cache clean-up failed");
-        }
-    }
-
-    async fn refresh_cache_gauges(&self) {
-        let _ = self
-            .off_thread(|k| {
-                k.refresh_cache_gauges();
-                Ok(())
-            })
-            .await;
+/// The node `req` is about, parsed once here: `None` for a warm, which
+/// names an image, not a node.
+fn node_of(req: &Request) -> Result<Option<NodeUuid>> {
+    match req.action {
+        Action::Warm => Ok(None),
+        _ => NodeUuid::parse(&req.node_uuid).map(Some),
     }
 }
 

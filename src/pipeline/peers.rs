@@ -19,12 +19,12 @@
 
 use super::Pipeline;
 use super::attempt::DELIVERY_DEPTH;
-use super::fetch::MasterFetch;
-use super::prepare::source_digest;
+use super::job::MasterFetch;
+use super::verdict::{self, Verdict};
 use crate::error::{Error, ErrorCode, Result};
 use crate::fsutil::TempGuard;
-use crate::image::inspect::{self, Format};
-use crate::peers::live::{LiveGuard, LiveMasters};
+use crate::image::inspect;
+use crate::peers::live::LiveMasters;
 use crate::peers::wire::{Offer, OfferState, OfferedMaster};
 use crate::sources::http_client;
 use crate::sources::peer::{Holder, PeerFetcher};
@@ -120,18 +120,6 @@ impl Pipeline {
         self.live.get(name).map(|v| v.size)
     }
 
-    /// With peers on: offers `out`, to become master `name` of `size`
-    /// bytes, to the workers waiting for it while it is written.
-    pub(super) fn publish_live(
-        &self,
-        name: &str,
-        out: &std::path::Path,
-        size: u64,
-    ) -> Option<LiveGuard> {
-        self.peers.get()?;
-        (size > 0).then(|| self.live.publish(name, out.to_path_buf(), size))
-    }
-
     /// What this worker offers of master `name`: its sidecar's facts, when
     /// the master is committed and its sidecar describes it.
     pub fn peer_offer(&self, name: &str) -> Option<OfferedMaster> {
@@ -168,7 +156,7 @@ impl Pipeline {
             return Ok(PeerTurn::Source(None));
         };
         let mut waiting = Waiting::new(self.wait_limit(), &self.config.source);
-        let mut bad = HashSet::new();
+        let mut bad = BadHolders::default();
         let mut followed = HashSet::new();
         loop {
             let offers = self.ask(peers, job.name).await;
@@ -249,7 +237,7 @@ impl Pipeline {
         peers: &Peers,
         job: &MasterFetch<'_>,
         offers: Vec<Offer>,
-        bad: &mut HashSet<(String, String)>,
+        bad: &mut BadHolders,
     ) -> Option<(Master, TempGuard)> {
         let usable: Vec<Offer> = offers
             .into_iter()
@@ -279,8 +267,8 @@ impl Pipeline {
 
     /// Whether offer `o` may stand for what `job` wants and was not found
     /// bad before.
-    fn usable(&self, job: &MasterFetch<'_>, o: &Offer, bad: &HashSet<(String, String)>) -> bool {
-        !bad.contains(&(o.host.clone(), sha256_of(o))) && self.acceptable(job, o)
+    fn usable(&self, job: &MasterFetch<'_>, o: &Offer, bad: &BadHolders) -> bool {
+        !bad.holds(o) && self.acceptable(job, o)
     }
 
     /// Whether a peer's master `m` is fresh enough for `job`: always with an
@@ -302,11 +290,11 @@ impl Pipeline {
         }
     }
 
-    /// Whether an offer may stand for what the request wants, from what
-    /// its holder recorded, as a cache hit is judged by its sidecar: the
-    /// same source, the expected checksum among the verified source
-    /// digests (or checked in the transfer, for unconverted bytes), the
-    /// declared and permitted format.
+    /// Whether an offer may stand for what the request wants: a verified
+    /// master of the same name from another host, whose record fits the
+    /// request as a cache hit's sidecar would ([`verdict::judge`]; an
+    /// expected checksum not recorded is checked on the bytes received,
+    /// freshness before they are fetched).
     fn acceptable(&self, job: &MasterFetch<'_>, o: &Offer) -> bool {
         let Some(m) = o.master.as_ref() else {
             return false;
@@ -314,30 +302,13 @@ impl Pipeline {
         if o.state != OfferState::Verified
             || o.name != job.name
             || o.host == self.config.default.host
-            || m.source != crate::secrets::redact_url(job.href)
-            || (m.converted && !job.force_raw)
         {
             return false;
         }
-        let meta = meta_of(m);
-        if let Some(e) = job.expected {
-            let recorded = source_digest(&meta, e.algo);
-            let ok = match recorded {
-                Some(hex) => hex == e.hex,
-                None => meta.served_as_fetched(),
-            };
-            if !ok {
-                return false;
-            }
-        }
-        let Some(format) = Format::from_name(&m.source_format) else {
-            return false;
-        };
-        let served_ok = match m.converted {
-            true => m.disk_format == "raw",
-            false => m.disk_format == format.served_name(),
-        };
-        served_ok && self.check_declared_format(format, job.info).is_ok()
+        matches!(
+            verdict::judge(&meta_of(m), &self.wanted(job, false)),
+            Verdict::Fits(_)
+        )
     }
 
     /// Fetches the master chosen among `offers` by rule (see [`chosen`])
@@ -348,7 +319,7 @@ impl Pipeline {
         peers: &Peers,
         job: &MasterFetch<'_>,
         offers: &[Offer],
-        bad: &mut HashSet<(String, String)>,
+        bad: &mut BadHolders,
     ) -> Result<(Master, TempGuard)> {
         let facts = chosen(offers).ok_or_else(|| Error::new(ErrorCode::Internal, "no offer"))?;
         let holders: Vec<Holder> = offers
@@ -373,7 +344,7 @@ impl Pipeline {
             && *reason != UNREACHABLE
         {
             for h in &holders {
-                bad.insert((h.host.clone(), facts.sha256.clone()));
+                bad.insert(&h.host, &facts.sha256);
             }
         }
         self.adopt(job, checked).await
@@ -388,7 +359,7 @@ impl Pipeline {
         peers: &Peers,
         job: &MasterFetch<'_>,
         offer: &Offer,
-        bad: &HashSet<(String, String)>,
+        bad: &BadHolders,
     ) -> Option<(Master, TempGuard)> {
         let size = offer.live_size?;
         let holder = holder_of(offer);
@@ -421,7 +392,7 @@ impl Pipeline {
         peers: &Peers,
         job: &MasterFetch<'_>,
         host: &str,
-        bad: &HashSet<(String, String)>,
+        bad: &BadHolders,
     ) -> Option<OfferedMaster> {
         for _ in 0..3 {
             let offers = self.ask(peers, job.name).await;
@@ -719,12 +690,25 @@ fn holder_of(o: &Offer) -> Holder {
     }
 }
 
-/// The offer's SHA-256 (empty while downloading).
-fn sha256_of(o: &Offer) -> String {
-    o.master
-        .as_ref()
-        .map(|m| m.sha256.clone())
-        .unwrap_or_default()
+/// The holders whose bytes failed a check, with the SHA-256 they offered:
+/// such an offer is not used again while this request waits (a holder
+/// offering other bytes later is judged afresh).
+#[derive(Default)]
+struct BadHolders(HashSet<(String, String)>);
+
+impl BadHolders {
+    /// `host`'s master of `sha256` failed a check.
+    fn insert(&mut self, host: &str, sha256: &str) {
+        self.0.insert((host.to_string(), sha256.to_string()));
+    }
+
+    /// Whether offer `o` is of bytes its holder was found bad for (never
+    /// one without a master: it is still downloading).
+    fn holds(&self, o: &Offer) -> bool {
+        o.master
+            .as_ref()
+            .is_some_and(|m| self.0.contains(&(o.host.clone(), m.sha256.clone())))
+    }
 }
 
 /// Whether offer `o` holds exactly the bytes `m` describes.

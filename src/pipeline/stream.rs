@@ -14,6 +14,18 @@ use crate::store::sink::{Digests, Served};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 impl Pipeline {
+    /// With peers on: offers `out`, to become master `name` of `size`
+    /// bytes, to the workers waiting for it while it is written.
+    pub(super) fn publish_live(
+        &self,
+        name: &str,
+        out: &std::path::Path,
+        size: u64,
+    ) -> Option<LiveGuard> {
+        self.peers.get()?;
+        (size > 0).then(|| self.live.publish(name, out.to_path_buf(), size))
+    }
+
     /// Converts a qcow2 while `temp` is still being downloaded: waits for the
     /// announced size, the header and the L1 table, validates them against
     /// the announced size, makes room, then runs the converter on the

@@ -6,23 +6,64 @@
 //! to no node), so a repeated request does not download them again; eviction
 //! treats them like any unlinked master.
 
-use super::fetch::MasterFetch;
+use super::job::MasterFetch;
+use super::obtain::Obtained;
+use super::resolve::ImagePlan;
 use super::{Pipeline, Request};
-use crate::error::{Error, ErrorCode, Result};
-use crate::image::inspect;
+use crate::error::Result;
 use crate::messages::{CacheOutcome, Completion, InstanceInfo};
 use crate::sources::Source;
-use crate::store::cache::{self, Master};
-use crate::store::checksum::{Algo, Expected};
-use crate::store::sink::Served;
+use crate::store::cache;
+use crate::store::checksum::{Algo, ChecksumSpec, Expected};
 
 impl Pipeline {
-    /// Whether an http(s) source in `http` mode is inspected before its URL
-    /// is answered: `conductor_always_validates_images`, unless deep image
-    /// inspection is disabled (Ironic then inspects nothing).
-    pub(super) fn validates_http_sources(&self) -> bool {
-        let c = &self.config.conductor;
-        c.conductor_always_validates_images && !c.disable_deep_image_inspection
+    /// `http` mode with validation: the image downloaded, verified and
+    /// inspected (or found so in the cache) and the source's own URL
+    /// answered; whether it was found in the cache.
+    pub(super) async fn validate_image(
+        &self,
+        image: ImagePlan,
+        req: &Request,
+        done: &mut Completion,
+    ) -> Result<CacheOutcome> {
+        let expected = Box::pin(self.expected_of(image.spec.clone(), &image.source)).await?;
+        let validated = self.validated_pass_through(
+            &image.source,
+            &image.href,
+            expected,
+            req,
+            &image.info,
+            done,
+        );
+        Box::pin(validated).await
+    }
+
+    /// `image_download_source = http` with an http(s) source: the agent
+    /// downloads from the source itself, after a HEAD check, as Ironic does.
+    pub(super) async fn pass_through(
+        &self,
+        source: &Source,
+        href: &str,
+        spec: Option<ChecksumSpec>,
+        done: &mut Completion,
+    ) -> Result<()> {
+        let stat = self.fetcher.stat(source).await?;
+        let expected = match spec {
+            None => None,
+            Some(spec) => Some(self.resolve_checksum(spec, source).await?),
+        };
+        done.image_url = Some(href.to_string());
+        if let Some(e) = expected {
+            if e.algo == Algo::Md5 {
+                done.image_checksum = Some(e.hex);
+            } else {
+                done.image_os_hash_algo = Some(e.algo.name().into());
+                done.image_os_hash_value = Some(e.hex);
+            }
+        }
+        done.image_size = stat.size;
+        done.converted = Some(false);
+        Ok(())
     }
 
     /// Downloads, verifies and inspects `source` (or finds it verified in
@@ -48,7 +89,7 @@ impl Pipeline {
             expected: expected.as_ref(),
             // The master may serve a prepare later: its digests as a
             // prepare's.
-            served: Served {
+            served: crate::store::sink::Served {
                 md5: self.config.agent.served_md5,
                 sha512: expected.as_ref().is_some_and(|e| e.algo == Algo::Sha512),
             },
@@ -56,12 +97,11 @@ impl Pipeline {
             info,
             slow: &req.slow,
         };
-        let mut master_lock = self.cache.lock(&name).await?;
-        let result = self.verified_master(&job).await;
-        if result.is_err() {
-            self.cache.release_failed(&name, &mut master_lock);
-        }
-        let (master, outcome) = result?;
+        // Only the source's own bytes will do: the agent downloads them.
+        let obtained = self.obtain_master(&job, true, &|_| false);
+        let Obtained {
+            master, outcome, ..
+        } = self.locked(None, &name, obtained).await?;
         let meta = &master.meta;
         done.image_url = Some(href.to_string());
         match expected {
@@ -80,32 +120,5 @@ impl Pipeline {
         done.converted = Some(false);
         tracing::info!(format = %meta.source_format, "inspected, the agent downloads from the source");
         Ok(outcome)
-    }
-
-    /// The cached master of `job` when it holds the expected bytes (or,
-    /// without a checksum, the source has not changed since), its format
-    /// checked again; else a new one, downloaded, verified and inspected.
-    async fn verified_master(&self, job: &MasterFetch<'_>) -> Result<(Master, CacheOutcome)> {
-        let cached = self
-            .cache
-            .load(job.name)
-            .filter(|m| m.meta.source == crate::secrets::redact_url(job.href))
-            .filter(|m| m.meta.served_as_fetched());
-        if let Some(m) = cached {
-            let good = match job.expected {
-                Some(e) => super::prepare::source_digest(&m.meta, e.algo) == Some(e.hex.as_str()),
-                None => Box::pin(self.is_fresh(job.source, &m.meta)).await?,
-            };
-            if good {
-                let format =
-                    inspect::Format::from_name(&m.meta.source_format).ok_or_else(|| {
-                        Error::new(ErrorCode::Internal, "cache sidecar names an unknown format")
-                    })?;
-                self.check_declared_format(format, job.info)?;
-                return Ok((m, CacheOutcome::Hit));
-            }
-        }
-        let (master, _hold) = Box::pin(self.fetch_master(job)).await?;
-        Ok((master, CacheOutcome::Miss))
     }
 }

@@ -7,7 +7,8 @@
 //! unlinked master; a warm that finds it cached counts as a use of it
 //! (its last use is now), so warming again before a rollout keeps it.
 
-use super::prepare::{Mode, Obtained, fill_image};
+use super::obtain::{Obtained, fill_image};
+use super::resolve::Mode;
 use super::{Pipeline, Request};
 use crate::error::Result;
 use crate::messages::{CacheOutcome, Completion};
@@ -48,32 +49,24 @@ impl Pipeline {
             req,
             self.config.agent.served_md5,
         );
-        let mut master_lock = self.cache.lock(&name).await?;
-        let obtained = match self.obtain_master(&job, None).await {
-            Ok(o) => o,
-            Err(e) => {
-                self.cache.release_failed(&name, &mut master_lock);
-                return Err(e);
+        let warmed = async {
+            let obtained = self.obtain_master(&job, false, &|_| false).await?;
+            match obtained.outcome {
+                // Linking nothing, a hit would not count as a use for eviction.
+                CacheOutcome::Hit => self.cache.mark_used(&obtained.master.path),
+                // Enforce the size limit and TTL while the hold (and the
+                // master lock) keep the new master from being the one evicted.
+                CacheOutcome::Miss => {
+                    self.after_growth().await;
+                    self.refresh_cache_gauges().await;
+                }
+                CacheOutcome::PassThrough => {}
             }
+            Ok(obtained)
         };
         let Obtained {
-            master,
-            outcome,
-            hold,
-            ..
-        } = obtained;
-        match outcome {
-            // Linking nothing, a hit would not count as a use for eviction.
-            CacheOutcome::Hit => self.cache.mark_used(&master.path),
-            // Enforce the size limit and TTL while the hold (and the master
-            // lock) keep the new master from being the one evicted.
-            CacheOutcome::Miss => {
-                self.after_growth().await;
-                self.refresh_cache_gauges().await;
-            }
-            CacheOutcome::PassThrough => {}
-        }
-        drop(hold);
+            master, outcome, ..
+        } = self.locked(None, &name, warmed).await?;
         tracing::info!(cache = ?outcome, master = %master.path.display(), "warmed");
         fill_image(&master.meta, job.served, outcome, done);
         Ok(())

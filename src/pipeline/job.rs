@@ -1,0 +1,31 @@
+//! One master to obtain: where it comes from, its name in the cache and
+//! what the request wants of it. Every step of making a master (download,
+//! peers, conversion, inspection, commit) reads it; it names no other
+//! module of the pipeline.
+
+use crate::messages::InstanceInfo;
+use crate::sources::Source;
+use crate::store::checksum::Expected;
+
+/// What the steps of one master download share: where it comes from, the
+/// master's name, and what the request wants of it.
+pub(super) struct MasterFetch<'a> {
+    /// The image source.
+    pub(super) source: &'a Source,
+    /// The source as Ironic named it (recorded in the sidecar).
+    pub(super) href: &'a str,
+    /// The master's name in the cache.
+    pub(super) name: &'a str,
+    /// The checksum the source bytes must have, when one is known.
+    pub(super) expected: Option<&'a Expected>,
+    /// The digests of the served bytes computed (SHA-512 when the
+    /// request's algorithm is sha512, MD5 unless `[agent] served_md5` is
+    /// false).
+    pub(super) served: crate::store::sink::Served,
+    /// Whether images that can be converted are converted to raw.
+    pub(super) force_raw: bool,
+    /// Ironic's `instance_info` (the declared disk format).
+    pub(super) info: &'a InstanceInfo,
+    /// Raised when the download turns out slow.
+    pub(super) slow: &'a crate::messages::SlowSignal,
+}
