@@ -15,6 +15,7 @@
 
 use super::ack::{Adoption, Tracked};
 use super::deadline;
+use super::identity;
 use super::publisher::Publisher;
 use crate::dispatch::{Carrier, Deferral, DeliveryKey, Dispatch, Job, Transport};
 use crate::messages::Completion;
@@ -24,7 +25,6 @@ use lapin::Acker;
 use lapin::message::Delivery;
 use lapin::options::*;
 use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -61,8 +61,8 @@ pub(super) struct Dispatcher {
     /// closed a channel over it. A delivery still unacknowledged three
     /// quarters of it after it arrived is acknowledged early.
     consumer_timeout_ms: AtomicU64,
-    /// Jobs not yet acknowledged, by delivery identity (see [`identity`]).
-    pending: Mutex<HashMap<u64, Vec<Arc<Tracked<Acker>>>>>,
+    /// Jobs not yet acknowledged, by delivery identity (`identity::key`).
+    pending: Mutex<HashMap<String, Vec<Arc<Tracked<Acker>>>>>,
     /// The live connection, `None` while disconnected.
     link: watch::Sender<Option<Link>>,
     next_session: AtomicU64,
@@ -77,7 +77,10 @@ pub(super) struct Delivered {
     source: &'static str,
     reply_to: Option<String>,
     correlation_id: Option<String>,
-    identity: u64,
+    /// Its ledger key (`identity::key`).
+    identity: String,
+    /// The key earlier versions recorded it under (`identity::legacy`).
+    legacy_identity: String,
     tracked: Arc<Tracked<Acker>>,
     /// When the sender stops waiting for the answer (see [`deadline`]).
     deadline: Option<u64>,
@@ -176,8 +179,8 @@ impl Dispatcher {
     /// quarters of the consumer timeout, queued or running.
     pub(super) fn dispatch(self: &Arc<Self>, session: u64, delivery: Delivery) {
         let received = Instant::now();
-        let identity = identity(&delivery);
-        if delivery.redelivered && self.adopt(session, identity, &delivery.acker, received) {
+        let identity = identity::key(&identity::Parts::of(&delivery));
+        if delivery.redelivered && self.adopt(session, &identity, &delivery.acker, received) {
             return;
         }
         let (inbound, job) = self.job(session, identity, delivery);
@@ -217,9 +220,10 @@ impl Dispatcher {
     fn job(
         self: &Arc<Self>,
         session: u64,
-        identity: u64,
+        identity: String,
         delivery: Delivery,
     ) -> (Inbound, Delivered) {
+        let legacy_identity = identity::legacy(&identity::Parts::of(&delivery));
         let from_ironic = delivery.exchange.as_str() == self.notification_exchange;
         let received_ms = super::stamp::now_ms();
         let mut inbound = inbound::parse(
@@ -245,6 +249,7 @@ impl Dispatcher {
             reply_to: text(delivery.properties.reply_to()),
             correlation_id: text(delivery.properties.correlation_id()),
             identity,
+            legacy_identity,
             tracked: Arc::new(Tracked::new(session, delivery.acker, dead_letter)),
             deadline: deadline::of(&delivery.properties, received_ms),
             body: delivery.data,
@@ -298,7 +303,7 @@ impl Dispatcher {
             !jobs.is_empty()
         });
         pending
-            .entry(job.identity)
+            .entry(job.identity.clone())
             .or_default()
             .push(job.tracked.clone());
     }
@@ -306,10 +311,10 @@ impl Dispatcher {
     /// A redelivered copy: if a job of an earlier connection has the same
     /// identity, it takes this copy's acker (or, answered already or
     /// acknowledged early, this copy is acknowledged now). True if adopted.
-    fn adopt(&self, session: u64, identity: u64, acker: &Acker, received: Instant) -> bool {
+    fn adopt(&self, session: u64, identity: &str, acker: &Acker, received: Instant) -> bool {
         let (tracked, adoption) = {
             let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-            let Some(jobs) = pending.get_mut(&identity) else {
+            let Some(jobs) = pending.get_mut(identity) else {
                 return false;
             };
             let found =
@@ -360,7 +365,7 @@ impl Dispatcher {
         let link = self.link.borrow().clone();
         let acker = job.tracked.take_acker();
         // The redelivered copy is new work, not a copy of running work.
-        self.forget(job.identity, &job.tracked);
+        self.forget(&job.identity, &job.tracked);
         let (Some(link), Some((session, acker))) = (link, acker) else {
             return;
         };
@@ -423,7 +428,7 @@ impl Dispatcher {
     /// now. If that copy's connection is gone, the job stays known as
     /// answered, so its redelivered copy is acknowledged without a second
     /// answer.
-    async fn finish(&self, identity: u64, tracked: &Arc<Tracked<Acker>>, ack: bool) {
+    async fn finish(&self, identity: &str, tracked: &Arc<Tracked<Acker>>, ack: bool) {
         if let Some(delay) = test_ack_delay() {
             tokio::time::sleep(delay).await;
         }
@@ -456,12 +461,12 @@ impl Dispatcher {
     }
 
     /// Drops a settled job from the jobs awaiting acknowledgement.
-    fn forget(&self, identity: u64, tracked: &Arc<Tracked<Acker>>) {
+    fn forget(&self, identity: &str, tracked: &Arc<Tracked<Acker>>) {
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(jobs) = pending.get_mut(&identity) {
+        if let Some(jobs) = pending.get_mut(identity) {
             jobs.retain(|t| !Arc::ptr_eq(t, tracked));
             if jobs.is_empty() {
-                pending.remove(&identity);
+                pending.remove(identity);
             }
         }
     }
@@ -480,28 +485,6 @@ fn test_ack_delay() -> Option<Duration> {
     })
 }
 
-/// What identifies a delivery across redeliveries: exchange, routing key,
-/// body, `reply_to` and `correlation_id`.
-fn identity(delivery: &Delivery) -> u64 {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    delivery.exchange.as_str().hash(&mut h);
-    delivery.routing_key.as_str().hash(&mut h);
-    delivery.data.hash(&mut h);
-    delivery
-        .properties
-        .reply_to()
-        .as_ref()
-        .map(|s| s.as_str())
-        .hash(&mut h);
-    delivery
-        .properties
-        .correlation_id()
-        .as_ref()
-        .map(|s| s.as_str())
-        .hash(&mut h);
-    h.finish()
-}
-
 impl Delivered {
     /// An unusable message: its error event, then a dead-letter.
     async fn dead_letter(&self, done: &Completion) {
@@ -512,7 +495,7 @@ impl Delivered {
             .metrics()
             .consumed(self.source, done.action.as_str(), "invalid");
         if d.answer(done, self).await {
-            d.finish(self.identity, &self.tracked, false).await;
+            d.finish(&self.identity, &self.tracked, false).await;
         }
     }
 }
@@ -532,7 +515,8 @@ impl Carrier for Delivered {
 
     fn delivery_key(&self) -> Option<DeliveryKey> {
         Some(DeliveryKey {
-            key: format!("{:016x}", self.identity),
+            key: self.identity.clone(),
+            legacy: Some(self.legacy_identity.clone()),
             redelivered: self.redelivered,
         })
     }
@@ -560,7 +544,7 @@ impl Carrier for Delivered {
     fn finish(&self) -> BoxFuture<'_, ()> {
         Box::pin(
             self.dispatcher
-                .finish(self.identity, &self.tracked, !self.tracked.dead_letter),
+                .finish(&self.identity, &self.tracked, !self.tracked.dead_letter),
         )
     }
 
@@ -571,7 +555,7 @@ impl Carrier for Delivered {
             if let Some((_, acker)) = self.tracked.take_acker() {
                 let _ = acker.ack(BasicAckOptions::default()).await;
             }
-            self.dispatcher.forget(self.identity, &self.tracked);
+            self.dispatcher.forget(&self.identity, &self.tracked);
         })
     }
 }

@@ -62,6 +62,10 @@ pub(crate) enum Deferral {
 pub(crate) struct DeliveryKey {
     /// The ledger key (opaque to this layer).
     pub(crate) key: String,
+    /// The key an earlier version of the transport recorded the same
+    /// delivery under, looked up (never written) so a copy answered just
+    /// before an upgrade is still recognised.
+    pub(crate) legacy: Option<String>,
     /// The transport delivered this copy before (a redelivery).
     pub(crate) redelivered: bool,
 }

@@ -46,10 +46,7 @@ impl Dispatch {
         let key = AnswerKey::of(&request);
         let delivery = carrier.delivery_key();
         if let Some(d) = delivery.as_ref().filter(|d| d.redelivered)
-            && self
-                .pipeline
-                .answered_before(&request.node_uuid, &d.key)
-                .await
+            && self.answered_before(&request.node_uuid, d).await
         {
             tracing::info!("a redelivered copy of work answered by a process of this host");
             self.answers.end(key.as_ref(), None);
@@ -132,6 +129,18 @@ impl Dispatch {
             }
             carrier.finish().await;
         }
+    }
+
+    /// Whether the delivery `d` of `node` was answered already by a process
+    /// of this host, under its key or the key an earlier version gave it.
+    async fn answered_before(&self, node: &str, d: &DeliveryKey) -> bool {
+        let keys = std::iter::once(&d.key).chain(d.legacy.as_ref());
+        for key in keys {
+            if self.pipeline.answered_before(node, key).await {
+                return true;
+            }
+        }
+        false
     }
 
     /// A prepare slot, waiting up to `wait` for one.
