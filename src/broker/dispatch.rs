@@ -36,6 +36,22 @@ use tracing::Instrument;
 /// remembered, so that its redelivered copy is acknowledged silently.
 const ANSWERED_MEMORY: Duration = Duration::from_secs(600);
 
+/// How long the consumer must have handed in no delivery for the
+/// dispatcher to count as caught up (see [`Dispatcher::caught_up`]).
+const QUIET: Duration = Duration::from_millis(50);
+
+/// The longest a prepare waits for the dispatcher to catch up (a steady
+/// stream of deliveries is never quiet).
+const CATCH_UP_AT_MOST: Duration = Duration::from_secs(2);
+
+/// The consumer's intake, for [`Dispatcher::caught_up`].
+struct Intake {
+    /// Deliveries being dispatched now.
+    dispatching: usize,
+    /// When the last one was dispatched.
+    last: Instant,
+}
+
 /// The current connection, as jobs see it: its id and its publisher.
 #[derive(Clone)]
 pub(super) struct Link {
@@ -68,6 +84,8 @@ pub(super) struct Dispatcher {
     next_session: AtomicU64,
     /// This host's queue, where deferred prepares go back.
     queue: String,
+    /// Deliveries being dispatched, and when the last one was.
+    intake: Mutex<Intake>,
 }
 
 /// A delivery: the broker's side of its job (the shared dispatch's
@@ -109,6 +127,10 @@ impl Dispatcher {
             link: watch::Sender::new(None),
             next_session: AtomicU64::new(1),
             queue,
+            intake: Mutex::new(Intake {
+                dispatching: 0,
+                last: Instant::now(),
+            }),
         }
     }
 
@@ -174,10 +196,60 @@ impl Dispatcher {
 
     /// Routes a delivery of connection `session`: a redelivered copy of a
     /// known job is adopted, unusable and ignored messages are settled at
-    /// once, work goes to its node's FIFO queue. Each copy held is
+    /// once, work goes to its node's FIFO queue, and a notification of a
+    /// node's move is recorded in its ledger before the next delivery is
+    /// taken in (see [`Dispatcher::caught_up`]). Each copy held is
     /// acknowledged early once it has been unacknowledged for three
     /// quarters of the consumer timeout, queued or running.
-    pub(super) fn dispatch(self: &Arc<Self>, session: u64, delivery: Delivery) {
+    pub(super) async fn dispatch(self: &Arc<Self>, session: u64, delivery: Delivery) {
+        let _taking_in = self.taking_in();
+        self.route(session, delivery).await;
+    }
+
+    /// Resolves once the consumer has handed in nothing for [`QUIET`]
+    /// and every delivery it handed in is dispatched (a node's move
+    /// recorded), or after [`CATCH_UP_AT_MOST`]. Why: after a restart, a
+    /// node's `deploying` notification and its later `deploy failed` wait
+    /// in the queue together; the broker sends both at once, and a prepare
+    /// that found its image cached would otherwise link before the later
+    /// message is read. A prepare waits for this before it starts.
+    pub(super) async fn caught_up(&self) {
+        let started = Instant::now();
+        loop {
+            let quiet = {
+                let intake = self.intake.lock().unwrap_or_else(|p| p.into_inner());
+                if intake.dispatching > 0 {
+                    Duration::ZERO
+                } else {
+                    intake.last.elapsed()
+                }
+            };
+            if quiet >= QUIET || started.elapsed() >= CATCH_UP_AT_MOST {
+                return;
+            }
+            tokio::time::sleep(QUIET - quiet).await;
+        }
+    }
+
+    /// Counts a delivery as being dispatched until the guard is dropped.
+    fn taking_in(&self) -> impl Drop + '_ {
+        struct TakingIn<'a>(&'a Mutex<Intake>);
+        impl Drop for TakingIn<'_> {
+            fn drop(&mut self) {
+                let mut intake = self.0.lock().unwrap_or_else(|p| p.into_inner());
+                intake.dispatching = intake.dispatching.saturating_sub(1);
+                intake.last = Instant::now();
+            }
+        }
+        self.intake
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .dispatching += 1;
+        TakingIn(&self.intake)
+    }
+
+    /// [`Dispatcher::dispatch`], counted as being dispatched.
+    async fn route(self: &Arc<Self>, session: u64, delivery: Delivery) {
         let received = Instant::now();
         let identity = identity::key(&identity::Parts::of(&delivery));
         if delivery.redelivered && self.adopt(session, &identity, &delivery.acker, received) {
@@ -207,11 +279,12 @@ impl Dispatcher {
                     .spawn(async move { work.unanswered(&job, why).await });
             }
             Inbound::Moved { node, at_ms } => {
+                // Recorded before the next delivery is taken in.
+                self.work.pipeline().note_moved(&node, at_ms).await;
                 let work = self.work.clone();
-                self.work.tracker.spawn(async move {
-                    work.pipeline().note_moved(&node, at_ms).await;
-                    work.unanswered(&job, "no_action").await;
-                });
+                self.work
+                    .tracker
+                    .spawn(async move { work.unanswered(&job, "no_action").await });
             }
         }
     }
@@ -526,6 +599,10 @@ impl Carrier for Delivered {
             self.dispatcher.defer(self).await;
             Deferral::TakenBack
         })
+    }
+
+    fn caught_up(&self) -> BoxFuture<'_, ()> {
+        Box::pin(self.dispatcher.caught_up())
     }
 
     fn slowed(&self) -> BoxFuture<'_, ()> {

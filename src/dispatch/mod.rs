@@ -85,6 +85,13 @@ pub(crate) trait Carrier: Send + Sync {
     /// Every prepare slot stayed busy: take the prepare back, or let it
     /// wait.
     fn defer(&self) -> BoxFuture<'_, Deferral>;
+    /// Resolves once the transport has taken in the messages it already
+    /// holds that came after this one (the broker: every delivery received
+    /// is dispatched, a node's move recorded), so that a node's later
+    /// transition already queued counts before a prepare takes effect.
+    fn caught_up(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async {})
+    }
     /// The request's download is slow and left the prepare slots for the
     /// slow lane (the broker acknowledges it early).
     fn slowed(&self) -> BoxFuture<'_, ()>;

@@ -98,6 +98,11 @@ impl Dispatch {
             self.metrics.record(&done);
             return Some(done);
         }
+        // The node's later messages already at hand count first: a prepare
+        // issued before its node moved on is then refused (`stale_request`).
+        if request.action == Action::Prepare {
+            carrier.caught_up().await;
+        }
         // A stray cleanup (node not prepared here) is decided under the
         // node lock, inside the pipeline.
         let slow = slot.as_ref().map(|_| {

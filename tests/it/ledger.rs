@@ -133,6 +133,48 @@ async fn a_queued_notification_is_dropped_when_the_node_moved_on() {
     );
 }
 
+/// The same as a cache hit: the image is cached already, so the stale
+/// `deploying` notification could link at once, a millisecond after the
+/// worker starts consuming; the node's later `deploy failed`, already in
+/// the queue, counts first: nothing linked, `stale_request`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_notification_of_a_cached_image_is_dropped_when_the_node_moved_on() {
+    let env = Env::new("");
+    random_file(&env.root().join("src/a.img"), 1 << 20, 65);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let url = server.url("a.img");
+    let broker = Broker::connect().await;
+    let tap = EventTap::new(&broker).await;
+    // The image is cached (by another node's prepare); then the worker is
+    // down, and the queue keeps what Ironic publishes meanwhile.
+    let first = env.serve().await;
+    let other = node();
+    broker.command(&env.host, prepare_cmd(&other, &url)).await;
+    let (_, ev) = broker.next_reply(WAIT).await;
+    assert_eq!(ev["status"], "success", "{ev}");
+    assert!(first.terminate().await.success());
+    let x = node();
+    let info = json!({"image_source": url});
+    emit_notifications(
+        &env.host,
+        &[
+            notification(&x, "start", "available", "deploying", "deploy", &info),
+            notification(&x, "error", "deploying", "deploy failed", "fail", &info),
+        ],
+    );
+    let _worker = env.serve().await;
+    let ev = tap.collect(&env.host, 1, WAIT).await;
+    assert_eq!(ev.len(), 1, "the prepare is answered");
+    assert_eq!(ev[0]["action"], "prepare", "{}", ev[0]);
+    assert_eq!(ev[0]["error"]["code"], "stale_request", "{}", ev[0]);
+    assert_nothing_for(&env, &x);
+    assert_eq!(
+        server.count("GET", "a.img"),
+        1,
+        "downloaded once, for the other node"
+    );
+}
+
 /// A notification older than `[notifications]max_age` (the deploy
 /// interface gave up on it) starts nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
