@@ -69,6 +69,11 @@ impl<A> Tracked<A> {
         st.copy.take()
     }
 
+    /// The connection of the copy held, if one is held.
+    pub(super) fn session(&self) -> Option<u64> {
+        self.state().copy.as_ref().map(|(s, _)| *s)
+    }
+
     /// When the answer went out, if it did.
     pub(super) fn answered_at(&self) -> Option<Instant> {
         self.state().answered_at

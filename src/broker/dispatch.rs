@@ -533,6 +533,14 @@ impl Dispatcher {
         }
     }
 
+    /// Whether the copy `tracked` holds came through a connection now gone:
+    /// the broker gives that message to another consumer (possibly another
+    /// process of the host), so it counts as delivered twice.
+    fn copy_gone(&self, tracked: &Tracked<Acker>) -> bool {
+        let live = self.link.borrow().as_ref().map(|l| l.session);
+        tracked.session().is_some_and(|s| Some(s) != live)
+    }
+
     /// Drops a settled job from the jobs awaiting acknowledgement.
     fn forget(&self, identity: &str, tracked: &Arc<Tracked<Acker>>) {
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
@@ -590,7 +598,7 @@ impl Carrier for Delivered {
         Some(DeliveryKey {
             key: self.identity.clone(),
             legacy: Some(self.legacy_identity.clone()),
-            redelivered: self.redelivered,
+            redelivered: self.redelivered || self.dispatcher.copy_gone(&self.tracked),
         })
     }
 

@@ -11,7 +11,9 @@
 //! * the answers given lately, by node and `request_id` (`answers`), so a
 //!   request answered on one transport is answered again, not worked again,
 //!   when it also comes on the other, and `status` can tell them;
-//! * recording each answer in the node's ledger once the transport
+//! * claiming each delivery in the node's ledger when its work starts, so
+//!   a copy of it delivered to another process of the host meanwhile waits
+//!   for that answer, and recording each answer there once the transport
 //!   delivered it, under the key the transport gives it.
 //!
 //! What a transport does around that (acknowledging, putting a deferred
@@ -66,7 +68,8 @@ pub(crate) struct DeliveryKey {
     /// delivery under, looked up (never written) so a copy answered just
     /// before an upgrade is still recognised.
     pub(crate) legacy: Option<String>,
-    /// The transport delivered this copy before (a redelivery).
+    /// The transport delivered this copy before (a redelivery), or may
+    /// deliver it again elsewhere (the broker: its connection is gone).
     pub(crate) redelivered: bool,
 }
 

@@ -5,6 +5,7 @@
 use super::{AnswerKey, Carrier, Deferral, DeliveryKey, Dispatch, Job};
 use crate::error::{Error, ErrorCode};
 use crate::messages::{Action, Completion, Request, SlowSignal};
+use crate::pipeline::Turn;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{Notify, OwnedSemaphorePermit};
@@ -18,6 +19,9 @@ const RELEASE_RETRY_FOR: Duration = Duration::from_secs(600);
 /// How long a prepare waits for a free prepare slot before its transport
 /// is asked to take it back (so that other actions get the delivery slots).
 const DEFER_AFTER: Duration = Duration::from_secs(2);
+
+/// How often a copy of work another process runs looks for its answer.
+const CLAIM_POLL: Duration = Duration::from_millis(500);
 
 /// Milliseconds since the Unix epoch, now.
 fn now_ms() -> u64 {
@@ -64,7 +68,20 @@ impl Dispatch {
                 .consumed(carrier.source(), done.action.as_str(), done.status.as_str());
             return self.deliver(&request, &done, carrier, delivery).await;
         }
+        let claimed = delivery.as_ref().filter(|_| request.action != Action::Warm);
+        if let Some(d) = claimed
+            && !self.take_turn(&request.node_uuid, d).await
+        {
+            tracing::info!("a copy of work answered by another process of this host");
+            self.answers.end(key.as_ref(), None);
+            return self.unanswered(carrier, "answered_elsewhere").await;
+        }
         let Some(done) = self.outcome(&mut request, carrier).await else {
+            if let Some(d) = claimed {
+                self.pipeline
+                    .release_delivery(&request.node_uuid, &d.key)
+                    .await;
+            }
             self.answers.end(key.as_ref(), None);
             return;
         };
@@ -133,6 +150,35 @@ impl Dispatch {
                     .await;
             }
             carrier.finish().await;
+        }
+    }
+
+    /// Claims the delivery `d` of `node` for this process (in the node's
+    /// ledger, shared by the processes of the host) before its work starts.
+    /// While another live process works on it (the broker gave this process
+    /// a copy after that one's connection dropped), waits for its answer.
+    /// False: answered by another process, nothing to do.
+    async fn take_turn(&self, node: &str, d: &DeliveryKey) -> bool {
+        let mut waited = false;
+        loop {
+            let answered_counts = d.redelivered || waited;
+            match self
+                .pipeline
+                .claim_delivery(node, &d.key, answered_counts)
+                .await
+            {
+                Turn::Mine => return true,
+                Turn::Answered => return false,
+                Turn::Elsewhere => {
+                    if !waited {
+                        tracing::info!(
+                            "another process of this host works on this delivery: waiting for its answer"
+                        );
+                    }
+                    waited = true;
+                    tokio::time::sleep(CLAIM_POLL).await;
+                }
+            }
         }
     }
 

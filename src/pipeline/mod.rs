@@ -36,6 +36,8 @@ mod warm;
 
 use keeper::Keeper;
 
+pub use crate::store::ledger::Turn;
+
 /// Everything needed to serve nodes on this conductor host.
 pub struct Pipeline {
     config: Config,

@@ -272,6 +272,104 @@ async fn a_command_is_answered_once_across_the_processes_of_a_host() {
     assert!(extra.is_err(), "answered once");
 }
 
+/// `rabbitmqctl` for the shared broker: the packaged wrapper, which runs
+/// as the broker's user (with its Erlang cookie).
+const SHARED_CTL: &str = "/usr/sbin/rabbitmqctl";
+
+/// The connections of the worker processes of `host` on the shared
+/// broker, oldest first: (pid, connected_at).
+fn worker_connections(host: &str) -> Vec<(String, u64)> {
+    let out = std::process::Command::new(SHARED_CTL)
+        .args([
+            "-q",
+            "list_connections",
+            "--no-table-headers",
+            "pid",
+            "connected_at",
+            "client_properties",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let mut found: Vec<(String, u64)> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.contains(&format!("ironic-image-worker@{host}\"")))
+        .map(|l| {
+            let mut f = l.split('\t');
+            let pid = f.next().unwrap().trim().to_string();
+            (pid, f.next().unwrap().trim().parse().unwrap())
+        })
+        .collect();
+    found.sort_by_key(|(_, at)| *at);
+    found
+}
+
+/// A prepare runs in one worker process; its connection is closed by the
+/// broker mid-download, so the broker redelivers the command to the other
+/// process of the host, consuming the same queue. That process waits for
+/// the first one's answer instead of working the command again: one
+/// answer, given by the first process through its next connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_redelivered_while_another_process_runs_it_is_answered_once() {
+    let env = Env::new("");
+    let src = env.root().join("src");
+    random_file(&src.join("slow.img"), 1600 << 10, 66);
+    // 200 KiB/s: some 8 s of download.
+    let faults = FaultServer::start(&src, 200 << 10).await;
+    let first = env.serve().await;
+    let broker = Broker::connect().await;
+    let x = node();
+    let corr = broker
+        .command(&env.host, prepare_cmd(&x, &faults.url("slow", "slow.img")))
+        .await;
+    let started = std::time::Instant::now();
+    while faults.count("slow", "slow.img") == 0 {
+        assert!(started.elapsed() < WAIT, "the prepare starts");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let second = env.serve_another(&[]).await;
+    let started = std::time::Instant::now();
+    let connections = loop {
+        let c = tokio::task::block_in_place(|| worker_connections(&env.host));
+        if c.len() == 2 {
+            break c;
+        }
+        assert!(started.elapsed() < WAIT, "both processes consume: {c:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    // The first process's connection: the older one.
+    let closed = std::process::Command::new(SHARED_CTL)
+        .args(["close_connection", &connections[0].0, "closed by the test"])
+        .output()
+        .unwrap();
+    assert!(closed.status.success(), "{closed:?}");
+    let answers = broker
+        .answers(
+            std::slice::from_ref(&corr),
+            WAIT * 2,
+            Duration::from_secs(5),
+        )
+        .await;
+    let got = answers.get(&corr).map_or(&[][..], |v| v.as_slice());
+    assert_eq!(got.len(), 1, "answered once: {got:?}");
+    assert_eq!(got[0]["status"], "success", "{}", got[0]);
+    let text = wait_metric(
+        &second,
+        "ironic_image_worker_ignored_messages_total{reason=\"answered_elsewhere\"}",
+        1.0,
+    )
+    .await;
+    assert_eq!(
+        metric(
+            &text,
+            "ironic_image_worker_messages_consumed_total{action=\"prepare\",outcome=\"success\",source=\"command\"}"
+        ),
+        None,
+        "the second process did not work it: {text}"
+    );
+    drop(first);
+}
+
 fn notification(
     node: &str,
     status: &str,
