@@ -16,6 +16,7 @@
 use super::ack::{Adoption, Tracked};
 use super::deadline;
 use super::identity;
+use super::parked::Parked;
 use super::publisher::Publisher;
 use crate::dispatch::{Carrier, Deferral, DeliveryKey, Dispatch, Job, Transport};
 use crate::messages::Completion;
@@ -98,7 +99,14 @@ pub(super) struct Delivered {
     /// Its ledger key (`identity::key`).
     identity: String,
     /// The key earlier versions recorded it under (`identity::legacy`).
-    legacy_identity: String,
+    legacy_identity: Option<String>,
+    /// The exchange and routing key it came by (kept when it is parked).
+    exchange: String,
+    routing_key: String,
+    /// When it was issued (ms since the epoch), from its properties.
+    issued_ms: u64,
+    /// Run again from its parked record (its delivery was acknowledged).
+    resumed: bool,
     tracked: Arc<Tracked<Acker>>,
     /// When the sender stops waiting for the answer (see [`deadline`]).
     deadline: Option<u64>,
@@ -296,7 +304,7 @@ impl Dispatcher {
         identity: String,
         delivery: Delivery,
     ) -> (Inbound, Delivered) {
-        let legacy_identity = identity::legacy(&identity::Parts::of(&delivery));
+        let legacy_identity = Some(identity::legacy(&identity::Parts::of(&delivery)));
         let from_ironic = delivery.exchange.as_str() == self.notification_exchange;
         let received_ms = super::stamp::now_ms();
         let mut inbound = inbound::parse(
@@ -306,9 +314,9 @@ impl Dispatcher {
             &self.deploy_interfaces,
             self.max_message_bytes,
         );
+        let issued_ms = super::stamp::issued_ms(&delivery.properties, received_ms);
         if let Inbound::Work(req) = &mut inbound {
-            let command_time = super::stamp::issued_ms(&delivery.properties, received_ms);
-            req.issued_ms.get_or_insert(command_time);
+            req.issued_ms.get_or_insert(issued_ms);
         }
         let dead_letter = matches!(inbound, Inbound::Invalid(_));
         let text = |s: &Option<lapin::types::ShortString>| s.as_ref().map(|s| s.to_string());
@@ -323,6 +331,10 @@ impl Dispatcher {
             correlation_id: text(delivery.properties.correlation_id()),
             identity,
             legacy_identity,
+            exchange: delivery.exchange.to_string(),
+            routing_key: delivery.routing_key.to_string(),
+            issued_ms,
+            resumed: false,
             tracked: Arc::new(Tracked::new(session, delivery.acker, dead_letter)),
             deadline: deadline::of(&delivery.properties, received_ms),
             body: delivery.data,
@@ -428,6 +440,89 @@ impl Dispatcher {
         true
     }
 
+    /// Runs again the deliveries that processes of this host (gone now)
+    /// acknowledged before answering them (see `parked`): each as a
+    /// redelivered copy, so the ledger's claims and answers apply.
+    pub(super) async fn resume_parked(self: &Arc<Self>) {
+        for (key, bytes) in self.work.pipeline().adopt_parked().await {
+            let Some((parked, body)) = Parked::from_bytes(&bytes) else {
+                tracing::warn!(key, "an unreadable parked delivery: dropped");
+                self.work.pipeline().unpark_delivery(&key).await;
+                continue;
+            };
+            let from_ironic = parked.exchange == self.notification_exchange;
+            let inbound = inbound::parse(
+                &body,
+                from_ironic,
+                &self.host,
+                &self.deploy_interfaces,
+                self.max_message_bytes,
+            );
+            let Inbound::Work(mut request) = inbound else {
+                self.work.pipeline().unpark_delivery(&key).await;
+                continue;
+            };
+            request.issued_ms.get_or_insert(parked.issued_ms);
+            let job = Delivered {
+                dispatcher: self.clone(),
+                source: if from_ironic {
+                    "notification"
+                } else {
+                    "command"
+                },
+                reply_to: parked.reply_to,
+                correlation_id: parked.correlation_id,
+                identity: key,
+                legacy_identity: None,
+                exchange: parked.exchange,
+                routing_key: parked.routing_key,
+                issued_ms: parked.issued_ms,
+                resumed: true,
+                tracked: Arc::new(Tracked::accepted()),
+                deadline: parked.deadline,
+                body,
+                properties: lapin::BasicProperties::default(),
+                redelivered: true,
+                received_ms: parked.received_ms,
+            };
+            crate::dispatch::span_of(&request).in_scope(|| {
+                tracing::info!(
+                    "acknowledged early by a process that is gone, never answered: run again"
+                );
+            });
+            self.work.submit(Job {
+                request: *request,
+                carrier: Box::new(job),
+            });
+        }
+    }
+
+    /// Records the whole delivery of `job` before it is acknowledged early;
+    /// false when it could not be (it is then kept unacknowledged).
+    async fn park(&self, job: &Delivered) -> bool {
+        let parked = Parked {
+            exchange: job.exchange.clone(),
+            routing_key: job.routing_key.clone(),
+            body: hex::encode(&job.body),
+            reply_to: job.reply_to.clone(),
+            correlation_id: job.correlation_id.clone(),
+            deadline: job.deadline,
+            issued_ms: job.issued_ms,
+            received_ms: job.received_ms,
+        };
+        let pipeline = self.work.pipeline();
+        match pipeline
+            .park_delivery(&job.identity, parked.to_bytes())
+            .await
+        {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not record a slow prepare: kept unacknowledged");
+                false
+            }
+        }
+    }
+
     /// Every prepare slot is busy (long downloads): the prepare goes back
     /// to the tail of the queue (a confirmed copy carrying the command's
     /// deadline, then this delivery is acknowledged), so the delivery slot
@@ -506,7 +601,12 @@ impl Dispatcher {
             tokio::time::sleep(delay).await;
         }
         let settled = match tracked.finish() {
-            Err(acked_early) => acked_early,
+            Err(acked_early) => {
+                if acked_early {
+                    self.work.pipeline().unpark_delivery(identity).await;
+                }
+                acked_early
+            }
             Ok((session, acker)) => {
                 let result = if ack {
                     acker.ack(BasicAckOptions::default()).await
@@ -597,13 +697,17 @@ impl Carrier for Delivered {
     fn delivery_key(&self) -> Option<DeliveryKey> {
         Some(DeliveryKey {
             key: self.identity.clone(),
-            legacy: Some(self.legacy_identity.clone()),
+            legacy: self.legacy_identity.clone(),
             redelivered: self.redelivered || self.dispatcher.copy_gone(&self.tracked),
         })
     }
 
     fn defer(&self) -> BoxFuture<'_, Deferral> {
         Box::pin(async move {
+            if self.resumed {
+                // Its delivery is acknowledged: nothing to put back.
+                return Deferral::Wait;
+            }
             self.dispatcher.defer(self).await;
             Deferral::TakenBack
         })
@@ -615,8 +719,13 @@ impl Carrier for Delivered {
 
     fn slowed(&self) -> BoxFuture<'_, ()> {
         Box::pin(async move {
+            if self.tracked.session().is_none() || !self.dispatcher.park(self).await {
+                return;
+            }
             if let Some((_, acker)) = self.tracked.ack_early(None) {
-                tracing::info!("slow download moved to the slow lane: acknowledged early");
+                tracing::info!(
+                    "slow download moved to the slow lane: recorded, acknowledged early"
+                );
                 let _ = acker.ack(BasicAckOptions::default()).await;
             }
         })

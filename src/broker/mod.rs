@@ -12,6 +12,8 @@
 //!   connection and a redelivered copy is adopted, not run twice;
 //! * `identity`: what identifies a delivery across redeliveries, as the
 //!   stable key the node's ledger records it under;
+//! * `parked`: a delivery acknowledged before its answer (slow lane), kept
+//!   whole in the node ledger so that it is run again after a crash;
 //! * `stamp`: when a command was issued, from its AMQP message;
 //! * `peers`: queries and offers between the workers of several
 //!   conductors, and the cloud-wide claim on a master's download.
@@ -31,6 +33,7 @@ mod connect;
 mod deadline;
 mod dispatch;
 mod identity;
+mod parked;
 pub mod peers;
 mod publisher;
 mod session;

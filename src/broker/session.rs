@@ -304,6 +304,10 @@ async fn session(
         _ = stop.wait_for(|s| *s) => return Ok(Ended::StoppedConnecting),
     };
     let link = dispatcher.connected(opened.publisher.clone());
+    let resumer = dispatcher.clone();
+    dispatcher
+        .tracker()
+        .spawn(async move { resumer.resume_parked().await });
     connected.store(true, Ordering::Relaxed);
     metrics.amqp.connected.set(1);
     tracing::info!(

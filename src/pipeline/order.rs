@@ -119,6 +119,33 @@ impl Pipeline {
             })
     }
 
+    /// Keeps the whole delivery `key` (`bytes`, the transport's) until it
+    /// is answered: it was acknowledged before its answer, so after a
+    /// crash only this record can bring it back.
+    pub async fn park_delivery(&self, key: &str, bytes: Vec<u8>) -> Result<()> {
+        let (ledger, key) = (self.ledger.clone(), key.to_string());
+        blocking(move || ledger.park(&key, &bytes)).await
+    }
+
+    /// The parked delivery `key` was answered.
+    pub async fn unpark_delivery(&self, key: &str) {
+        let (ledger, key) = (self.ledger.clone(), key.to_string());
+        let _ = blocking(move || {
+            ledger.unpark(&key);
+            Ok(())
+        })
+        .await;
+    }
+
+    /// The deliveries parked by processes of the host that are gone, now
+    /// this process's to run: their key and bytes.
+    pub async fn adopt_parked(&self) -> Vec<(String, Vec<u8>)> {
+        let ledger = self.ledger.clone();
+        blocking(move || Ok(ledger.adopt_parked()))
+            .await
+            .unwrap_or_default()
+    }
+
     /// This process stopped working on the delivery `key` of `node`
     /// without answering it.
     pub async fn release_delivery(&self, node: &str, key: &str) {

@@ -18,7 +18,12 @@
 //!   instead of being worked and answered a second time. A process is
 //!   alive while it holds the `flock` on its token's file in
 //!   `.ledger/.owners/` ([`TempOwner`]): a claim of a process that died is
-//!   not honoured.
+//!   not honoured;
+//! * the deliveries acknowledged before their answer (a prepare moved to
+//!   the slow lane): the broker holds no copy of them any more, so each is
+//!   kept whole (opaque bytes the transport writes) in
+//!   `.ledger/accepted/<key>.<owner>` until answered, and a process finds
+//!   those of a process that died and runs them again ([`Ledger::adopt_parked`]).
 //!
 //! `<images_path>/.ledger/<node>.json`, replaced atomically (temporary and
 //! rename, synced) under one short `flock` (`.ledger/.lock`, held for one
@@ -49,6 +54,9 @@ const MAX_KEY_LEN: usize = 64;
 
 /// A record file larger than this is not read (it cannot be one of ours).
 pub const MAX_RECORD_BYTES: u64 = 16 << 10;
+
+/// The directory of the deliveries acknowledged before their answer.
+const PARKED_DIR: &str = "accepted";
 
 /// Temporaries left by a writer that died are removed after this long.
 const STALE_TEMP_AFTER: Duration = Duration::from_secs(3600);
@@ -236,6 +244,69 @@ impl Ledger {
         fsutil::write_file_atomically(&path, &fsutil::temp_path(&path), &body, 0o644)
     }
 
+    /// Keeps `bytes`, the whole delivery `key` this process acknowledged
+    /// before answering it, until [`Ledger::unpark`]. Blocking: one small
+    /// file written and synced.
+    pub fn park(&self, key: &str, bytes: &[u8]) -> Result<()> {
+        if key.len() > MAX_KEY_LEN || !key.bytes().all(|b| b.is_ascii_alphanumeric()) {
+            return Err(Error::new(
+                crate::error::ErrorCode::Internal,
+                "a delivery key that cannot name a file",
+            ));
+        }
+        self.owner.register()?;
+        let dir = self.dir.join(PARKED_DIR);
+        fsutil::ensure_dir(&dir)?;
+        let path = dir.join(format!("{key}.{}", self.owner.token()));
+        fsutil::write_file_atomically(&path, &fsutil::temp_path(&path), bytes, 0o600)
+    }
+
+    /// The delivery `key` this process parked was answered: forgotten.
+    pub fn unpark(&self, key: &str) {
+        let name = format!("{key}.{}", self.owner.token());
+        let _ = std::fs::remove_file(self.dir.join(PARKED_DIR).join(name));
+    }
+
+    /// The deliveries parked by processes that are gone, taken over by this
+    /// one (renamed to its token, so one process alone takes each): their
+    /// key and bytes. Those past [`TTL`] are removed instead. Blocking.
+    pub fn adopt_parked(&self) -> Vec<(String, Vec<u8>)> {
+        let dir = self.dir.join(PARKED_DIR);
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return Vec::new();
+        };
+        if self.owner.register().is_err() {
+            return Vec::new();
+        }
+        let me = self.owner.token().to_string();
+        let mut adopted = Vec::new();
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some((key, owner)) = name.split_once('.') else {
+                continue;
+            };
+            if owner == me || name.starts_with(fsutil::TEMP_PREFIX) || self.owner.is_alive(owner) {
+                continue;
+            }
+            let path = entry.path();
+            if is_older_than(&path, TTL) {
+                let _ = std::fs::remove_file(&path);
+                continue;
+            }
+            let mine = dir.join(format!("{key}.{me}"));
+            if std::fs::rename(&path, &mine).is_err() {
+                continue; // another process took it first
+            }
+            match std::fs::read(&mine) {
+                Ok(bytes) => adopted.push((key.to_string(), bytes)),
+                Err(e) => {
+                    tracing::warn!(path = %mine.display(), error = %e, "unreadable parked delivery")
+                }
+            }
+        }
+        adopted
+    }
+
     /// Holds the ledger's `flock` until dropped: a new open file each time,
     /// so it excludes other threads of this process as well.
     fn lock(&self) -> Result<File> {
@@ -286,7 +357,24 @@ impl Ledger {
             }
         }
         self.owner.remove_dead_owners();
-        removed
+        removed + self.expire_parked_temporaries()
+    }
+
+    /// Removes temporaries of parked deliveries whose writer died.
+    fn expire_parked_temporaries(&self) -> usize {
+        let Ok(entries) = std::fs::read_dir(self.dir.join(PARKED_DIR)) else {
+            return 0;
+        };
+        entries
+            .flatten()
+            .filter(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with(fsutil::TEMP_PREFIX)
+            })
+            .filter(|e| is_older_than(&e.path(), STALE_TEMP_AFTER))
+            .filter(|e| std::fs::remove_file(e.path()).is_ok())
+            .count()
     }
 }
 
@@ -395,6 +483,27 @@ mod tests {
         drop(second);
         let third = Ledger::open(dir.path().join("l")).unwrap();
         assert_eq!(third.claim(&node(), "j", now, true).unwrap(), Turn::Mine);
+    }
+
+    #[test]
+    fn a_parked_delivery_goes_to_another_process_once_its_own_is_gone() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = Ledger::open(dir.path().join("l")).unwrap();
+        let second = Ledger::open(dir.path().join("l")).unwrap();
+        first.park("k1", b"one").unwrap();
+        first.park("k2", b"two").unwrap();
+        first.unpark("k2");
+        assert!(second.adopt_parked().is_empty(), "its process lives");
+        drop(first);
+        assert_eq!(
+            second.adopt_parked(),
+            vec![("k1".to_string(), b"one".to_vec())]
+        );
+        let third = Ledger::open(dir.path().join("l")).unwrap();
+        assert!(third.adopt_parked().is_empty(), "taken by the second");
+        second.unpark("k1");
+        drop(second);
+        assert!(third.adopt_parked().is_empty(), "answered: gone");
     }
 
     #[test]

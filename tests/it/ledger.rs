@@ -272,6 +272,42 @@ async fn a_command_is_answered_once_across_the_processes_of_a_host() {
     assert!(extra.is_err(), "answered once");
 }
 
+/// A prepare moved to the slow lane is acknowledged early (the broker
+/// holds no copy of it any more); its worker is then killed (`kill -9`).
+/// Started again, the worker runs it again from what it recorded and
+/// answers it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_lane_prepare_is_answered_after_its_worker_is_killed() {
+    // slow_rate is 1 MiB/s: a source at 256 KiB/s is slow after 1 s.
+    let env = Env::new("slow_after = 1\n");
+    let src = env.root().join("src");
+    random_file(&src.join("slow.img"), 2 << 20, 67);
+    let faults = FaultServer::start(&src, 256 << 10).await;
+    let first = env.serve().await;
+    let broker = Broker::connect().await;
+    let x = node();
+    let corr = broker
+        .command(&env.host, prepare_cmd(&x, &faults.url("slow", "slow.img")))
+        .await;
+    wait_metric(&first, "ironic_image_worker_slow_downloads_total", 1.0).await;
+    first.kill9().await;
+    let _worker = env.serve().await;
+    let answers = broker
+        .answers(
+            std::slice::from_ref(&corr),
+            WAIT * 2,
+            Duration::from_secs(3),
+        )
+        .await;
+    let got = answers.get(&corr).map_or(&[][..], |v| v.as_slice());
+    assert_eq!(got.len(), 1, "answered once after the restart: {got:?}");
+    assert_eq!(got[0]["status"], "success", "{}", got[0]);
+    assert!(
+        env.link_dir().join(&x).symlink_metadata().is_ok(),
+        "the node's image is published"
+    );
+}
+
 /// `rabbitmqctl` for the shared broker: the packaged wrapper, which runs
 /// as the broker's user (with its Erlang cookie).
 const SHARED_CTL: &str = "/usr/sbin/rabbitmqctl";
