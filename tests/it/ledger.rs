@@ -306,6 +306,13 @@ async fn a_slow_lane_prepare_is_answered_after_its_worker_is_killed() {
         env.link_dir().join(&x).symlink_metadata().is_ok(),
         "the node's image is published"
     );
+    // Removed just after the answer is confirmed.
+    let parked = env.images_dir().join(".ledger/accepted");
+    let started = std::time::Instant::now();
+    while !list_visible(&parked).is_empty() {
+        assert!(started.elapsed() < WAIT, "answered: its record goes");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// `rabbitmqctl` for the shared broker: the packaged wrapper, which runs
