@@ -280,6 +280,11 @@ impl TempOwner {
         }
     }
 
+    /// This owner's token (the name of its lock file).
+    pub fn token(&self) -> &str {
+        &self.token
+    }
+
     /// Holds the owner lock, (re)creating the lock file if it is missing
     /// (for example after the directory was deleted).
     pub fn register(&self) -> Result<()> {

@@ -55,6 +55,20 @@ impl<A> Tracked<A> {
         }
     }
 
+    /// A job whose delivery was acknowledged already (run again from its
+    /// parked record): nothing to settle.
+    pub(super) fn accepted() -> Tracked<A> {
+        Tracked {
+            state: Mutex::new(State {
+                copy: None,
+                answered_at: None,
+                acked_early: true,
+                timer: None,
+            }),
+            dead_letter: false,
+        }
+    }
+
     fn state(&self) -> std::sync::MutexGuard<'_, State<A>> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -67,6 +81,11 @@ impl<A> Tracked<A> {
             timer.abort();
         }
         st.copy.take()
+    }
+
+    /// The connection of the copy held, if one is held.
+    pub(super) fn session(&self) -> Option<u64> {
+        self.state().copy.as_ref().map(|(s, _)| *s)
     }
 
     /// When the answer went out, if it did.

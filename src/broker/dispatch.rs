@@ -15,6 +15,8 @@
 
 use super::ack::{Adoption, Tracked};
 use super::deadline;
+use super::identity;
+use super::parked::Parked;
 use super::publisher::Publisher;
 use crate::dispatch::{Carrier, Deferral, DeliveryKey, Dispatch, Job, Transport};
 use crate::messages::Completion;
@@ -24,7 +26,6 @@ use lapin::Acker;
 use lapin::message::Delivery;
 use lapin::options::*;
 use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -35,6 +36,25 @@ use tracing::Instrument;
 /// How long a job answered but not acknowledged (its connection died) is
 /// remembered, so that its redelivered copy is acknowledged silently.
 const ANSWERED_MEMORY: Duration = Duration::from_secs(600);
+
+/// How long the consumer must have handed in no delivery for the
+/// dispatcher to count as caught up (see [`Dispatcher::caught_up`]).
+const QUIET: Duration = Duration::from_millis(50);
+
+/// The longest the backlog of a new connection is waited for (a steady
+/// stream of deliveries is never quiet).
+const CATCH_UP_AT_MOST: Duration = Duration::from_secs(2);
+
+/// The consumer's intake, for [`Dispatcher::caught_up`].
+struct Intake {
+    /// Deliveries being dispatched now.
+    dispatching: usize,
+    /// When the last one was dispatched.
+    last: Instant,
+    /// Since when the current connection's backlog is being taken in;
+    /// `None` once it was (the intake was quiet, or the wait timed out).
+    backlog_since: Option<Instant>,
+}
 
 /// The current connection, as jobs see it: its id and its publisher.
 #[derive(Clone)]
@@ -61,13 +81,15 @@ pub(super) struct Dispatcher {
     /// closed a channel over it. A delivery still unacknowledged three
     /// quarters of it after it arrived is acknowledged early.
     consumer_timeout_ms: AtomicU64,
-    /// Jobs not yet acknowledged, by delivery identity (see [`identity`]).
-    pending: Mutex<HashMap<u64, Vec<Arc<Tracked<Acker>>>>>,
+    /// Jobs not yet acknowledged, by delivery identity (`identity::key`).
+    pending: Mutex<HashMap<String, Vec<Arc<Tracked<Acker>>>>>,
     /// The live connection, `None` while disconnected.
     link: watch::Sender<Option<Link>>,
     next_session: AtomicU64,
     /// This host's queue, where deferred prepares go back.
     queue: String,
+    /// Deliveries being dispatched, and when the last one was.
+    intake: Mutex<Intake>,
 }
 
 /// A delivery: the broker's side of its job (the shared dispatch's
@@ -77,7 +99,17 @@ pub(super) struct Delivered {
     source: &'static str,
     reply_to: Option<String>,
     correlation_id: Option<String>,
-    identity: u64,
+    /// Its ledger key (`identity::key`).
+    identity: String,
+    /// The key earlier versions recorded it under (`identity::legacy`).
+    legacy_identity: Option<String>,
+    /// The exchange and routing key it came by (kept when it is parked).
+    exchange: String,
+    routing_key: String,
+    /// When it was issued (ms since the epoch), from its properties.
+    issued_ms: u64,
+    /// Run again from its parked record (its delivery was acknowledged).
+    resumed: bool,
     tracked: Arc<Tracked<Acker>>,
     /// When the sender stops waiting for the answer (see [`deadline`]).
     deadline: Option<u64>,
@@ -106,6 +138,11 @@ impl Dispatcher {
             link: watch::Sender::new(None),
             next_session: AtomicU64::new(1),
             queue,
+            intake: Mutex::new(Intake {
+                dispatching: 0,
+                last: Instant::now(),
+                backlog_since: Some(Instant::now()),
+            }),
         }
     }
 
@@ -122,6 +159,9 @@ impl Dispatcher {
             broken: Arc::new(Notify::new()),
         };
         self.link.send_replace(Some(link.clone()));
+        let mut intake = self.lock_intake();
+        (intake.backlog_since, intake.last) = (Some(Instant::now()), Instant::now());
+        drop(intake);
         link
     }
 
@@ -171,13 +211,71 @@ impl Dispatcher {
 
     /// Routes a delivery of connection `session`: a redelivered copy of a
     /// known job is adopted, unusable and ignored messages are settled at
-    /// once, work goes to its node's FIFO queue. Each copy held is
+    /// once, work goes to its node's FIFO queue, and a notification of a
+    /// node's move is recorded in its ledger before the next delivery is
+    /// taken in (see [`Dispatcher::caught_up`]). Each copy held is
     /// acknowledged early once it has been unacknowledged for three
     /// quarters of the consumer timeout, queued or running.
-    pub(super) fn dispatch(self: &Arc<Self>, session: u64, delivery: Delivery) {
+    pub(super) async fn dispatch(self: &Arc<Self>, session: u64, delivery: Delivery) {
+        let _taking_in = self.taking_in();
+        self.route(session, delivery).await;
+    }
+
+    /// Resolves once what the queue held when the connection began is
+    /// taken in: the consumer has handed in nothing for [`QUIET`] and
+    /// every delivery it handed in is dispatched (a node's move recorded),
+    /// or [`CATCH_UP_AT_MOST`] after the connection began. Why: after a
+    /// restart, a node's `deploying` notification and its later `deploy
+    /// failed` wait in the queue together; the broker sends both at once,
+    /// and a prepare that found its image cached would otherwise link
+    /// before the later message is read. A prepare waits for this before
+    /// it starts; once the backlog is in, deliveries are dispatched in
+    /// order as they come and a prepare waits for nothing (a steady stream
+    /// of cache hits is never quiet).
+    pub(super) async fn caught_up(&self) {
+        loop {
+            let quiet = {
+                let mut intake = self.lock_intake();
+                let Some(since) = intake.backlog_since else {
+                    return;
+                };
+                let quiet = match intake.dispatching {
+                    0 => intake.last.elapsed(),
+                    _ => Duration::ZERO,
+                };
+                if quiet >= QUIET || since.elapsed() >= CATCH_UP_AT_MOST {
+                    intake.backlog_since = None;
+                    return;
+                }
+                quiet
+            };
+            tokio::time::sleep(QUIET - quiet).await;
+        }
+    }
+
+    fn lock_intake(&self) -> std::sync::MutexGuard<'_, Intake> {
+        self.intake.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Counts a delivery as being dispatched until the guard is dropped.
+    fn taking_in(&self) -> impl Drop + '_ {
+        struct TakingIn<'a>(&'a Mutex<Intake>);
+        impl Drop for TakingIn<'_> {
+            fn drop(&mut self) {
+                let mut intake = self.0.lock().unwrap_or_else(|p| p.into_inner());
+                intake.dispatching = intake.dispatching.saturating_sub(1);
+                intake.last = Instant::now();
+            }
+        }
+        self.lock_intake().dispatching += 1;
+        TakingIn(&self.intake)
+    }
+
+    /// [`Dispatcher::dispatch`], counted as being dispatched.
+    async fn route(self: &Arc<Self>, session: u64, delivery: Delivery) {
         let received = Instant::now();
-        let identity = identity(&delivery);
-        if delivery.redelivered && self.adopt(session, identity, &delivery.acker, received) {
+        let identity = identity::key(&identity::Parts::of(&delivery));
+        if delivery.redelivered && self.adopt(session, &identity, &delivery.acker, received) {
             return;
         }
         let (inbound, job) = self.job(session, identity, delivery);
@@ -204,11 +302,12 @@ impl Dispatcher {
                     .spawn(async move { work.unanswered(&job, why).await });
             }
             Inbound::Moved { node, at_ms } => {
+                // Recorded before the next delivery is taken in.
+                self.work.pipeline().note_moved(&node, at_ms).await;
                 let work = self.work.clone();
-                self.work.tracker.spawn(async move {
-                    work.pipeline().note_moved(&node, at_ms).await;
-                    work.unanswered(&job, "no_action").await;
-                });
+                self.work
+                    .tracker
+                    .spawn(async move { work.unanswered(&job, "no_action").await });
             }
         }
     }
@@ -217,9 +316,10 @@ impl Dispatcher {
     fn job(
         self: &Arc<Self>,
         session: u64,
-        identity: u64,
+        identity: String,
         delivery: Delivery,
     ) -> (Inbound, Delivered) {
+        let legacy_identity = Some(identity::legacy(&identity::Parts::of(&delivery)));
         let from_ironic = delivery.exchange.as_str() == self.notification_exchange;
         let received_ms = super::stamp::now_ms();
         let mut inbound = inbound::parse(
@@ -229,9 +329,9 @@ impl Dispatcher {
             &self.deploy_interfaces,
             self.max_message_bytes,
         );
+        let issued_ms = super::stamp::issued_ms(&delivery.properties, received_ms);
         if let Inbound::Work(req) = &mut inbound {
-            let command_time = super::stamp::issued_ms(&delivery.properties, received_ms);
-            req.issued_ms.get_or_insert(command_time);
+            req.issued_ms.get_or_insert(issued_ms);
         }
         let dead_letter = matches!(inbound, Inbound::Invalid(_));
         let text = |s: &Option<lapin::types::ShortString>| s.as_ref().map(|s| s.to_string());
@@ -245,6 +345,11 @@ impl Dispatcher {
             reply_to: text(delivery.properties.reply_to()),
             correlation_id: text(delivery.properties.correlation_id()),
             identity,
+            legacy_identity,
+            exchange: delivery.exchange.to_string(),
+            routing_key: delivery.routing_key.to_string(),
+            issued_ms,
+            resumed: false,
             tracked: Arc::new(Tracked::new(session, delivery.acker, dead_letter)),
             deadline: deadline::of(&delivery.properties, received_ms),
             body: delivery.data,
@@ -298,7 +403,7 @@ impl Dispatcher {
             !jobs.is_empty()
         });
         pending
-            .entry(job.identity)
+            .entry(job.identity.clone())
             .or_default()
             .push(job.tracked.clone());
     }
@@ -306,10 +411,10 @@ impl Dispatcher {
     /// A redelivered copy: if a job of an earlier connection has the same
     /// identity, it takes this copy's acker (or, answered already or
     /// acknowledged early, this copy is acknowledged now). True if adopted.
-    fn adopt(&self, session: u64, identity: u64, acker: &Acker, received: Instant) -> bool {
+    fn adopt(&self, session: u64, identity: &str, acker: &Acker, received: Instant) -> bool {
         let (tracked, adoption) = {
             let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-            let Some(jobs) = pending.get_mut(&identity) else {
+            let Some(jobs) = pending.get_mut(identity) else {
                 return false;
             };
             let found =
@@ -350,6 +455,89 @@ impl Dispatcher {
         true
     }
 
+    /// Runs again the deliveries that processes of this host (gone now)
+    /// acknowledged before answering them (see `parked`): each as a
+    /// redelivered copy, so the ledger's claims and answers apply.
+    pub(super) async fn resume_parked(self: &Arc<Self>) {
+        for (key, bytes) in self.work.pipeline().adopt_parked().await {
+            let Some((parked, body)) = Parked::from_bytes(&bytes) else {
+                tracing::warn!(key, "an unreadable parked delivery: dropped");
+                self.work.pipeline().unpark_delivery(&key).await;
+                continue;
+            };
+            let from_ironic = parked.exchange == self.notification_exchange;
+            let inbound = inbound::parse(
+                &body,
+                from_ironic,
+                &self.host,
+                &self.deploy_interfaces,
+                self.max_message_bytes,
+            );
+            let Inbound::Work(mut request) = inbound else {
+                self.work.pipeline().unpark_delivery(&key).await;
+                continue;
+            };
+            request.issued_ms.get_or_insert(parked.issued_ms);
+            let job = Delivered {
+                dispatcher: self.clone(),
+                source: if from_ironic {
+                    "notification"
+                } else {
+                    "command"
+                },
+                reply_to: parked.reply_to,
+                correlation_id: parked.correlation_id,
+                identity: key,
+                legacy_identity: None,
+                exchange: parked.exchange,
+                routing_key: parked.routing_key,
+                issued_ms: parked.issued_ms,
+                resumed: true,
+                tracked: Arc::new(Tracked::accepted()),
+                deadline: parked.deadline,
+                body,
+                properties: lapin::BasicProperties::default(),
+                redelivered: true,
+                received_ms: parked.received_ms,
+            };
+            crate::dispatch::span_of(&request).in_scope(|| {
+                tracing::info!(
+                    "acknowledged early by a process that is gone, never answered: run again"
+                );
+            });
+            self.work.submit(Job {
+                request: *request,
+                carrier: Box::new(job),
+            });
+        }
+    }
+
+    /// Records the whole delivery of `job` before it is acknowledged early;
+    /// false when it could not be (it is then kept unacknowledged).
+    async fn park(&self, job: &Delivered) -> bool {
+        let parked = Parked {
+            exchange: job.exchange.clone(),
+            routing_key: job.routing_key.clone(),
+            body: hex::encode(&job.body),
+            reply_to: job.reply_to.clone(),
+            correlation_id: job.correlation_id.clone(),
+            deadline: job.deadline,
+            issued_ms: job.issued_ms,
+            received_ms: job.received_ms,
+        };
+        let pipeline = self.work.pipeline();
+        match pipeline
+            .park_delivery(&job.identity, parked.to_bytes())
+            .await
+        {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not record a slow prepare: kept unacknowledged");
+                false
+            }
+        }
+    }
+
     /// Every prepare slot is busy (long downloads): the prepare goes back
     /// to the tail of the queue (a confirmed copy carrying the command's
     /// deadline, then this delivery is acknowledged), so the delivery slot
@@ -360,7 +548,7 @@ impl Dispatcher {
         let link = self.link.borrow().clone();
         let acker = job.tracked.take_acker();
         // The redelivered copy is new work, not a copy of running work.
-        self.forget(job.identity, &job.tracked);
+        self.forget(&job.identity, &job.tracked);
         let (Some(link), Some((session, acker))) = (link, acker) else {
             return;
         };
@@ -423,12 +611,17 @@ impl Dispatcher {
     /// now. If that copy's connection is gone, the job stays known as
     /// answered, so its redelivered copy is acknowledged without a second
     /// answer.
-    async fn finish(&self, identity: u64, tracked: &Arc<Tracked<Acker>>, ack: bool) {
+    async fn finish(&self, identity: &str, tracked: &Arc<Tracked<Acker>>, ack: bool) {
         if let Some(delay) = test_ack_delay() {
             tokio::time::sleep(delay).await;
         }
         let settled = match tracked.finish() {
-            Err(acked_early) => acked_early,
+            Err(acked_early) => {
+                if acked_early {
+                    self.work.pipeline().unpark_delivery(identity).await;
+                }
+                acked_early
+            }
             Ok((session, acker)) => {
                 let result = if ack {
                     acker.ack(BasicAckOptions::default()).await
@@ -455,13 +648,21 @@ impl Dispatcher {
         }
     }
 
+    /// Whether the copy `tracked` holds came through a connection now gone:
+    /// the broker gives that message to another consumer (possibly another
+    /// process of the host), so it counts as delivered twice.
+    fn copy_gone(&self, tracked: &Tracked<Acker>) -> bool {
+        let live = self.link.borrow().as_ref().map(|l| l.session);
+        tracked.session().is_some_and(|s| Some(s) != live)
+    }
+
     /// Drops a settled job from the jobs awaiting acknowledgement.
-    fn forget(&self, identity: u64, tracked: &Arc<Tracked<Acker>>) {
+    fn forget(&self, identity: &str, tracked: &Arc<Tracked<Acker>>) {
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(jobs) = pending.get_mut(&identity) {
+        if let Some(jobs) = pending.get_mut(identity) {
             jobs.retain(|t| !Arc::ptr_eq(t, tracked));
             if jobs.is_empty() {
-                pending.remove(&identity);
+                pending.remove(identity);
             }
         }
     }
@@ -480,28 +681,6 @@ fn test_ack_delay() -> Option<Duration> {
     })
 }
 
-/// What identifies a delivery across redeliveries: exchange, routing key,
-/// body, `reply_to` and `correlation_id`.
-fn identity(delivery: &Delivery) -> u64 {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    delivery.exchange.as_str().hash(&mut h);
-    delivery.routing_key.as_str().hash(&mut h);
-    delivery.data.hash(&mut h);
-    delivery
-        .properties
-        .reply_to()
-        .as_ref()
-        .map(|s| s.as_str())
-        .hash(&mut h);
-    delivery
-        .properties
-        .correlation_id()
-        .as_ref()
-        .map(|s| s.as_str())
-        .hash(&mut h);
-    h.finish()
-}
-
 impl Delivered {
     /// An unusable message: its error event, then a dead-letter.
     async fn dead_letter(&self, done: &Completion) {
@@ -512,7 +691,7 @@ impl Delivered {
             .metrics()
             .consumed(self.source, done.action.as_str(), "invalid");
         if d.answer(done, self).await {
-            d.finish(self.identity, &self.tracked, false).await;
+            d.finish(&self.identity, &self.tracked, false).await;
         }
     }
 }
@@ -532,22 +711,36 @@ impl Carrier for Delivered {
 
     fn delivery_key(&self) -> Option<DeliveryKey> {
         Some(DeliveryKey {
-            key: format!("{:016x}", self.identity),
-            redelivered: self.redelivered,
+            key: self.identity.clone(),
+            legacy: self.legacy_identity.clone(),
+            redelivered: self.redelivered || self.dispatcher.copy_gone(&self.tracked),
         })
     }
 
     fn defer(&self) -> BoxFuture<'_, Deferral> {
         Box::pin(async move {
+            if self.resumed {
+                // Its delivery is acknowledged: nothing to put back.
+                return Deferral::Wait;
+            }
             self.dispatcher.defer(self).await;
             Deferral::TakenBack
         })
     }
 
+    fn caught_up(&self) -> BoxFuture<'_, ()> {
+        Box::pin(self.dispatcher.caught_up())
+    }
+
     fn slowed(&self) -> BoxFuture<'_, ()> {
         Box::pin(async move {
+            if self.tracked.session().is_none() || !self.dispatcher.park(self).await {
+                return;
+            }
             if let Some((_, acker)) = self.tracked.ack_early(None) {
-                tracing::info!("slow download moved to the slow lane: acknowledged early");
+                tracing::info!(
+                    "slow download moved to the slow lane: recorded, acknowledged early"
+                );
                 let _ = acker.ack(BasicAckOptions::default()).await;
             }
         })
@@ -560,7 +753,7 @@ impl Carrier for Delivered {
     fn finish(&self) -> BoxFuture<'_, ()> {
         Box::pin(
             self.dispatcher
-                .finish(self.identity, &self.tracked, !self.tracked.dead_letter),
+                .finish(&self.identity, &self.tracked, !self.tracked.dead_letter),
         )
     }
 
@@ -571,7 +764,7 @@ impl Carrier for Delivered {
             if let Some((_, acker)) = self.tracked.take_acker() {
                 let _ = acker.ack(BasicAckOptions::default()).await;
             }
-            self.dispatcher.forget(self.identity, &self.tracked);
+            self.dispatcher.forget(&self.identity, &self.tracked);
         })
     }
 }

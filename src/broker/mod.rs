@@ -10,6 +10,10 @@
 //! * `dispatch`: deliveries in, routed to per-node work, answered, then
 //!   acknowledged (or dead-lettered when unusable); work outlives a
 //!   connection and a redelivered copy is adopted, not run twice;
+//! * `identity`: what identifies a delivery across redeliveries, as the
+//!   stable key the node's ledger records it under;
+//! * `parked`: a delivery acknowledged before its answer (slow lane), kept
+//!   whole in the node ledger so that it is run again after a crash;
 //! * `stamp`: when a command was issued, from its AMQP message;
 //! * `peers`: queries and offers between the workers of several
 //!   conductors, and the cloud-wide claim on a master's download.
@@ -28,6 +32,8 @@ mod ack;
 mod connect;
 mod deadline;
 mod dispatch;
+mod identity;
+mod parked;
 pub mod peers;
 mod publisher;
 mod session;

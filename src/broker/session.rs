@@ -304,6 +304,10 @@ async fn session(
         _ = stop.wait_for(|s| *s) => return Ok(Ended::StoppedConnecting),
     };
     let link = dispatcher.connected(opened.publisher.clone());
+    let resumer = dispatcher.clone();
+    dispatcher
+        .tracker()
+        .spawn(async move { resumer.resume_parked().await });
     connected.store(true, Ordering::Relaxed);
     metrics.amqp.connected.set(1);
     tracing::info!(
@@ -350,13 +354,10 @@ async fn consume(
         // Deliveries (and the consumer's error) first: a consumer timeout
         // also fails acknowledgements, which signal `broken`, and its
         // value is only in the consumer's error.
-        let census_due = tokio::select! {
+        let (census_due, delivery) = tokio::select! {
             biased;
             next = opened.consumer.next() => match next {
-                Some(Ok(delivery)) => {
-                    shared.dispatcher.dispatch(link.session, delivery);
-                    false
-                }
+                Some(Ok(delivery)) => (false, Some(delivery)),
                 Some(Err(e)) => {
                     if let Some(enforced) = super::consumer_timeout_of(&e) {
                         shared.dispatcher.broker_consumer_timeout(enforced);
@@ -369,8 +370,11 @@ async fn consume(
             },
             _ = link.broken.notified() => return Ended::Lost,
             _ = stop.wait_for(|s| *s) => return Ended::Stopped,
-            _ = census.tick() => true,
+            _ = census.tick() => (true, None),
         };
+        if let Some(delivery) = delivery {
+            shared.dispatcher.dispatch(link.session, delivery).await;
+        }
         if census_due {
             dead_letter_census(shared.metrics, &opened.probe_channel, &dead_letter_queue).await;
         }

@@ -11,7 +11,9 @@
 //! * the answers given lately, by node and `request_id` (`answers`), so a
 //!   request answered on one transport is answered again, not worked again,
 //!   when it also comes on the other, and `status` can tell them;
-//! * recording each answer in the node's ledger once the transport
+//! * claiming each delivery in the node's ledger when its work starts, so
+//!   a copy of it delivered to another process of the host meanwhile waits
+//!   for that answer, and recording each answer there once the transport
 //!   delivered it, under the key the transport gives it.
 //!
 //! What a transport does around that (acknowledging, putting a deferred
@@ -62,7 +64,12 @@ pub(crate) enum Deferral {
 pub(crate) struct DeliveryKey {
     /// The ledger key (opaque to this layer).
     pub(crate) key: String,
-    /// The transport delivered this copy before (a redelivery).
+    /// The key an earlier version of the transport recorded the same
+    /// delivery under, looked up (never written) so a copy answered just
+    /// before an upgrade is still recognised.
+    pub(crate) legacy: Option<String>,
+    /// The transport delivered this copy before (a redelivery), or may
+    /// deliver it again elsewhere (the broker: its connection is gone).
     pub(crate) redelivered: bool,
 }
 
@@ -81,6 +88,13 @@ pub(crate) trait Carrier: Send + Sync {
     /// Every prepare slot stayed busy: take the prepare back, or let it
     /// wait.
     fn defer(&self) -> BoxFuture<'_, Deferral>;
+    /// Resolves once the transport has taken in the messages it already
+    /// holds that came after this one (the broker: every delivery received
+    /// is dispatched, a node's move recorded), so that a node's later
+    /// transition already queued counts before a prepare takes effect.
+    fn caught_up(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async {})
+    }
     /// The request's download is slow and left the prepare slots for the
     /// slow lane (the broker acknowledges it early).
     fn slowed(&self) -> BoxFuture<'_, ()>;

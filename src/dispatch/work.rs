@@ -5,6 +5,7 @@
 use super::{AnswerKey, Carrier, Deferral, DeliveryKey, Dispatch, Job};
 use crate::error::{Error, ErrorCode};
 use crate::messages::{Action, Completion, Request, SlowSignal};
+use crate::pipeline::Turn;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{Notify, OwnedSemaphorePermit};
@@ -18,6 +19,9 @@ const RELEASE_RETRY_FOR: Duration = Duration::from_secs(600);
 /// How long a prepare waits for a free prepare slot before its transport
 /// is asked to take it back (so that other actions get the delivery slots).
 const DEFER_AFTER: Duration = Duration::from_secs(2);
+
+/// How often a copy of work another process runs looks for its answer.
+const CLAIM_POLL: Duration = Duration::from_millis(500);
 
 /// Milliseconds since the Unix epoch, now.
 fn now_ms() -> u64 {
@@ -46,10 +50,7 @@ impl Dispatch {
         let key = AnswerKey::of(&request);
         let delivery = carrier.delivery_key();
         if let Some(d) = delivery.as_ref().filter(|d| d.redelivered)
-            && self
-                .pipeline
-                .answered_before(&request.node_uuid, &d.key)
-                .await
+            && self.answered_before(&request.node_uuid, d).await
         {
             tracing::info!("a redelivered copy of work answered by a process of this host");
             self.answers.end(key.as_ref(), None);
@@ -67,7 +68,20 @@ impl Dispatch {
                 .consumed(carrier.source(), done.action.as_str(), done.status.as_str());
             return self.deliver(&request, &done, carrier, delivery).await;
         }
+        let claimed = delivery.as_ref().filter(|_| request.action != Action::Warm);
+        if let Some(d) = claimed
+            && !self.take_turn(&request.node_uuid, d).await
+        {
+            tracing::info!("a copy of work answered by another process of this host");
+            self.answers.end(key.as_ref(), None);
+            return self.unanswered(carrier, "answered_elsewhere").await;
+        }
         let Some(done) = self.outcome(&mut request, carrier).await else {
+            if let Some(d) = claimed {
+                self.pipeline
+                    .release_delivery(&request.node_uuid, &d.key)
+                    .await;
+            }
             self.answers.end(key.as_ref(), None);
             return;
         };
@@ -101,6 +115,11 @@ impl Dispatch {
             self.metrics.record(&done);
             return Some(done);
         }
+        // The node's later messages already at hand count first: a prepare
+        // issued before its node moved on is then refused (`stale_request`).
+        if request.action == Action::Prepare {
+            carrier.caught_up().await;
+        }
         // A stray cleanup (node not prepared here) is decided under the
         // node lock, inside the pipeline.
         let slow = slot.as_ref().map(|_| {
@@ -132,6 +151,47 @@ impl Dispatch {
             }
             carrier.finish().await;
         }
+    }
+
+    /// Claims the delivery `d` of `node` for this process (in the node's
+    /// ledger, shared by the processes of the host) before its work starts.
+    /// While another live process works on it (the broker gave this process
+    /// a copy after that one's connection dropped), waits for its answer.
+    /// False: answered by another process, nothing to do.
+    async fn take_turn(&self, node: &str, d: &DeliveryKey) -> bool {
+        let mut waited = false;
+        loop {
+            let answered_counts = d.redelivered || waited;
+            match self
+                .pipeline
+                .claim_delivery(node, &d.key, answered_counts)
+                .await
+            {
+                Turn::Mine => return true,
+                Turn::Answered => return false,
+                Turn::Elsewhere => {
+                    if !waited {
+                        tracing::info!(
+                            "another process of this host works on this delivery: waiting for its answer"
+                        );
+                    }
+                    waited = true;
+                    tokio::time::sleep(CLAIM_POLL).await;
+                }
+            }
+        }
+    }
+
+    /// Whether the delivery `d` of `node` was answered already by a process
+    /// of this host, under its key or the key an earlier version gave it.
+    async fn answered_before(&self, node: &str, d: &DeliveryKey) -> bool {
+        let keys = std::iter::once(&d.key).chain(d.legacy.as_ref());
+        for key in keys {
+            if self.pipeline.answered_before(node, key).await {
+                return true;
+            }
+        }
+        false
     }
 
     /// A prepare slot, waiting up to `wait` for one.

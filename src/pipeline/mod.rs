@@ -52,6 +52,8 @@ mod validated;
 mod verdict;
 mod warm;
 
+pub use crate::store::ledger::Turn;
+
 /// Everything needed to serve nodes on this conductor host.
 pub struct Pipeline {
     config: Config,

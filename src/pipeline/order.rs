@@ -14,7 +14,7 @@
 //! refused too. The same record keeps the deliveries answered, so that a
 //! copy redelivered to any process of the host is not answered twice.
 
-use super::{Pipeline, Request, blocking};
+use super::{Pipeline, Request, Turn, blocking};
 use crate::error::{Error, ErrorCode, Result};
 use crate::node::NodeUuid;
 use crate::store::ledger::{self, now_ms};
@@ -99,6 +99,62 @@ impl Pipeline {
         let (ledger, owned, key) = (self.ledger.clone(), node.clone(), key.to_string());
         if let Err(e) = blocking(move || ledger.note_answered(&owned, &key, now_ms())).await {
             tracing::warn!(%node, error = %e, "could not record an answer in the node's ledger");
+        }
+    }
+
+    /// Takes this process's turn to work on the delivery `key` of `node`
+    /// (see [`ledger::Ledger::claim`]); a node that is not one, or a ledger
+    /// that fails, gives the turn (the work is idempotent).
+    pub async fn claim_delivery(&self, node: &str, key: &str, answered_counts: bool) -> Turn {
+        let Ok(node) = NodeUuid::parse(node) else {
+            return Turn::Mine;
+        };
+        let (ledger, owned, key) = (self.ledger.clone(), node.clone(), key.to_string());
+        let at = now_ms();
+        blocking(move || ledger.claim(&owned, &key, at, answered_counts))
+            .await
+            .unwrap_or_else(|e| {
+                tracing::warn!(%node, error = %e, "could not claim a delivery in the node's ledger");
+                Turn::Mine
+            })
+    }
+
+    /// Keeps the whole delivery `key` (`bytes`, the transport's) until it
+    /// is answered: it was acknowledged before its answer, so after a
+    /// crash only this record can bring it back.
+    pub async fn park_delivery(&self, key: &str, bytes: Vec<u8>) -> Result<()> {
+        let (ledger, key) = (self.ledger.clone(), key.to_string());
+        blocking(move || ledger.park(&key, &bytes)).await
+    }
+
+    /// The parked delivery `key` was answered.
+    pub async fn unpark_delivery(&self, key: &str) {
+        let (ledger, key) = (self.ledger.clone(), key.to_string());
+        let _ = blocking(move || {
+            ledger.unpark(&key);
+            Ok(())
+        })
+        .await;
+    }
+
+    /// The deliveries parked by processes of the host that are gone, now
+    /// this process's to run: their key and bytes.
+    pub async fn adopt_parked(&self) -> Vec<(String, Vec<u8>)> {
+        let ledger = self.ledger.clone();
+        blocking(move || Ok(ledger.adopt_parked()))
+            .await
+            .unwrap_or_default()
+    }
+
+    /// This process stopped working on the delivery `key` of `node`
+    /// without answering it.
+    pub async fn release_delivery(&self, node: &str, key: &str) {
+        let Ok(node) = NodeUuid::parse(node) else {
+            return;
+        };
+        let (ledger, owned, key) = (self.ledger.clone(), node.clone(), key.to_string());
+        if let Err(e) = blocking(move || ledger.release(&owned, &key)).await {
+            tracing::warn!(%node, error = %e, "could not release a delivery in the node's ledger");
         }
     }
 }

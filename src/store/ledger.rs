@@ -11,7 +11,19 @@
 //!   of a later provision-state transition), so that a prepare older than
 //!   that is refused instead of linking files for a deploy that is over;
 //! * which deliveries were answered recently, so that a copy redelivered to
-//!   any process is acknowledged without a second answer.
+//!   any process is acknowledged without a second answer;
+//! * which deliveries are being worked on, and by which process (a
+//!   *claim*, made when the work starts), so that a copy redelivered to
+//!   another process while the first still runs it waits for that answer
+//!   instead of being worked and answered a second time. A process is
+//!   alive while it holds the `flock` on its token's file in
+//!   `.ledger/.owners/` ([`TempOwner`]): a claim of a process that died is
+//!   not honoured;
+//! * the deliveries acknowledged before their answer (a prepare moved to
+//!   the slow lane): the broker holds no copy of them any more, so each is
+//!   kept whole (opaque bytes the transport writes) in
+//!   `.ledger/accepted/<key>.<owner>` until answered, and a process finds
+//!   those of a process that died and runs them again ([`Ledger::adopt_parked`]).
 //!
 //! `<images_path>/.ledger/<node>.json`, replaced atomically (temporary and
 //! rename, synced) under one short `flock` (`.ledger/.lock`, held for one
@@ -22,12 +34,13 @@
 //! what must be remembered.
 
 use crate::error::{Error, Result};
-use crate::fsutil;
+use crate::fsutil::{self, TempOwner};
 use crate::node::NodeUuid;
 use serde::{Deserialize, Serialize};
 use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// How long a record is kept after its newest entry.
@@ -41,6 +54,9 @@ const MAX_KEY_LEN: usize = 64;
 
 /// A record file larger than this is not read (it cannot be one of ours).
 pub const MAX_RECORD_BYTES: u64 = 16 << 10;
+
+/// The directory of the deliveries acknowledged before their answer.
+const PARKED_DIR: &str = "accepted";
 
 /// Temporaries left by a writer that died are removed after this long.
 const STALE_TEMP_AFTER: Duration = Duration::from_secs(3600);
@@ -61,6 +77,31 @@ pub struct Record {
     /// Deliveries answered, oldest first: their key and when.
     #[serde(default)]
     pub answered: Vec<(String, u64)>,
+    /// Deliveries being worked on, oldest first.
+    #[serde(default)]
+    pub claims: Vec<Claim>,
+}
+
+/// A delivery being worked on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Claim {
+    /// The delivery's key.
+    pub key: String,
+    /// The token of the process working on it ([`TempOwner`]).
+    pub owner: String,
+    /// When the work started (ms since the epoch).
+    pub at: u64,
+}
+
+/// Whose turn it is to work on a delivery (see [`Ledger::claim`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Turn {
+    /// This process's: the delivery is claimed for it now.
+    Mine,
+    /// It was answered already: nothing to do.
+    Answered,
+    /// Another process, alive, is working on it.
+    Elsewhere,
 }
 
 impl Record {
@@ -69,6 +110,7 @@ impl Record {
         self.answered
             .iter()
             .map(|(_, at)| *at)
+            .chain(self.claims.iter().map(|c| c.at))
             .fold(self.moved_ms, u64::max)
     }
 
@@ -82,20 +124,32 @@ impl Record {
         self.answered.retain(|(_, at)| alive(*at));
         let excess = self.answered.len().saturating_sub(MAX_ANSWERED);
         self.answered.drain(..excess);
+        self.claims.retain(|c| alive(c.at));
+        let excess = self.claims.len().saturating_sub(MAX_ANSWERED);
+        self.claims.drain(..excess);
     }
 }
 
 /// The ledger directory of one host.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Ledger {
     dir: PathBuf,
+    /// This process, as its claims name it.
+    owner: Arc<TempOwner>,
+}
+
+impl std::fmt::Debug for Ledger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ledger").field("dir", &self.dir).finish()
+    }
 }
 
 impl Ledger {
     /// The ledger in `dir` (created 0755).
     pub fn open(dir: PathBuf) -> Result<Ledger> {
         fsutil::ensure_dir(&dir)?;
-        Ok(Ledger { dir })
+        let owner = Arc::new(TempOwner::new(dir.join(".owners")));
+        Ok(Ledger { dir, owner })
     }
 
     fn path(&self, node: &NodeUuid) -> PathBuf {
@@ -123,6 +177,58 @@ impl Ledger {
         self.update(node, |r| {
             r.answered.retain(|(k, _)| k != key);
             r.answered.push((key.to_string(), at_ms));
+            r.claims.retain(|c| c.key != key);
+        })
+    }
+
+    /// Takes the turn to work on the delivery `key` of `node` at `at_ms`:
+    /// [`Turn::Elsewhere`] while another process that is alive claims it,
+    /// [`Turn::Answered`] when it was answered (looked at only when
+    /// `answered_counts`: a command its sender publishes again is new
+    /// work), else it is claimed for this process. A key too long to record
+    /// is this process's without a claim.
+    pub fn claim(
+        &self,
+        node: &NodeUuid,
+        key: &str,
+        at_ms: u64,
+        answered_counts: bool,
+    ) -> Result<Turn> {
+        if key.len() > MAX_KEY_LEN {
+            return Ok(Turn::Mine);
+        }
+        self.owner.register()?;
+        let me = self.owner.token().to_string();
+        let mut turn = Turn::Mine;
+        self.update(node, |r| {
+            if answered_counts && r.answered.iter().any(|(k, _)| k == key) {
+                turn = Turn::Answered;
+                return;
+            }
+            let busy = r
+                .claims
+                .iter()
+                .any(|c| c.key == key && c.owner != me && self.owner.is_alive(&c.owner));
+            if busy {
+                turn = Turn::Elsewhere;
+                return;
+            }
+            r.claims.retain(|c| c.key != key);
+            r.claims.push(Claim {
+                key: key.to_string(),
+                owner: me.clone(),
+                at: at_ms,
+            });
+        })?;
+        Ok(turn)
+    }
+
+    /// This process no longer works on the delivery `key` of `node`
+    /// without having answered it (taken back, needing no answer).
+    pub fn release(&self, node: &NodeUuid, key: &str) -> Result<()> {
+        let me = self.owner.token();
+        self.update(node, |r| {
+            r.claims.retain(|c| !(c.key == key && c.owner == me))
         })
     }
 
@@ -136,6 +242,69 @@ impl Ledger {
         record.trim(now_ms());
         let body = serde_json::to_vec(&record).unwrap_or_default();
         fsutil::write_file_atomically(&path, &fsutil::temp_path(&path), &body, 0o644)
+    }
+
+    /// Keeps `bytes`, the whole delivery `key` this process acknowledged
+    /// before answering it, until [`Ledger::unpark`]. Blocking: one small
+    /// file written and synced.
+    pub fn park(&self, key: &str, bytes: &[u8]) -> Result<()> {
+        if key.len() > MAX_KEY_LEN || !key.bytes().all(|b| b.is_ascii_alphanumeric()) {
+            return Err(Error::new(
+                crate::error::ErrorCode::Internal,
+                "a delivery key that cannot name a file",
+            ));
+        }
+        self.owner.register()?;
+        let dir = self.dir.join(PARKED_DIR);
+        fsutil::ensure_dir(&dir)?;
+        let path = dir.join(format!("{key}.{}", self.owner.token()));
+        fsutil::write_file_atomically(&path, &fsutil::temp_path(&path), bytes, 0o600)
+    }
+
+    /// The delivery `key` this process parked was answered: forgotten.
+    pub fn unpark(&self, key: &str) {
+        let name = format!("{key}.{}", self.owner.token());
+        let _ = std::fs::remove_file(self.dir.join(PARKED_DIR).join(name));
+    }
+
+    /// The deliveries parked by processes that are gone, taken over by this
+    /// one (renamed to its token, so one process alone takes each): their
+    /// key and bytes. Those past [`TTL`] are removed instead. Blocking.
+    pub fn adopt_parked(&self) -> Vec<(String, Vec<u8>)> {
+        let dir = self.dir.join(PARKED_DIR);
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return Vec::new();
+        };
+        if self.owner.register().is_err() {
+            return Vec::new();
+        }
+        let me = self.owner.token().to_string();
+        let mut adopted = Vec::new();
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some((key, owner)) = name.split_once('.') else {
+                continue;
+            };
+            if owner == me || name.starts_with(fsutil::TEMP_PREFIX) || self.owner.is_alive(owner) {
+                continue;
+            }
+            let path = entry.path();
+            if is_older_than(&path, TTL) {
+                let _ = std::fs::remove_file(&path);
+                continue;
+            }
+            let mine = dir.join(format!("{key}.{me}"));
+            if std::fs::rename(&path, &mine).is_err() {
+                continue; // another process took it first
+            }
+            match std::fs::read(&mine) {
+                Ok(bytes) => adopted.push((key.to_string(), bytes)),
+                Err(e) => {
+                    tracing::warn!(path = %mine.display(), error = %e, "unreadable parked delivery")
+                }
+            }
+        }
+        adopted
     }
 
     /// Holds the ledger's `flock` until dropped: a new open file each time,
@@ -187,7 +356,25 @@ impl Ledger {
                 removed += 1;
             }
         }
-        removed
+        self.owner.remove_dead_owners();
+        removed + self.expire_parked_temporaries()
+    }
+
+    /// Removes temporaries of parked deliveries whose writer died.
+    fn expire_parked_temporaries(&self) -> usize {
+        let Ok(entries) = std::fs::read_dir(self.dir.join(PARKED_DIR)) else {
+            return 0;
+        };
+        entries
+            .flatten()
+            .filter(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with(fsutil::TEMP_PREFIX)
+            })
+            .filter(|e| is_older_than(&e.path(), STALE_TEMP_AFTER))
+            .filter(|e| std::fs::remove_file(e.path()).is_ok())
+            .count()
     }
 }
 
@@ -259,6 +446,67 @@ mod tests {
     }
 
     #[test]
+    fn a_claim_holds_while_its_process_lives_and_an_answer_ends_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = Ledger::open(dir.path().join("l")).unwrap();
+        // Another process: another owner over the same directory.
+        let second = Ledger::open(dir.path().join("l")).unwrap();
+        let now = now_ms();
+        assert_eq!(first.claim(&node(), "k", now, true).unwrap(), Turn::Mine);
+        assert_eq!(
+            first.claim(&node(), "k", now, true).unwrap(),
+            Turn::Mine,
+            "its own again"
+        );
+        assert_eq!(
+            second.claim(&node(), "k", now, true).unwrap(),
+            Turn::Elsewhere
+        );
+        first.note_answered(&node(), "k", now).unwrap();
+        assert!(
+            first.read(&node()).claims.is_empty(),
+            "the answer ends the claim"
+        );
+        assert_eq!(
+            second.claim(&node(), "k", now, true).unwrap(),
+            Turn::Answered
+        );
+        assert_eq!(
+            second.claim(&node(), "k", now, false).unwrap(),
+            Turn::Mine,
+            "sent again on purpose: new work"
+        );
+        second.release(&node(), "k").unwrap();
+        assert!(second.read(&node()).claims.is_empty());
+        // A claim of a process that is gone is not honoured.
+        second.claim(&node(), "j", now, true).unwrap();
+        drop(second);
+        let third = Ledger::open(dir.path().join("l")).unwrap();
+        assert_eq!(third.claim(&node(), "j", now, true).unwrap(), Turn::Mine);
+    }
+
+    #[test]
+    fn a_parked_delivery_goes_to_another_process_once_its_own_is_gone() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = Ledger::open(dir.path().join("l")).unwrap();
+        let second = Ledger::open(dir.path().join("l")).unwrap();
+        first.park("k1", b"one").unwrap();
+        first.park("k2", b"two").unwrap();
+        first.unpark("k2");
+        assert!(second.adopt_parked().is_empty(), "its process lives");
+        drop(first);
+        assert_eq!(
+            second.adopt_parked(),
+            vec![("k1".to_string(), b"one".to_vec())]
+        );
+        let third = Ledger::open(dir.path().join("l")).unwrap();
+        assert!(third.adopt_parked().is_empty(), "taken by the second");
+        second.unpark("k1");
+        drop(second);
+        assert!(third.adopt_parked().is_empty(), "answered: gone");
+    }
+
+    #[test]
     fn expired_and_foreign_records_are_ignored_and_removed() {
         let dir = tempfile::tempdir().unwrap();
         let ledger = Ledger::open(dir.path().join("l")).unwrap();
@@ -266,6 +514,7 @@ mod tests {
         let record = Record {
             moved_ms: old,
             answered: vec![("k".into(), old)],
+            claims: vec![],
         };
         std::fs::write(ledger.path(&node()), serde_json::to_vec(&record).unwrap()).unwrap();
         assert_eq!(ledger.read(&node()), Record::default(), "past the TTL");

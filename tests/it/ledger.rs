@@ -133,6 +133,48 @@ async fn a_queued_notification_is_dropped_when_the_node_moved_on() {
     );
 }
 
+/// The same as a cache hit: the image is cached already, so the stale
+/// `deploying` notification could link at once, a millisecond after the
+/// worker starts consuming; the node's later `deploy failed`, already in
+/// the queue, counts first: nothing linked, `stale_request`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_notification_of_a_cached_image_is_dropped_when_the_node_moved_on() {
+    let env = Env::new("");
+    random_file(&env.root().join("src/a.img"), 1 << 20, 65);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let url = server.url("a.img");
+    let broker = Broker::connect().await;
+    let tap = EventTap::new(&broker).await;
+    // The image is cached (by another node's prepare); then the worker is
+    // down, and the queue keeps what Ironic publishes meanwhile.
+    let first = env.serve().await;
+    let other = node();
+    broker.command(&env.host, prepare_cmd(&other, &url)).await;
+    let (_, ev) = broker.next_reply(WAIT).await;
+    assert_eq!(ev["status"], "success", "{ev}");
+    assert!(first.terminate().await.success());
+    let x = node();
+    let info = json!({"image_source": url});
+    emit_notifications(
+        &env.host,
+        &[
+            notification(&x, "start", "available", "deploying", "deploy", &info),
+            notification(&x, "error", "deploying", "deploy failed", "fail", &info),
+        ],
+    );
+    let _worker = env.serve().await;
+    let ev = tap.collect(&env.host, 1, WAIT).await;
+    assert_eq!(ev.len(), 1, "the prepare is answered");
+    assert_eq!(ev[0]["action"], "prepare", "{}", ev[0]);
+    assert_eq!(ev[0]["error"]["code"], "stale_request", "{}", ev[0]);
+    assert_nothing_for(&env, &x);
+    assert_eq!(
+        server.count("GET", "a.img"),
+        1,
+        "downloaded once, for the other node"
+    );
+}
+
 /// A notification older than `[notifications]max_age` (the deploy
 /// interface gave up on it) starts nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -228,6 +270,147 @@ async fn a_command_is_answered_once_across_the_processes_of_a_host() {
     }
     let extra = tokio::time::timeout(Duration::from_secs(2), broker.next_reply(WAIT)).await;
     assert!(extra.is_err(), "answered once");
+}
+
+/// A prepare moved to the slow lane is acknowledged early (the broker
+/// holds no copy of it any more); its worker is then killed (`kill -9`).
+/// Started again, the worker runs it again from what it recorded and
+/// answers it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_lane_prepare_is_answered_after_its_worker_is_killed() {
+    // slow_rate is 1 MiB/s: a source at 256 KiB/s is slow after 1 s.
+    let env = Env::new("slow_after = 1\n");
+    let src = env.root().join("src");
+    random_file(&src.join("slow.img"), 2 << 20, 67);
+    let faults = FaultServer::start(&src, 256 << 10).await;
+    let first = env.serve().await;
+    let broker = Broker::connect().await;
+    let x = node();
+    let corr = broker
+        .command(&env.host, prepare_cmd(&x, &faults.url("slow", "slow.img")))
+        .await;
+    wait_metric(&first, "ironic_image_worker_slow_downloads_total", 1.0).await;
+    first.kill9().await;
+    let _worker = env.serve().await;
+    let answers = broker
+        .answers(
+            std::slice::from_ref(&corr),
+            WAIT * 2,
+            Duration::from_secs(3),
+        )
+        .await;
+    let got = answers.get(&corr).map_or(&[][..], |v| v.as_slice());
+    assert_eq!(got.len(), 1, "answered once after the restart: {got:?}");
+    assert_eq!(got[0]["status"], "success", "{}", got[0]);
+    assert!(
+        env.link_dir().join(&x).symlink_metadata().is_ok(),
+        "the node's image is published"
+    );
+    // Removed just after the answer is confirmed.
+    let parked = env.images_dir().join(".ledger/accepted");
+    let started = std::time::Instant::now();
+    while !list_visible(&parked).is_empty() {
+        assert!(started.elapsed() < WAIT, "answered: its record goes");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// `rabbitmqctl` for the shared broker: the packaged wrapper, which runs
+/// as the broker's user (with its Erlang cookie).
+const SHARED_CTL: &str = "/usr/sbin/rabbitmqctl";
+
+/// The connections of the worker processes of `host` on the shared
+/// broker, oldest first: (pid, connected_at).
+fn worker_connections(host: &str) -> Vec<(String, u64)> {
+    let out = std::process::Command::new(SHARED_CTL)
+        .args([
+            "-q",
+            "list_connections",
+            "--no-table-headers",
+            "pid",
+            "connected_at",
+            "client_properties",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let mut found: Vec<(String, u64)> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.contains(&format!("ironic-image-worker@{host}\"")))
+        .map(|l| {
+            let mut f = l.split('\t');
+            let pid = f.next().unwrap().trim().to_string();
+            (pid, f.next().unwrap().trim().parse().unwrap())
+        })
+        .collect();
+    found.sort_by_key(|(_, at)| *at);
+    found
+}
+
+/// A prepare runs in one worker process; its connection is closed by the
+/// broker mid-download, so the broker redelivers the command to the other
+/// process of the host, consuming the same queue. That process waits for
+/// the first one's answer instead of working the command again: one
+/// answer, given by the first process through its next connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_redelivered_while_another_process_runs_it_is_answered_once() {
+    let env = Env::new("");
+    let src = env.root().join("src");
+    random_file(&src.join("slow.img"), 1600 << 10, 66);
+    // 200 KiB/s: some 8 s of download.
+    let faults = FaultServer::start(&src, 200 << 10).await;
+    let first = env.serve().await;
+    let broker = Broker::connect().await;
+    let x = node();
+    let corr = broker
+        .command(&env.host, prepare_cmd(&x, &faults.url("slow", "slow.img")))
+        .await;
+    let started = std::time::Instant::now();
+    while faults.count("slow", "slow.img") == 0 {
+        assert!(started.elapsed() < WAIT, "the prepare starts");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let second = env.serve_another(&[]).await;
+    let started = std::time::Instant::now();
+    let connections = loop {
+        let c = tokio::task::block_in_place(|| worker_connections(&env.host));
+        if c.len() == 2 {
+            break c;
+        }
+        assert!(started.elapsed() < WAIT, "both processes consume: {c:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    // The first process's connection: the older one.
+    let closed = std::process::Command::new(SHARED_CTL)
+        .args(["close_connection", &connections[0].0, "closed by the test"])
+        .output()
+        .unwrap();
+    assert!(closed.status.success(), "{closed:?}");
+    let answers = broker
+        .answers(
+            std::slice::from_ref(&corr),
+            WAIT * 2,
+            Duration::from_secs(5),
+        )
+        .await;
+    let got = answers.get(&corr).map_or(&[][..], |v| v.as_slice());
+    assert_eq!(got.len(), 1, "answered once: {got:?}");
+    assert_eq!(got[0]["status"], "success", "{}", got[0]);
+    let text = wait_metric(
+        &second,
+        "ironic_image_worker_ignored_messages_total{reason=\"answered_elsewhere\"}",
+        1.0,
+    )
+    .await;
+    assert_eq!(
+        metric(
+            &text,
+            "ironic_image_worker_messages_consumed_total{action=\"prepare\",outcome=\"success\",source=\"command\"}"
+        ),
+        None,
+        "the second process did not work it: {text}"
+    );
+    drop(first);
 }
 
 fn notification(
