@@ -435,26 +435,7 @@ impl Registry {
         credential: Option<&Credential>,
     ) -> std::result::Result<String, Failure> {
         let r = &session.reference;
-        let realm = params
-            .get("realm")
-            .and_then(|u| reqwest::Url::parse(u).ok())
-            .ok_or_else(|| {
-                Failure::Fatal(oci_error(
-                    ErrorCode::SourceUnreachable,
-                    r,
-                    "the registry's Bearer challenge names no usable realm",
-                ))
-            })?;
-        http_client::check_followed(&realm, self.allow_local, "token realm")
-            .map_err(|why| Failure::Fatal(oci_error(ErrorCode::SourceNotAllowed, r, why)))?;
-        let mut url = realm.clone();
-        {
-            let mut q = url.query_pairs_mut();
-            if let Some(s) = params.get("service") {
-                q.append_pair("service", s);
-            }
-            q.append_pair("scope", &format!("repository:{}:pull", r.repo));
-        }
+        let (realm, url) = token_url(r, params, self.allow_local).map_err(Failure::Fatal)?;
         let source = Source::Http(realm);
         let auth = credential.map(Credential::basic_header);
         let resp = self
@@ -474,32 +455,8 @@ impl Registry {
             }));
         }
         check_status(&source, resp.status())?;
-        #[derive(serde::Deserialize)]
-        struct Answer {
-            #[serde(default)]
-            token: Option<String>,
-            #[serde(default)]
-            access_token: Option<String>,
-        }
         let body = read_bounded(resp, MAX_TOKEN_BODY, &source, "token answer").await?;
-        let answer: Answer = serde_json::from_slice(&body).map_err(|e| {
-            Failure::Fatal(oci_error(
-                ErrorCode::SourceUnreachable,
-                r,
-                format!("unreadable token answer: {e}"),
-            ))
-        })?;
-        answer
-            .token
-            .or(answer.access_token)
-            .filter(|t| !t.is_empty() && t.len() < 64 << 10 && !t.contains(['\r', '\n']))
-            .ok_or_else(|| {
-                Failure::Fatal(oci_error(
-                    ErrorCode::SourceUnreachable,
-                    r,
-                    "the token service answered no usable token",
-                ))
-            })
+        token_from_answer(r, &body).map_err(Failure::Fatal)
     }
 
     /// A manifest or index by tag or digest: read bounded, checked against
@@ -615,6 +572,67 @@ fn status_of(
     check_status(source, status)
 }
 
+/// The token service's `realm` from a Bearer challenge (a URL allowed by
+/// the address rules of a URL no message named) and the URL asking it for
+/// a pull token of `r`'s repository.
+fn token_url(
+    r: &OciRef,
+    params: &std::collections::BTreeMap<String, String>,
+    allow_local: bool,
+) -> Result<(reqwest::Url, reqwest::Url)> {
+    let realm = params
+        .get("realm")
+        .and_then(|u| reqwest::Url::parse(u).ok())
+        .ok_or_else(|| {
+            oci_error(
+                ErrorCode::SourceUnreachable,
+                r,
+                "the registry's Bearer challenge names no usable realm",
+            )
+        })?;
+    http_client::check_followed(&realm, allow_local, "token realm")
+        .map_err(|why| oci_error(ErrorCode::SourceNotAllowed, r, why))?;
+    let mut url = realm.clone();
+    {
+        let mut q = url.query_pairs_mut();
+        if let Some(s) = params.get("service") {
+            q.append_pair("service", s);
+        }
+        q.append_pair("scope", &format!("repository:{}:pull", r.repo));
+    }
+    Ok((realm, url))
+}
+
+/// The token of a token service's answer (`token`, else `access_token`),
+/// refused when missing, empty, oversized or able to split a header.
+fn token_from_answer(r: &OciRef, body: &[u8]) -> Result<String> {
+    #[derive(serde::Deserialize)]
+    struct Answer {
+        #[serde(default)]
+        token: Option<String>,
+        #[serde(default)]
+        access_token: Option<String>,
+    }
+    let answer: Answer = serde_json::from_slice(body).map_err(|e| {
+        oci_error(
+            ErrorCode::SourceUnreachable,
+            r,
+            format!("unreadable token answer: {e}"),
+        )
+    })?;
+    answer
+        .token
+        .or(answer.access_token)
+        .filter(|t| !t.is_empty() && t.len() < 64 << 10 && !t.contains(['\r', '\n']))
+        .ok_or_else(|| {
+            oci_error(
+                ErrorCode::SourceUnreachable,
+                r,
+                "the token service answered no usable token",
+            )
+        })
+}
+
 async fn read_bounded(
     resp: reqwest::Response,
     limit: usize,
@@ -665,6 +683,44 @@ pub(crate) fn parse_challenge(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn token_url_asks_for_a_pull_of_the_repository() {
+        let r = OciRef::parse("oci://registry.example/team/img:1").unwrap();
+        let params: std::collections::BTreeMap<String, String> = [
+            ("realm", "https://auth.example/token"),
+            ("service", "registry.example"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let (realm, url) = token_url(&r, &params, false).unwrap();
+        assert_eq!(realm.as_str(), "https://auth.example/token");
+        assert_eq!(
+            url.as_str(),
+            "https://auth.example/token?service=registry.example&scope=repository%3Ateam%2Fimg%3Apull"
+        );
+        let no_realm = std::collections::BTreeMap::new();
+        let e = token_url(&r, &no_realm, false).unwrap_err();
+        assert_eq!(e.code, ErrorCode::SourceUnreachable);
+    }
+
+    #[test]
+    fn only_a_usable_token_is_taken() {
+        let r = OciRef::parse("oci://registry.example/team/img:1").unwrap();
+        let t = |body: &str| token_from_answer(&r, body.as_bytes());
+        assert_eq!(t(r#"{"token":"a","access_token":"b"}"#).unwrap(), "a");
+        assert_eq!(t(r#"{"access_token":"b"}"#).unwrap(), "b");
+        for bad in [
+            r#"{}"#,
+            r#"{"token":""}"#,
+            r#"{"token":"a\r\nX: y"}"#,
+            "nope",
+        ] {
+            let e = t(bad).unwrap_err();
+            assert_eq!(e.code, ErrorCode::SourceUnreachable, "{bad}");
+        }
+    }
 
     #[test]
     fn challenges() {
