@@ -8,11 +8,12 @@
 //!
 //! Holds `http(s)://` sources and the download loop every source shares
 //! (this module), `file://` sources opened beneath an allowed directory
-//! (`file`), the shared HTTP
-//! client with its redirect policy and bounded body reads (`http_client`) and
-//! Glance with its Keystone token (`glance`), OCI registries: references,
-//! credentials and the artifact choice (`oci`), their HTTP side
-//! (`oci_registry`). Must not know the cache layout or conversion.
+//! (`file`), the shared HTTP client with its redirect policy and bounded
+//! body reads (`http_client`), Glance with its Keystone token (`glance`),
+//! OCI registries: references, credentials and the artifact choice (`oci`),
+//! their HTTP side (`oci_registry`, its authentication as values in
+//! `oci_registry/auth`), and masters from peers (`peer`). Must not know the
+//! cache layout or conversion.
 
 mod file;
 pub(crate) mod glance;
