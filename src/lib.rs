@@ -12,7 +12,7 @@
 //! | `dispatch` | what both transports share: per-node order, prepare slots, deadlines, the answers given |
 //! | `messages` | request and completion types; parsing commands and Ironic notifications |
 //! | `pipeline` | one request end to end: prepare, warm, deployed, cleanup; whether a cached or offered master fits a request; making a new master |
-//! | `sources` | where bytes come from: http(s), `file://`, Glance |
+//! | `sources` | where bytes come from: http(s), `file://`, Glance, OCI registries, peers |
 //! | `image` | format detection, the qcow2 validator, conversion to raw |
 //! | `store` | the master cache, eviction, node links, locks, write-and-hash, checksums |
 //! | `http` | the image server and the operations listener (`/metrics`, `/healthz`, `/readyz`) |

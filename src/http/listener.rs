@@ -21,6 +21,13 @@
 //! evicted first), and the `503` of an eviction goes through TLS, followed
 //! by a `close_notify`. A connection refused at the cap is closed at once
 //! (it cannot be answered before a handshake).
+//!
+//! One file on purpose (about 700 lines, a third of them tests and the
+//! `AsyncRead`/`AsyncWrite` plumbing): a connection's state (`FRESH`,
+//! `WAITING`, `REQUEST`), the stream wrappers that set it as bytes pass
+//! (`Watched`, `Marked`), and the eviction that reads it (`Registry`) are
+//! one decision, "which connection may be closed to make room", and share
+//! private atomics that splitting them would have to expose.
 
 use axum::body::Body;
 use hyper::body::Incoming;

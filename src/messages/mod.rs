@@ -4,9 +4,10 @@
 //!
 //! # This folder
 //!
-//! Holds the request and completion types and the parsing of commands and
-//! Ironic notifications into requests (`inbound`). Must not know AMQP
-//! channels or files.
+//! Holds the request and completion types (`request` and this file) and the
+//! parsing of inbound messages into requests (`inbound/`: telling the kinds
+//! apart in `mod.rs`, commands in `command`, Ironic notifications in
+//! `notification`). Must not know AMQP channels or files.
 
 pub(crate) mod inbound;
 mod request;

@@ -166,7 +166,8 @@ impl Glance {
         }
     }
 
-    /// `POST /v3/auth/tokens` with the configured credentials.
+    /// `POST /v3/auth/tokens` with the configured credentials: the request
+    /// is built by [`auth_request`], the answer read by [`read_token`].
     async fn issue_token(&self) -> Result<Token> {
         let c = &self.config;
         if c.auth_url.is_empty() {
@@ -175,71 +176,15 @@ impl Glance {
                 "[glance]auth_url is not set: cannot authenticate to Glance",
             ));
         }
-        let identity = match c.auth_type.as_str() {
-            "password" | "v3password" => serde_json::json!({
-                "methods": ["password"],
-                "password": {"user": {
-                    "name": c.username,
-                    "password": c.password,
-                    "domain": domain(&c.user_domain_id, &c.user_domain_name),
-                }},
-            }),
-            "v3applicationcredential" | "applicationcredential" => serde_json::json!({
-                "methods": ["application_credential"],
-                "application_credential": {
-                    "id": c.application_credential_id,
-                    "secret": c.application_credential_secret,
-                },
-            }),
-            other => {
-                return Err(Error::new(
-                    ErrorCode::SourceNotAllowed,
-                    format!("[glance]auth_type {other:?} is not supported"),
-                ));
-            }
-        };
-        let mut auth = serde_json::json!({ "identity": identity });
-        // Application credentials carry their own scope.
-        if !identity_is_app_cred(c) && (!c.project_id.is_empty() || !c.project_name.is_empty()) {
-            let project = if c.project_id.is_empty() {
-                serde_json::json!({"name": c.project_name,
-                    "domain": domain(&c.project_domain_id, &c.project_domain_name)})
-            } else {
-                serde_json::json!({"id": c.project_id})
-            };
-            auth["scope"] = serde_json::json!({ "project": project });
-        }
-        let root = c.auth_url.trim_end_matches('/');
-        let url = if root.ends_with("/v3") {
-            format!("{root}/auth/tokens")
-        } else {
-            format!("{root}/v3/auth/tokens")
-        };
         let resp = self
             .client
-            .post(&url)
+            .post(tokens_url(&c.auth_url))
             .timeout(self.timeout)
-            .json(&serde_json::json!({ "auth": auth }))
+            .json(&serde_json::json!({ "auth": auth_request(c)? }))
             .send()
             .await
             .map_err(|e| unreachable("Keystone", e))?;
-        let status = resp.status().as_u16();
-        if !(200..300).contains(&status) {
-            return Err(status_error("Keystone", "auth/tokens", status));
-        }
-        let value = resp
-            .headers()
-            .get("X-Subject-Token")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string)
-            .ok_or_else(|| {
-                Error::new(
-                    ErrorCode::SourceUnreachable,
-                    "Keystone answered without X-Subject-Token",
-                )
-            })?;
-        let body: TokenBody =
-            crate::sources::http_client::read_json(resp, "Keystone token").await?;
+        let (value, body) = read_token(resp).await?;
         tracing::info!(expires_at = ?body.token.expires_at, "Keystone token issued for Glance");
         Ok(Token {
             value,
@@ -267,6 +212,86 @@ impl Glance {
                 })
         })
     }
+}
+
+/// The `auth` object of a Keystone v3 token request: the identity of
+/// `[glance]auth_type` and, for a password, the project scope.
+fn auth_request(c: &GlanceSection) -> Result<serde_json::Value> {
+    let mut auth = serde_json::json!({ "identity": identity(c)? });
+    if let Some(project) = project_scope(c) {
+        auth["scope"] = serde_json::json!({ "project": project });
+    }
+    Ok(auth)
+}
+
+/// The `identity` of a token request for `[glance]auth_type`.
+fn identity(c: &GlanceSection) -> Result<serde_json::Value> {
+    match c.auth_type.as_str() {
+        "password" | "v3password" => Ok(serde_json::json!({
+            "methods": ["password"],
+            "password": {"user": {
+                "name": c.username,
+                "password": c.password,
+                "domain": domain(&c.user_domain_id, &c.user_domain_name),
+            }},
+        })),
+        "v3applicationcredential" | "applicationcredential" => Ok(serde_json::json!({
+            "methods": ["application_credential"],
+            "application_credential": {
+                "id": c.application_credential_id,
+                "secret": c.application_credential_secret,
+            },
+        })),
+        other => Err(Error::new(
+            ErrorCode::SourceNotAllowed,
+            format!("[glance]auth_type {other:?} is not supported"),
+        )),
+    }
+}
+
+/// The project a token is scoped to, by id or by name and domain; none
+/// for application credentials, which carry their own scope.
+fn project_scope(c: &GlanceSection) -> Option<serde_json::Value> {
+    if identity_is_app_cred(c) || (c.project_id.is_empty() && c.project_name.is_empty()) {
+        None
+    } else if c.project_id.is_empty() {
+        Some(serde_json::json!({"name": c.project_name,
+            "domain": domain(&c.project_domain_id, &c.project_domain_name)}))
+    } else {
+        Some(serde_json::json!({"id": c.project_id}))
+    }
+}
+
+/// `<auth_url>/v3/auth/tokens`, whether or not `auth_url` ends in `/v3`.
+fn tokens_url(auth_url: &str) -> String {
+    let root = auth_url.trim_end_matches('/');
+    if root.ends_with("/v3") {
+        format!("{root}/auth/tokens")
+    } else {
+        format!("{root}/v3/auth/tokens")
+    }
+}
+
+/// The token (`X-Subject-Token`) and body of Keystone's answer, or the
+/// error its status or a missing token means.
+async fn read_token(resp: reqwest::Response) -> Result<(String, TokenBody)> {
+    let status = resp.status().as_u16();
+    if !(200..300).contains(&status) {
+        return Err(status_error("Keystone", "auth/tokens", status));
+    }
+    let value = resp
+        .headers()
+        .get("X-Subject-Token")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+        .ok_or_else(|| {
+            Error::new(
+                ErrorCode::SourceUnreachable,
+                "Keystone answered without X-Subject-Token",
+            )
+        })?;
+    let body = crate::sources::http_client::read_json(resp, "Keystone token").await?;
+    Ok((value, body))
 }
 
 fn identity_is_app_cred(c: &GlanceSection) -> bool {
@@ -359,6 +384,59 @@ pub fn parse_iso8601(s: &str) -> Option<SystemTime> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn section(auth_type: &str) -> GlanceSection {
+        GlanceSection {
+            auth_type: auth_type.to_string(),
+            username: "ironic".to_string(),
+            password: "pw".to_string(),
+            ..GlanceSection::default()
+        }
+    }
+
+    #[test]
+    fn tokens_url_with_or_without_v3() {
+        assert_eq!(
+            tokens_url("http://ks:5000"),
+            "http://ks:5000/v3/auth/tokens"
+        );
+        assert_eq!(
+            tokens_url("http://ks:5000/v3/"),
+            "http://ks:5000/v3/auth/tokens"
+        );
+    }
+
+    #[test]
+    fn password_is_scoped_to_its_project() {
+        let mut c = section("password");
+        assert!(auth_request(&c).unwrap().get("scope").is_none());
+        c.project_name = "service".to_string();
+        let auth = auth_request(&c).unwrap();
+        assert_eq!(auth["identity"]["methods"][0], "password");
+        assert_eq!(auth["scope"]["project"]["name"], "service");
+        assert_eq!(auth["scope"]["project"]["domain"]["id"], "default");
+        c.project_id = "p1".to_string();
+        assert_eq!(
+            auth_request(&c).unwrap()["scope"]["project"],
+            serde_json::json!({"id": "p1"})
+        );
+    }
+
+    #[test]
+    fn application_credential_carries_its_own_scope() {
+        let mut c = section("v3applicationcredential");
+        c.application_credential_id = "ac".to_string();
+        c.project_id = "p1".to_string();
+        let auth = auth_request(&c).unwrap();
+        assert_eq!(auth["identity"]["application_credential"]["id"], "ac");
+        assert!(auth.get("scope").is_none());
+    }
+
+    #[test]
+    fn unknown_auth_type_is_refused() {
+        let e = auth_request(&section("kerberos")).unwrap_err();
+        assert_eq!(e.code, ErrorCode::SourceNotAllowed);
+    }
 
     #[test]
     fn iso8601() {

@@ -6,28 +6,31 @@
 //!
 //! # This folder
 //!
-//! Holds `http(s)://` and `file://` sources (this module), the shared HTTP
-//! client with its redirect policy and bounded body reads (`http_client`) and
-//! Glance with its Keystone token (`glance`), OCI registries: references,
-//! credentials and the artifact choice (`oci`), their HTTP side
-//! (`oci_registry`). Must not know the cache layout or conversion.
+//! Holds `http(s)://` sources and the download loop every source shares
+//! (this module), `file://` sources opened beneath an allowed directory
+//! (`file`), the shared HTTP client with its redirect policy and bounded
+//! body reads (`http_client`), Glance with its Keystone token (`glance`),
+//! OCI registries: references, credentials and the artifact choice (`oci`),
+//! their HTTP side (`oci_registry`, its authentication as values in
+//! `oci_registry/auth`), and masters from peers (`peer`). Must not know the
+//! cache layout or conversion.
 
+mod file;
 pub(crate) mod glance;
 pub(crate) mod http_client;
 pub(crate) mod oci;
 pub(crate) mod oci_registry;
 pub mod peer;
 
-use crate::config::{Config, blocked_dir};
+pub use file::FileSource;
+
+use crate::config::Config;
 use crate::error::{Error, ErrorCode, Result, error_chain};
 use crate::secrets::redact_url;
 use crate::sources::glance::Glance;
 use backon::{ExponentialBuilder, Retryable};
 use futures_util::StreamExt;
 use http_client::{BodyError, Purpose};
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::FileExt;
-use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 use tokio::sync::mpsc;
@@ -59,22 +62,6 @@ impl PartialEq for oci_registry::OciBlob {
 }
 
 impl Eq for oci_registry::OciBlob {}
-
-/// An open `file://` source.
-#[derive(Debug, Clone)]
-pub struct FileSource {
-    /// The path as requested (for messages).
-    pub path: PathBuf,
-    file: Arc<std::fs::File>,
-}
-
-impl PartialEq for FileSource {
-    fn eq(&self, other: &Self) -> bool {
-        self.path == other.path
-    }
-}
-
-impl Eq for FileSource {}
 
 /// What a source says about its image without sending it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -156,7 +143,7 @@ impl Source {
                         format!("bad file URL {:?}", redact_url(href)),
                     )
                 })?;
-                Ok(Source::File(open_allowed(
+                Ok(Source::File(file::open_allowed(
                     &path,
                     &config.conductor.file_url_allowed_paths,
                 )?))
@@ -196,109 +183,6 @@ impl Source {
             Source::Oci(r) => r.display(),
             Source::OciBlob(b) => b.display(),
         }
-    }
-}
-
-/// Opens the `file://` source `path` for reading, race-free: the allowed
-/// list is checked on the path as written before the file system is
-/// touched (so a missing file outside it is `source_not_allowed`, like any
-/// other, and nothing leaks whether it exists); then the file is opened
-/// relative to the allowed directory with `openat2(RESOLVE_BENEATH)`, so no
-/// `..` or symlink (even one swapped in meanwhile) leads outside it;
-/// `O_NONBLOCK` keeps a FIFO from blocking the open, and the open
-/// descriptor must be a regular file.
-fn open_allowed(path: &Path, allowed: &[PathBuf]) -> Result<FileSource> {
-    use rustix::fs::{Mode, OFlags, ResolveFlags};
-    let not_allowed = |why: &str| {
-        Error::new(
-            ErrorCode::SourceNotAllowed,
-            format!("{}: {why}", path.display()),
-        )
-    };
-    let outside = || not_allowed("not under [conductor]file_url_allowed_paths");
-    if let Some(dir) = blocked_dir(path) {
-        return Err(not_allowed(&format!(
-            "file URLs are never read under {dir}"
-        )));
-    }
-    if !path.is_absolute()
-        || path
-            .components()
-            .any(|c| matches!(c, Component::ParentDir | Component::CurDir))
-    {
-        return Err(outside());
-    }
-    // The configured directory as written, or resolved (it may itself be a
-    // symlink, and requests may name either form).
-    let (dir, rel) = allowed
-        .iter()
-        .flat_map(|d| [Some(d.clone()), std::fs::canonicalize(d).ok()])
-        .flatten()
-        .find_map(|d| {
-            let rel = path.strip_prefix(&d).ok()?.to_path_buf();
-            (!rel.as_os_str().is_empty()).then_some((d, rel))
-        })
-        .ok_or_else(outside)?;
-    let io_error = |e: rustix::io::Errno| {
-        let code = match e {
-            rustix::io::Errno::NOENT | rustix::io::Errno::NOTDIR => ErrorCode::SourceNotFound,
-            rustix::io::Errno::XDEV | rustix::io::Errno::LOOP => ErrorCode::SourceNotAllowed,
-            rustix::io::Errno::ACCESS | rustix::io::Errno::PERM => ErrorCode::SourceNotAllowed,
-            _ => ErrorCode::SourceUnreachable,
-        };
-        let why = match e {
-            rustix::io::Errno::XDEV | rustix::io::Errno::LOOP => {
-                "leads outside [conductor]file_url_allowed_paths".to_string()
-            }
-            other => std::io::Error::from(other).to_string(),
-        };
-        Error::new(code, format!("{}: {why}", path.display()))
-    };
-    let dirfd = rustix::fs::open(
-        &dir,
-        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
-    .map_err(io_error)?;
-    let flags = OFlags::RDONLY | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY;
-    let fd = match rustix::fs::openat2(
-        &dirfd,
-        &rel,
-        flags,
-        Mode::empty(),
-        ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS,
-    ) {
-        Err(rustix::io::Errno::NOSYS) => crate::fsutil::open_beneath_nofollow(&dirfd, &rel, flags),
-        other => other,
-    }
-    .map_err(io_error)?;
-    let st = rustix::fs::fstat(&fd).map_err(io_error)?;
-    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
-        return Err(not_allowed("not a regular file"));
-    }
-    check_not_blocked(path, &fd)?;
-    Ok(FileSource {
-        path: path.to_path_buf(),
-        file: Arc::new(std::fs::File::from(fd)),
-    })
-}
-
-/// Refuses the open `file://` source `fd` when the file it really is (an
-/// allowed directory may be `/`, and a symlink beneath it lead there) lies
-/// under a directory Ironic never reads file URLs from.
-fn check_not_blocked(path: &Path, fd: &impl AsRawFd) -> Result<()> {
-    let opened = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
-        .map_err(|e| Error::io(path.display(), e))?;
-    match blocked_dir(&opened) {
-        Some(dir) => Err(Error::new(
-            ErrorCode::SourceNotAllowed,
-            format!(
-                "{}: leads to {}, and file URLs are never read under {dir}",
-                path.display(),
-                opened.display()
-            ),
-        )),
-        None => Ok(()),
     }
 }
 
@@ -409,16 +293,7 @@ impl Fetcher {
                     size: meta.size,
                 })
             }
-            Source::File(f) => {
-                let meta = f
-                    .file
-                    .metadata()
-                    .map_err(|e| Error::io(f.path.display(), e))?;
-                Ok(SourceStat {
-                    last_modified: meta.modified().ok(),
-                    size: Some(meta.len()),
-                })
-            }
+            Source::File(f) => f.stat(),
             Source::Http(url) => {
                 self.retrying(|| async {
                     let resp = self
@@ -500,7 +375,7 @@ impl Fetcher {
         let to = &to;
         let attempts = self.retrying(|| async move {
             match source {
-                Source::File(f) => Ok(self.copy_file(f, to).await?),
+                Source::File(f) => Ok(f.stream(to).await?),
                 Source::Http(url) => {
                     let req = self.to_source(reqwest::Method::GET, url);
                     self.get_http(source, req, to).await
@@ -530,47 +405,6 @@ impl Fetcher {
                 )),
             },
         }
-    }
-
-    /// Streams the open file source (from offset 0, so a retry starts over)
-    /// from a blocking thread.
-    async fn copy_file(&self, f: &FileSource, to: &mpsc::Sender<Delivery>) -> Result<SourceStat> {
-        let meta = f
-            .file
-            .metadata()
-            .map_err(|e| Error::io(f.path.display(), e))?;
-        let stat = SourceStat {
-            last_modified: meta.modified().ok(),
-            size: Some(meta.len()),
-        };
-        deliver(to, Delivery::Attempt(stat.clone())).await?;
-        let (file, path, to) = (f.file.clone(), f.path.clone(), to.clone());
-        tokio::task::spawn_blocking(move || {
-            let mut offset = 0u64;
-            loop {
-                let mut buf = vec![0u8; READ_CHUNK];
-                let n = match file.read_at(&mut buf, offset) {
-                    Ok(n) => n,
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                    Err(e) => return Err(Error::io(path.display(), e)),
-                };
-                let piece = match n {
-                    0 => Delivery::Complete,
-                    n => {
-                        buf.truncate(n);
-                        offset += n as u64;
-                        Delivery::Bytes(buf.into())
-                    }
-                };
-                let last = matches!(piece, Delivery::Complete);
-                to.blocking_send(piece).map_err(|_| receiver_gone())?;
-                if last {
-                    return Ok(stat);
-                }
-            }
-        })
-        .await
-        .map_err(|e| Error::new(ErrorCode::Internal, format!("file reader: {e}")))?
     }
 
     async fn get_http(
@@ -673,9 +507,6 @@ fn unresolved(source: &Source) -> Error {
         ),
     )
 }
-
-/// Size of the reads from a `file://` source.
-const READ_CHUNK: usize = 1 << 20;
 
 /// The error of a download whose receiver went away (it reports its own).
 fn receiver_gone() -> Error {

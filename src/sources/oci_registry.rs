@@ -12,6 +12,10 @@
 //! (`http_client`): a reference cannot point the worker at its own
 //! listeners, nor (by default) at local addresses through a redirect.
 
+mod auth;
+
+use auth::{may_carry_operator_credential, parse_challenge, token_from_answer, token_url};
+
 use super::oci::{self, Credential, Descriptor, Digest, Document, OciRef, Reference};
 use super::{Failure, check_status, request_failure};
 use crate::config::{Config, OciSection};
@@ -435,26 +439,7 @@ impl Registry {
         credential: Option<&Credential>,
     ) -> std::result::Result<String, Failure> {
         let r = &session.reference;
-        let realm = params
-            .get("realm")
-            .and_then(|u| reqwest::Url::parse(u).ok())
-            .ok_or_else(|| {
-                Failure::Fatal(oci_error(
-                    ErrorCode::SourceUnreachable,
-                    r,
-                    "the registry's Bearer challenge names no usable realm",
-                ))
-            })?;
-        http_client::check_followed(&realm, self.allow_local, "token realm")
-            .map_err(|why| Failure::Fatal(oci_error(ErrorCode::SourceNotAllowed, r, why)))?;
-        let mut url = realm.clone();
-        {
-            let mut q = url.query_pairs_mut();
-            if let Some(s) = params.get("service") {
-                q.append_pair("service", s);
-            }
-            q.append_pair("scope", &format!("repository:{}:pull", r.repo));
-        }
+        let (realm, url) = token_url(r, params, self.allow_local).map_err(Failure::Fatal)?;
         let source = Source::Http(realm);
         let auth = credential.map(Credential::basic_header);
         let resp = self
@@ -474,32 +459,8 @@ impl Registry {
             }));
         }
         check_status(&source, resp.status())?;
-        #[derive(serde::Deserialize)]
-        struct Answer {
-            #[serde(default)]
-            token: Option<String>,
-            #[serde(default)]
-            access_token: Option<String>,
-        }
         let body = read_bounded(resp, MAX_TOKEN_BODY, &source, "token answer").await?;
-        let answer: Answer = serde_json::from_slice(&body).map_err(|e| {
-            Failure::Fatal(oci_error(
-                ErrorCode::SourceUnreachable,
-                r,
-                format!("unreadable token answer: {e}"),
-            ))
-        })?;
-        answer
-            .token
-            .or(answer.access_token)
-            .filter(|t| !t.is_empty() && t.len() < 64 << 10 && !t.contains(['\r', '\n']))
-            .ok_or_else(|| {
-                Failure::Fatal(oci_error(
-                    ErrorCode::SourceUnreachable,
-                    r,
-                    "the token service answered no usable token",
-                ))
-            })
+        token_from_answer(r, &body).map_err(Failure::Fatal)
     }
 
     /// A manifest or index by tag or digest: read bounded, checked against
@@ -570,19 +531,6 @@ impl Session {
     }
 }
 
-/// Whether an operator's credential (`[oci]authentication_config`) may go
-/// to the token service the challenge names: over HTTPS, or to the
-/// registry's own origin; never in clear to another port or scheme.
-fn may_carry_operator_credential(
-    params: &std::collections::BTreeMap<String, String>,
-    registry: &reqwest::Url,
-) -> bool {
-    params
-        .get("realm")
-        .and_then(|u| reqwest::Url::parse(u).ok())
-        .is_some_and(|realm| realm.scheme() == "https" || realm.origin() == registry.origin())
-}
-
 fn needs_credentials(r: &OciRef) -> Error {
     oci_error(
         ErrorCode::SourceNotAllowed,
@@ -632,51 +580,5 @@ async fn read_bounded(
             ),
         ))),
         Err(BodyError::Transport(e)) => Err(request_failure(source, e)),
-    }
-}
-
-/// Parses a `WWW-Authenticate` challenge: its scheme (lowercase) and its
-/// `key="value"` parameters (quoted values may hold commas).
-pub(crate) fn parse_challenge(
-    header: &str,
-) -> (String, std::collections::BTreeMap<String, String>) {
-    let header = header.trim();
-    let (scheme, mut rest) = header.split_once(' ').unwrap_or((header, ""));
-    let mut params = std::collections::BTreeMap::new();
-    loop {
-        rest = rest.trim_start_matches([' ', ',']);
-        let Some((key, after)) = rest.split_once('=') else {
-            break;
-        };
-        let key = key.trim().to_ascii_lowercase();
-        let (value, next) = match after.strip_prefix('"') {
-            Some(quoted) => match quoted.find('"') {
-                Some(end) => (&quoted[..end], &quoted[end + 1..]),
-                None => (quoted, ""),
-            },
-            None => after.split_once(',').unwrap_or((after, "")),
-        };
-        params.insert(key, value.trim().to_string());
-        rest = next;
-    }
-    (scheme.to_ascii_lowercase(), params)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn challenges() {
-        let (s, p) = parse_challenge(
-            r#"Bearer realm="https://auth.example/token",service="registry.example",scope="repository:a/b:pull,push""#,
-        );
-        assert_eq!(s, "bearer");
-        assert_eq!(p["realm"], "https://auth.example/token");
-        assert_eq!(p["service"], "registry.example");
-        assert_eq!(p["scope"], "repository:a/b:pull,push");
-        let (s, p) = parse_challenge(r#"Basic realm="Registry Realm""#);
-        assert_eq!(s, "basic");
-        assert_eq!(p["realm"], "Registry Realm");
     }
 }
