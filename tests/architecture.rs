@@ -369,17 +369,7 @@ fn the_scanner_sees_through_comments_and_strings() {
 fn sibling_uses(dir: &Path) -> std::collections::BTreeMap<String, BTreeSet<String>> {
     let mut files = Vec::new();
     rust_files(dir, &mut files);
-    let module = |f: &Path| {
-        let rel = f.strip_prefix(dir).unwrap();
-        let first = rel
-            .components()
-            .next()
-            .unwrap()
-            .as_os_str()
-            .to_str()
-            .unwrap();
-        first.trim_end_matches(".rs").to_string()
-    };
+    let module = |f: &Path| module_of(dir, f);
     let names: BTreeSet<String> = files.iter().map(|f| module(f)).collect();
     let mut graph = std::collections::BTreeMap::new();
     for file in &files {

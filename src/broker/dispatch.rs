@@ -320,15 +320,8 @@ impl Dispatcher {
         delivery: Delivery,
     ) -> (Inbound, Delivered) {
         let legacy_identity = Some(identity::legacy(&identity::Parts::of(&delivery)));
-        let from_ironic = delivery.exchange.as_str() == self.notification_exchange;
         let received_ms = super::stamp::now_ms();
-        let mut inbound = inbound::parse(
-            &delivery.data,
-            from_ironic,
-            &self.host,
-            &self.deploy_interfaces,
-            self.max_message_bytes,
-        );
+        let (mut inbound, source) = self.read(&delivery.data, delivery.exchange.as_str());
         let issued_ms = super::stamp::issued_ms(&delivery.properties, received_ms);
         if let Inbound::Work(req) = &mut inbound {
             req.issued_ms.get_or_insert(issued_ms);
@@ -337,11 +330,7 @@ impl Dispatcher {
         let text = |s: &Option<lapin::types::ShortString>| s.as_ref().map(|s| s.to_string());
         let job = Delivered {
             dispatcher: self.clone(),
-            source: if from_ironic {
-                "notification"
-            } else {
-                "command"
-            },
+            source,
             reply_to: text(delivery.properties.reply_to()),
             correlation_id: text(delivery.properties.correlation_id()),
             identity,
@@ -358,6 +347,28 @@ impl Dispatcher {
             received_ms,
         };
         (inbound, job)
+    }
+
+    /// A body published to `exchange`, parsed as a notification when the
+    /// exchange is Ironic's, else as a command; with the log's name for
+    /// which it was. The same for a delivery and for one parked earlier.
+    fn read(&self, body: &[u8], exchange: &str) -> (Inbound, &'static str) {
+        let from_ironic = exchange == self.notification_exchange;
+        let inbound = inbound::parse(
+            body,
+            from_ironic,
+            &self.host,
+            &self.deploy_interfaces,
+            self.max_message_bytes,
+        );
+        (
+            inbound,
+            if from_ironic {
+                "notification"
+            } else {
+                "command"
+            },
+        )
     }
 
     /// Starts the early acknowledgement of the copy of `session` held by
@@ -465,14 +476,7 @@ impl Dispatcher {
                 self.work.pipeline().unpark_delivery(&key).await;
                 continue;
             };
-            let from_ironic = parked.exchange == self.notification_exchange;
-            let inbound = inbound::parse(
-                &body,
-                from_ironic,
-                &self.host,
-                &self.deploy_interfaces,
-                self.max_message_bytes,
-            );
+            let (inbound, source) = self.read(&body, &parked.exchange);
             let Inbound::Work(mut request) = inbound else {
                 self.work.pipeline().unpark_delivery(&key).await;
                 continue;
@@ -480,11 +484,7 @@ impl Dispatcher {
             request.issued_ms.get_or_insert(parked.issued_ms);
             let job = Delivered {
                 dispatcher: self.clone(),
-                source: if from_ironic {
-                    "notification"
-                } else {
-                    "command"
-                },
+                source,
                 reply_to: parked.reply_to,
                 correlation_id: parked.correlation_id,
                 identity: key,

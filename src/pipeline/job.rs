@@ -7,6 +7,15 @@ use crate::messages::InstanceInfo;
 use crate::sources::Source;
 use crate::store::checksum::Expected;
 
+/// The digests a master's served bytes get: SHA-512 when the request's
+/// algorithm is sha512, MD5 unless `[agent] served_md5` is false.
+pub(super) fn served(md5: bool, expected: Option<&Expected>) -> crate::store::sink::Served {
+    crate::store::sink::Served {
+        md5,
+        sha512: expected.is_some_and(|e| e.algo == crate::store::checksum::Algo::Sha512),
+    }
+}
+
 /// What the steps of one master download share: where it comes from, the
 /// master's name, and what the request wants of it.
 pub(super) struct MasterFetch<'a> {

@@ -44,13 +44,7 @@ impl Pipeline {
         }
         let expected = Box::pin(self.expected_of(image.spec.clone(), &image.source)).await?;
         let (name, force_raw) = self.master_of(&image, req);
-        let job = image.job(
-            &name,
-            expected.as_ref(),
-            force_raw,
-            req,
-            self.config.agent.served_md5,
-        );
+        let job = image.job(&name, expected.as_ref(), force_raw, req);
         let locked = self.prepare_locked(node, req, &job, done);
         self.locked(Some(node), &name, locked).await?;
         Ok(Released::Done)

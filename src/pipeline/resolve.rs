@@ -39,6 +39,7 @@ impl Pipeline {
             info,
             spec,
             mode,
+            served_md5: self.config.agent.served_md5,
         })
     }
 
@@ -267,28 +268,25 @@ pub(super) struct ImagePlan {
     pub(super) spec: Option<ChecksumSpec>,
     /// How `image_download_source` has the image served.
     pub(super) mode: Mode,
+    /// `[agent] served_md5`.
+    served_md5: bool,
 }
 
 impl ImagePlan {
-    /// The download of this image into the master `name`; `served_md5`
-    /// is `[agent] served_md5`.
+    /// The download of this image into the master `name`.
     pub(super) fn job<'a>(
         &'a self,
         name: &'a str,
         expected: Option<&'a Expected>,
         force_raw: bool,
         req: &'a Request,
-        served_md5: bool,
     ) -> MasterFetch<'a> {
         MasterFetch {
             source: &self.source,
             href: &self.href,
             name,
             expected,
-            served: crate::store::sink::Served {
-                md5: served_md5,
-                sha512: expected.is_some_and(|e| e.algo == Algo::Sha512),
-            },
+            served: super::job::served(self.served_md5, expected),
             force_raw,
             info: &self.info,
             slow: &req.slow,

@@ -89,10 +89,7 @@ impl Pipeline {
             expected: expected.as_ref(),
             // The master may serve a prepare later: its digests as a
             // prepare's.
-            served: crate::store::sink::Served {
-                md5: self.config.agent.served_md5,
-                sha512: expected.as_ref().is_some_and(|e| e.algo == Algo::Sha512),
-            },
+            served: super::job::served(self.config.agent.served_md5, expected.as_ref()),
             force_raw: false,
             info,
             slow: &req.slow,

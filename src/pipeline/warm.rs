@@ -42,13 +42,7 @@ impl Pipeline {
         }
         let expected = Box::pin(self.expected_of(image.spec.clone(), &image.source)).await?;
         let (name, force_raw) = self.master_of(&image, req);
-        let job = image.job(
-            &name,
-            expected.as_ref(),
-            force_raw,
-            req,
-            self.config.agent.served_md5,
-        );
+        let job = image.job(&name, expected.as_ref(), force_raw, req);
         let warmed = async {
             let obtained = self.obtain_master(&job, false, &|_| false).await?;
             match obtained.outcome {
