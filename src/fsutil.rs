@@ -232,6 +232,16 @@ pub fn replace_via_temp(
 /// Writes `body` to `target` (mode `mode` whatever the umask, synced)
 /// through a temporary name, created with that mode.
 pub fn write_file_atomically(target: &Path, temp: &Path, body: &[u8], mode: u32) -> Result<()> {
+    write_via_temp(target, temp, body, mode, true)
+}
+
+/// [`write_file_atomically`] without the sync: for what a crash of the host
+/// may lose (readers still see the old contents or the new, whole).
+pub fn write_file_unsynced(target: &Path, temp: &Path, body: &[u8], mode: u32) -> Result<()> {
+    write_via_temp(target, temp, body, mode, false)
+}
+
+fn write_via_temp(target: &Path, temp: &Path, body: &[u8], mode: u32, sync: bool) -> Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
     replace_via_temp(target, temp, |temp| {
         let mut file = std::fs::OpenOptions::new()
@@ -241,7 +251,7 @@ pub fn write_file_atomically(target: &Path, temp: &Path, body: &[u8], mode: u32)
             .open(temp)?;
         std::io::Write::write_all(&mut file, body)?;
         file.set_permissions(Permissions::from_mode(mode))?;
-        file.sync_all()
+        if sync { file.sync_all() } else { Ok(()) }
     })
 }
 

@@ -18,7 +18,9 @@
 //!   instead of being worked and answered a second time. A process is
 //!   alive while it holds the `flock` on its token's file in
 //!   `.ledger/.owners/` ([`TempOwner`]): a claim of a process that died is
-//!   not honoured;
+//!   not honoured. A claim is a small file of its own
+//!   (`.ledger/claims/<key>`), created and removed, never synced: it counts
+//!   only while its process lives, which a crash of the host ends anyway;
 //! * the deliveries acknowledged before their answer (a prepare moved to
 //!   the slow lane): the broker holds no copy of them any more, so each is
 //!   kept whole (opaque bytes the transport writes) in
@@ -26,9 +28,15 @@
 //!   those of a process that died and runs them again ([`Ledger::adopt_parked`]).
 //!
 //! `<images_path>/.ledger/<node>.json`, replaced atomically (temporary and
-//! rename, synced) under one short `flock` (`.ledger/.lock`, held for one
-//! read and one write). Bounded: at most [`MAX_ANSWERED`] answers per node,
-//! a record past [`TTL`] is ignored and removed by [`Ledger::expire`], a file
+//! rename) under a short `flock` of the node's stripe (`.ledger/.locks/<n>`,
+//! one of [`LOCK_STRIPES`], held for one read and one write, so the updates
+//! of different nodes run side by side). A record that holds a move is
+//! synced before it counts (the move must survive a crash of the host); one
+//! that holds only answers is not: after a crash of the host only the copies
+//! answered in the instant before their acknowledgement come back, and the
+//! sync cost a cache hit most of its time. Bounded: at most
+//! [`MAX_ANSWERED`] answers per node, a record past [`TTL`] is ignored and
+//! removed by [`Ledger::expire`], a file
 //! larger than [`MAX_RECORD_BYTES`] is not read. It outlives the node's
 //! files on purpose: a cleanup of a node with nothing to remove is exactly
 //! what must be remembered.
@@ -58,6 +66,12 @@ pub const MAX_RECORD_BYTES: u64 = 16 << 10;
 /// The directory of the deliveries acknowledged before their answer.
 const PARKED_DIR: &str = "accepted";
 
+/// The directory of the claims, a file per delivery key.
+const CLAIMS_DIR: &str = "claims";
+
+/// How many lock files the nodes' records are spread over.
+pub const LOCK_STRIPES: u8 = 64;
+
 /// Temporaries left by a writer that died are removed after this long.
 const STALE_TEMP_AFTER: Duration = Duration::from_secs(3600);
 
@@ -77,20 +91,6 @@ pub struct Record {
     /// Deliveries answered, oldest first: their key and when.
     #[serde(default)]
     pub answered: Vec<(String, u64)>,
-    /// Deliveries being worked on, oldest first.
-    #[serde(default)]
-    pub claims: Vec<Claim>,
-}
-
-/// A delivery being worked on.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Claim {
-    /// The delivery's key.
-    pub key: String,
-    /// The token of the process working on it ([`TempOwner`]).
-    pub owner: String,
-    /// When the work started (ms since the epoch).
-    pub at: u64,
 }
 
 /// Whose turn it is to work on a delivery (see [`Ledger::claim`]).
@@ -110,7 +110,6 @@ impl Record {
         self.answered
             .iter()
             .map(|(_, at)| *at)
-            .chain(self.claims.iter().map(|c| c.at))
             .fold(self.moved_ms, u64::max)
     }
 
@@ -124,9 +123,6 @@ impl Record {
         self.answered.retain(|(_, at)| alive(*at));
         let excess = self.answered.len().saturating_sub(MAX_ANSWERED);
         self.answered.drain(..excess);
-        self.claims.retain(|c| alive(c.at));
-        let excess = self.claims.len().saturating_sub(MAX_ANSWERED);
-        self.claims.drain(..excess);
     }
 }
 
@@ -166,19 +162,22 @@ impl Ledger {
 
     /// The node moved on at `at_ms` (kept if later than what is recorded).
     pub fn note_moved(&self, node: &NodeUuid, at_ms: u64) -> Result<()> {
+        let _lock = self.lock(node)?;
         self.update(node, |r| r.moved_ms = r.moved_ms.max(at_ms))
     }
 
     /// The delivery `key` of `node` was answered at `at_ms`.
     pub fn note_answered(&self, node: &NodeUuid, key: &str, at_ms: u64) -> Result<()> {
-        if key.len() > MAX_KEY_LEN {
+        if !is_file_name(key) {
             return Ok(());
         }
+        let _lock = self.lock(node)?;
         self.update(node, |r| {
             r.answered.retain(|(k, _)| k != key);
             r.answered.push((key.to_string(), at_ms));
-            r.claims.retain(|c| c.key != key);
-        })
+        })?;
+        self.drop_claim(key);
+        Ok(())
     }
 
     /// Takes the turn to work on the delivery `key` of `node` at `at_ms`:
@@ -194,61 +193,67 @@ impl Ledger {
         at_ms: u64,
         answered_counts: bool,
     ) -> Result<Turn> {
-        if key.len() > MAX_KEY_LEN {
+        if !is_file_name(key) {
             return Ok(Turn::Mine);
         }
         self.owner.register()?;
-        let me = self.owner.token().to_string();
-        let mut turn = Turn::Mine;
-        self.update(node, |r| {
-            if answered_counts && r.answered.iter().any(|(k, _)| k == key) {
-                turn = Turn::Answered;
-                return;
+        let _lock = self.lock(node)?;
+        if answered_counts && self.read(node).answered.iter().any(|(k, _)| k == key) {
+            return Ok(Turn::Answered);
+        }
+        let path = self.dir.join(CLAIMS_DIR).join(key);
+        if let Some(owner) = read_claim(&path) {
+            if self.owner.is_alive(&owner) && owner != self.owner.token() {
+                return Ok(Turn::Elsewhere);
             }
-            let busy = r
-                .claims
-                .iter()
-                .any(|c| c.key == key && c.owner != me && self.owner.is_alive(&c.owner));
-            if busy {
-                turn = Turn::Elsewhere;
-                return;
-            }
-            r.claims.retain(|c| c.key != key);
-            r.claims.push(Claim {
-                key: key.to_string(),
-                owner: me.clone(),
-                at: at_ms,
-            });
-        })?;
-        Ok(turn)
+        }
+        fsutil::ensure_dir(&self.dir.join(CLAIMS_DIR))?;
+        let body = format!("{} {at_ms} {node}", self.owner.token());
+        std::fs::write(&path, body).map_err(|e| Error::io("write a ledger claim", e))?;
+        Ok(Turn::Mine)
     }
 
     /// This process no longer works on the delivery `key` of `node`
     /// without having answered it (taken back, needing no answer).
     pub fn release(&self, node: &NodeUuid, key: &str) -> Result<()> {
-        let me = self.owner.token();
-        self.update(node, |r| {
-            r.claims.retain(|c| !(c.key == key && c.owner == me))
-        })
+        if is_file_name(key) {
+            let _lock = self.lock(node)?;
+            self.drop_claim(key);
+        }
+        Ok(())
     }
 
-    /// Reads, changes and writes back the node's record under the ledger
-    /// lock, so no update of another process is lost.
+    /// Removes this process's claim on `key`, if it holds one (called under
+    /// the node's lock).
+    fn drop_claim(&self, key: &str) {
+        let path = self.dir.join(CLAIMS_DIR).join(key);
+        if read_claim(&path).is_some_and(|owner| owner == self.owner.token()) {
+            let _ = std::fs::remove_file(&path);
+        }
+    }
+
+    /// Reads, changes and writes back the node's record; the caller holds
+    /// the node's lock, so no update of another process is lost. Synced
+    /// when the record holds a move (see the module's documentation).
     fn update(&self, node: &NodeUuid, change: impl FnOnce(&mut Record)) -> Result<()> {
-        let _lock = self.lock()?;
         let path = self.path(node);
         let mut record = read_record(&path).unwrap_or_default();
         change(&mut record);
         record.trim(now_ms());
         let body = serde_json::to_vec(&record).unwrap_or_default();
-        fsutil::write_file_atomically(&path, &fsutil::temp_path(&path), &body, 0o644)
+        let temp = fsutil::temp_path(&path);
+        if record.moved_ms != 0 {
+            fsutil::write_file_atomically(&path, &temp, &body, 0o644)
+        } else {
+            fsutil::write_file_unsynced(&path, &temp, &body, 0o644)
+        }
     }
 
     /// Keeps `bytes`, the whole delivery `key` this process acknowledged
     /// before answering it, until [`Ledger::unpark`]. Blocking: one small
     /// file written and synced.
     pub fn park(&self, key: &str, bytes: &[u8]) -> Result<()> {
-        if key.len() > MAX_KEY_LEN || !key.bytes().all(|b| b.is_ascii_alphanumeric()) {
+        if !is_file_name(key) {
             return Err(Error::new(
                 crate::error::ErrorCode::Internal,
                 "a delivery key that cannot name a file",
@@ -307,10 +312,13 @@ impl Ledger {
         adopted
     }
 
-    /// Holds the ledger's `flock` until dropped: a new open file each time,
-    /// so it excludes other threads of this process as well.
-    fn lock(&self) -> Result<File> {
-        let path = self.dir.join(".lock");
+    /// Holds the `flock` of `node`'s stripe until dropped: a new open file
+    /// each time, so it excludes other threads of this process as well.
+    fn lock(&self, node: &NodeUuid) -> Result<File> {
+        let stripe = u8::from_str_radix(&node.as_str()[node.as_str().len() - 2..], 16).unwrap_or(0)
+            % LOCK_STRIPES;
+        let dir = self.dir.join(".locks");
+        let path = dir.join(stripe.to_string());
         let open = || {
             std::fs::OpenOptions::new()
                 .create(true)
@@ -320,23 +328,21 @@ impl Ledger {
         };
         let file = match open() {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                fsutil::ensure_dir(&self.dir)?;
+                fsutil::ensure_dir(&dir)?;
                 open()
             }
             other => other,
         }
-        .map_err(|e| Error::io("open the ledger lock", e))?;
+        .map_err(|e| Error::io("open a ledger lock", e))?;
         file.lock().map_err(|e| Error::io("lock the ledger", e))?;
         Ok(file)
     }
 
-    /// Removes records past their TTL and temporaries of writers that died;
-    /// returns how many files went. Blocking.
+    /// Removes records past their TTL, claims of processes that are gone
+    /// and temporaries of writers that died; returns how many files went.
+    /// Blocking.
     pub fn expire(&self) -> usize {
         let Ok(entries) = std::fs::read_dir(&self.dir) else {
-            return 0;
-        };
-        let Ok(_lock) = self.lock() else {
             return 0;
         };
         let now = now_ms();
@@ -345,19 +351,55 @@ impl Ledger {
             let name = entry.file_name().to_string_lossy().into_owned();
             let path = entry.path();
             let gone = if name.starts_with(fsutil::TEMP_PREFIX) {
-                is_older_than(&path, STALE_TEMP_AFTER)
-            } else if name.ends_with(".json") {
+                is_older_than(&path, STALE_TEMP_AFTER) && std::fs::remove_file(&path).is_ok()
+            } else if let Some(stem) = name.strip_suffix(".json") {
+                // A name that is no node's is nobody's to update: no lock.
+                let _lock = match NodeUuid::parse(stem).map(|node| self.lock(&node)) {
+                    Ok(Err(_)) => continue,
+                    Ok(Ok(lock)) => Some(lock),
+                    Err(_) => None,
+                };
                 read_record(&path)
                     .is_none_or(|r| r.newest().saturating_add(TTL.as_millis() as u64) < now)
+                    && std::fs::remove_file(&path).is_ok()
             } else {
                 false
             };
-            if gone && std::fs::remove_file(&path).is_ok() {
-                removed += 1;
-            }
+            removed += usize::from(gone);
         }
+        removed += self.expire_claims();
         self.owner.remove_dead_owners();
         removed + self.expire_parked_temporaries()
+    }
+
+    /// Removes the claims of processes that are gone (each under its node's
+    /// lock, so a claim just made in their place stays).
+    fn expire_claims(&self) -> usize {
+        let dir = self.dir.join(CLAIMS_DIR);
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return 0;
+        };
+        let mut removed = 0;
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let Some(claim) = read_claim_line(&path) else {
+                continue;
+            };
+            let Some(node) = claim
+                .split(' ')
+                .nth(2)
+                .and_then(|n| NodeUuid::parse(n).ok())
+            else {
+                removed += usize::from(std::fs::remove_file(&path).is_ok());
+                continue;
+            };
+            let Ok(_lock) = self.lock(&node) else {
+                continue;
+            };
+            let dead = read_claim(&path).is_some_and(|owner| !self.owner.is_alive(&owner));
+            removed += usize::from(dead && std::fs::remove_file(&path).is_ok());
+        }
+        removed
     }
 
     /// Removes temporaries of parked deliveries whose writer died.
@@ -376,6 +418,24 @@ impl Ledger {
             .filter(|e| std::fs::remove_file(e.path()).is_ok())
             .count()
     }
+}
+
+/// True when `key` can be recorded and name a file: short, alphanumeric.
+fn is_file_name(key: &str) -> bool {
+    !key.is_empty() && key.len() <= MAX_KEY_LEN && key.bytes().all(|b| b.is_ascii_alphanumeric())
+}
+
+/// A claim file's line, `<owner> <at_ms> <node>`; `None` when there is none.
+fn read_claim_line(path: &Path) -> Option<String> {
+    let file = File::open(path).ok()?;
+    let mut line = String::new();
+    file.take(256).read_to_string(&mut line).ok()?;
+    Some(line)
+}
+
+/// The owner of the claim in `path`, if there is one.
+fn read_claim(path: &Path) -> Option<String> {
+    read_claim_line(path)?.split(' ').next().map(str::to_string)
 }
 
 /// A record file's contents; `None` when missing, too large or unreadable.
@@ -414,6 +474,10 @@ mod tests {
         NodeUuid::parse("1be26c0b-03f2-4d2e-ae87-c02d7f33c123").unwrap()
     }
 
+    fn claims(dir: &tempfile::TempDir) -> usize {
+        std::fs::read_dir(dir.path().join("l").join(CLAIMS_DIR)).map_or(0, |d| d.count())
+    }
+
     #[test]
     fn records_moves_and_answers_bounded() {
         let dir = tempfile::tempdir().unwrap();
@@ -436,13 +500,13 @@ mod tests {
         assert!(!r.answered.iter().any(|(k, _)| k == "k0"), "oldest dropped");
         let size = std::fs::metadata(ledger.path(&node())).unwrap().len();
         assert!(size < MAX_RECORD_BYTES, "{size}");
-        // Nothing else in the directory but the record and the lock.
+        // Nothing else in the directory but the record and the locks.
         let mut names: Vec<_> = std::fs::read_dir(dir.path().join("l"))
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())
             .collect();
         names.sort();
-        assert_eq!(names, [".lock".to_string(), format!("{}.json", node())]);
+        assert_eq!(names, [".locks".to_string(), format!("{}.json", node())]);
     }
 
     #[test]
@@ -463,10 +527,7 @@ mod tests {
             Turn::Elsewhere
         );
         first.note_answered(&node(), "k", now).unwrap();
-        assert!(
-            first.read(&node()).claims.is_empty(),
-            "the answer ends the claim"
-        );
+        assert_eq!(claims(&dir), 0, "the answer ends the claim");
         assert_eq!(
             second.claim(&node(), "k", now, true).unwrap(),
             Turn::Answered
@@ -477,7 +538,7 @@ mod tests {
             "sent again on purpose: new work"
         );
         second.release(&node(), "k").unwrap();
-        assert!(second.read(&node()).claims.is_empty());
+        assert_eq!(claims(&dir), 0);
         // A claim of a process that is gone is not honoured.
         second.claim(&node(), "j", now, true).unwrap();
         drop(second);
@@ -514,7 +575,6 @@ mod tests {
         let record = Record {
             moved_ms: old,
             answered: vec![("k".into(), old)],
-            claims: vec![],
         };
         std::fs::write(ledger.path(&node()), serde_json::to_vec(&record).unwrap()).unwrap();
         assert_eq!(ledger.read(&node()), Record::default(), "past the TTL");
