@@ -3,6 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
+use std::sync::Arc;
 
 /// Machine-readable error codes of the completion event. Other programs switch on
 /// these strings, so the list is closed and mirrored in the JSON schema.
@@ -96,16 +97,27 @@ impl fmt::Display for ErrorCode {
 
 /// An error with its wire code and a human message; every fallible step of the
 /// pipeline returns it so that the completion event can always be built.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// The cause it came from, when there is one, stays with it for logs and
+/// for decisions that look at the cause rather than the text (an OS error
+/// number); it is not on the wire.
+#[derive(Debug, Clone)]
 pub struct Error {
     /// The closed-list code published in the completion event.
     pub code: ErrorCode,
     /// A message for the operator (no secrets: URLs are stripped of credentials).
     pub message: String,
-    /// The OS error number of a local I/O failure, so callers can tell a
-    /// condition that goes away (read-only, full) without reading text.
-    pub os_error: Option<i32>,
+    /// What failed underneath (an I/O, HTTP or TLS error).
+    cause: Option<Arc<dyn std::error::Error + Send + Sync>>,
 }
+
+/// Two errors are the same when they say the same on the wire.
+impl PartialEq for Error {
+    fn eq(&self, other: &Error) -> bool {
+        self.code == other.code && self.message == other.message
+    }
+}
+
+impl Eq for Error {}
 
 impl Error {
     /// Builds an error from a code and a message.
@@ -113,8 +125,14 @@ impl Error {
         Error {
             code,
             message: message.into(),
-            os_error: None,
+            cause: None,
         }
+    }
+
+    /// The same error, remembering `cause` as where it came from.
+    pub fn caused_by(mut self, cause: impl std::error::Error + Send + Sync + 'static) -> Self {
+        self.cause = Some(Arc::new(cause));
+        self
     }
 
     /// Wraps a local I/O failure, mapping ENOSPC/EDQUOT to `insufficient_disk_space`.
@@ -124,10 +142,16 @@ impl Error {
             _ if err.kind() == std::io::ErrorKind::StorageFull => ErrorCode::InsufficientDiskSpace,
             _ => ErrorCode::Internal,
         };
-        Error {
-            os_error: err.raw_os_error(),
-            ..Error::new(code, format!("{context}: {err}"))
-        }
+        Error::new(code, format!("{context}: {err}")).caused_by(err)
+    }
+
+    /// The OS error number of a local I/O failure, so callers can tell a
+    /// condition that goes away (read-only, full) without reading text.
+    pub fn os_error(&self) -> Option<i32> {
+        self.cause
+            .as_deref()?
+            .downcast_ref::<std::io::Error>()?
+            .raw_os_error()
     }
 }
 
@@ -137,7 +161,13 @@ impl fmt::Display for Error {
     }
 }
 
-impl std::error::Error for Error {}
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.cause
+            .as_deref()
+            .map(|c| c as &(dyn std::error::Error + 'static))
+    }
+}
 
 /// The error and its causes on one line, `outer: inner: innermost`, for
 /// messages and logs: library errors (reqwest, hyper, lapin, I/O) keep the

@@ -304,7 +304,7 @@ mod tests {
     fn transient_file_system_errors() {
         let io = |errno| {
             let e = crate::error::Error::io("remove x", std::io::Error::from_raw_os_error(errno));
-            e.os_error
+            e.os_error()
         };
         assert!(is_transient_io(io(libc::EROFS)));
         assert!(is_transient_io(io(libc::EIO)));

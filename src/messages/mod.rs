@@ -384,7 +384,7 @@ impl Completion {
             error: Some(ErrorBody {
                 code: err.code,
                 message: err.message.clone(),
-                os_error: err.os_error,
+                os_error: err.os_error(),
             }),
             ..Completion::new(
                 self.action,
