@@ -1,5 +1,6 @@
 //! ironic-image-worker: caches, converts, checksums and serves Ironic
-//! instance images for the `direct` deploy interface, driven by RabbitMQ.
+//! instance images for the `direct` deploy interface, driven by RabbitMQ
+//! or, for an Ironic without a broker, by JSON-RPC.
 //!
 //! # Layout
 //!
@@ -27,9 +28,11 @@
 //!
 //! # How a request flows
 //!
-//! `broker` (or a one-shot command in `cli`) turns a delivery into a
-//! `messages` request and calls the `pipeline`, which knows nothing of AMQP or
-//! HTTP serving: `sources` streams the bytes, attempt by attempt, and the pipeline writes
+//! `broker` (a delivery) or `rpc` (a JSON-RPC call) turns its input into a
+//! `messages` request and hands it to `dispatch`, which keeps each node's
+//! requests in order and calls the `pipeline` (a one-shot command in `cli`
+//! calls the pipeline directly). The pipeline knows nothing of AMQP,
+//! JSON-RPC or HTTP serving: `sources` streams the bytes, attempt by attempt, and the pipeline writes
 //! each attempt through `store`'s sink (written and hashed in one pass,
 //! verified), `image` inspects and, when asked, converts them,
 //! `store` commits the master to the cache and links it for the node, and the

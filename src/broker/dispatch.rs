@@ -21,6 +21,7 @@ use super::publisher::Publisher;
 use crate::dispatch::{Carrier, Deferral, DeliveryKey, Dispatch, Job, Transport};
 use crate::messages::Completion;
 use crate::messages::inbound::{self, Inbound};
+use crate::pipeline::Shelf;
 use futures_util::future::BoxFuture;
 use lapin::Acker;
 use lapin::message::Delivery;
@@ -470,15 +471,21 @@ impl Dispatcher {
     /// acknowledged before answering them (see `parked`): each as a
     /// redelivered copy, so the ledger's claims and answers apply.
     pub(super) async fn resume_parked(self: &Arc<Self>) {
-        for (key, bytes) in self.work.pipeline().adopt_parked().await {
+        for (key, bytes) in self.work.pipeline().adopt_parked(&Shelf::broker()).await {
             let Some((parked, body)) = Parked::from_bytes(&bytes) else {
                 tracing::warn!(key, "an unreadable parked delivery: dropped");
-                self.work.pipeline().unpark_delivery(&key).await;
+                self.work
+                    .pipeline()
+                    .unpark_delivery(&Shelf::broker(), &key)
+                    .await;
                 continue;
             };
             let (inbound, source) = self.read(&body, &parked.exchange);
             let Inbound::Work(mut request) = inbound else {
-                self.work.pipeline().unpark_delivery(&key).await;
+                self.work
+                    .pipeline()
+                    .unpark_delivery(&Shelf::broker(), &key)
+                    .await;
                 continue;
             };
             request.issued_ms.get_or_insert(parked.issued_ms);
@@ -527,7 +534,7 @@ impl Dispatcher {
         };
         let pipeline = self.work.pipeline();
         match pipeline
-            .park_delivery(&job.identity, parked.to_bytes())
+            .park_delivery(&Shelf::broker(), &job.identity, parked.to_bytes())
             .await
         {
             Ok(()) => true,
@@ -618,7 +625,10 @@ impl Dispatcher {
         let settled = match tracked.finish() {
             Err(acked_early) => {
                 if acked_early {
-                    self.work.pipeline().unpark_delivery(identity).await;
+                    self.work
+                        .pipeline()
+                        .unpark_delivery(&Shelf::broker(), identity)
+                        .await;
                 }
                 acked_early
             }

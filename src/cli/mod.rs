@@ -5,9 +5,10 @@
 //! # This folder
 //!
 //! Holds argument parsing, the one-shot commands (which call the pipeline
-//! directly), `cache list/clean`, `inspect`, and `send` (publish one command
-//! through the broker and wait for its completion). Must not know how the
-//! pipeline does its work.
+//! directly), `cache list/clean`, `inspect`, `send` (publish one command
+//! through the broker and wait for its completion) and `configuration`
+//! (which files a command reads; `config check` and `config show`). Must
+//! not know how the pipeline does its work.
 
 pub(crate) mod configuration;
 pub(crate) mod send;

@@ -15,12 +15,14 @@
 //! One file per section, its fields, their defaults and the checks of that
 //! section side by side (`default.rs` is `[DEFAULT]`, then `agent`,
 //! `deploy`, `pxe`, `conductor`, `amqp`, `http`, `metrics`, `source`,
-//! `convert`, `cache`, `glance`, `notifications`, `oci`, `peers`, `log`); the
-//! [`Config`] that holds them and the checks across sections (this file).
-//! The layers and the source of every value (`layers`), turning the layers'
-//! values into the typed sections (`value`), problems that name an option
-//! and its source (`check`), and reading an existing ironic.conf
-//! (`ironic_conf`). Must not know anything else of the worker.
+//! `convert`, `cache`, `glance`, `notifications`, `oci`, `peers`,
+//! `json_rpc`, `log`); the [`Config`] that holds them and the checks across
+//! sections (this file). The layers and the source of every value
+//! (`layers`), turning the layers' values into the typed sections
+//! (`value`), problems that name an option and its source (`check`), the
+//! directories the worker writes checked at start (`dirs`), `config show`
+//! (`show`), and reading an existing ironic.conf (`ironic_conf`). Must not
+//! know anything else of the worker.
 //!
 //! A new option is a field of its section (with its default in the
 //! section's `Default`, a check in its `check` when it needs one) and a

@@ -46,6 +46,18 @@ impl AnswerKey {
             request_id: id.to_string(),
         })
     }
+
+    /// The key as a name a file may carry: the hex SHA-256 of its parts.
+    pub(crate) fn digest(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let text = format!(
+            "{}\n{}\n{}",
+            self.action.as_str(),
+            self.node,
+            self.request_id
+        );
+        hex::encode(Sha256::digest(text.as_bytes()))
+    }
 }
 
 /// What is known of a request.

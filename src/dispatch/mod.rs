@@ -26,6 +26,8 @@
 pub(crate) mod answers;
 mod work;
 
+/// Where a transport keeps the work it accepted before answering it.
+pub(crate) use crate::pipeline::Shelf;
 pub(crate) use answers::{AnswerKey, Answers, Lookup};
 
 use crate::messages::{Action, Completion, Request};

@@ -15,7 +15,8 @@
 //! HTTP Basic authentication (`auth`), the access log (`access`), and the
 //! peer listener that serves
 //! masters to the other workers on URLs signed with their shared secret
-//! (`peers`). Must not know the broker or the
+//! (`peers`), a master still being written included (`live`). Must not
+//! know the broker or the
 //! pipeline's internals.
 
 pub mod access;

@@ -256,7 +256,7 @@ pub async fn check_qcow2_tables_blocking(
 }
 
 /// [`safety_check`] on a blocking thread (it reads the image's tables).
-pub async fn safety_check_blocking(
+pub async fn spawn_safety_check(
     path: &Path,
     found: &Inspection,
     limits: qcow2::Limits,

@@ -5,7 +5,7 @@
 //! # This folder
 //!
 //! Holds the request and completion types (`request` and this file) and the
-//! parsing of inbound messages into requests (`inbound/`: telling the kinds
+//! parsing of inbound messages into requests (`inbound`: telling the kinds
 //! apart in `mod.rs`, commands in `command`, Ironic notifications in
 //! `notification`). Must not know AMQP channels or files.
 

@@ -27,15 +27,14 @@ impl Pipeline {
         let found = inspect::inspect_file(temp)?;
         self.check_declared_format(found.format, job.info)?;
         let qcow2 =
-            inspect::safety_check_blocking(temp, &found, self.config.convert.qcow2_limits())
-                .await?;
+            inspect::spawn_safety_check(temp, &found, self.config.convert.qcow2_limits()).await?;
         Ok((found, qcow2))
     }
 
     /// The detected format must be the declared one and permitted, unless
     /// `[conductor]disable_deep_image_inspection` is set: then, as in
     /// Ironic, the detected format is only what decides the conversion
-    /// (the structural checks of `inspect::safety_check_blocking` stay).
+    /// (the structural checks of `inspect::spawn_safety_check` stay).
     pub(super) fn check_declared_format(
         &self,
         format: inspect::Format,

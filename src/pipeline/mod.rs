@@ -52,7 +52,7 @@ mod validated;
 mod verdict;
 mod warm;
 
-pub use crate::store::ledger::Turn;
+pub use crate::store::ledger::{Shelf, Turn};
 
 /// Everything needed to serve nodes on this conductor host.
 pub struct Pipeline {

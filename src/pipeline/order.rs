@@ -14,7 +14,7 @@
 //! refused too. The same record keeps the deliveries answered, so that a
 //! copy redelivered to any process of the host is not answered twice.
 
-use super::{Pipeline, Request, Turn, blocking};
+use super::{Pipeline, Request, Shelf, Turn, blocking};
 use crate::error::{Error, ErrorCode, Result};
 use crate::node::NodeUuid;
 use crate::store::ledger::{self, now_ms};
@@ -119,29 +119,29 @@ impl Pipeline {
             })
     }
 
-    /// Keeps the whole delivery `key` (`bytes`, the transport's) until it
-    /// is answered: it was acknowledged before its answer, so after a
+    /// Keeps the whole delivery `key` (`bytes`, the transport's) on `shelf`
+    /// until it is answered: it was accepted before its answer, so after a
     /// crash only this record can bring it back.
-    pub async fn park_delivery(&self, key: &str, bytes: Vec<u8>) -> Result<()> {
-        let (ledger, key) = (self.ledger.clone(), key.to_string());
-        blocking(move || ledger.park(&key, &bytes)).await
+    pub async fn park_delivery(&self, shelf: &Shelf, key: &str, bytes: Vec<u8>) -> Result<()> {
+        let (ledger, shelf, key) = (self.ledger.clone(), shelf.clone(), key.to_string());
+        blocking(move || ledger.park(&shelf, &key, &bytes)).await
     }
 
-    /// The parked delivery `key` was answered.
-    pub async fn unpark_delivery(&self, key: &str) {
-        let (ledger, key) = (self.ledger.clone(), key.to_string());
+    /// The delivery `key` parked on `shelf` was answered.
+    pub async fn unpark_delivery(&self, shelf: &Shelf, key: &str) {
+        let (ledger, shelf, key) = (self.ledger.clone(), shelf.clone(), key.to_string());
         let _ = blocking(move || {
-            ledger.unpark(&key);
+            ledger.unpark(&shelf, &key);
             Ok(())
         })
         .await;
     }
 
-    /// The deliveries parked by processes of the host that are gone, now
-    /// this process's to run: their key and bytes.
-    pub async fn adopt_parked(&self) -> Vec<(String, Vec<u8>)> {
-        let ledger = self.ledger.clone();
-        blocking(move || Ok(ledger.adopt_parked()))
+    /// The deliveries parked on `shelf` by processes of the host that are
+    /// gone, now this process's to run: their key and bytes.
+    pub async fn adopt_parked(&self, shelf: &Shelf) -> Vec<(String, Vec<u8>)> {
+        let (ledger, shelf) = (self.ledger.clone(), shelf.clone());
+        blocking(move || Ok(ledger.adopt_parked(&shelf)))
             .await
             .unwrap_or_default()
     }

@@ -23,7 +23,7 @@ pub(crate) mod htpasswd;
 mod protocol;
 
 use crate::dispatch::{
-    AnswerKey, Carrier, Deferral, DeliveryKey, Dispatch, Job, Lookup, Transport,
+    AnswerKey, Carrier, Deferral, DeliveryKey, Dispatch, Job, Lookup, Shelf, Transport,
 };
 use crate::http::Limits;
 use crate::messages::inbound::{self, Inbound};
@@ -60,6 +60,8 @@ pub(crate) struct RpcServer {
 struct RpcState {
     server: RpcServer,
     host: String,
+    /// Where this port's casts are kept until answered.
+    shelf: Shelf,
     /// Requests queued or running at once (each job holds one until it
     /// ends): a caller beyond it is told the worker is busy.
     in_flight: Arc<tokio::sync::Semaphore>,
@@ -79,8 +81,10 @@ pub(crate) async fn serve(
     let state = Arc::new(RpcState {
         server,
         host,
+        shelf: Shelf::json_rpc(listener.local_addr()?.port()),
         in_flight: Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT)),
     });
+    state.resume_parked().await;
     let app = axum::Router::new().fallback(handle).with_state(state);
     let listener = crate::http::listener::Listener { listener, tls };
     crate::http::listener::serve(listener, app, limits, None, shutdown).await
@@ -151,7 +155,9 @@ impl RpcState {
     /// missing, is the context's, else the call's id, else a new one.
     async fn command(&self, envelope: Envelope) -> Result<Value, Value> {
         let is_call = envelope.id.is_some();
-        let request = match self.request(envelope) {
+        let body = command_body(envelope);
+        let issued_ms = now_ms();
+        let request = match self.request(&body, issued_ms) {
             Ok(r) => r,
             Err(done) => return Err(protocol::completion_error(&done)),
         };
@@ -166,9 +172,18 @@ impl RpcState {
                     &format!("{MAX_IN_FLIGHT} requests under way: try again later"),
                 ));
             };
+            // A cast's sender asks for its answer later, maybe of this
+            // port after a restart: it is kept until answered.
+            let parked = match is_call {
+                true => None,
+                false => self.park(&key, &body, issued_ms).await,
+            };
             self.server.work.submit(Job {
                 request,
-                carrier: Box::new(Caller { _slot: slot }),
+                carrier: Box::new(Caller {
+                    _slot: slot,
+                    parked,
+                }),
             });
         }
         if !is_call {
@@ -177,31 +192,12 @@ impl RpcState {
         answer(self.wait(&key).await)
     }
 
-    /// The params as a command, or the error completion of one that does
-    /// not read.
-    fn request(&self, envelope: Envelope) -> Result<Request, Box<Completion>> {
-        let Envelope {
-            id,
-            method,
-            mut params,
-            context,
-        } = envelope;
-        if !params.contains_key("request_id") {
-            let from_context = context
-                .as_ref()
-                .and_then(|c| c.get("request_id"))
-                .filter(|v| v.is_string())
-                .cloned();
-            let fallback = from_context
-                .or(id.filter(|v| v.is_string()))
-                .unwrap_or_else(|| Value::String(uuid::Uuid::new_v4().to_string()));
-            params.insert("request_id".into(), fallback);
-        }
-        params.insert("action".into(), Value::String(method));
-        let body = serde_json::to_vec(&params).unwrap_or_default();
-        match inbound::parse_command(&body, &self.host) {
+    /// The command `body` as a request issued at `issued_ms`, or the error
+    /// completion of one that does not read.
+    fn request(&self, body: &[u8], issued_ms: u64) -> Result<Request, Box<Completion>> {
+        match inbound::parse_command(body, &self.host) {
             Inbound::Work(mut request) => {
-                request.issued_ms = Some(now_ms());
+                request.issued_ms = Some(issued_ms);
                 Ok(*request)
             }
             Inbound::Invalid(done) => Err(done),
@@ -213,6 +209,69 @@ impl RpcState {
                     ),
                 ),
             )),
+        }
+    }
+
+    /// Keeps a cast accepted (its command `body`) on this port's shelf until
+    /// its job ends; `None` (with a warning) when it cannot be kept: the
+    /// work still runs, but would not outlive this process.
+    async fn park(&self, key: &AnswerKey, body: &[u8], issued_ms: u64) -> Option<Parked> {
+        let record = json!({"body": String::from_utf8_lossy(body), "issued_ms": issued_ms});
+        let parked = Parked {
+            work: self.server.work.clone(),
+            shelf: self.shelf.clone(),
+            key: key.digest(),
+        };
+        let pipeline = self.server.work.pipeline();
+        match pipeline
+            .park_delivery(&parked.shelf, &parked.key, record.to_string().into_bytes())
+            .await
+        {
+            Ok(()) => Some(parked),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not keep a JSON-RPC cast until its answer");
+                None
+            }
+        }
+    }
+
+    /// Runs again the casts of this port that a process now gone accepted
+    /// and did not answer (it was stopped or killed meanwhile): their
+    /// senders ask this port for the answer.
+    async fn resume_parked(&self) {
+        let pipeline = self.server.work.pipeline();
+        for (key, bytes) in pipeline.adopt_parked(&self.shelf).await {
+            let record: Option<(String, u64)> = serde_json::from_slice::<Value>(&bytes)
+                .ok()
+                .and_then(|v| Some((v["body"].as_str()?.to_string(), v["issued_ms"].as_u64()?)));
+            let request = record.and_then(|(body, at)| self.request(body.as_bytes(), at).ok());
+            let (Some(request), Ok(slot)) = (request, self.in_flight.clone().try_acquire_owned())
+            else {
+                tracing::warn!(
+                    key,
+                    "an unreadable JSON-RPC cast kept from a process now gone: dropped"
+                );
+                pipeline.unpark_delivery(&self.shelf, &key).await;
+                continue;
+            };
+            tracing::info!(
+                node = %request.node_uuid,
+                request_id = request.request_id.as_deref().unwrap_or(""),
+                action = request.action.as_str(),
+                "running again a JSON-RPC cast accepted by a process now gone"
+            );
+            let parked = Parked {
+                work: self.server.work.clone(),
+                shelf: self.shelf.clone(),
+                key,
+            };
+            self.server.work.submit(Job {
+                request,
+                carrier: Box::new(Caller {
+                    _slot: slot,
+                    parked: Some(parked),
+                }),
+            });
         }
     }
 
@@ -307,12 +366,54 @@ fn refused(refusal: Refusal) -> Response {
     r
 }
 
+/// The params of a call as a command body: `action` set to the method; its
+/// `request_id`, when missing, is the context's, else the call's id, else a
+/// new one.
+fn command_body(envelope: Envelope) -> Vec<u8> {
+    let Envelope {
+        id,
+        method,
+        mut params,
+        context,
+    } = envelope;
+    if !params.contains_key("request_id") {
+        let from_context = context
+            .as_ref()
+            .and_then(|c| c.get("request_id"))
+            .filter(|v| v.is_string())
+            .cloned();
+        let fallback = from_context
+            .or(id.filter(|v| v.is_string()))
+            .unwrap_or_else(|| Value::String(uuid::Uuid::new_v4().to_string()));
+        params.insert("request_id".into(), fallback);
+    }
+    params.insert("action".into(), Value::String(method));
+    serde_json::to_vec(&params).unwrap_or_default()
+}
+
 /// A JSON-RPC request's side of its job: the answer is what the shared
 /// dispatch records (the caller reads it there); nothing to settle, no
 /// copy to put back, no deadline of its own. Holds its place among the
-/// requests in flight until the job ends.
+/// requests in flight until the job ends, and a cast's record until then.
 struct Caller {
     _slot: tokio::sync::OwnedSemaphorePermit,
+    parked: Option<Parked>,
+}
+
+/// A cast kept on its port's shelf (`store::ledger`) until its job ends.
+struct Parked {
+    work: Arc<Dispatch>,
+    shelf: Shelf,
+    key: String,
+}
+
+impl Caller {
+    /// The job ended: its record, if any, is no longer needed.
+    async fn forget(&self) {
+        if let Some(p) = &self.parked {
+            p.work.pipeline().unpark_delivery(&p.shelf, &p.key).await;
+        }
+    }
 }
 
 impl Carrier for Caller {
@@ -345,11 +446,11 @@ impl Carrier for Caller {
     }
 
     fn finish(&self) -> BoxFuture<'_, ()> {
-        Box::pin(async {})
+        Box::pin(self.forget())
     }
 
     fn unanswered(&self, _why: &'static str) -> BoxFuture<'_, ()> {
-        Box::pin(async {})
+        Box::pin(self.forget())
     }
 }
 

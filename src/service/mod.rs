@@ -5,7 +5,7 @@
 //!
 //! Holds `serve` (starts the image server, the operations listener, the
 //! broker consumer and housekeeping; stops them on SIGTERM) and systemd
-//! readiness. Must not know the pipeline's internals.
+//! readiness (`sd_notify`). Must not know the pipeline's internals.
 
 pub(crate) mod sd_notify;
 

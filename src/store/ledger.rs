@@ -21,11 +21,13 @@
 //!   not honoured. A claim is a small file of its own
 //!   (`.ledger/claims/<key>`), created and removed, never synced: it counts
 //!   only while its process lives, which a crash of the host ends anyway;
-//! * the deliveries acknowledged before their answer (a prepare moved to
-//!   the slow lane): the broker holds no copy of them any more, so each is
-//!   kept whole (opaque bytes the transport writes) in
-//!   `.ledger/accepted/<key>.<owner>` until answered, and a process finds
-//!   those of a process that died and runs them again ([`Ledger::adopt_parked`]).
+//! * the work accepted before its answer (a prepare moved to the slow lane
+//!   and acknowledged to the broker, a JSON-RPC cast): nobody else holds a
+//!   copy of it, so each is kept whole (opaque bytes the transport writes)
+//!   on its transport's [`Shelf`], `.ledger/accepted/<key>.<owner>` or
+//!   `.ledger/accepted-json-rpc-<port>/<key>.<owner>`, until answered, and
+//!   a process finds those of a process that died and runs them again
+//!   ([`Ledger::adopt_parked`]).
 //!
 //! `<images_path>/.ledger/<node>.json`, replaced atomically (temporary and
 //! rename) under a short `flock` of the node's stripe (`.ledger/.locks/<n>`,
@@ -63,8 +65,24 @@ const MAX_KEY_LEN: usize = 64;
 /// A record file larger than this is not read (it cannot be one of ours).
 pub const MAX_RECORD_BYTES: u64 = 16 << 10;
 
-/// The directory of the deliveries acknowledged before their answer.
-const PARKED_DIR: &str = "accepted";
+/// Where a transport keeps the work it accepted before answering it: the
+/// broker's early-acknowledged deliveries, or the JSON-RPC casts of one
+/// listening port (only a process on that port is asked for their answer,
+/// so only it may run them again).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Shelf(String);
+
+impl Shelf {
+    /// The broker's: deliveries acknowledged before their answer.
+    pub fn broker() -> Shelf {
+        Shelf("accepted".into())
+    }
+
+    /// The JSON-RPC listener's on `port`: casts not answered yet.
+    pub fn json_rpc(port: u16) -> Shelf {
+        Shelf(format!("accepted-json-rpc-{port}"))
+    }
+}
 
 /// The directory of the claims, a file per delivery key.
 const CLAIMS_DIR: &str = "claims";
@@ -202,10 +220,10 @@ impl Ledger {
             return Ok(Turn::Answered);
         }
         let path = self.dir.join(CLAIMS_DIR).join(key);
-        if let Some(owner) = read_claim(&path) {
-            if self.owner.is_alive(&owner) && owner != self.owner.token() {
-                return Ok(Turn::Elsewhere);
-            }
+        let elsewhere = read_claim(&path)
+            .is_some_and(|owner| owner != self.owner.token() && self.owner.is_alive(&owner));
+        if elsewhere {
+            return Ok(Turn::Elsewhere);
         }
         fsutil::ensure_dir(&self.dir.join(CLAIMS_DIR))?;
         let body = format!("{} {at_ms} {node}", self.owner.token());
@@ -249,10 +267,10 @@ impl Ledger {
         }
     }
 
-    /// Keeps `bytes`, the whole delivery `key` this process acknowledged
-    /// before answering it, until [`Ledger::unpark`]. Blocking: one small
-    /// file written and synced.
-    pub fn park(&self, key: &str, bytes: &[u8]) -> Result<()> {
+    /// Keeps `bytes`, the whole delivery `key` this process accepted
+    /// before answering it, on `shelf` until [`Ledger::unpark`]. Blocking:
+    /// one small file written and synced.
+    pub fn park(&self, shelf: &Shelf, key: &str, bytes: &[u8]) -> Result<()> {
         if !is_file_name(key) {
             return Err(Error::new(
                 crate::error::ErrorCode::Internal,
@@ -260,23 +278,24 @@ impl Ledger {
             ));
         }
         self.owner.register()?;
-        let dir = self.dir.join(PARKED_DIR);
+        let dir = self.dir.join(&shelf.0);
         fsutil::ensure_dir(&dir)?;
         let path = dir.join(format!("{key}.{}", self.owner.token()));
         fsutil::write_file_atomically(&path, &fsutil::temp_path(&path), bytes, 0o600)
     }
 
-    /// The delivery `key` this process parked was answered: forgotten.
-    pub fn unpark(&self, key: &str) {
+    /// The delivery `key` this process parked on `shelf` was answered:
+    /// forgotten.
+    pub fn unpark(&self, shelf: &Shelf, key: &str) {
         let name = format!("{key}.{}", self.owner.token());
-        let _ = std::fs::remove_file(self.dir.join(PARKED_DIR).join(name));
+        let _ = std::fs::remove_file(self.dir.join(&shelf.0).join(name));
     }
 
     /// The deliveries parked by processes that are gone, taken over by this
     /// one (renamed to its token, so one process alone takes each): their
     /// key and bytes. Those past [`TTL`] are removed instead. Blocking.
-    pub fn adopt_parked(&self) -> Vec<(String, Vec<u8>)> {
-        let dir = self.dir.join(PARKED_DIR);
+    pub fn adopt_parked(&self, shelf: &Shelf) -> Vec<(String, Vec<u8>)> {
+        let dir = self.dir.join(&shelf.0);
         let Ok(entries) = std::fs::read_dir(&dir) else {
             return Vec::new();
         };
@@ -369,7 +388,7 @@ impl Ledger {
         }
         removed += self.expire_claims();
         self.owner.remove_dead_owners();
-        removed + self.expire_parked_temporaries()
+        removed + self.expire_parked()
     }
 
     /// Removes the claims of processes that are gone (each under its node's
@@ -402,21 +421,33 @@ impl Ledger {
         removed
     }
 
-    /// Removes temporaries of parked deliveries whose writer died.
-    fn expire_parked_temporaries(&self) -> usize {
-        let Ok(entries) = std::fs::read_dir(self.dir.join(PARKED_DIR)) else {
+    /// Removes, on every shelf, temporaries of parked deliveries whose
+    /// writer died and records past [`TTL`] whose process is gone (a port
+    /// nobody listens on any more leaves its shelf to this).
+    fn expire_parked(&self) -> usize {
+        let Ok(shelves) = std::fs::read_dir(&self.dir) else {
             return 0;
         };
-        entries
-            .flatten()
-            .filter(|e| {
-                e.file_name()
-                    .to_string_lossy()
-                    .starts_with(fsutil::TEMP_PREFIX)
-            })
-            .filter(|e| is_older_than(&e.path(), STALE_TEMP_AFTER))
-            .filter(|e| std::fs::remove_file(e.path()).is_ok())
-            .count()
+        let mut removed = 0;
+        for shelf in shelves.flatten() {
+            if !shelf.file_name().to_string_lossy().starts_with("accepted") {
+                continue;
+            }
+            let Ok(entries) = std::fs::read_dir(shelf.path()) else {
+                continue;
+            };
+            for entry in entries.flatten() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                let gone = if name.starts_with(fsutil::TEMP_PREFIX) {
+                    is_older_than(&entry.path(), STALE_TEMP_AFTER)
+                } else {
+                    let owner = name.split_once('.').map_or("", |(_, o)| o);
+                    is_older_than(&entry.path(), TTL) && !self.owner.is_alive(owner)
+                };
+                removed += usize::from(gone && std::fs::remove_file(entry.path()).is_ok());
+            }
+        }
+        removed
     }
 }
 
@@ -551,20 +582,30 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let first = Ledger::open(dir.path().join("l")).unwrap();
         let second = Ledger::open(dir.path().join("l")).unwrap();
-        first.park("k1", b"one").unwrap();
-        first.park("k2", b"two").unwrap();
-        first.unpark("k2");
-        assert!(second.adopt_parked().is_empty(), "its process lives");
+        let shelf = Shelf::broker();
+        first.park(&shelf, "k1", b"one").unwrap();
+        first.park(&shelf, "k2", b"two").unwrap();
+        first.park(&Shelf::json_rpc(6189), "k3", b"three").unwrap();
+        first.unpark(&shelf, "k2");
+        assert!(second.adopt_parked(&shelf).is_empty(), "its process lives");
         drop(first);
         assert_eq!(
-            second.adopt_parked(),
+            second.adopt_parked(&shelf),
             vec![("k1".to_string(), b"one".to_vec())]
         );
         let third = Ledger::open(dir.path().join("l")).unwrap();
-        assert!(third.adopt_parked().is_empty(), "taken by the second");
-        second.unpark("k1");
+        assert!(third.adopt_parked(&shelf).is_empty(), "taken by the second");
+        assert!(
+            third.adopt_parked(&Shelf::json_rpc(6190)).is_empty(),
+            "another port's shelf"
+        );
+        assert_eq!(
+            third.adopt_parked(&Shelf::json_rpc(6189)),
+            vec![("k3".to_string(), b"three".to_vec())]
+        );
+        second.unpark(&shelf, "k1");
         drop(second);
-        assert!(third.adopt_parked().is_empty(), "answered: gone");
+        assert!(third.adopt_parked(&shelf).is_empty(), "answered: gone");
     }
 
     #[test]

@@ -10,6 +10,9 @@ use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+/// How long a step of a test may take on a loaded machine.
+const WAIT: Duration = Duration::from_secs(90);
+
 /// A worker environment with no broker and JSON-RPC on a port of its own;
 /// `extra` goes into `[json_rpc]`.
 fn env_without_broker(extra: &str) -> (Env, u16) {
@@ -286,4 +289,61 @@ async fn http_basic_from_htpasswd_over_tls() {
     );
     let after = ironic_client(port, &with("ironic", "n3w"), &[status()]).await;
     assert_eq!(after[0]["result"]["status"], "unknown");
+}
+
+/// A cast (Ironic's `send` of a prepare) accepted by a worker that is then
+/// killed mid-download is run again by the worker that next listens on
+/// that port: `status` there gives its answer, and its record goes once
+/// answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cast_outlives_its_worker_killed_mid_download() {
+    let (env, port) = env_without_broker("");
+    let src = env.root().join("src");
+    random_file(&src.join("slow.img"), 2 << 20, 68);
+    // 256 KiB/s: some 8 s of download.
+    let faults = FaultServer::start(&src, 256 << 10).await;
+    let first = env.serve().await;
+    let x = node();
+    let url = format!("http://127.0.0.1:{port}/");
+    let cast = json!({"jsonrpc": "2.0", "method": "prepare",
+                      "params": {"node_uuid": x, "request_id": "r1",
+                                 "instance_info": {"image_source": faults.url("slow", "slow.img")}}});
+    let r = reqwest::Client::new()
+        .post(&url)
+        .json(&cast)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 204);
+    let started = std::time::Instant::now();
+    while faults.count("slow", "slow.img") == 0 {
+        assert!(started.elapsed() < WAIT, "the prepare starts");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    first.kill9().await;
+    let _worker = env.serve().await;
+    let status = json!({"jsonrpc": "2.0", "id": 1, "method": "status",
+                        "params": {"node_uuid": x, "request_id": "r1"}});
+    let started = std::time::Instant::now();
+    let known = loop {
+        let known = post(&url, &status).await.1["result"].clone();
+        if known["status"] != "in_progress" {
+            break known;
+        }
+        assert!(started.elapsed() < WAIT * 2, "answered after the restart");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(known["status"], "success", "{known}");
+    assert!(
+        env.link_dir().join(&x).symlink_metadata().is_ok(),
+        "the node's image is published"
+    );
+    let shelf = env
+        .images_dir()
+        .join(format!(".ledger/accepted-json-rpc-{port}"));
+    let started = std::time::Instant::now();
+    while !list_visible(&shelf).is_empty() {
+        assert!(started.elapsed() < WAIT, "answered: its record goes");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
