@@ -135,6 +135,11 @@ impl Decoders {
         self.pending.len() >= self.window
     }
 
+    /// True while more than half the window is in flight.
+    pub(crate) fn over_half(&self) -> bool {
+        self.pending.len() > self.window / 2
+    }
+
     /// Buffers for the next cluster, its stream `len` bytes of zeros.
     fn buffers(&mut self, len: usize) -> Buffers {
         let mut bufs = self.spare.pop().unwrap_or_else(|| Buffers {
@@ -310,8 +315,16 @@ impl<'a> Output<'a> {
         (at, len): (u64, u64),
         end: u64,
     ) -> Result<()> {
-        while self.decoders.as_ref().is_some_and(Decoders::full) {
-            self.write_next(true).await?;
+        if self.decoders.as_ref().is_some_and(Decoders::full) {
+            // Half the window is taken back before more is handed out: the
+            // converter's thread and the decoders then wake each other once
+            // per half window, not once per cluster (on a busy machine each
+            // wake-up waits for a time slice).
+            while self.decoders.as_ref().is_some_and(Decoders::over_half) {
+                if !self.write_next(true).await? {
+                    break;
+                }
+            }
         }
         let decoders = match &mut self.decoders {
             Some(d) => d,
