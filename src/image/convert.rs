@@ -5,21 +5,23 @@
 //! process of our own binary (`convert-child`) under an address-space limit
 //! and a timeout: a panic, crash or runaway on a hostile image becomes
 //! `corrupt_image` for that request while the worker keeps serving. The
-//! child writes holes for zero clusters and computes MD5/SHA-256 of the raw
-//! output as it writes it. Other formats (and qcow2 images with extended L2
+//! child decodes compressed clusters on every core (`clusters`), writes
+//! holes for zero clusters and computes MD5/SHA-256 of the raw output as it
+//! writes it, in guest order. Other formats (and qcow2 images with extended L2
 //! entries) go through `qemu-img convert` with the source format always
 //! explicit.
 
 use crate::error::{Error, ErrorCode, Result};
-use crate::image::inflate::Inflater;
+use crate::image::clusters::Output;
+use crate::image::growing::GrowingFile;
 use crate::image::inspect::{Format, Inspection};
 use crate::image::qcow2;
 use crate::image::reclaim::Reclaimer;
+use crate::image::reports::{ChildReport, report};
 /// Which digests a conversion computes; named here for the converter
 /// child's command line, which knows the image layer and not the store.
 pub use crate::store::sink::Served;
 use crate::store::sink::{CHUNK, Digests, Pace, Sink};
-use serde::{Deserialize, Serialize};
 use std::io::Read;
 use std::path::Path;
 use std::process::Stdio;
@@ -46,34 +48,6 @@ impl Limits {
 /// counts whole 512-byte sectors and drops a partial last one.
 pub fn raw_size(virtual_size: u64) -> u64 {
     virtual_size / 512 * 512
-}
-
-/// What the child reports on stdout, one JSON object per line: progress
-/// now and then (and, converting a download, where it reads), then the
-/// result.
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(untagged)]
-enum ChildReport {
-    Progress {
-        progress: u64,
-    },
-    /// Bytes of the source read so far (a download being converted).
-    Source {
-        source: u64,
-    },
-    /// Waiting for source bytes not yet downloaded.
-    Waiting {
-        waiting: u64,
-    },
-    Failed {
-        code: ErrorCode,
-        message: String,
-        /// The source was partly given back (see `reclaim`): converting
-        /// it again cannot work.
-        #[serde(default)]
-        conclusive: bool,
-    },
-    Done(Digests),
 }
 
 /// Converts `src` (already safety-checked, format `found`) to raw at the new
@@ -621,11 +595,6 @@ impl Map {
     }
 }
 
-/// One report line of the child on stdout.
-fn report(r: &ChildReport) {
-    println!("{}", serde_json::to_string(r).unwrap_or_default());
-}
-
 fn current_thread() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -633,98 +602,12 @@ fn current_thread() -> Result<tokio::runtime::Runtime> {
         .map_err(|e| Error::io("converter runtime", e))
 }
 
-/// A qcow2 file still being written by the download: reads wait until the
-/// file covers them (or reaches `total`), and fail if the file was unlinked
-/// (the download failed or restarted on a new file).
-struct GrowingFile {
-    file: std::fs::File,
-    total: u64,
-    /// Still being downloaded: where it is read and waited on is reported
-    /// (see [`Pace`]).
-    grows: bool,
-    /// The furthest offset read so far.
-    read_to: std::sync::atomic::AtomicU64,
-}
-
-impl GrowingFile {
-    fn new(file: std::fs::File, total: u64, grows: bool) -> GrowingFile {
-        GrowingFile {
-            file,
-            total,
-            grows,
-            read_to: std::sync::atomic::AtomicU64::new(0),
-        }
-    }
-
-    /// Notes that the file was read up to `end`, reporting every 4 MiB of
-    /// progress while it is being downloaded.
-    fn note_read(&self, end: u64) {
-        use std::sync::atomic::Ordering;
-        let before = self.read_to.fetch_max(end, Ordering::Relaxed);
-        if self.grows && end > before && end >> 22 != before >> 22 {
-            report(&ChildReport::Source { source: end });
-        }
-    }
-
-    /// Reads at `offset` once the file covers the range (or reached
-    /// `total`); fails if the file was unlinked meanwhile. Returns the bytes
-    /// read (short only at the end of the file).
-    fn wait_read(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<usize> {
-        use std::os::unix::fs::FileExt;
-        self.wait_covered(offset.saturating_add(buf.len() as u64))?;
-        let mut done = 0;
-        while done < buf.len() {
-            match self.file.read_at(&mut buf[done..], offset + done as u64)? {
-                0 => break,
-                n => done += n,
-            }
-        }
-        self.note_read(offset + done as u64);
-        Ok(done)
-    }
-
-    /// Waits until the file covers `[0, end)` (or reached `total`); fails if
-    /// it was unlinked meanwhile. Tells once that it waits.
-    fn wait_covered(&self, end: u64) -> std::io::Result<()> {
-        use std::os::unix::fs::MetadataExt;
-        let want = end.min(self.total);
-        let mut told = !self.grows;
-        loop {
-            let meta = self.file.metadata()?;
-            if meta.len() >= want {
-                return Ok(());
-            }
-            if meta.nlink() == 0 {
-                return Err(std::io::Error::other(
-                    "the image being downloaded was removed",
-                ));
-            }
-            if !std::mem::replace(&mut told, true) {
-                report(&ChildReport::Waiting { waiting: want });
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
-    }
-
-    /// [`GrowingFile::wait_read`] of exactly `buf.len()` bytes.
-    fn read_waiting(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
-        match self.wait_read(offset, buf) {
-            Ok(n) if n == buf.len() => Ok(()),
-            Ok(_) => Err(Error::new(
-                ErrorCode::CorruptImage,
-                "qcow2: a table lies past the end of the file",
-            )),
-            Err(e) => Err(Error::io("read qcow2 table", e)),
-        }
-    }
-}
-
 /// Writes the virtual disk of the image in order into the new raw file
 /// `dst`, hashing it on the way: ranges that `map` shows hold no data
 /// become holes (hashed as zeros) without being read; standard clusters are
 /// read straight into the output chunks (host-contiguous runs in one read),
-/// compressed clusters decoded as qemu decodes them. Data read from the
-/// source is given back by `reclaim`.
+/// compressed clusters decoded as qemu decodes them, on every core (see
+/// `clusters`). Data read from the source is given back by `reclaim`.
 fn child_copy(
     dst: &Path,
     served: Served,
@@ -734,148 +617,45 @@ fn child_copy(
 ) -> Result<Digests> {
     let rt = current_thread()?;
     rt.block_on(async {
-        let virtual_size = raw_size(map.header.virtual_size);
-        let mut out = Output {
-            sink: Sink::create(dst, served)?,
-            off: 0,
-            inflater: Inflater::new(&map.header)?,
-            stream: Vec::new(),
-            cluster: vec![0u8; map.header.cluster_size() as usize],
-        };
-        let mut l2 = vec![0u8; map.header.cluster_size() as usize];
-        let mut reported = std::time::Instant::now();
-        for (i, entry) in map.l1.chunks_exact(8).enumerate() {
-            let i = i as u64;
-            if i.saturating_mul(map.l1_span()) >= virtual_size {
-                break;
-            }
-            report_every_second(&mut reported, out.off);
-            let l2_at = qcow2::l2_offset(u64::from_be_bytes(entry.try_into().unwrap_or_default()));
-            if l2_at == 0 {
-                continue;
-            }
-            tables.read_waiting(l2_at, &mut l2)?;
-            for (at, len) in qcow2::compressed_extents(&map.header, &l2) {
-                reclaim.check(at, len)?;
-            }
-            for run in qcow2::data_runs(&map.header, i, &l2, tables.total)? {
-                let end = (run.guest + run.len).min(virtual_size);
-                let start = run.guest.max(out.off);
-                if start >= end {
-                    continue;
-                }
-                out.zeros_to(start, &mut reported).await?;
-                match run.stored {
-                    qcow2::Stored::Plain(host) => {
-                        let from = host + (start - run.guest);
-                        out.copy_plain(tables, reclaim, from, end).await?
-                    }
-                    qcow2::Stored::Compressed { offset, len } => {
-                        out.copy_compressed(tables, run.guest, (offset, len), end)
-                            .await?
-                    }
-                }
-            }
+        let sink = Sink::create(dst, served)?;
+        let mut out = Output::new(sink, tables, reclaim, &map.header);
+        match queue_disk(map, tables, &mut out).await {
+            Ok(()) => out.finish().await,
+            Err(e) => Err(out.first_error(e).await),
         }
-        out.zeros_to(virtual_size, &mut reported).await?;
-        out.sink.finish().await
     })
 }
 
-/// Zeros handed to the hashers at once: the sink queues a few pieces per
-/// hasher, so the writer waits for them within a few of these and the
-/// progress it reports stays close to the bytes hashed.
-const ZERO_PIECE: u64 = 64 << 20;
-
-/// Reports the guest offset reached when a second has passed since `last`.
-fn report_every_second(last: &mut std::time::Instant, off: u64) {
-    if last.elapsed() >= Duration::from_secs(1) {
-        *last = std::time::Instant::now();
-        report(&ChildReport::Progress { progress: off });
-    }
-}
-
-/// The raw disk being written, at guest offset `off`, with the buffers
-/// compressed clusters are decoded in.
-struct Output {
-    sink: Sink,
-    off: u64,
-    inflater: Inflater,
-    /// A compressed cluster's stored stream.
-    stream: Vec<u8>,
-    /// A decoded cluster.
-    cluster: Vec<u8>,
-}
-
-impl Output {
-    /// Continues with zeros (holes, hashed as zeros) up to guest offset
-    /// `to`, in pieces, reporting progress: the hashing of a large sparse
-    /// disk's zeros is most of its conversion time.
-    async fn zeros_to(&mut self, to: u64, reported: &mut std::time::Instant) -> Result<()> {
-        while self.off < to {
-            let n = (to - self.off).min(ZERO_PIECE);
-            self.sink.write_zeros(n).await?;
-            self.off += n;
-            report_every_second(reported, self.off);
+/// Queues the whole virtual disk into `out`, table by table.
+async fn queue_disk(map: &Map, tables: &GrowingFile, out: &mut Output<'_>) -> Result<()> {
+    let virtual_size = raw_size(map.header.virtual_size);
+    let mut l2 = vec![0u8; map.header.cluster_size() as usize];
+    for (i, entry) in map.l1.chunks_exact(8).enumerate() {
+        let i = i as u64;
+        if i.saturating_mul(map.l1_span()) >= virtual_size {
+            break;
         }
-        Ok(())
-    }
-
-    /// Copies the guest range `[off, end)` stored as it is from host
-    /// offset `from` on, one chunk at a time, each read as soon as it has
-    /// been downloaded and then given back.
-    async fn copy_plain(
-        &mut self,
-        tables: &GrowingFile,
-        reclaim: &mut Reclaimer,
-        from: u64,
-        end: u64,
-    ) -> Result<()> {
-        let start = self.off;
-        reclaim.check(from, end - start)?;
-        while self.off < end {
-            let at = from + (self.off - start);
-            let want = (end - self.off).min(CHUNK as u64);
-            tables
-                .wait_covered(at + want)
-                .map_err(|e| Error::io("wait for the download", e))?;
-            let n = self.sink.read_at(&tables.file, at, want as usize).await?;
-            if n == 0 {
-                return Err(Error::new(
-                    ErrorCode::CorruptImage,
-                    "qcow2: a data cluster lies past the end of the file",
-                ));
+        out.report_progress();
+        let l2_at = qcow2::l2_offset(u64::from_be_bytes(entry.try_into().unwrap_or_default()));
+        if l2_at == 0 {
+            continue;
+        }
+        tables.read_waiting(l2_at, &mut l2)?;
+        out.check_unclaimed(&qcow2::compressed_extents(&map.header, &l2))?;
+        for run in qcow2::data_runs(&map.header, i, &l2, tables.total)? {
+            let end = (run.guest + run.len).min(virtual_size);
+            let start = run.guest.max(out.queued_to());
+            if start >= end {
+                continue;
             }
-            reclaim.release(at, n as u64);
-            self.off += n as u64;
-            tables.note_read(at + n as u64);
+            out.zeros_to(start).await?;
+            match run.stored {
+                qcow2::Stored::Plain(host) => out.plain(host + (start - run.guest), end).await?,
+                qcow2::Stored::Compressed { offset, len } => {
+                    out.compressed(run.guest, (offset, len), end).await?
+                }
+            }
         }
-        Ok(())
     }
-
-    /// Decodes the compressed cluster at guest offset `guest` (its stored
-    /// stream: `(host offset, length)`) and writes its part `[off, end)`.
-    /// Bytes of the stream past the end of the file read as zeros, as qemu
-    /// reads them.
-    async fn copy_compressed(
-        &mut self,
-        tables: &GrowingFile,
-        guest: u64,
-        (at, len): (u64, u64),
-        end: u64,
-    ) -> Result<()> {
-        // At most two clusters, by the width of the length field.
-        self.stream.clear();
-        self.stream.resize(len as usize, 0);
-        tables
-            .wait_read(at, &mut self.stream)
-            .map_err(|e| Error::io("read a compressed cluster", e))?;
-        self.inflater
-            .inflate(&self.stream, &mut self.cluster, guest)?;
-        let from = (self.off - guest) as usize;
-        let to = (end - guest) as usize;
-        self.sink.write(&self.cluster[from..to]).await?;
-        self.off = end;
-        Ok(())
-    }
+    out.zeros_to(virtual_size).await
 }

@@ -29,7 +29,7 @@ pub(crate) struct Reclaimer {
     file: Option<File>,
     /// Metadata ranges `(start, end)`, sorted by start.
     protected: Vec<(u64, u64)>,
-    /// Data ranges read: start -> end, disjoint.
+    /// Data ranges claimed (read or about to be): start -> end, disjoint.
     consumed: BTreeMap<u64, u64>,
     /// Whether any range was punched.
     punched: bool,
@@ -100,9 +100,13 @@ impl Reclaimer {
         }
     }
 
-    /// Records `[start, start + len)` as read and gives it back unless it
-    /// overlaps metadata.
-    pub(crate) fn release(&mut self, start: u64, len: u64) {
+    /// Fails when any of `[start, start + len)` was already claimed, else
+    /// records it as read: a data range is claimed when the converter takes
+    /// it on (in guest order, before the bytes of earlier clusters are
+    /// written), so two clusters sharing host bytes are found whatever
+    /// still waits to be written.
+    pub(crate) fn claim(&mut self, start: u64, len: u64) -> Result<()> {
+        self.check(start, len)?;
         let end = start.saturating_add(len);
         match self.consumed.range_mut(..=start).next_back() {
             Some((_, last_end)) if *last_end == start => *last_end = end,
@@ -110,6 +114,13 @@ impl Reclaimer {
                 self.consumed.insert(start, end);
             }
         }
+        Ok(())
+    }
+
+    /// Gives back `[start, start + len)` (claimed, now read) unless it
+    /// overlaps metadata.
+    pub(crate) fn give_back(&mut self, start: u64, len: u64) {
+        let end = start.saturating_add(len);
         let Some(file) = &self.file else { return };
         let first_after = self.protected.partition_point(|&(s, _)| s < end);
         if self.protected[..first_after]

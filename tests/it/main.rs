@@ -11,6 +11,7 @@ mod acks;
 mod amqp;
 mod cache;
 mod cluster;
+mod compressed;
 mod contracts;
 mod convert;
 mod corpus;
