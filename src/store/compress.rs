@@ -14,7 +14,7 @@
 //! read, and every whole MiB of zeros, a hole or read, is a deflate chunk
 //! made once (the compressor is fully flushed first, so the chunk is
 //! appended as it is) with its CRC-32 combined, not computed. The rest is
-//! raw deflate at level 1. A master that cannot pay (its compressed output
+//! raw deflate at [`LEVEL`]. A master that cannot pay (its compressed output
 //! passes `size / gzip_min_ratio`) is abandoned there and a marker
 //! (`.gzip/<inode>.identity`) remembers it, so it is not tried again.
 
@@ -32,6 +32,11 @@ use std::time::{Duration, Instant};
 
 /// Bytes read, and zeros appended as one chunk, at a time.
 const BLOCK: usize = 1 << 20;
+/// The deflate level of data: the fastest. Incompressible extents grow at
+/// it (256 MiB of random bytes became 322 MB, at level 2 too): a dense
+/// image fails `gzip_min_ratio` anyway, and a zero-heavy one's data is a
+/// small part of it.
+const LEVEL: u32 = 1;
 /// Compressed bytes buffered before a write.
 const OUT_BUFFER: usize = 1 << 20;
 
@@ -299,7 +304,7 @@ struct Member {
 impl Member {
     fn new(out: File, budget: u64) -> Member {
         Member {
-            deflate: Compress::new(Compression::fast(), false),
+            deflate: Compress::new(Compression::new(LEVEL), false),
             crc: crc32fast::Hasher::new(),
             out,
             buf: Vec::with_capacity(OUT_BUFFER + BLOCK),
