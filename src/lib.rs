@@ -21,6 +21,7 @@
 //! | [`config`] | configuration: a file per section, the layers (defaults, ironic.conf, TOML, environment, `--set`) with each value's source |
 //! | `node` | the validated node UUID |
 //! | `peers` | what the workers of one deployment say to each other: signed master URLs, sealed queries and offers |
+//! | `gzip` | a master's compressed form: where it lives, the identity its header records (written by `store`, served by `http`) |
 //! | `fsutil` | file-system helpers every layer may use (permissions, atomic replacement, the O_NOFOLLOW walk) |
 //! | [`secrets`] | masking secrets (URL credentials and signatures, secret options) for every layer's logs, errors and files |
 //! | `retry` | the jittered exponential backoff of reconnects and download retries |
@@ -45,6 +46,7 @@ pub mod config;
 pub(crate) mod dispatch;
 pub mod error;
 pub(crate) mod fsutil;
+pub(crate) mod gzip;
 pub(crate) mod http;
 pub mod image;
 pub(crate) mod messages;

@@ -1,5 +1,5 @@
 //! `[http]`: the embedded image server: where it listens, its timeouts
-//! and connection cap, and HTTPS.
+//! and connection cap, HTTPS, and compressed serving.
 
 use super::check::Report;
 use serde::{Deserialize, Serialize};
@@ -39,6 +39,24 @@ pub struct HttpSection {
     pub auth_user: String,
     /// Password of `http_basic` (never logged).
     pub auth_password: String,
+    /// Compressed serving: `off`, or `static` (each master compressed once,
+    /// in the background, and served with `Content-Encoding: gzip` to the
+    /// clients that accept it).
+    pub gzip: GzipMode,
+    /// A master is served compressed only when its compressed file is at
+    /// least this many times smaller than it (at least 1.0); below that the
+    /// compressed file is discarded and the master served as it is.
+    pub gzip_min_ratio: f64,
+}
+
+/// `[http] gzip`: whether masters get a compressed form to serve.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GzipMode {
+    /// Never compressed: every answer is the file as it is.
+    Off,
+    /// Compressed once per master, after it is ready; served where it pays.
+    Static,
 }
 
 impl Default for HttpSection {
@@ -54,6 +72,8 @@ impl Default for HttpSection {
             auth_strategy: "noauth".into(),
             auth_user: String::new(),
             auth_password: String::new(),
+            gzip: GzipMode::Off,
+            gzip_min_ratio: 2.0,
         }
     }
 }
@@ -78,5 +98,17 @@ impl HttpSection {
             &self.tls_key_file,
             &self.tls_min_version,
         );
+        // NaN fails the comparison too.
+        if !(self.gzip_min_ratio >= 1.0 && self.gzip_min_ratio.is_finite()) {
+            report.error(
+                "http",
+                "gzip_min_ratio",
+                format!(
+                    "{} is not a ratio of at least 1.0 (a compressed file this many times \
+                     smaller than its master is served)",
+                    self.gzip_min_ratio
+                ),
+            );
+        }
     }
 }

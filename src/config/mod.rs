@@ -62,7 +62,7 @@ pub use convert::ConvertSection;
 pub use default::{DefaultSection, system_hostname};
 pub use deploy::DeploySection;
 pub use glance::GlanceSection;
-pub use http::HttpSection;
+pub use http::{GzipMode, HttpSection};
 pub use json_rpc::JsonRpcSection;
 pub use layers::{ENV_PREFIX, Files, Layers, Raw, Setting, Source};
 pub use log::{LogFormat, LogSection};

@@ -3,7 +3,9 @@
 //! `Range` / `If-Range` decisions (see [`crate::http::ranges`]) are all taken
 //! from the metadata of the descriptor that was opened, and the body is read
 //! from that same descriptor, so a file replaced meanwhile (a node prepared
-//! again) never mixes into the answer.
+//! again) never mixes into the answer. A file with a compressed form is
+//! answered with that form to clients that accept gzip
+//! ([`crate::http::encoding`]): the same rules, applied to its bytes.
 
 use crate::http::ranges::{self, Conditions, Decision, Precondition, Validators};
 use axum::body::Body;
@@ -20,24 +22,41 @@ use tokio::io::AsyncReadExt;
 /// progress.
 pub(crate) const PIECE: usize = 512 * 1024;
 
-/// The response to the GET/HEAD `req` of the open regular file `file`, whose
-/// metadata is `meta`.
-pub(crate) fn respond(req: &Request, file: std::fs::File, meta: &std::fs::Metadata) -> Response {
+/// The file a request names, opened, and the compressed form of its bytes
+/// when it has one (see [`crate::gzip::open_for`]).
+pub(crate) struct Opened {
+    /// The file, as it is (identity).
+    pub(crate) file: std::fs::File,
+    /// Its metadata, from the descriptor.
+    pub(crate) meta: std::fs::Metadata,
+    /// Its compressed form and that file's metadata.
+    pub(crate) gzip: Option<(std::fs::File, std::fs::Metadata)>,
+}
+
+/// The response to the GET/HEAD `req` of `opened`: its compressed form
+/// when it has one and the client accepts gzip (`Content-Encoding: gzip`,
+/// its own length, ETag and ranges), else the file as it is; both say
+/// `Vary: Accept-Encoding` when a compressed form exists.
+pub(crate) fn respond(req: &Request, opened: Opened) -> Response {
+    let varies = opened.gzip.is_some();
+    let (file, meta, gzip) = match opened.gzip {
+        Some((file, meta)) if crate::http::encoding::accepts_gzip(req.headers()) => {
+            (file, meta, true)
+        }
+        _ => (opened.file, opened.meta, false),
+    };
     let len = meta.len();
     let modified = meta.modified().unwrap_or(SystemTime::UNIX_EPOCH);
-    let etag = file_etag(len, modified);
+    let etag = match gzip {
+        true => gzip_etag(len, modified),
+        false => file_etag(len, modified),
+    };
     let current = Validators {
         etag: &etag,
         modified,
     };
     let h = req.headers();
     let value = |name: header::HeaderName| h.get(name).and_then(|v| v.to_str().ok());
-    let conditions = Conditions {
-        if_match: value(header::IF_MATCH),
-        if_unmodified_since: value(header::IF_UNMODIFIED_SINCE),
-        if_none_match: value(header::IF_NONE_MATCH),
-        if_modified_since: value(header::IF_MODIFIED_SINCE),
-    };
     let mut headers = HeaderMap::new();
     let mut put = |name, v: String| {
         if let Ok(v) = HeaderValue::from_str(&v) {
@@ -46,7 +65,13 @@ pub(crate) fn respond(req: &Request, file: std::fs::File, meta: &std::fs::Metada
     };
     put(header::LAST_MODIFIED, httpdate::fmt_http_date(modified));
     put(header::ETAG, etag.clone());
-    match ranges::preconditions(&conditions, &current) {
+    if varies {
+        put(header::VARY, "Accept-Encoding".into());
+    }
+    if gzip {
+        put(header::CONTENT_ENCODING, "gzip".into());
+    }
+    match ranges::preconditions(&conditions(h), &current) {
         Precondition::NotModified => {
             return answer(StatusCode::NOT_MODIFIED, headers, Body::empty());
         }
@@ -100,6 +125,17 @@ fn stream(mut file: std::fs::File, first: u64, count: u64) -> std::io::Result<Bo
     ))
 }
 
+/// The conditional request headers of `h`.
+fn conditions(h: &HeaderMap) -> Conditions<'_> {
+    let value = |name: header::HeaderName| h.get(name).and_then(|v| v.to_str().ok());
+    Conditions {
+        if_match: value(header::IF_MATCH),
+        if_unmodified_since: value(header::IF_UNMODIFIED_SINCE),
+        if_none_match: value(header::IF_NONE_MATCH),
+        if_modified_since: value(header::IF_MODIFIED_SINCE),
+    }
+}
+
 fn answer(status: StatusCode, headers: HeaderMap, body: Body) -> Response {
     let mut r = Response::new(body);
     *r.status_mut() = status;
@@ -114,4 +150,13 @@ pub(crate) fn file_etag(len: u64, modified: SystemTime) -> String {
         .duration_since(SystemTime::UNIX_EPOCH)
         .unwrap_or_default();
     format!("\"{:x}.{:08x}-{:x}\"", t.as_secs(), t.subsec_nanos(), len)
+}
+
+/// The strong ETag of a compressed form of `len` bytes modified at
+/// `modified`: never equal to an identity ETag (RFC 9110 8.8.3: each
+/// representation its own), so a range resumed with `If-Range` never mixes
+/// the two.
+pub(crate) fn gzip_etag(len: u64, modified: SystemTime) -> String {
+    let etag = file_etag(len, modified);
+    format!("{}-gzip\"", &etag[..etag.len() - 1])
 }

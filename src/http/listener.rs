@@ -477,7 +477,7 @@ impl Connection {
                 Ok::<_, Infallible>(response.map(|body| {
                     Body::new(crate::http::Holding {
                         body,
-                        sent: None,
+                        sent: Vec::new(),
                         log: None,
                         _held: guard,
                     })

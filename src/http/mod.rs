@@ -10,7 +10,8 @@
 //! Holds the image server and the operations listener (this module), the
 //! bounded connection acceptor with its timeouts (`listener`), the open of a
 //! request's file beneath the served directories (`open`), the response
-//! from that file (`body`) and the conditional / Range / If-Range rules
+//! from that file (`body`), gzip or identity by `Accept-Encoding`
+//! (`encoding`) and the conditional / Range / If-Range rules
 //! (`ranges`), HTTPS with certificates reloaded as they change (`tls`) and
 //! HTTP Basic authentication (`auth`), the access log (`access`), and the
 //! peer listener that serves
@@ -22,6 +23,7 @@
 pub mod access;
 pub mod auth;
 pub(crate) mod body;
+mod encoding;
 pub(crate) mod listener;
 mod live;
 mod open;
@@ -52,6 +54,8 @@ use tokio::net::TcpListener;
 #[derive(Debug, Clone)]
 pub struct ImageRoots {
     beneath: Arc<crate::http::open::Beneath>,
+    /// Where the compressed forms of masters are, when they are served.
+    gzip: Option<Arc<PathBuf>>,
 }
 
 impl ImageRoots {
@@ -61,18 +65,35 @@ impl ImageRoots {
     pub fn new(http_root: &Path, cache_dirs: &[&Path]) -> std::io::Result<ImageRoots> {
         Ok(ImageRoots {
             beneath: Arc::new(crate::http::open::Beneath::new(http_root, cache_dirs)?),
+            gzip: None,
         })
     }
 
+    /// Serves the compressed forms of masters found in `dir` (see
+    /// [`crate::gzip`]) to the clients that accept gzip; `None`: never.
+    pub fn with_gzip(mut self, dir: Option<PathBuf>) -> ImageRoots {
+        self.gzip = dir.map(Arc::new);
+        self
+    }
+
     /// Opens the file `raw_path` names, once, and reads its metadata from
-    /// that descriptor; or the status to answer.
-    async fn open(&self, raw_path: &str) -> Result<(std::fs::File, std::fs::Metadata), StatusCode> {
+    /// that descriptor, with its compressed form when it has one; or the
+    /// status to answer.
+    async fn open(&self, raw_path: &str) -> Result<crate::http::body::Opened, StatusCode> {
         let beneath = self.beneath.clone();
+        let gzip = self.gzip.clone();
         let raw_path = raw_path.to_string();
         tokio::task::spawn_blocking(move || {
             let file = beneath.open(&raw_path)?;
             let meta = file.metadata().map_err(|_| StatusCode::NOT_FOUND)?;
-            Ok((file, meta))
+            let gzip = gzip.and_then(|dir| {
+                let flags = rustix::fs::OFlags::PATH
+                    | rustix::fs::OFlags::DIRECTORY
+                    | rustix::fs::OFlags::CLOEXEC;
+                let dir = rustix::fs::open(dir.as_path(), flags, rustix::fs::Mode::empty()).ok()?;
+                crate::gzip::open_for(&dir, &meta)
+            });
+            Ok(crate::http::body::Opened { file, meta, gzip })
         })
         .await
         .unwrap_or(Err(StatusCode::INTERNAL_SERVER_ERROR))
@@ -138,8 +159,12 @@ async fn serve_image(State(state): State<Arc<ImageState>>, req: Request) -> Resp
     } else {
         match state.roots.open(req.uri().path()).await {
             Err(status) => status.into_response(),
-            Ok((file, meta)) => crate::http::body::respond(&req, file, &meta),
+            Ok(opened) => crate::http::body::respond(&req, opened),
         }
+    };
+    let encoding = match response.headers().contains_key(header::CONTENT_ENCODING) {
+        true => "gzip",
+        false => "identity",
     };
     if let Some(entry) = &mut entry {
         entry.answered(response.status().as_u16());
@@ -151,11 +176,18 @@ async fn serve_image(State(state): State<Arc<ImageState>>, req: Request) -> Resp
         .requests
         .with_label_values(&[&status])
         .inc();
-    let sent = state.metrics.http.bytes.with_label_values(&[&status]);
+    let sent = [
+        state.metrics.http.bytes.with_label_values(&[&status]),
+        state
+            .metrics
+            .http
+            .encoded_bytes
+            .with_label_values(&[encoding]),
+    ];
     response.map(|body| {
         Body::new(Holding {
             body,
-            sent: Some(sent),
+            sent: sent.into(),
             log: entry,
             _held: (),
         })
@@ -164,11 +196,11 @@ async fn serve_image(State(state): State<Arc<ImageState>>, req: Request) -> Resp
 
 /// A response body that holds `_held` (a bounded slot, a request counted
 /// as in progress) until it is sent or dropped, and adds the bytes handed to
-/// the connection to `sent`, when given, as they go (nothing for HEAD, only
+/// the connection to each counter of `sent`, as they go (nothing for HEAD, only
 /// the part sent of an aborted download): one wrapper for every listener.
 pub(crate) struct Holding<H> {
     pub(crate) body: Body,
-    pub(crate) sent: Option<prometheus::IntCounter>,
+    pub(crate) sent: Vec<prometheus::IntCounter>,
     /// The request's access-log entry, which counts the bytes too and is
     /// logged when the body is done with.
     pub(crate) log: Option<access::Entry>,
@@ -188,7 +220,7 @@ impl<H: Unpin + Send + 'static> HttpBody for Holding<H> {
             && let Some(data) = f.data_ref()
         {
             let len = data.len() as u64;
-            if let Some(sent) = &self.sent {
+            for sent in &self.sent {
                 sent.inc_by(len);
             }
             if let Some(entry) = &mut self.log {

@@ -84,7 +84,7 @@ async fn serve_master(State(state): State<Arc<PeerState>>, req: Request) -> Resp
     response.map(|body| {
         Body::new(Holding {
             body,
-            sent: Some(sent),
+            sent: vec![sent],
             log: None,
             _held: slot,
         })
@@ -126,7 +126,14 @@ async fn answer(state: &PeerState, req: Request) -> (Response, Option<OwnedSemap
     };
     let masters = state.masters.clone();
     match tokio::task::spawn_blocking(move || open_master(&masters, &name)).await {
-        Ok(Ok((file, meta))) => (crate::http::body::respond(&req, file, &meta), Some(slot)),
+        Ok(Ok((file, meta))) => {
+            let opened = crate::http::body::Opened {
+                file,
+                meta,
+                gzip: None,
+            };
+            (crate::http::body::respond(&req, opened), Some(slot))
+        }
         Ok(Err(status)) => (status.into_response(), None),
         Err(_) => (StatusCode::INTERNAL_SERVER_ERROR.into_response(), None),
     }

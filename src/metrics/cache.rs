@@ -2,7 +2,7 @@
 //! against its limit, masters, evictions and published links.
 
 use super::Registrar;
-use prometheus::{IntCounter, IntGauge};
+use prometheus::{IntCounter, IntCounterVec, IntGauge};
 
 /// The cache's and the node files' figures.
 pub struct CacheMetrics {
@@ -20,6 +20,8 @@ pub struct CacheMetrics {
     pub node_files_expired: IntCounter,
     /// Published node symlinks.
     pub active_links: IntGauge,
+    /// Compressions of masters (`[http] gzip = static`), by result.
+    pub compressions: IntCounterVec,
 }
 
 impl CacheMetrics {
@@ -45,6 +47,12 @@ impl CacheMetrics {
                 "Nodes whose files no command asked for within [cache]node_files_ttl, removed.",
             ),
             active_links: r.gauge("active_links", "Published node symlinks under http_root."),
+            compressions: r.counter_vec(
+                "cache_gzip_compressions_total",
+                "Masters compressed for serving ([http] gzip = static), by result: compressed, \
+                 declined (under [http] gzip_min_ratio: served identity), failed.",
+                &["result"],
+            ),
         }
     }
 

@@ -11,6 +11,9 @@ pub struct HttpMetrics {
     /// Image server response body bytes sent (as they are handed to the
     /// connection: nothing for HEAD, the sent part of an aborted download).
     pub bytes: IntCounterVec,
+    /// Image server response body bytes sent, by content coding (`gzip`
+    /// or `identity`).
+    pub encoded_bytes: IntCounterVec,
     /// Connections open on the image server.
     pub connections: IntGauge,
     /// Image server connections closed by its limits, by reason.
@@ -32,6 +35,11 @@ impl HttpMetrics {
                 "http_response_bytes_total",
                 "Image server response body bytes sent, by status code.",
                 &["status"],
+            ),
+            encoded_bytes: r.counter_vec(
+                "http_response_encoding_bytes_total",
+                "Image server response body bytes sent, by content coding: gzip or identity.",
+                &["encoding"],
             ),
             connections: r.gauge(
                 "http_connections_open",

@@ -224,6 +224,12 @@ impl Metrics {
         for result in ["answered", "missed"] {
             self.peers.queries.with_label_values(&[result]);
         }
+        for encoding in ["gzip", "identity"] {
+            self.http.encoded_bytes.with_label_values(&[encoding]);
+        }
+        for result in ["compressed", "declined", "failed"] {
+            self.cache.compressions.with_label_values(&[result]);
+        }
     }
 
     /// Brings the child processes' CPU time up to date (the kernel counts

@@ -19,7 +19,8 @@
 //! * below them all: whether a master's record fits a request, a pure
 //!   function (`verdict`); what lets bytes stand as a master, the inspection
 //!   and the commit (`admit`); one master to obtain (`job`); the cache
-//!   housekeeping (`keeper`); the order of a node's commands, from its
+//!   housekeeping (`keeper`); compressing masters in the background
+//!   (`gzip`); the order of a node's commands, from its
 //!   ledger (`order`).
 
 use crate::config::Config;
@@ -40,6 +41,7 @@ use tracing::Instrument;
 mod admit;
 mod attempt;
 mod fetch;
+mod gzip;
 mod job;
 mod keeper;
 mod obtain;
@@ -69,6 +71,8 @@ pub struct Pipeline {
     peers: std::sync::OnceLock<peers::Peers>,
     /// Masters being written that the peer listener streams as they grow.
     live: Arc<crate::peers::live::LiveMasters>,
+    /// Masters waiting to be compressed, once `serve` turned it on.
+    compressions: std::sync::OnceLock<Arc<gzip::Compressions>>,
 }
 
 impl Pipeline {
@@ -97,6 +101,7 @@ impl Pipeline {
             metrics,
             peers: std::sync::OnceLock::new(),
             live: Arc::default(),
+            compressions: std::sync::OnceLock::new(),
         })
     }
 

@@ -79,6 +79,9 @@ impl Pipeline {
             _ => !linked,
         };
         self.link_and_publish(node, &master, linked_here).await?;
+        if let Some(name) = master.path.file_name() {
+            self.compress_later(&name.to_string_lossy());
+        }
         // Asked for now: not expired for another [cache]node_files_ttl.
         self.links.touch(node);
         if outcome == CacheOutcome::Miss {

@@ -62,6 +62,7 @@ impl Pipeline {
             master, outcome, ..
         } = self.locked(None, &name, warmed).await?;
         tracing::info!(cache = ?outcome, master = %master.path.display(), "warmed");
+        self.compress_later(&name);
         fill_image(&master.meta, job.served, outcome, done);
         Ok(())
     }

@@ -33,11 +33,13 @@ pub async fn serve(config: Config, files: &str) -> Result<()> {
     let listeners = Listeners::bind(&config).await?;
     let pipeline = Arc::new(Pipeline::new(config.clone(), metrics.clone())?);
     pipeline.recover()?;
+    pipeline.start_compressing();
     let roots = ImageRoots::new(
         &config.deploy.http_root,
         &[&config.pxe.instance_master_path, &config.pxe.images_path],
     )
-    .map_err(|e| Error::io("resolve served directories", e))?;
+    .map_err(|e| Error::io("resolve served directories", e))?
+    .with_gzip(pipeline.gzip_dir());
     announce(&config, limits, &security, files);
     let (stop_tx, stop_rx) = watch::channel(false);
     let connected = brokers

@@ -8,7 +8,7 @@
 //! clean-up, which skips directories) cannot remove a sidecar or a file
 //! being written: `.meta/<name>.json` sidecars, `.tmp/` temporaries (named
 //! after their owner process, see [`fsutil::TempOwner`]), `.locks/` and
-//! `.owners/` lock files.
+//! `.owners/` lock files, `.gzip/` compressed forms (`store/compress.rs`).
 
 use crate::error::{Error, ErrorCode, Result};
 use crate::fsutil::{self, TempOwner};
@@ -147,6 +147,8 @@ pub struct Cache {
     locks: Arc<Locks>,
     owner: Arc<TempOwner>,
     sidecars: Arc<Sidecars>,
+    /// The locks of compressions (`store/compress.rs`), made on first use.
+    pub(super) gzip_locks: Arc<std::sync::OnceLock<Locks>>,
 }
 
 /// Sidecars already read, by master name, each with the identity of the
@@ -245,6 +247,7 @@ impl Cache {
             locks: Arc::new(Locks::new(dir.join(".locks"))?),
             owner: Arc::new(TempOwner::new(dir.join(".owners"))),
             sidecars: Arc::default(),
+            gzip_locks: Arc::default(),
         })
     }
 

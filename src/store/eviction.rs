@@ -13,7 +13,8 @@ use std::os::unix::fs::MetadataExt;
 pub struct Entry {
     /// File name in the cache directory.
     pub name: String,
-    /// Bytes allocated on disk (converted masters are sparse).
+    /// Bytes allocated on disk (converted masters are sparse), its
+    /// compressed form's included.
     pub size: u64,
     /// Unix seconds of the last use: the latest of mtime, atime and ctime
     /// (linking a master changes its ctime), as Ironic reckons it.
@@ -51,7 +52,7 @@ pub fn list(cache: &Cache) -> Result<Vec<Entry>> {
         out.push(Entry {
             converted: name.ends_with(crate::store::cache::CONVERTED_SUFFIX),
             name,
-            size: meta.blocks() * 512,
+            size: meta.blocks() * 512 + cache.encoded_size(meta.ino()),
             last_used: meta.mtime().max(meta.atime()).max(meta.ctime()),
             linked_nodes: meta.nlink().saturating_sub(1),
         });
@@ -128,12 +129,13 @@ pub fn clean(
             continue;
         };
         let path = cache.master_path(&name);
-        match std::fs::metadata(&path) {
-            Ok(m) if m.nlink() == 1 => {}
+        let ino = match std::fs::metadata(&path) {
+            Ok(m) if m.nlink() == 1 => m.ino(),
             _ => continue,
-        }
+        };
         cache.remove_meta(&name)?;
         let removed = crate::fsutil::remove_file_if_exists(&path)?;
+        cache.remove_encoded(ino)?;
         guard.remove_file();
         if removed {
             tracing::info!(master = %name, bytes = size, "evicted from the image cache");
@@ -144,10 +146,12 @@ pub fn clean(
     Ok(report)
 }
 
-/// Removes the sidecars and lock files of masters that are gone (a crash
-/// between two removals, a download that failed in a process that then
-/// died). A master being made holds its lock and is skipped.
+/// Removes the sidecars, lock files and compressed forms of masters that
+/// are gone (a crash between two removals, a download that failed in a
+/// process that then died). A master being made holds its lock and is
+/// skipped.
 fn remove_orphans(cache: &Cache) -> Result<()> {
+    cache.remove_orphan_encodings()?;
     let mut names = cache.sidecar_names();
     names.extend(cache.lock_names());
     names.sort_unstable();

@@ -1,6 +1,7 @@
 //! What is on disk.
 //!
-//! Holds the master cache and its sidecars (`cache`), Ironic's eviction
+//! Holds the master cache and its sidecars (`cache`), masters'
+//! compressed forms (`compress`), Ironic's eviction
 //! policy (`eviction`), per-node links (`link`) and their expiry
 //! (`expiry`), named locks (`lock`), the per-node command ledger
 //! (`ledger`), write-and-hash (`sink`) and checksums (`checksum`, `md5`).
@@ -8,6 +9,7 @@
 
 pub(crate) mod cache;
 pub(crate) mod checksum;
+pub(crate) mod compress;
 pub(crate) mod eviction;
 pub(crate) mod expiry;
 pub(crate) mod ledger;

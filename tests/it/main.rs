@@ -18,6 +18,7 @@ mod corpus;
 mod disk_full;
 mod faults;
 mod glance;
+mod gzip;
 mod http_hostile;
 mod ironic_cache;
 mod ironic_options;
