@@ -150,9 +150,8 @@ impl RpcState {
         }
     }
 
-    /// `prepare`, `deployed`, `cleanup`, `warm`: the command body is the
-    /// params with `action` set to the method; its `request_id`, when
-    /// missing, is the context's, else the call's id, else a new one.
+    /// `prepare`, `deployed`, `cleanup`, `warm`: the params as a command
+    /// ([`command_body`]), run once per `request_id`.
     async fn command(&self, envelope: Envelope) -> Result<Value, Value> {
         let is_call = envelope.id.is_some();
         let body = command_body(envelope);

@@ -225,9 +225,10 @@ impl Ledger {
         if elsewhere {
             return Ok(Turn::Elsewhere);
         }
-        fsutil::ensure_dir(&self.dir.join(CLAIMS_DIR))?;
         let body = format!("{} {at_ms} {node}", self.owner.token());
-        std::fs::write(&path, body).map_err(|e| Error::io("write a ledger claim", e))?;
+        making_dir(&self.dir.join(CLAIMS_DIR), "write a ledger claim", || {
+            std::fs::write(&path, &body)
+        })?;
         Ok(Turn::Mine)
     }
 
@@ -338,21 +339,13 @@ impl Ledger {
             % LOCK_STRIPES;
         let dir = self.dir.join(".locks");
         let path = dir.join(stripe.to_string());
-        let open = || {
+        let file = making_dir(&dir, "open a ledger lock", || {
             std::fs::OpenOptions::new()
                 .create(true)
                 .truncate(false)
                 .write(true)
                 .open(&path)
-        };
-        let file = match open() {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                fsutil::ensure_dir(&dir)?;
-                open()
-            }
-            other => other,
-        }
-        .map_err(|e| Error::io("open a ledger lock", e))?;
+        })?;
         file.lock().map_err(|e| Error::io("lock the ledger", e))?;
         Ok(file)
     }
@@ -449,6 +442,20 @@ impl Ledger {
         }
         removed
     }
+}
+
+/// Runs `op`, which makes a file in `dir`; when `dir` is missing (the
+/// first time, or removed meanwhile), makes it and runs `op` again. The
+/// directory is looked at only when it is missing: not on every hit.
+fn making_dir<T>(dir: &Path, what: &str, op: impl Fn() -> std::io::Result<T>) -> Result<T> {
+    match op() {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            fsutil::ensure_dir(dir)?;
+            op()
+        }
+        other => other,
+    }
+    .map_err(|e| Error::io(what, e))
 }
 
 /// True when `key` can be recorded and name a file: short, alphanumeric.
