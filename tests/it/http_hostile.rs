@@ -36,7 +36,7 @@ async fn serve_from(
         .stdout(Stdio::null())
         .stderr(stderr)
         .kill_on_drop(true);
-    let worker = Worker {
+    let mut worker = Worker {
         child: cmd.spawn().unwrap(),
         http_port: env.http_port,
         metrics_port: env.metrics_port,

@@ -254,6 +254,19 @@ read_timeout = 5
 
     /// Starts `serve` with extra arguments and environment variables.
     pub async fn serve_with(&self, args: &[&str], envs: &[(&str, &str)]) -> Worker {
+        let command = || {
+            let mut cmd = self.command(args);
+            for (k, v) in envs {
+                cmd.env(k, v);
+            }
+            cmd
+        };
+        Worker::start(command, self.http_port, self.metrics_port).await
+    }
+
+    /// `serve` with this environment's configuration and `args` before it,
+    /// its log on the test's stderr; not started.
+    fn command(&self, args: &[&str]) -> tokio::process::Command {
         let mut cmd = tokio::process::Command::new(BIN);
         cmd.arg("--config")
             .arg(&self.config)
@@ -265,17 +278,7 @@ read_timeout = 5
             .stderr(Stdio::inherit())
             .env("RUST_LOG", "warn,lapin=error")
             .kill_on_drop(true);
-        for (k, v) in envs {
-            cmd.env(k, v);
-        }
-        let child = cmd.spawn().unwrap();
-        let worker = Worker {
-            child,
-            http_port: self.http_port,
-            metrics_port: self.metrics_port,
-        };
-        worker.wait_healthy().await;
-        worker
+        cmd
     }
 }
 
@@ -322,17 +325,78 @@ pub struct Worker {
 }
 
 impl Worker {
-    pub async fn wait_healthy(&self) {
+    /// Spawns `command` (a `serve` listening on `http_port` and
+    /// `metrics_port`) and waits until it is ready.
+    ///
+    /// The ports are reserved among test processes only (see [`free_port`]):
+    /// a process outside the tests (an Erlang CLI tool picking its
+    /// distribution port, say) may hold one for a moment when the worker
+    /// binds it. A worker that exits while another process listens on one of
+    /// its ports is started again once the port is free, and the holder is
+    /// printed; any other early exit fails the test.
+    pub async fn start(
+        command: impl Fn() -> tokio::process::Command,
+        http_port: u16,
+        metrics_port: u16,
+    ) -> Worker {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let mut worker = Worker {
+                child: command().spawn().unwrap(),
+                http_port,
+                metrics_port,
+            };
+            let Err(status) = worker.ready_or_exit().await else {
+                return worker;
+            };
+            let held: Vec<u16> = [http_port, metrics_port]
+                .into_iter()
+                .filter(|p| std::net::TcpListener::bind(("127.0.0.1", *p)).is_err())
+                .collect();
+            assert!(
+                !held.is_empty() && tokio::time::Instant::now() < deadline,
+                "worker exited before it was ready: {status}"
+            );
+            let holders = std::process::Command::new("ss")
+                .args(["-Htlnp", "sport", "=", &format!(":{}", held[0])])
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+                .unwrap_or_default();
+            eprintln!(
+                "port {held:?} held by another process ({holders}); starting the worker again"
+            );
+            while tokio::time::Instant::now() < deadline
+                && held
+                    .iter()
+                    .any(|p| std::net::TcpListener::bind(("127.0.0.1", *p)).is_err())
+            {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+
+    /// Waits until `/readyz` answers 200, or the process exits (its status).
+    async fn ready_or_exit(&mut self) -> Result<(), std::process::ExitStatus> {
         let url = format!("http://127.0.0.1:{}/readyz", self.metrics_port);
         for _ in 0..200 {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Err(status);
+            }
             if let Ok(r) = reqwest::get(&url).await
                 && r.status().is_success()
             {
-                return;
+                return Ok(());
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         panic!("worker did not become ready");
+    }
+
+    /// Waits until the worker is ready; fails the test if it exits first.
+    pub async fn wait_healthy(&mut self) {
+        if let Err(status) = self.ready_or_exit().await {
+            panic!("worker exited before it was ready: {status}");
+        }
     }
 
     pub fn image_url(&self, path: &str) -> String {
@@ -1193,24 +1257,7 @@ impl Env {
         let m = format!("metrics.listen=127.0.0.1:{metrics}");
         let mut args = vec!["--set", &h, "--set", &m];
         args.extend_from_slice(extra);
-        let mut cmd = tokio::process::Command::new(BIN);
-        cmd.arg("--config")
-            .arg(&self.config)
-            .args(&args)
-            .arg("serve")
-            .env_remove("IRONIC_IMAGE_WORKER_CONFIG")
-            .env("RUST_LOG", "warn,lapin=error")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .kill_on_drop(true);
-        let worker = Worker {
-            child: cmd.spawn().unwrap(),
-            http_port: http,
-            metrics_port: metrics,
-        };
-        worker.wait_healthy().await;
-        worker
+        Worker::start(|| self.command(&args), http, metrics).await
     }
 
     /// Waits until a temporary file appears in the master cache.
