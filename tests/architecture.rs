@@ -449,17 +449,19 @@ fn find_cycle(graph: &std::collections::BTreeMap<String, BTreeSet<String>>) -> O
 
 #[test]
 fn the_pipelines_modules_use_each_other_in_one_direction() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/pipeline");
-    let graph = sibling_uses(&dir);
-    assert!(
-        graph.values().any(|uses| !uses.is_empty()),
-        "the scanner found no use between the pipeline's modules: {graph:?}"
-    );
-    if let Some(cycle) = find_cycle(&graph) {
-        panic!(
-            "the pipeline's modules use each other in a circle: {}",
-            cycle.join(" -> ")
+    for folder in ["src/pipeline", "src/pipeline/masters"] {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join(folder);
+        let graph = sibling_uses(&dir);
+        assert!(
+            graph.values().any(|uses| !uses.is_empty()),
+            "the scanner found no use between the modules of {folder}: {graph:?}"
         );
+        if let Some(cycle) = find_cycle(&graph) {
+            panic!(
+                "the modules of {folder} use each other in a circle: {}",
+                cycle.join(" -> ")
+            );
+        }
     }
 }
 

@@ -304,7 +304,7 @@ impl Dispatcher {
             }
             Inbound::Moved { node, at_ms } => {
                 // Recorded before the next delivery is taken in.
-                self.work.pipeline().note_moved(&node, at_ms).await;
+                self.work.pipeline().order().note_moved(&node, at_ms).await;
                 let work = self.work.clone();
                 self.work
                     .tracker
@@ -471,11 +471,18 @@ impl Dispatcher {
     /// acknowledged before answering them (see `parked`): each as a
     /// redelivered copy, so the ledger's claims and answers apply.
     pub(super) async fn resume_parked(self: &Arc<Self>) {
-        for (key, bytes) in self.work.pipeline().adopt_parked(&Shelf::broker()).await {
+        for (key, bytes) in self
+            .work
+            .pipeline()
+            .order()
+            .adopt_parked(&Shelf::broker())
+            .await
+        {
             let Some((parked, body)) = Parked::from_bytes(&bytes) else {
                 tracing::warn!(key, "an unreadable parked delivery: dropped");
                 self.work
                     .pipeline()
+                    .order()
                     .unpark_delivery(&Shelf::broker(), &key)
                     .await;
                 continue;
@@ -484,6 +491,7 @@ impl Dispatcher {
             let Inbound::Work(mut request) = inbound else {
                 self.work
                     .pipeline()
+                    .order()
                     .unpark_delivery(&Shelf::broker(), &key)
                     .await;
                 continue;
@@ -534,6 +542,7 @@ impl Dispatcher {
         };
         let pipeline = self.work.pipeline();
         match pipeline
+            .order()
             .park_delivery(&Shelf::broker(), &job.identity, parked.to_bytes())
             .await
         {
@@ -627,6 +636,7 @@ impl Dispatcher {
                 if acked_early {
                     self.work
                         .pipeline()
+                        .order()
                         .unpark_delivery(&Shelf::broker(), identity)
                         .await;
                 }

@@ -371,11 +371,11 @@ impl PeerLink {
         }
         let mut live_size = None;
         let state = if lock(&self.held).contains(&query.name) {
-            live_size = self.pipeline.live_size(&query.name);
+            live_size = self.pipeline.masters().live_size(&query.name);
             Some((OfferState::Downloading, None))
         } else {
             let (p, name) = (self.pipeline.clone(), query.name.clone());
-            tokio::task::spawn_blocking(move || p.peer_offer(&name))
+            tokio::task::spawn_blocking(move || p.masters().peer_offer(&name))
                 .await
                 .ok()
                 .flatten()

@@ -79,6 +79,7 @@ impl Dispatch {
         let Some(done) = self.outcome(&mut request, carrier).await else {
             if let Some(d) = claimed {
                 self.pipeline
+                    .order()
                     .release_delivery(&request.node_uuid, &d.key)
                     .await;
             }
@@ -146,6 +147,7 @@ impl Dispatch {
         if carrier.answer(done).await {
             if let Some(d) = delivery {
                 self.pipeline
+                    .order()
                     .note_answered(&request.node_uuid, &d.key)
                     .await;
             }
@@ -164,6 +166,7 @@ impl Dispatch {
             let answered_counts = d.redelivered || waited;
             match self
                 .pipeline
+                .order()
                 .claim_delivery(node, &d.key, answered_counts)
                 .await
             {
@@ -187,7 +190,7 @@ impl Dispatch {
     async fn answered_before(&self, node: &str, d: &DeliveryKey) -> bool {
         let keys = std::iter::once(&d.key).chain(d.legacy.as_ref());
         for key in keys {
-            if self.pipeline.answered_before(node, key).await {
+            if self.pipeline.order().answered_before(node, key).await {
                 return true;
             }
         }

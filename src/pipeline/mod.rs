@@ -3,25 +3,15 @@
 //! CLI and the tests all call [`Pipeline::handle`] and get a [`Completion`].
 //!
 //! This file holds the request-level API: the dispatch of every action,
-//! `deployed` and `cleanup`. Its modules, each using only those listed
-//! after it (`tests/architecture.rs` holds them to one direction):
+//! `deployed` and `cleanup`, over three components that each own their
+//! state, each using only those listed after it:
 //!
-//! * a request: preparing a node (`prepare`), caching an image for no node
-//!   (`warm`), `http` mode's answers, passed through or validated first
-//!   (`validated`);
-//! * what those share: the image a request names, resolved before any lock
-//!   (`resolve`); its master under the locks, the cached one when it fits
-//!   or a new one (`obtain`);
-//! * making a new master: download, verify, decompress, inspect, convert,
-//!   commit (`fetch`); the other conductors' workers first (`peers`); each
-//!   download attempt's file, sink and conversion (`attempt`); converting a
-//!   qcow2 while it downloads (`stream`);
-//! * below them all: whether a master's record fits a request, a pure
-//!   function (`verdict`); what lets bytes stand as a master, the inspection
-//!   and the commit (`admit`); one master to obtain (`job`); the cache
-//!   housekeeping (`keeper`); compressing masters in the background
-//!   (`gzip`); the order of a node's commands, from its
-//!   ledger (`order`).
+//! * preparing a node: its master obtained, linked and published
+//!   (`prepare`);
+//! * the masters: obtaining the verified image a request is served from,
+//!   and everything a request without a node does (`masters`);
+//! * the node's files: link, publish, take back, expire (`nodes`);
+//! * the order of a node's commands, from its ledger (`order`).
 
 use crate::config::Config;
 use crate::error::{Error, ErrorCode, Result};
@@ -29,50 +19,27 @@ use crate::fsutil;
 use crate::messages::{Action, Completion, Request};
 use crate::metrics::Metrics;
 use crate::node::NodeUuid;
-use crate::sources::Fetcher;
-use crate::store::cache::Cache;
-use crate::store::ledger::Ledger;
-use crate::store::link::NodeLinks;
-use crate::store::lock::Locks;
 use std::sync::Arc;
 use std::time::Instant;
 use tracing::Instrument;
 
-mod admit;
-mod attempt;
-mod fetch;
-mod gzip;
-mod job;
-mod keeper;
-mod obtain;
+mod masters;
+mod nodes;
 mod order;
-pub mod peers;
 mod prepare;
-mod resolve;
-mod stream;
-mod validated;
-mod verdict;
-mod warm;
 
 pub use crate::store::ledger::{Shelf, Turn};
+pub use masters::{Masters, peers};
+pub use order::Order;
 
-/// Everything needed to serve nodes on this conductor host.
+/// Everything needed to serve nodes on this conductor host: the three
+/// components a request goes through.
 pub struct Pipeline {
-    config: Config,
-    http_url: String,
-    cache: Cache,
-    links: NodeLinks,
-    node_locks: Locks,
-    /// Per-node records of moves and answers (see `order`).
-    ledger: Ledger,
-    fetcher: Fetcher,
+    config: Arc<Config>,
+    masters: Masters,
+    nodes: nodes::Nodes,
+    order: Order,
     metrics: Arc<Metrics>,
-    /// The other conductors' workers, once `serve` turned them on.
-    peers: std::sync::OnceLock<peers::Peers>,
-    /// Masters being written that the peer listener streams as they grow.
-    live: Arc<crate::peers::live::LiveMasters>,
-    /// Masters waiting to be compressed, once `serve` turned it on.
-    compressions: std::sync::OnceLock<Arc<gzip::Compressions>>,
 }
 
 impl Pipeline {
@@ -80,29 +47,28 @@ impl Pipeline {
     /// pipeline too; see [`Pipeline::recover`]). Transfers and evictions are
     /// recorded in `metrics`.
     pub fn new(config: Config, metrics: Arc<Metrics>) -> Result<Pipeline> {
-        let cache = Cache::open(&config.pxe.instance_master_path)?;
-        let links = NodeLinks::open(
-            &config.pxe.images_path,
-            &config.deploy.http_root,
-            &config.deploy.http_image_subdir,
-            cache.owner(),
-            config.cache.shared_dirs()?,
-        )?;
-        let node_locks = Locks::new(config.pxe.images_path.join(".locks"))?;
-        let ledger = Ledger::open(config.pxe.images_path.join(".ledger"))?;
+        let config = Arc::new(config);
+        let masters = Masters::open(config.clone(), metrics.clone())?;
+        let nodes = nodes::Nodes::open(&config, masters.cache(), metrics.clone())?;
         Ok(Pipeline {
-            http_url: config.http_url(),
-            fetcher: Fetcher::new(&config)?,
+            order: Order::open(&config)?,
             config,
-            cache,
-            links,
-            node_locks,
-            ledger,
+            masters,
+            nodes,
             metrics,
-            peers: std::sync::OnceLock::new(),
-            live: Arc::default(),
-            compressions: std::sync::OnceLock::new(),
         })
+    }
+
+    /// The masters: where `serve` turns on the peers and compression, and
+    /// the peer listener and image server find what they serve.
+    pub fn masters(&self) -> &Masters {
+        &self.masters
+    }
+
+    /// The order of the nodes' commands: what the transports ask before
+    /// running a delivery and record after answering it.
+    pub fn order(&self) -> &Order {
+        &self.order
     }
 
     /// Start-up recovery for commands that write (`serve`, one-shot
@@ -112,8 +78,8 @@ impl Pipeline {
     /// the master directory and `images_path` are on different file systems
     /// (node images are then copies, not hard links).
     pub fn recover(&self) -> Result<()> {
-        let cache = self.cache.recover()?;
-        let removed = cache.temporaries + self.links.remove_stale_temps()? + self.ledger.expire();
+        let cache = self.masters.cache().recover()?;
+        let removed = cache.temporaries + self.nodes.remove_stale_temps()? + self.order.expire();
         if removed > 0 {
             tracing::info!(
                 removed,
@@ -141,12 +107,6 @@ impl Pipeline {
         Ok(())
     }
 
-    /// True when the node has a published link or a cached image here.
-    fn has_node_files(&self, node: &NodeUuid) -> bool {
-        self.links.symlink_path(node).symlink_metadata().is_ok()
-            || self.links.node_dir(node).exists()
-    }
-
     /// Applies the cache policy (see `eviction`), reclaiming at least
     /// `amount` bytes if it can (blocking: file-system work).
     pub fn clean_cache(
@@ -156,9 +116,9 @@ impl Pipeline {
         dry_run: bool,
     ) -> Result<crate::store::eviction::Report> {
         if !dry_run {
-            self.ledger.expire();
+            self.order.expire();
         }
-        self.keeper().clean(amount, all_unused, dry_run)
+        self.masters.clean(amount, all_unused, dry_run)
     }
 
     /// Removes the worker's files of nodes no command asked for within
@@ -170,31 +130,19 @@ impl Pipeline {
         if ttl == 0 {
             return Ok(0);
         }
-        let expired = crate::store::expiry::NodeFiles {
-            links: &self.links,
-            cache: &self.cache,
-            locks: &self.node_locks,
-        }
-        .expire(std::time::Duration::from_secs(ttl))?;
-        self.metrics
-            .cache
-            .node_files_expired
-            .inc_by(expired.len() as u64);
-        Ok(expired.len())
+        self.nodes
+            .expire(std::time::Duration::from_secs(ttl), self.masters.cache())
     }
 
     /// Refreshes the cache and link gauges from the directories (blocking).
     pub fn refresh_gauges(&self) {
-        self.keeper().refresh_cache_gauges();
-        self.metrics
-            .cache
-            .active_links
-            .set(self.links.count_published() as i64);
+        self.masters.refresh_gauges();
+        self.nodes.refresh_gauge();
     }
 
     /// The masters in the cache, oldest-used first.
     pub fn cache_entries(&self) -> Result<Vec<crate::store::eviction::Entry>> {
-        crate::store::eviction::list(&self.cache)
+        self.masters.entries()
     }
 
     /// Handles one request and always answers with a completion event. Every
@@ -287,7 +235,7 @@ impl Pipeline {
         done: &mut Completion,
     ) -> Result<Released> {
         match (req.action, node) {
-            (Action::Warm, _) => Box::pin(self.warm(req, done))
+            (Action::Warm, _) => Box::pin(self.masters.warm(req, done))
                 .await
                 .map(|()| Released::Done),
             (Action::Prepare, Some(node)) => self.prepare(node, req, done).await,
@@ -304,34 +252,37 @@ impl Pipeline {
     /// moved on, so an older prepare still queued is refused (`order`).
     async fn release(&self, node: &NodeUuid, req: &Request, whole_dir: bool) -> Result<Released> {
         let only_if_prepared = whole_dir && req.only_if_prepared;
-        let mut node_lock = self.node_locks.acquire(node.as_str()).await?;
-        self.note_released(node, req).await;
+        let mut node_lock = self.nodes.lock(node).await?;
+        self.order.note_released(node, req).await;
         // The node's lock file goes with its files (when it never had any
         // here, or has none left); a failed removal keeps it.
-        if only_if_prepared && !self.has_node_files(node) {
+        if only_if_prepared && !self.nodes.has_files(node) {
             node_lock.remove_file();
             return Ok(Released::Stray);
         }
-        if self.links.unpublish(node)? {
-            self.metrics.cache.active_links.dec();
-        }
-        // Removing a node's directory and listing the cache touch the disk:
-        // off the async threads.
-        let (links, owned) = (self.links.clone(), node.clone());
-        blocking(move || {
-            if whole_dir {
-                links.remove_node_dir(&owned)?;
-            } else {
-                links.remove_disk(&owned)?;
-            }
-            Ok(())
-        })
-        .await?;
-        if whole_dir || !self.has_node_files(node) {
+        self.nodes.take_back(node, whole_dir).await?;
+        if whole_dir || !self.nodes.has_files(node) {
             node_lock.remove_file();
         }
-        self.refresh_cache_gauges().await;
+        self.masters.refresh_cache_gauges().await;
         Ok(Released::Done)
+    }
+
+    /// Runs `work` (a prepare's) under `node`'s lock and then master
+    /// `name`'s. Lock files stay only while what they guard exists: a
+    /// failure that leaves no master, or no files of the node, removes them.
+    async fn locked<T>(
+        &self,
+        node: &NodeUuid,
+        name: &str,
+        work: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
+        let mut node_lock = self.nodes.lock(node).await?;
+        let result = self.masters.locked(name, work).await;
+        if result.is_err() && !self.nodes.has_files(node) {
+            node_lock.remove_file();
+        }
+        result
     }
 }
 

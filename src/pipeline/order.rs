@@ -14,12 +14,32 @@
 //! refused too. The same record keeps the deliveries answered, so that a
 //! copy redelivered to any process of the host is not answered twice.
 
-use super::{Pipeline, Request, Shelf, Turn, blocking};
+use super::{Request, Shelf, Turn, blocking};
 use crate::error::{Error, ErrorCode, Result};
 use crate::node::NodeUuid;
-use crate::store::ledger::{self, now_ms};
+use crate::store::ledger::{self, Ledger, now_ms};
 
-impl Pipeline {
+/// The order of the nodes' commands: the host's ledger and how old a
+/// notification's prepare may be (`[notifications]max_age`, seconds).
+pub struct Order {
+    ledger: Ledger,
+    max_age: u64,
+}
+
+impl Order {
+    /// Opens the ledger of `images_path` (`<images_path>/.ledger/`).
+    pub(super) fn open(config: &crate::config::Config) -> Result<Order> {
+        Ok(Order {
+            ledger: Ledger::open(config.pxe.images_path.join(".ledger"))?,
+            max_age: config.notifications.max_age,
+        })
+    }
+
+    /// Removes the records past the ledger's bounds; how many (blocking).
+    pub(super) fn expire(&self) -> usize {
+        self.ledger.expire()
+    }
+
     /// When `req` was issued, never later than now (a sender's clock ahead
     /// of ours must not refuse the node's later prepares).
     pub(super) fn issued_ms(req: &Request) -> u64 {
@@ -34,7 +54,7 @@ impl Pipeline {
     pub(super) fn check_not_stale(&self, node: &NodeUuid, req: &Request) -> Result<()> {
         let issued = Self::issued_ms(req);
         let age_s = now_ms().saturating_sub(issued) / 1000;
-        let max_age = self.config.notifications.max_age;
+        let max_age = self.max_age;
         if req.notified && age_s > max_age {
             return Err(stale(format!(
                 "the notification is {age_s} s old, more than [notifications]max_age = {max_age}"

@@ -4,14 +4,11 @@
 //! served. It knows nothing of the broker or HTTP serving: the served URL
 //! is only a string built from the configuration.
 
-use super::job::MasterFetch;
-use super::obtain::{Obtained, fill_image};
-use super::resolve::Mode;
-use super::{Pipeline, Released, Request, blocking};
+use super::masters::{MasterFetch, Mode, Obtained, fill_image};
+use super::{Pipeline, Released, Request};
 use crate::error::Result;
 use crate::messages::{CacheOutcome, Completion};
 use crate::node::NodeUuid;
-use crate::store::cache::Master;
 
 impl Pipeline {
     /// Makes the image ready for `node` and fills `done` with where and
@@ -29,24 +26,25 @@ impl Pipeline {
         done: &mut Completion,
     ) -> Result<Released> {
         // Before any work; again under the node lock before linking.
-        self.check_not_stale(node, req)?;
-        let image = Box::pin(self.resolve_image(req, done)).await?;
+        self.order.check_not_stale(node, req)?;
+        let masters = &self.masters;
+        let image = Box::pin(masters.resolve_image(req, done)).await?;
         match image.mode {
             Mode::Cache => {}
             Mode::PassThrough => {
-                let answer = self.pass_through(&image.source, &image.href, image.spec, done);
+                let answer = masters.pass_through(&image.source, &image.href, image.spec, done);
                 return Box::pin(answer).await.map(|()| Released::Done);
             }
             Mode::Validate => {
-                let validated = self.validate_image(image, req, done);
+                let validated = masters.validate_image(image, req, done);
                 return Box::pin(validated).await.map(|_| Released::Done);
             }
         }
-        let expected = Box::pin(self.expected_of(image.spec.clone(), &image.source)).await?;
-        let (name, force_raw) = self.master_of(&image, req);
+        let expected = Box::pin(masters.expected_of(image.spec.clone(), &image.source)).await?;
+        let (name, force_raw) = masters.master_of(&image, req);
         let job = image.job(&name, expected.as_ref(), force_raw, req);
         let locked = self.prepare_locked(node, req, &job, done);
-        self.locked(Some(node), &name, locked).await?;
+        self.locked(node, &name, locked).await?;
         Ok(Released::Done)
     }
 
@@ -67,62 +65,30 @@ impl Pipeline {
             linked,
             hold: _hold,
         } = self
-            .obtain_master(job, false, &|m| {
-                self.links.disk_is(node, &m.path, &m.meta.sha256)
-            })
+            .masters
+            .obtain_master(job, false, &|m| self.nodes.links_to(node, m))
             .await?;
         // The node may have moved on while the image was made (a cleanup
         // waits for this lock; a notification does not).
-        self.check_not_stale(node, req)?;
+        self.order.check_not_stale(node, req)?;
         let linked_here = match outcome {
-            CacheOutcome::Miss => !self.links.disk_is(node, &master.path, &master.meta.sha256),
+            CacheOutcome::Miss => !self.nodes.links_to(node, &master),
             _ => !linked,
         };
-        self.link_and_publish(node, &master, linked_here).await?;
+        let url = self
+            .nodes
+            .link_and_publish(node, &master, linked_here)
+            .await?;
         if let Some(name) = master.path.file_name() {
-            self.compress_later(&name.to_string_lossy());
+            self.masters.compress_later(&name.to_string_lossy());
         }
-        // Asked for now: not expired for another [cache]node_files_ttl.
-        self.links.touch(node);
         if outcome == CacheOutcome::Miss {
-            self.after_growth().await;
-            self.refresh_cache_gauges().await;
+            self.masters.after_growth().await;
+            self.masters.refresh_cache_gauges().await;
         }
         tracing::info!(cache = ?outcome, master = %master.path.display(), "prepared");
-        done.image_url = Some(format!(
-            "{}/{}/{}",
-            self.http_url, self.config.deploy.http_image_subdir, node
-        ));
+        done.image_url = Some(url);
         fill_image(&master.meta, job.served, outcome, done);
-        Ok(())
-    }
-
-    /// Links `master` for `node` when `linked_here` (a hard link made here;
-    /// a copy across file systems on a blocking thread) and publishes the
-    /// node's symlink; a link made for this prepare is taken back when the
-    /// symlink cannot be published, as it would keep its master from ever
-    /// being evicted.
-    async fn link_and_publish(
-        &self,
-        node: &NodeUuid,
-        master: &Master,
-        linked_here: bool,
-    ) -> Result<()> {
-        if linked_here && !self.links.hard_link_disk(node, &master.path)? {
-            let (links, node, path) = (self.links.clone(), node.clone(), master.path.clone());
-            let sha256 = master.meta.sha256.clone();
-            blocking(move || links.link_disk(&node, &path, &sha256)).await?;
-        }
-        match self.links.publish(node) {
-            Ok(true) => self.metrics.cache.active_links.inc(),
-            Ok(false) => {}
-            Err(e) => {
-                if linked_here {
-                    let _ = self.links.remove_disk(node);
-                }
-                return Err(e);
-            }
-        }
         Ok(())
     }
 }

@@ -223,6 +223,7 @@ impl RpcState {
         };
         let pipeline = self.server.work.pipeline();
         match pipeline
+            .order()
             .park_delivery(&parked.shelf, &parked.key, record.to_string().into_bytes())
             .await
         {
@@ -239,7 +240,7 @@ impl RpcState {
     /// senders ask this port for the answer.
     async fn resume_parked(&self) {
         let pipeline = self.server.work.pipeline();
-        for (key, bytes) in pipeline.adopt_parked(&self.shelf).await {
+        for (key, bytes) in pipeline.order().adopt_parked(&self.shelf).await {
             let record: Option<(String, u64)> = serde_json::from_slice::<Value>(&bytes)
                 .ok()
                 .and_then(|v| Some((v["body"].as_str()?.to_string(), v["issued_ms"].as_u64()?)));
@@ -250,7 +251,7 @@ impl RpcState {
                     key,
                     "an unreadable JSON-RPC cast kept from a process now gone: dropped"
                 );
-                pipeline.unpark_delivery(&self.shelf, &key).await;
+                pipeline.order().unpark_delivery(&self.shelf, &key).await;
                 continue;
             };
             tracing::info!(
@@ -410,7 +411,11 @@ impl Caller {
     /// The job ended: its record, if any, is no longer needed.
     async fn forget(&self) {
         if let Some(p) = &self.parked {
-            p.work.pipeline().unpark_delivery(&p.shelf, &p.key).await;
+            p.work
+                .pipeline()
+                .order()
+                .unpark_delivery(&p.shelf, &p.key)
+                .await;
         }
     }
 }

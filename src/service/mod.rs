@@ -33,13 +33,13 @@ pub async fn serve(config: Config, files: &str) -> Result<()> {
     let listeners = Listeners::bind(&config).await?;
     let pipeline = Arc::new(Pipeline::new(config.clone(), metrics.clone())?);
     pipeline.recover()?;
-    pipeline.start_compressing();
+    pipeline.masters().start_compressing();
     let roots = ImageRoots::new(
         &config.deploy.http_root,
         &[&config.pxe.instance_master_path, &config.pxe.images_path],
     )
     .map_err(|e| Error::io("resolve served directories", e))?
-    .with_gzip(pipeline.gzip_dir());
+    .with_gzip(pipeline.masters().gzip_dir());
     announce(&config, limits, &security, files);
     let (stop_tx, stop_rx) = watch::channel(false);
     let connected = brokers
@@ -250,7 +250,7 @@ fn start_peer_link(
             metrics.clone(),
             stop.clone(),
         )?;
-        pipeline.enable_peers(link)?;
+        pipeline.masters().enable_peers(link)?;
     }
     Ok(())
 }
@@ -271,7 +271,7 @@ async fn spawn_peer_listener(
         masters: config.pxe.instance_master_path.clone(),
         secret: config.peers.load_secret()?,
         max_uploads: config.peers.max_uploads,
-        live: pipeline.live_masters(),
+        live: pipeline.masters().live_masters(),
     };
     let listener = bind("[peers]listen", listen).await?;
     tracing::info!(peers = %listen, "serving masters to peers");

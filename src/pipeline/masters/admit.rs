@@ -7,7 +7,7 @@
 
 use super::job::MasterFetch;
 use super::verdict::{Formats, Wanted};
-use super::{Pipeline, blocking};
+use super::{Masters, blocking};
 use crate::error::{Error, Result};
 use crate::fsutil::TempGuard;
 use crate::image::inspect;
@@ -16,7 +16,7 @@ use crate::sources::Source;
 use crate::store::cache::{self, Master, MasterMeta};
 use std::path::Path;
 
-impl Pipeline {
+impl Masters {
     /// Inspects the downloaded image: its format must be the declared one
     /// and permitted, and a qcow2 must pass the safety checks.
     pub(super) async fn inspect_download(
@@ -50,7 +50,7 @@ impl Pipeline {
     }
 
     /// Commits `temp` as the master `name` with its sidecar, holding it by a
-    /// hard link first (see [`Pipeline::fetch_master`]).
+    /// hard link first (see [`Masters::fetch_master`]).
     pub(super) async fn commit_master(
         &self,
         name: &str,

@@ -8,7 +8,7 @@
 //! read exactly that attempt's file. It knows nothing of nodes, the broker
 //! or HTTP serving.
 
-use super::Pipeline;
+use super::Masters;
 use super::job::MasterFetch;
 use super::keeper::{GROWTH_STEP, Room};
 use super::stream::DownloadState;
@@ -67,7 +67,7 @@ struct Current {
 /// The views the conversion follows: `None` while no attempt is valid.
 type Views = watch::Sender<Option<Arc<AttemptView>>>;
 
-impl Pipeline {
+impl Masters {
     /// Whether a qcow2 download is converted while it downloads.
     pub(super) fn streams_while_downloading(&self, job: &MasterFetch<'_>) -> bool {
         job.force_raw
@@ -88,7 +88,7 @@ impl Pipeline {
         self.receive_from(job, rx, source).await
     }
 
-    /// [`Pipeline::download_attempts`] from any feed of deliveries (`rx`,
+    /// [`Masters::download_attempts`] from any feed of deliveries (`rx`,
     /// filled by `source`): the image's source, or a peer.
     pub(super) async fn receive_from(
         &self,

@@ -6,7 +6,7 @@
 //! nothing of nodes (linking is the request's business), the broker or HTTP
 //! serving.
 
-use super::Pipeline;
+use super::Masters;
 use super::attempt::{Streamed, Written};
 use super::job::MasterFetch;
 use super::keeper::Room;
@@ -30,7 +30,7 @@ struct Downloaded {
     fetched_at: u64,
 }
 
-impl Pipeline {
+impl Masters {
     /// Downloads `job.source` into a new master (committed) and returns it
     /// with a hold: a hard link that keeps the file until the caller linked
     /// it to the node, so no eviction can take it in between.

@@ -6,7 +6,7 @@
 //! file counts in the cache's size. At most [`QUEUED`] masters wait; one
 //! asked for beyond that is asked for again by its next prepare.
 
-use super::Pipeline;
+use super::Masters;
 use super::keeper::Keeper;
 use crate::store::compress::Outcome;
 use std::collections::{HashSet, VecDeque};
@@ -24,7 +24,7 @@ pub(super) struct Compressions {
     wake: Condvar,
 }
 
-impl Pipeline {
+impl Masters {
     /// Turns compression on (`serve` does this with `[http] gzip =
     /// static`; one-shot commands never compress: they would stop halfway).
     pub fn start_compressing(&self) {
@@ -53,7 +53,7 @@ impl Pipeline {
 
     /// Asks for master `name` to be compressed (nothing when compression
     /// is off, the master already waits, or too many do).
-    pub(super) fn compress_later(&self, name: &str) {
+    pub(in crate::pipeline) fn compress_later(&self, name: &str) {
         let Some(c) = self.compressions.get() else {
             return;
         };

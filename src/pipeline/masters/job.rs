@@ -18,7 +18,7 @@ pub(super) fn served(md5: bool, expected: Option<&Expected>) -> crate::store::si
 
 /// What the steps of one master download share: where it comes from, the
 /// master's name, and what the request wants of it.
-pub(super) struct MasterFetch<'a> {
+pub(in crate::pipeline) struct MasterFetch<'a> {
     /// The image source.
     pub(super) source: &'a Source,
     /// The source as Ironic named it (recorded in the sidecar).
@@ -30,7 +30,7 @@ pub(super) struct MasterFetch<'a> {
     /// The digests of the served bytes computed (SHA-512 when the
     /// request's algorithm is sha512, MD5 unless `[agent] served_md5` is
     /// false).
-    pub(super) served: crate::store::sink::Served,
+    pub(in crate::pipeline) served: crate::store::sink::Served,
     /// Whether images that can be converted are converted to raw.
     pub(super) force_raw: bool,
     /// Ironic's `instance_info` (the declared disk format).

@@ -5,7 +5,7 @@
 //! threads. It knows the cache directory and the policy, not requests,
 //! nodes, the broker or HTTP serving.
 
-use super::{Pipeline, blocking};
+use super::{Masters, blocking};
 use crate::error::{Error, ErrorCode, Result};
 use crate::fsutil;
 use crate::metrics::Metrics;
@@ -15,7 +15,23 @@ use std::sync::Arc;
 /// How much free space a file of unannounced length makes sure of ahead.
 pub(super) const GROWTH_STEP: u64 = 256 << 20;
 
-impl Pipeline {
+impl Masters {
+    /// Applies the cache policy (see `eviction`), reclaiming at least
+    /// `amount` bytes if it can (blocking: file-system work).
+    pub(in crate::pipeline) fn clean(
+        &self,
+        amount: u64,
+        all_unused: bool,
+        dry_run: bool,
+    ) -> Result<crate::store::eviction::Report> {
+        self.keeper().clean(amount, all_unused, dry_run)
+    }
+
+    /// Refreshes the cache gauges from the directory (blocking).
+    pub(in crate::pipeline) fn refresh_gauges(&self) {
+        self.keeper().refresh_cache_gauges();
+    }
+
     /// The cache housekeeping, to run on a blocking thread.
     pub(super) fn keeper(&self) -> Keeper {
         Keeper {
@@ -37,13 +53,13 @@ impl Pipeline {
 
     /// After the cache grew: enforce the size limit and TTL (the new master is
     /// protected by its link to the node, made before this runs).
-    pub(super) async fn after_growth(&self) {
+    pub(in crate::pipeline) async fn after_growth(&self) {
         if let Err(e) = self.off_thread(|k| k.clean(0, false, false)).await {
             tracing::warn!(error = %e, "cache clean-up failed");
         }
     }
 
-    pub(super) async fn refresh_cache_gauges(&self) {
+    pub(in crate::pipeline) async fn refresh_cache_gauges(&self) {
         let _ = self
             .off_thread(|k| {
                 k.refresh_cache_gauges();

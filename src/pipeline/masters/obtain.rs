@@ -6,14 +6,13 @@
 
 use super::job::MasterFetch;
 use super::verdict::{self, Fit, Verdict, Wanted, source_digest};
-use super::{Pipeline, blocking};
+use super::{Masters, blocking};
 use crate::error::Result;
 use crate::messages::{CacheOutcome, Completion};
-use crate::node::NodeUuid;
 use crate::store::cache::{self, Master, MasterMeta};
 use crate::store::checksum::{Algo, Expected};
 
-impl Pipeline {
+impl Masters {
     /// The master of `job`, under its master lock: the cached one when its
     /// record fits the request ([`verdict::judge`]; its missing digests
     /// computed first, its freshness asked of the source when no checksum
@@ -21,7 +20,7 @@ impl Pipeline {
     /// and a validated pass-through share; `as_fetched` when only the
     /// source's own bytes will do. A master `linked` says its node links
     /// already needs no freshness check (a repeated event).
-    pub(super) async fn obtain_master(
+    pub(in crate::pipeline) async fn obtain_master(
         &self,
         job: &MasterFetch<'_>,
         as_fetched: bool,
@@ -92,28 +91,17 @@ impl Pipeline {
     }
 
     /// Runs `work` (a prepare's, a warm's or a validation's) under master
-    /// `name`'s lock, and first `node`'s when given. Lock files stay only
-    /// while what they guard exists: a failure that leaves no master, or
-    /// no files of the node, removes them.
-    pub(super) async fn locked<T>(
+    /// `name`'s lock. The lock file stays only while its master exists: a
+    /// failure that leaves no master removes it.
+    pub(in crate::pipeline) async fn locked<T>(
         &self,
-        node: Option<&NodeUuid>,
         name: &str,
         work: impl std::future::Future<Output = Result<T>>,
     ) -> Result<T> {
-        let mut node_lock = match node {
-            Some(node) => Some(self.node_locks.acquire(node.as_str()).await?),
-            None => None,
-        };
         let mut master_lock = self.cache.lock(name).await?;
         let result = work.await;
         if result.is_err() {
             self.cache.release_failed(name, &mut master_lock);
-            if let (Some(node), Some(lock)) = (node, node_lock.as_mut())
-                && !self.has_node_files(node)
-            {
-                lock.remove_file();
-            }
         }
         result
     }
@@ -168,17 +156,17 @@ impl Pipeline {
     }
 }
 
-/// A master obtained for a request (see [`Pipeline::obtain_master`]).
-pub(super) struct Obtained {
+/// A master obtained for a request (see [`Masters::obtain_master`]).
+pub(in crate::pipeline) struct Obtained {
     /// The verified master.
-    pub(super) master: Master,
+    pub(in crate::pipeline) master: Master,
     /// Found in the cache or made now.
-    pub(super) outcome: CacheOutcome,
+    pub(in crate::pipeline) outcome: CacheOutcome,
     /// The prepare's node links this very master already.
-    pub(super) linked: bool,
+    pub(in crate::pipeline) linked: bool,
     /// A new master's hold: a hard link keeping it (`st_nlink > 1`, so no
     /// eviction takes it) until dropped.
-    pub(super) hold: Option<crate::fsutil::TempGuard>,
+    pub(in crate::pipeline) hold: Option<crate::fsutil::TempGuard>,
 }
 
 /// What a request served from the master described by `meta` answers of
@@ -186,7 +174,7 @@ pub(super) struct Obtained {
 /// whether converted, hit or miss (everything but a prepare's URL). The
 /// MD5 (`image_checksum`) only when `served` has it: without it, Ironic
 /// verifies with `image_os_hash_*` alone, as after its own conversions.
-pub(super) fn fill_image(
+pub(in crate::pipeline) fn fill_image(
     meta: &MasterMeta,
     served: crate::store::sink::Served,
     outcome: CacheOutcome,

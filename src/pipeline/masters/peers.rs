@@ -17,7 +17,7 @@
 //! holder's record, and the file is inspected as a download is, before it
 //! becomes a master.
 
-use super::Pipeline;
+use super::Masters;
 use super::attempt::DELIVERY_DEPTH;
 use super::job::MasterFetch;
 use super::verdict::{self, Verdict};
@@ -96,7 +96,7 @@ pub(super) enum PeerTurn {
     Source(Option<ClaimGuard>),
 }
 
-impl Pipeline {
+impl Masters {
     /// Turns the peers on: misses ask `directory` first (`serve` does
     /// this when `[peers]` is configured).
     pub fn enable_peers(&self, directory: Arc<dyn PeerDirectory>) -> Result<()> {

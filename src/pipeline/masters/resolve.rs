@@ -5,20 +5,20 @@
 //! policy, and how `image_download_source` has the image served.
 
 use super::job::MasterFetch;
-use super::{Pipeline, Request};
+use super::{Masters, Request};
 use crate::error::{Error, ErrorCode, Result};
 use crate::messages::{Completion, InstanceInfo};
 use crate::sources::Source;
 use crate::store::cache;
 use crate::store::checksum::{Algo, ChecksumSpec, Expected, parse_checksum_file};
 
-impl Pipeline {
+impl Masters {
     /// What a prepare and a warm of `req`'s image decide before taking any
     /// lock: the source (an `oci://` one resolved to its blob), the name
     /// its master is recorded under, `instance_info` completed from Glance,
     /// the checksum asked for, and how `image_download_source` has it
     /// served.
-    pub(super) async fn resolve_image(
+    pub(in crate::pipeline) async fn resolve_image(
         &self,
         req: &Request,
         done: &mut Completion,
@@ -44,7 +44,7 @@ impl Pipeline {
     }
 
     /// The expected digest of the source bytes, when a checksum is given.
-    pub(super) async fn expected_of(
+    pub(in crate::pipeline) async fn expected_of(
         &self,
         spec: Option<ChecksumSpec>,
         source: &Source,
@@ -58,7 +58,11 @@ impl Pipeline {
     /// The master's name and whether it is converted to raw: Ironic's
     /// rule (`force_raw_images` and `stream_raw_images`, the request's
     /// overrides first, for a whole-disk image).
-    pub(super) fn master_of(&self, image: &ImagePlan, req: &Request) -> (String, bool) {
+    pub(in crate::pipeline) fn master_of(
+        &self,
+        image: &ImagePlan,
+        req: &Request,
+    ) -> (String, bool) {
         let force_raw = req
             .options
             .force_raw
@@ -256,25 +260,25 @@ impl Pipeline {
 }
 
 /// What a prepare or a warm resolved of its image before any lock (see
-/// [`Pipeline::resolve_image`]).
-pub(super) struct ImagePlan {
+/// [`Masters::resolve_image`]).
+pub(in crate::pipeline) struct ImagePlan {
     /// Where the bytes come from (an `oci://` reference resolved to a blob).
-    pub(super) source: Source,
+    pub(in crate::pipeline) source: Source,
     /// The name the master is recorded under (a Glance id, the blob, the URL).
-    pub(super) href: String,
+    pub(in crate::pipeline) href: String,
     /// `instance_info`, completed from Glance or the OCI registry.
-    pub(super) info: InstanceInfo,
+    pub(in crate::pipeline) info: InstanceInfo,
     /// The checksum asked for, not resolved yet.
-    pub(super) spec: Option<ChecksumSpec>,
+    pub(in crate::pipeline) spec: Option<ChecksumSpec>,
     /// How `image_download_source` has the image served.
-    pub(super) mode: Mode,
+    pub(in crate::pipeline) mode: Mode,
     /// `[agent] served_md5`.
     served_md5: bool,
 }
 
 impl ImagePlan {
     /// The download of this image into the master `name`.
-    pub(super) fn job<'a>(
+    pub(in crate::pipeline) fn job<'a>(
         &'a self,
         name: &'a str,
         expected: Option<&'a Expected>,
@@ -295,7 +299,7 @@ impl ImagePlan {
 }
 
 /// How a prepare answers, from `image_download_source` and the source.
-pub(super) enum Mode {
+pub(in crate::pipeline) enum Mode {
     /// Cache (and convert) the image and serve it.
     Cache,
     /// `http` mode: answer the http(s) source's own URL after a HEAD check.

@@ -4,7 +4,7 @@
 //! result is only used once the whole download is verified (see `fetch`).
 //! It knows nothing of requests, nodes, the broker or HTTP serving.
 
-use super::Pipeline;
+use super::Masters;
 use crate::error::{Error, ErrorCode, Result};
 use crate::image::convert;
 use crate::image::inspect;
@@ -13,7 +13,7 @@ use crate::peers::live::LiveGuard;
 use crate::store::sink::{Digests, Served};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-impl Pipeline {
+impl Masters {
     /// With peers on: offers `out`, to become master `name` of `size`
     /// bytes, to the workers waiting for it while it is written.
     pub(super) fn publish_live(

@@ -9,18 +9,18 @@
 use super::job::MasterFetch;
 use super::obtain::Obtained;
 use super::resolve::ImagePlan;
-use super::{Pipeline, Request};
+use super::{Masters, Request};
 use crate::error::Result;
 use crate::messages::{CacheOutcome, Completion, InstanceInfo};
 use crate::sources::Source;
 use crate::store::cache;
 use crate::store::checksum::{Algo, ChecksumSpec, Expected};
 
-impl Pipeline {
+impl Masters {
     /// `http` mode with validation: the image downloaded, verified and
     /// inspected (or found so in the cache) and the source's own URL
     /// answered; whether it was found in the cache.
-    pub(super) async fn validate_image(
+    pub(in crate::pipeline) async fn validate_image(
         &self,
         image: ImagePlan,
         req: &Request,
@@ -40,7 +40,7 @@ impl Pipeline {
 
     /// `image_download_source = http` with an http(s) source: the agent
     /// downloads from the source itself, after a HEAD check, as Ironic does.
-    pub(super) async fn pass_through(
+    pub(in crate::pipeline) async fn pass_through(
         &self,
         source: &Source,
         href: &str,
@@ -67,7 +67,7 @@ impl Pipeline {
     }
 
     /// Downloads, verifies and inspects `source` (or finds it verified in
-    /// the cache), then answers its own URL as [`Pipeline::pass_through`]
+    /// the cache), then answers its own URL as [`Masters::pass_through`]
     /// does, with the detected format and the digest of the inspected
     /// bytes when the request gave none (so the agent verifies it gets
     /// the very bytes inspected here). Says whether the verified bytes were
@@ -98,7 +98,7 @@ impl Pipeline {
         let obtained = self.obtain_master(&job, true, &|_| false);
         let Obtained {
             master, outcome, ..
-        } = self.locked(None, &name, obtained).await?;
+        } = self.locked(&name, obtained).await?;
         let meta = &master.meta;
         done.image_url = Some(href.to_string());
         match expected {

@@ -9,11 +9,11 @@
 
 use super::obtain::{Obtained, fill_image};
 use super::resolve::Mode;
-use super::{Pipeline, Request};
+use super::{Masters, Request};
 use crate::error::Result;
 use crate::messages::{CacheOutcome, Completion};
 
-impl Pipeline {
+impl Masters {
     /// Caches `req`'s image as a prepare would and fills `done` with what a
     /// prepare answers of it, without a URL. In `image_download_source =
     /// http` mode an http(s) source is what deploys download from, so
@@ -22,7 +22,11 @@ impl Pipeline {
     /// `conductor_always_validates_images`, whose verified bytes are
     /// cached as a prepare caches them), and `cache` says `pass_through`
     /// (`hit`/`miss` of the validated bytes when validating).
-    pub(super) async fn warm(&self, req: &Request, done: &mut Completion) -> Result<()> {
+    pub(in crate::pipeline) async fn warm(
+        &self,
+        req: &Request,
+        done: &mut Completion,
+    ) -> Result<()> {
         let image = Box::pin(self.resolve_image(req, done)).await?;
         match image.mode {
             Mode::Cache => {}
@@ -60,7 +64,7 @@ impl Pipeline {
         };
         let Obtained {
             master, outcome, ..
-        } = self.locked(None, &name, warmed).await?;
+        } = self.locked(&name, warmed).await?;
         tracing::info!(cache = ?outcome, master = %master.path.display(), "warmed");
         self.compress_later(&name);
         fill_image(&master.meta, job.served, outcome, done);

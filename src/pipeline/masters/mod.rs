@@ -1,0 +1,88 @@
+//! The masters: obtaining the one verified image a request is served from,
+//! owned by one component. It holds the master cache, the sources, the
+//! other conductors' workers and the background compression, and knows no
+//! node: the pipeline above links what it obtains. Its modules, each using
+//! only those listed after it (`tests/architecture.rs` holds them to one
+//! direction):
+//!
+//! * a request without a node: caching an image for no node (`warm`),
+//!   `http` mode's answers, passed through or validated first
+//!   (`validated`);
+//! * what requests share: the image a request names, resolved before any
+//!   lock (`resolve`); its master under the master lock, the cached one
+//!   when it fits or a new one (`obtain`);
+//! * making a new master: download, verify, decompress, inspect, convert,
+//!   commit (`fetch`); the other conductors' workers first (`peers`); each
+//!   download attempt's file, sink and conversion (`attempt`); converting a
+//!   qcow2 while it downloads (`stream`);
+//! * below them all: whether a master's record fits a request, a pure
+//!   function (`verdict`); what lets bytes stand as a master, the inspection
+//!   and the commit (`admit`); one master to obtain (`job`); the cache
+//!   housekeeping (`keeper`); compressing masters in the background
+//!   (`gzip`).
+
+use super::{Request, blocking};
+use crate::config::Config;
+use crate::error::Result;
+use crate::metrics::Metrics;
+use crate::sources::Fetcher;
+use crate::store::cache::Cache;
+use std::sync::{Arc, OnceLock};
+
+mod admit;
+mod attempt;
+mod fetch;
+mod gzip;
+mod job;
+mod keeper;
+mod obtain;
+pub mod peers;
+mod resolve;
+mod stream;
+mod validated;
+mod verdict;
+mod warm;
+
+pub(super) use job::MasterFetch;
+pub(super) use obtain::{Obtained, fill_image};
+pub(super) use resolve::Mode;
+
+/// The master cache and everything that fills it (see the module).
+pub struct Masters {
+    config: Arc<Config>,
+    cache: Cache,
+    fetcher: Fetcher,
+    metrics: Arc<Metrics>,
+    /// The other conductors' workers, once `serve` turned them on.
+    peers: OnceLock<peers::Peers>,
+    /// Masters being written that the peer listener streams as they grow.
+    live: Arc<crate::peers::live::LiveMasters>,
+    /// Masters waiting to be compressed, once `serve` turned it on.
+    compressions: OnceLock<Arc<gzip::Compressions>>,
+}
+
+impl Masters {
+    /// Opens the master cache (removing nothing); transfers and evictions
+    /// are recorded in `metrics`.
+    pub(super) fn open(config: Arc<Config>, metrics: Arc<Metrics>) -> Result<Masters> {
+        Ok(Masters {
+            cache: Cache::open(&config.pxe.instance_master_path)?,
+            fetcher: Fetcher::new(&config)?,
+            config,
+            metrics,
+            peers: OnceLock::new(),
+            live: Arc::default(),
+            compressions: OnceLock::new(),
+        })
+    }
+
+    /// The master cache (its directory, locks and records).
+    pub(super) fn cache(&self) -> &Cache {
+        &self.cache
+    }
+
+    /// The masters in the cache, oldest-used first.
+    pub(super) fn entries(&self) -> Result<Vec<crate::store::eviction::Entry>> {
+        crate::store::eviction::list(&self.cache)
+    }
+}
