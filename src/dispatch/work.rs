@@ -5,6 +5,7 @@
 use super::{AnswerKey, Carrier, Deferral, DeliveryKey, Dispatch, Job};
 use crate::error::{Error, ErrorCode};
 use crate::messages::{Action, Completion, Request, SlowSignal};
+use crate::node::NodeUuid;
 use crate::pipeline::Turn;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -49,8 +50,11 @@ impl Dispatch {
         let carrier = &*carrier;
         let key = AnswerKey::of(&request);
         let delivery = carrier.delivery_key();
-        if let Some(d) = delivery.as_ref().filter(|d| d.redelivered)
-            && self.answered_before(&request.node_uuid, d).await
+        // The node whose ledger records the delivery (none for a warm, or a
+        // request the pipeline will refuse for its node).
+        let node = NodeUuid::parse(&request.node_uuid).ok();
+        if let (Some(d), Some(node)) = (delivery.as_ref().filter(|d| d.redelivered), &node)
+            && self.answered_before(node, d).await
         {
             tracing::info!("a redelivered copy of work answered by a process of this host");
             self.answers.end(key.as_ref(), None);
@@ -66,22 +70,22 @@ impl Dispatch {
             self.answers.end(key.as_ref(), None);
             self.metrics
                 .consumed(carrier.source(), done.action.as_str(), done.status.as_str());
-            return self.deliver(&request, &done, carrier, delivery).await;
+            return self.deliver(&done, carrier, node.as_ref(), delivery).await;
         }
-        let claimed = delivery.as_ref().filter(|_| request.action != Action::Warm);
-        if let Some(d) = claimed
-            && !self.take_turn(&request.node_uuid, d).await
+        let claimed = delivery
+            .as_ref()
+            .filter(|_| request.action != Action::Warm)
+            .zip(node.as_ref());
+        if let Some((d, node)) = claimed
+            && !self.take_turn(node, d).await
         {
             tracing::info!("a copy of work answered by another process of this host");
             self.answers.end(key.as_ref(), None);
             return self.unanswered(carrier, "answered_elsewhere").await;
         }
         let Some(done) = self.outcome(&mut request, carrier).await else {
-            if let Some(d) = claimed {
-                self.pipeline
-                    .order()
-                    .release_delivery(&request.node_uuid, &d.key)
-                    .await;
+            if let Some((d, node)) = claimed {
+                self.pipeline.order().release_delivery(node, &d.key).await;
             }
             self.answers.end(key.as_ref(), None);
             return;
@@ -89,7 +93,7 @@ impl Dispatch {
         self.answers.end(key.as_ref(), Some((&done, transport)));
         self.metrics
             .consumed(carrier.source(), done.action.as_str(), done.status.as_str());
-        self.deliver(&request, &done, carrier, delivery).await
+        self.deliver(&done, carrier, node.as_ref(), delivery).await
     }
 
     /// The answer to `request`, or `None` when the job ended without one
@@ -139,17 +143,14 @@ impl Dispatch {
     /// ledger under the delivery's key and lets the carrier settle.
     async fn deliver(
         &self,
-        request: &Request,
         done: &Completion,
         carrier: &dyn Carrier,
+        node: Option<&NodeUuid>,
         delivery: Option<DeliveryKey>,
     ) {
         if carrier.answer(done).await {
-            if let Some(d) = delivery {
-                self.pipeline
-                    .order()
-                    .note_answered(&request.node_uuid, &d.key)
-                    .await;
+            if let (Some(d), Some(node)) = (delivery, node) {
+                self.pipeline.order().note_answered(node, &d.key).await;
             }
             carrier.finish().await;
         }
@@ -160,7 +161,7 @@ impl Dispatch {
     /// While another live process works on it (the broker gave this process
     /// a copy after that one's connection dropped), waits for its answer.
     /// False: answered by another process, nothing to do.
-    async fn take_turn(&self, node: &str, d: &DeliveryKey) -> bool {
+    async fn take_turn(&self, node: &NodeUuid, d: &DeliveryKey) -> bool {
         let mut waited = false;
         loop {
             let answered_counts = d.redelivered || waited;
@@ -187,7 +188,7 @@ impl Dispatch {
 
     /// Whether the delivery `d` of `node` was answered already by a process
     /// of this host, under its key or the key an earlier version gave it.
-    async fn answered_before(&self, node: &str, d: &DeliveryKey) -> bool {
+    async fn answered_before(&self, node: &NodeUuid, d: &DeliveryKey) -> bool {
         let keys = std::iter::once(&d.key).chain(d.legacy.as_ref());
         for key in keys {
             if self.pipeline.order().answered_before(node, key).await {

@@ -36,7 +36,7 @@ use crate::image::inflate::Inflater;
 use crate::image::qcow2::Header;
 use crate::image::reclaim::Reclaimer;
 use crate::image::reports::report_every_second;
-use crate::store::sink::{CHUNK, Digests, Sink};
+use crate::store::sink::{BlockingSink, CHUNK, Digests};
 use std::collections::VecDeque;
 use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, sync_channel};
 use std::sync::{Arc, Mutex};
@@ -231,7 +231,7 @@ enum Piece {
 /// The raw disk being written, in guest order; see the module
 /// documentation.
 pub(crate) struct Output<'a> {
-    sink: Sink,
+    sink: BlockingSink,
     source: &'a GrowingFile,
     reclaim: &'a mut Reclaimer,
     header: &'a Header,
@@ -249,7 +249,7 @@ impl<'a> Output<'a> {
     /// Writes the disk of the image of `header` (read from `source`, given
     /// back by `reclaim`) into `sink`.
     pub(crate) fn new(
-        sink: Sink,
+        sink: BlockingSink,
         source: &'a GrowingFile,
         reclaim: &'a mut Reclaimer,
         header: &'a Header,
@@ -288,40 +288,35 @@ impl<'a> Output<'a> {
 
     /// Continues with zeros (holes, hashed as zeros) up to guest offset
     /// `to`.
-    pub(crate) async fn zeros_to(&mut self, to: u64) -> Result<()> {
+    pub(crate) fn zeros_to(&mut self, to: u64) -> Result<()> {
         if self.queued_to >= to {
             return Ok(());
         }
         self.queued_to = to;
-        self.push(Piece::Zeros(to)).await
+        self.push(Piece::Zeros(to))
     }
 
     /// Continues with the bytes stored as they are from host offset `from`
     /// on, up to guest offset `end`; refused when another cluster claimed
     /// them already.
-    pub(crate) async fn plain(&mut self, from: u64, end: u64) -> Result<()> {
+    pub(crate) fn plain(&mut self, from: u64, end: u64) -> Result<()> {
         self.reclaim.claim(from, end - self.queued_to)?;
         self.queued_to = end;
-        self.push(Piece::Plain { from, end }).await
+        self.push(Piece::Plain { from, end })
     }
 
     /// Continues with the compressed cluster at guest offset `guest` (its
     /// stored stream: `(host offset, length)`, at most two clusters by the
     /// width of the length field) up to guest offset `end`. Bytes of the
     /// stream past the end of the file read as zeros, as qemu reads them.
-    pub(crate) async fn compressed(
-        &mut self,
-        guest: u64,
-        (at, len): (u64, u64),
-        end: u64,
-    ) -> Result<()> {
+    pub(crate) fn compressed(&mut self, guest: u64, (at, len): (u64, u64), end: u64) -> Result<()> {
         if self.decoders.as_ref().is_some_and(Decoders::full) {
             // Half the window is taken back before more is handed out: the
             // converter's thread and the decoders then wake each other once
             // per half window, not once per cluster (on a busy machine each
             // wake-up waits for a time slice).
             while self.decoders.as_ref().is_some_and(Decoders::over_half) {
-                if !self.write_next(true).await? {
+                if !self.write_next(true)? {
                     break;
                 }
             }
@@ -336,22 +331,22 @@ impl<'a> Output<'a> {
             .map_err(|e| Error::io("read a compressed cluster", e))?;
         decoders.submit(bufs, guest);
         self.queued_to = end;
-        self.push(Piece::Cluster { guest, end }).await
+        self.push(Piece::Cluster { guest, end })
     }
 
     /// Writes everything queued and finishes the sink.
-    pub(crate) async fn finish(mut self) -> Result<Digests> {
-        while self.write_next(true).await? {}
-        self.sink.finish().await
+    pub(crate) fn finish(mut self) -> Result<Digests> {
+        while self.write_next(true)? {}
+        self.sink.finish()
     }
 
     /// The error of the conversion when queuing failed with `e` (a table,
     /// a stream read ahead): the pieces queued before it are written first,
     /// and the first of them that fails is the error instead, as when each
     /// piece was written before the next was read.
-    pub(crate) async fn first_error(mut self, e: Error) -> Error {
+    pub(crate) fn first_error(mut self, e: Error) -> Error {
         loop {
-            match self.write_next(true).await {
+            match self.write_next(true) {
                 Ok(true) => {}
                 Ok(false) => return e,
                 Err(earlier) => return earlier,
@@ -359,30 +354,30 @@ impl<'a> Output<'a> {
         }
     }
 
-    async fn push(&mut self, piece: Piece) -> Result<()> {
+    fn push(&mut self, piece: Piece) -> Result<()> {
         self.queue.push_back(piece);
         while self.queue.len() > MAX_QUEUED {
-            self.write_next(true).await?;
+            self.write_next(true)?;
         }
-        while self.write_next(false).await? {}
+        while self.write_next(false)? {}
         Ok(())
     }
 
     /// Writes the oldest queued piece, waiting for its cluster to be
     /// decoded when `wait` (else writing nothing while it is not). False
     /// when nothing was written. After a failure nothing more is written.
-    async fn write_next(&mut self, wait: bool) -> Result<bool> {
+    fn write_next(&mut self, wait: bool) -> Result<bool> {
         let Some(&piece) = self.queue.front() else {
             return Ok(false);
         };
         let done = match piece {
-            Piece::Zeros(to) => self.write_zeros(to).await,
-            Piece::Plain { from, end } => self.copy_plain(from, end).await,
+            Piece::Zeros(to) => self.write_zeros(to),
+            Piece::Plain { from, end } => self.copy_plain(from, end),
             Piece::Cluster { guest, end } => {
                 let Some(decoded) = self.decoders.as_mut().and_then(|d| d.next(wait)) else {
                     return Ok(false);
                 };
-                self.write_cluster(decoded, guest, end).await
+                self.write_cluster(decoded, guest, end)
             }
         };
         self.queue.pop_front();
@@ -393,10 +388,10 @@ impl<'a> Output<'a> {
         done.map(|()| true)
     }
 
-    async fn write_zeros(&mut self, to: u64) -> Result<()> {
+    fn write_zeros(&mut self, to: u64) -> Result<()> {
         while self.written < to {
             let n = (to - self.written).min(ZERO_PIECE);
-            self.sink.write_zeros(n).await?;
+            self.sink.write_zeros(n)?;
             self.written += n;
             self.report_progress();
         }
@@ -406,7 +401,7 @@ impl<'a> Output<'a> {
     /// Copies the guest range up to `end` stored as it is from host offset
     /// `from` on, one chunk at a time, each read as soon as it has been
     /// downloaded and then given back.
-    async fn copy_plain(&mut self, from: u64, end: u64) -> Result<()> {
+    fn copy_plain(&mut self, from: u64, end: u64) -> Result<()> {
         let start = self.written;
         while self.written < end {
             let at = from + (self.written - start);
@@ -414,10 +409,7 @@ impl<'a> Output<'a> {
             self.source
                 .wait_covered(at + want)
                 .map_err(|e| Error::io("wait for the download", e))?;
-            let n = self
-                .sink
-                .read_at(&self.source.file, at, want as usize)
-                .await?;
+            let n = self.sink.read_at(&self.source.file, at, want as usize)?;
             if n == 0 {
                 return Err(Error::new(
                     ErrorCode::CorruptImage,
@@ -433,16 +425,11 @@ impl<'a> Output<'a> {
 
     /// Writes the part up to guest offset `end` of the decoded cluster at
     /// guest offset `guest`, or its decoding error.
-    async fn write_cluster(
-        &mut self,
-        (bufs, decoded): Decoded,
-        guest: u64,
-        end: u64,
-    ) -> Result<()> {
+    fn write_cluster(&mut self, (bufs, decoded): Decoded, guest: u64, end: u64) -> Result<()> {
         decoded?;
         let from = (self.written - guest) as usize;
         let to = (end - guest) as usize;
-        self.sink.write(&bufs.cluster[from..to]).await?;
+        self.sink.write(&bufs.cluster[from..to])?;
         self.written = end;
         if let Some(d) = &mut self.decoders {
             d.recycle(bufs);

@@ -21,7 +21,7 @@ use crate::image::reports::{ChildReport, report};
 /// Which digests a conversion computes; named here for the converter
 /// child's command line, which knows the image layer and not the store.
 pub use crate::store::sink::Served;
-use crate::store::sink::{CHUNK, Digests, Pace, Sink};
+use crate::store::sink::{BlockingSink, CHUNK, Digests, Pace, Plan, Sink};
 use std::io::Read;
 use std::path::Path;
 use std::process::Stdio;
@@ -438,7 +438,7 @@ pub async fn decompress_zstd(
     max_size: u64,
     growth: &mut dyn Growth,
 ) -> Result<Digests> {
-    let mut sink = Sink::create(dst, served)?;
+    let mut sink = Sink::create(dst, Plan::served(served))?;
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>>>(4);
     let src = src.to_path_buf();
     let reader = tokio::task::spawn_blocking(move || {
@@ -595,13 +595,6 @@ impl Map {
     }
 }
 
-fn current_thread() -> Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| Error::io("converter runtime", e))
-}
-
 /// Writes the virtual disk of the image in order into the new raw file
 /// `dst`, hashing it on the way: ranges that `map` shows hold no data
 /// become holes (hashed as zeros) without being read; standard clusters are
@@ -615,19 +608,16 @@ fn child_copy(
     tables: &GrowingFile,
     reclaim: &mut Reclaimer,
 ) -> Result<Digests> {
-    let rt = current_thread()?;
-    rt.block_on(async {
-        let sink = Sink::create(dst, served)?;
-        let mut out = Output::new(sink, tables, reclaim, &map.header);
-        match queue_disk(map, tables, &mut out).await {
-            Ok(()) => out.finish().await,
-            Err(e) => Err(out.first_error(e).await),
-        }
-    })
+    let sink = BlockingSink::create(dst, served)?;
+    let mut out = Output::new(sink, tables, reclaim, &map.header);
+    match queue_disk(map, tables, &mut out) {
+        Ok(()) => out.finish(),
+        Err(e) => Err(out.first_error(e)),
+    }
 }
 
 /// Queues the whole virtual disk into `out`, table by table.
-async fn queue_disk(map: &Map, tables: &GrowingFile, out: &mut Output<'_>) -> Result<()> {
+fn queue_disk(map: &Map, tables: &GrowingFile, out: &mut Output<'_>) -> Result<()> {
     let virtual_size = raw_size(map.header.virtual_size);
     let mut l2 = vec![0u8; map.header.cluster_size() as usize];
     for (i, entry) in map.l1.chunks_exact(8).enumerate() {
@@ -648,14 +638,14 @@ async fn queue_disk(map: &Map, tables: &GrowingFile, out: &mut Output<'_>) -> Re
             if start >= end {
                 continue;
             }
-            out.zeros_to(start).await?;
+            out.zeros_to(start)?;
             match run.stored {
-                qcow2::Stored::Plain(host) => out.plain(host + (start - run.guest), end).await?,
+                qcow2::Stored::Plain(host) => out.plain(host + (start - run.guest), end)?,
                 qcow2::Stored::Compressed { offset, len } => {
-                    out.compressed(run.guest, (offset, len), end).await?
+                    out.compressed(run.guest, (offset, len), end)?
                 }
             }
         }
     }
-    out.zeros_to(virtual_size).await
+    out.zeros_to(virtual_size)
 }

@@ -79,10 +79,12 @@ impl Order {
     /// was issued; called under the node lock. A failure is logged: the
     /// release itself goes on.
     pub(super) async fn note_released(&self, node: &NodeUuid, req: &Request) {
-        self.note_moved_at(node, Self::issued_ms(req)).await;
+        self.note_moved(node, Self::issued_ms(req)).await;
     }
 
-    async fn note_moved_at(&self, node: &NodeUuid, at_ms: u64) {
+    /// A notification says `node` moved on at `at_ms` (a transition that asks
+    /// for no work): its prepares issued before that are stale from now on.
+    pub async fn note_moved(&self, node: &NodeUuid, at_ms: u64) {
         let (ledger, owned) = (self.ledger.clone(), node.clone());
         let at_ms = at_ms.min(now_ms());
         if let Err(e) = blocking(move || ledger.note_moved(&owned, at_ms)).await {
@@ -90,21 +92,10 @@ impl Order {
         }
     }
 
-    /// A notification says `node` moved on at `at_ms` (a transition that asks
-    /// for no work): its prepares issued before that are stale from now on.
-    pub async fn note_moved(&self, node: &str, at_ms: u64) {
-        if let Ok(node) = NodeUuid::parse(node) {
-            self.note_moved_at(&node, at_ms).await;
-        }
-    }
-
     /// Whether the delivery `key` of `node` was answered already, by any
     /// process of this host (within the ledger's bounds).
-    pub async fn answered_before(&self, node: &str, key: &str) -> bool {
-        let Ok(node) = NodeUuid::parse(node) else {
-            return false;
-        };
-        let (ledger, key) = (self.ledger.clone(), key.to_string());
+    pub async fn answered_before(&self, node: &NodeUuid, key: &str) -> bool {
+        let (ledger, node, key) = (self.ledger.clone(), node.clone(), key.to_string());
         blocking(move || Ok(ledger.read(&node).answered.iter().any(|(k, _)| *k == key)))
             .await
             .unwrap_or(false)
@@ -112,10 +103,7 @@ impl Order {
 
     /// Records that the delivery `key` of `node` was answered (after the
     /// broker confirmed the answer, before the delivery is acknowledged).
-    pub async fn note_answered(&self, node: &str, key: &str) {
-        let Ok(node) = NodeUuid::parse(node) else {
-            return;
-        };
+    pub async fn note_answered(&self, node: &NodeUuid, key: &str) {
         let (ledger, owned, key) = (self.ledger.clone(), node.clone(), key.to_string());
         if let Err(e) = blocking(move || ledger.note_answered(&owned, &key, now_ms())).await {
             tracing::warn!(%node, error = %e, "could not record an answer in the node's ledger");
@@ -123,12 +111,9 @@ impl Order {
     }
 
     /// Takes this process's turn to work on the delivery `key` of `node`
-    /// (see [`ledger::Ledger::claim`]); a node that is not one, or a ledger
-    /// that fails, gives the turn (the work is idempotent).
-    pub async fn claim_delivery(&self, node: &str, key: &str, answered_counts: bool) -> Turn {
-        let Ok(node) = NodeUuid::parse(node) else {
-            return Turn::Mine;
-        };
+    /// (see [`ledger::Ledger::claim`]); a ledger that fails gives the turn
+    /// (the work is idempotent).
+    pub async fn claim_delivery(&self, node: &NodeUuid, key: &str, answered_counts: bool) -> Turn {
         let (ledger, owned, key) = (self.ledger.clone(), node.clone(), key.to_string());
         let at = now_ms();
         blocking(move || ledger.claim(&owned, &key, at, answered_counts))
@@ -168,10 +153,7 @@ impl Order {
 
     /// This process stopped working on the delivery `key` of `node`
     /// without answering it.
-    pub async fn release_delivery(&self, node: &str, key: &str) {
-        let Ok(node) = NodeUuid::parse(node) else {
-            return;
-        };
+    pub async fn release_delivery(&self, node: &NodeUuid, key: &str) {
         let (ledger, owned, key) = (self.ledger.clone(), node.clone(), key.to_string());
         if let Err(e) = blocking(move || ledger.release(&owned, &key)).await {
             tracing::warn!(%node, error = %e, "could not release a delivery in the node's ledger");

@@ -36,8 +36,8 @@ pub enum Inbound {
     /// the node moved on at `at_ms`, so a prepare issued before that is
     /// stale (docs/contract.md, "Order of a node's commands").
     Moved {
-        /// The node (a canonical UUID).
-        node: String,
+        /// The node.
+        node: crate::node::NodeUuid,
         /// The notification's `timestamp`, ms since the epoch.
         at_ms: u64,
     },

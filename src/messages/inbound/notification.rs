@@ -238,10 +238,7 @@ fn node_notification(
 /// delegating node's and the notification says when; otherwise nothing.
 fn moved_or_ignored(node_uuid: &str, at_ms: Option<u64>, delegating: bool) -> Inbound {
     match (NodeUuid::parse(node_uuid), at_ms) {
-        (Ok(node), Some(at_ms)) if delegating => Inbound::Moved {
-            node: node.to_string(),
-            at_ms,
-        },
+        (Ok(node), Some(at_ms)) if delegating => Inbound::Moved { node, at_ms },
         _ => Inbound::Ignore("no_action"),
     }
 }
@@ -363,7 +360,7 @@ mod tests {
         // deploy failed asks for nothing, but the node moved on then.
         match parse(ERROR.as_bytes(), true, "testhost") {
             Inbound::Moved { node, at_ms } => {
-                assert_eq!(node, "1be26c0b-03f2-4d2e-ae87-c02d7f33c199");
+                assert_eq!(node.as_str(), "1be26c0b-03f2-4d2e-ae87-c02d7f33c199");
                 assert!(at_ms > start.issued_ms.unwrap(), "{at_ms}");
             }
             other => panic!("{other:?}"),

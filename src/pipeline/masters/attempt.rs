@@ -17,7 +17,7 @@ use crate::fsutil::TempGuard;
 use crate::image::convert;
 use crate::metrics::progress::Transfer;
 use crate::sources::{Delivery, Source, SourceStat};
-use crate::store::sink::{Digests, Hashes, Pace, Sink};
+use crate::store::sink::{Digests, Pace, Plan, Sink, WritePolicy};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -200,14 +200,8 @@ impl Masters {
         self.off_thread(move |k| k.make_room(room)).await?;
         let file = TempGuard::new(self.cache.temp_path(job.name)?);
         let pace = Arc::new(Pace::default());
-        let hashes = Hashes {
-            served: job.served,
-            lazy_if_converted: job.force_raw,
-            converted: Some(crate::image::inspect::will_be_converted),
-            keep: job.expected.map(|e| e.algo),
-            pace: converting.then(|| pace.clone()),
-        };
-        let sink = Sink::create_hashing(file.path(), hashes)?;
+        let plan = attempt_plan(job, converting.then(|| pace.clone()));
+        let sink = Sink::deciding(file.path(), plan)?;
         let state = DownloadState::new();
         if let Some(len) = stat.size {
             state.announce(len);
@@ -289,6 +283,35 @@ impl Masters {
                 let valid = views.borrow().as_ref().map(|v| v.id);
                 return done.filter(|d| Some(d.0) == valid);
             }
+        }
+    }
+}
+
+/// How an attempt's file is written and hashed, decided on its first
+/// chunk: bytes that will be converted (or decompressed) are read back at
+/// once; with `force_raw` they are scratch, hashed only with the algorithm
+/// the source is verified with (the conversion hashes what is served) and
+/// kept within reach of the conversion reading them (`pace`). Anything
+/// else is served as it is, with every digest the request wants.
+fn attempt_plan(
+    job: &MasterFetch<'_>,
+    pace: Option<Arc<Pace>>,
+) -> impl FnOnce(&[u8]) -> Plan + Send + 'static {
+    let (served, verified, scratch) = (job.served, job.expected.map(|e| e.algo), job.force_raw);
+    move |first| {
+        let write = match crate::image::inspect::will_be_converted(first) {
+            false => WritePolicy::Served,
+            true if scratch => {
+                return Plan {
+                    digests: verified.into_iter().collect(),
+                    write: WritePolicy::Scratch(pace),
+                };
+            }
+            true => WritePolicy::ReadBack,
+        };
+        Plan {
+            digests: served.algos(verified),
+            write,
         }
     }
 }
