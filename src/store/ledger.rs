@@ -4,7 +4,7 @@
 //! Why it exists: the broker delivers a command again after a crash or a
 //! lost acknowledgement, possibly to another process of the same host, and
 //! a deferred prepare can come back after a later cleanup of its node. What
-//! one process remembers in memory does not help the next one, so two
+//! one process remembers in memory does not help the next one, so four
 //! facts about each node are kept here:
 //!
 //! * when the node last *moved on* (a cleanup, a `deployed`, a notification
