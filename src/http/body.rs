@@ -38,39 +38,13 @@ pub(crate) struct Opened {
 /// its own length, ETag and ranges), else the file as it is; both say
 /// `Vary: Accept-Encoding` when a compressed form exists.
 pub(crate) fn respond(req: &Request, opened: Opened) -> Response {
-    let varies = opened.gzip.is_some();
-    let (file, meta, gzip) = match opened.gzip {
-        Some((file, meta)) if crate::http::encoding::accepts_gzip(req.headers()) => {
-            (file, meta, true)
-        }
-        _ => (opened.file, opened.meta, false),
-    };
-    let len = meta.len();
-    let modified = meta.modified().unwrap_or(SystemTime::UNIX_EPOCH);
-    let etag = match gzip {
-        true => gzip_etag(len, modified),
-        false => file_etag(len, modified),
-    };
+    let chosen = Chosen::of(req, opened);
+    let mut headers = chosen.headers();
     let current = Validators {
-        etag: &etag,
-        modified,
+        etag: &chosen.etag,
+        modified: chosen.modified,
     };
     let h = req.headers();
-    let value = |name: header::HeaderName| h.get(name).and_then(|v| v.to_str().ok());
-    let mut headers = HeaderMap::new();
-    let mut put = |name, v: String| {
-        if let Ok(v) = HeaderValue::from_str(&v) {
-            headers.insert(name, v);
-        }
-    };
-    put(header::LAST_MODIFIED, httpdate::fmt_http_date(modified));
-    put(header::ETAG, etag.clone());
-    if varies {
-        put(header::VARY, "Accept-Encoding".into());
-    }
-    if gzip {
-        put(header::CONTENT_ENCODING, "gzip".into());
-    }
     match ranges::preconditions(&conditions(h), &current) {
         Precondition::NotModified => {
             return answer(StatusCode::NOT_MODIFIED, headers, Body::empty());
@@ -80,39 +54,103 @@ pub(crate) fn respond(req: &Request, opened: Opened) -> Response {
         }
         Precondition::Proceed => {}
     }
+    let value = |name: header::HeaderName| h.get(name).and_then(|v| v.to_str().ok());
+    let len = chosen.len;
     let decision = ranges::decide(value(header::RANGE), value(header::IF_RANGE), len, &current);
-    put(header::ACCEPT_RANGES, "bytes".into());
+    put(&mut headers, header::ACCEPT_RANGES, "bytes".into());
     let (status, first, count) = match decision {
         Decision::Unsatisfiable => {
-            put(header::CONTENT_RANGE, format!("bytes */{len}"));
+            put(
+                &mut headers,
+                header::CONTENT_RANGE,
+                format!("bytes */{len}"),
+            );
             return answer(StatusCode::RANGE_NOT_SATISFIABLE, headers, Body::empty());
         }
         Decision::Full => (StatusCode::OK, 0, len),
         Decision::Partial(first, last) => {
-            put(header::CONTENT_RANGE, format!("bytes {first}-{last}/{len}"));
+            let range = format!("bytes {first}-{last}/{len}");
+            put(&mut headers, header::CONTENT_RANGE, range);
             (StatusCode::PARTIAL_CONTENT, first, last - first + 1)
         }
     };
     let mime = mime_guess::from_path(req.uri().path())
         .first_raw()
         .unwrap_or("application/octet-stream");
-    put(header::CONTENT_TYPE, mime.to_string());
-    put(header::CONTENT_LENGTH, count.to_string());
-    let body = if req.method() == Method::HEAD || count == 0 {
-        Body::empty()
-    } else {
-        match stream(file, first, count) {
-            Ok(body) => body,
-            Err(_) => {
-                return answer(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    HeaderMap::new(),
-                    Body::empty(),
-                );
+    put(&mut headers, header::CONTENT_TYPE, mime.to_string());
+    put(&mut headers, header::CONTENT_LENGTH, count.to_string());
+    if req.method() == Method::HEAD || count == 0 {
+        return answer(status, headers, Body::empty());
+    }
+    match stream(chosen.file, first, count) {
+        Ok(body) => answer(status, headers, body),
+        Err(_) => answer(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            HeaderMap::new(),
+            Body::empty(),
+        ),
+    }
+}
+
+/// The representation a request gets: the compressed form (when there is
+/// one and the client accepts gzip) or the file as it is.
+struct Chosen {
+    file: std::fs::File,
+    len: u64,
+    modified: SystemTime,
+    etag: String,
+    /// The compressed form was chosen.
+    gzip: bool,
+    /// A compressed form exists: the answer depends on `Accept-Encoding`.
+    varies: bool,
+}
+
+impl Chosen {
+    fn of(req: &Request, opened: Opened) -> Chosen {
+        let varies = opened.gzip.is_some();
+        let (file, meta, gzip) = match opened.gzip {
+            Some((file, meta)) if crate::http::encoding::accepts_gzip(req.headers()) => {
+                (file, meta, true)
             }
+            _ => (opened.file, opened.meta, false),
+        };
+        let len = meta.len();
+        let modified = meta.modified().unwrap_or(SystemTime::UNIX_EPOCH);
+        let etag = match gzip {
+            true => gzip_etag(len, modified),
+            false => file_etag(len, modified),
+        };
+        Chosen {
+            file,
+            len,
+            modified,
+            etag,
+            gzip,
+            varies,
         }
-    };
-    answer(status, headers, body)
+    }
+
+    /// The headers every answer about this representation carries.
+    fn headers(&self) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        let modified = httpdate::fmt_http_date(self.modified);
+        put(&mut headers, header::LAST_MODIFIED, modified);
+        put(&mut headers, header::ETAG, self.etag.clone());
+        if self.varies {
+            put(&mut headers, header::VARY, "Accept-Encoding".into());
+        }
+        if self.gzip {
+            put(&mut headers, header::CONTENT_ENCODING, "gzip".into());
+        }
+        headers
+    }
+}
+
+/// Sets header `name` to `value` (left out if it is not a valid value).
+fn put(headers: &mut HeaderMap, name: header::HeaderName, value: String) {
+    if let Ok(v) = HeaderValue::from_str(&value) {
+        headers.insert(name, v);
+    }
 }
 
 /// `count` bytes of `file` from `first`, read in [`PIECE`]s.

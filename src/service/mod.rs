@@ -21,6 +21,50 @@ use tokio::sync::watch;
 /// Runs the worker until a termination signal; `files` names the
 /// configuration files read, for the start-up line.
 pub async fn serve(config: Config, files: &str) -> Result<()> {
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let running = start(config, files, stop_rx).await?;
+    // Images are served from here on; the broker connection (which may come
+    // later, with retries) is reported by /readyz, not by systemd.
+    crate::service::sd_notify::notify("READY=1\nSTATUS=serving images; broker state on /readyz");
+    shutdown_signal().await;
+    crate::service::sd_notify::notify("STOPPING=1");
+    tracing::info!("shutting down: finishing in-flight work");
+    let _ = stop_tx.send(true);
+    running.stop().await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// What `serve` started, stopped in order once `stop` is raised.
+struct Running {
+    /// The broker consumer, when `[amqp]enabled`.
+    consumer: Option<tokio::task::JoinHandle<()>>,
+    /// The work both transports hand in (drained here without a broker).
+    work: Arc<crate::dispatch::Dispatch>,
+    /// `[amqp]shutdown_grace`.
+    grace: std::time::Duration,
+    housekeeping: tokio::task::JoinHandle<()>,
+    /// The image, operations, peer and JSON-RPC listeners.
+    servers: Vec<Server>,
+}
+
+impl Running {
+    /// Lets in-flight work finish (the consumer's own grace, or the
+    /// dispatch drained), then stops housekeeping and the listeners.
+    async fn stop(self) {
+        match self.consumer {
+            Some(consumer) => drop(consumer.await),
+            None => drain(&self.work, self.grace).await,
+        }
+        let _ = self.housekeeping.await;
+        stop_servers(self.servers).await;
+    }
+}
+
+/// Binds the listeners (first: a worker that cannot, a port in use, stops
+/// before it makes or changes anything on disk), recovers the pipeline and
+/// starts everything `serve` runs, each stopping when `stop` is raised.
+async fn start(config: Config, files: &str, stop: watch::Receiver<bool>) -> Result<Running> {
     let metrics = Arc::new(Metrics::new());
     let limits = image_server_limits(&config);
     let security = image_server_security(&config, &metrics)?;
@@ -28,20 +72,9 @@ pub async fn serve(config: Config, files: &str) -> Result<()> {
     let brokers = (config.amqp.enabled)
         .then(|| crate::broker::Brokers::new(&settings.amqp))
         .transpose()?;
-    // Listen first: a worker that cannot (a port in use) stops before it
-    // makes or changes anything on disk.
     let listeners = Listeners::bind(&config).await?;
-    let pipeline = Arc::new(Pipeline::new(config.clone(), metrics.clone())?);
-    pipeline.recover()?;
-    pipeline.masters().start_compressing();
-    let roots = ImageRoots::new(
-        &config.deploy.http_root,
-        &[&config.pxe.instance_master_path, &config.pxe.images_path],
-    )
-    .map_err(|e| Error::io("resolve served directories", e))?
-    .with_gzip(pipeline.masters().gzip_dir());
+    let (pipeline, roots) = start_pipeline(&config, &metrics)?;
     announce(&config, limits, &security, files);
-    let (stop_tx, stop_rx) = watch::channel(false);
     let connected = brokers
         .is_some()
         .then(|| Arc::new(std::sync::atomic::AtomicBool::new(false)));
@@ -50,17 +83,17 @@ pub async fn serve(config: Config, files: &str) -> Result<()> {
         roots,
         metrics.clone(),
         (limits, security, access_log(&config)),
-        stopped(stop_rx.clone()),
+        stopped(stop.clone()),
     ));
     let ops = tokio::spawn(http::serve_ops(
         listeners.ops,
         metrics.clone(),
         health_of(&config, connected.as_ref()),
         limits,
-        stopped(stop_rx.clone()),
+        stopped(stop.clone()),
     ));
-    let peers = spawn_peer_listener(&config, &pipeline, &metrics, limits, &stop_rx).await?;
-    start_peer_link(&settings, &pipeline, &metrics, &stop_rx)?;
+    let peers = spawn_peer_listener(&config, &pipeline, &metrics, limits, &stop).await?;
+    start_peer_link(&settings, &pipeline, &metrics, &stop)?;
     let bounds = crate::dispatch::Bounds {
         host: settings.host.clone(),
         prefetch: settings.amqp.prefetch,
@@ -71,33 +104,42 @@ pub async fn serve(config: Config, files: &str) -> Result<()> {
         metrics.clone(),
         bounds,
     ));
-    let rpc = spawn_json_rpc(listeners.rpc, &work, &config, &metrics, &stop_rx)?;
+    let rpc = spawn_json_rpc(listeners.rpc, &work, &config, &metrics, &stop)?;
     let grace = std::time::Duration::from_secs(settings.amqp.shutdown_grace);
     let consumer = brokers.zip(connected).map(|(brokers, connected)| {
-        let run = crate::broker::run(work.clone(), settings, brokers, connected, stop_rx.clone());
-        tokio::spawn(run)
+        tokio::spawn(crate::broker::run(
+            work.clone(),
+            settings,
+            brokers,
+            connected,
+            stop.clone(),
+        ))
     });
-    let housekeeping = tokio::spawn(housekeeping(
-        pipeline.clone(),
-        config.cache.clean_interval,
-        stop_rx.clone(),
-    ));
-    // Images are served from here on; the broker connection (which may come
-    // later, with retries) is reported by /readyz, not by systemd.
-    crate::service::sd_notify::notify("READY=1\nSTATUS=serving images; broker state on /readyz");
-    shutdown_signal().await;
-    crate::service::sd_notify::notify("STOPPING=1");
-    tracing::info!("shutting down: finishing in-flight work");
-    let _ = stop_tx.send(true);
-    match consumer {
-        Some(consumer) => drop(consumer.await),
-        None => drain(&work, grace).await,
-    }
-    let _ = housekeeping.await;
+    let housekeeping = tokio::spawn(housekeeping(pipeline, config.cache.clean_interval, stop));
     let servers = [Some(images), Some(ops), peers, rpc].into_iter().flatten();
-    stop_servers(servers.collect()).await;
-    tracing::info!("stopped");
-    Ok(())
+    Ok(Running {
+        consumer,
+        work,
+        grace,
+        housekeeping,
+        servers: servers.collect(),
+    })
+}
+
+/// The pipeline, recovered from what a previous process left (and
+/// compressing masters in the background), and the directories the image
+/// server serves from.
+fn start_pipeline(config: &Config, metrics: &Arc<Metrics>) -> Result<(Arc<Pipeline>, ImageRoots)> {
+    let pipeline = Arc::new(Pipeline::new(config.clone(), metrics.clone())?);
+    pipeline.recover()?;
+    pipeline.masters().start_compressing();
+    let roots = ImageRoots::new(
+        &config.deploy.http_root,
+        &[&config.pxe.instance_master_path, &config.pxe.images_path],
+    )
+    .map_err(|e| Error::io("resolve served directories", e))?
+    .with_gzip(pipeline.masters().gzip_dir());
+    Ok((pipeline, roots))
 }
 
 /// The listeners `serve` binds before it touches anything on disk.
