@@ -6,7 +6,7 @@
 //! stops the worker with a clear message instead of failing every
 //! reconnect. Nothing here logs a password or key.
 
-use crate::config::AmqpSection;
+use crate::config::{AmqpSection, SslVersion};
 use crate::error::{Error, ErrorCode, Result};
 use crate::secrets::redact_url;
 use lapin::tcp::{AsyncTcpStream, RustlsConnector};
@@ -108,10 +108,10 @@ impl Brokers {
 /// The rustls client set-up from `[amqp]ssl_*`.
 fn tls_connector(a: &AmqpSection) -> std::result::Result<RustlsConnector, String> {
     let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-    let versions: &[&rustls::SupportedProtocolVersion] = match a.ssl_version.as_str() {
-        "TLSv1_2" | "TLSv1.2" => &[&rustls::version::TLS12],
-        "TLSv1_3" | "TLSv1.3" => &[&rustls::version::TLS13],
-        _ => rustls::ALL_VERSIONS,
+    let versions: &[&rustls::SupportedProtocolVersion] = match a.ssl_version {
+        SslVersion::Tls12 => &[&rustls::version::TLS12],
+        SslVersion::Tls13 => &[&rustls::version::TLS13],
+        SslVersion::Any => rustls::ALL_VERSIONS,
     };
     let verifier: Arc<dyn ServerCertVerifier> = if a.ssl_ca_file.is_empty() {
         Arc::new(

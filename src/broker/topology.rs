@@ -1,7 +1,7 @@
 //! The broker objects the worker declares: exchanges, the per-host queue with
 //! its dead-letter queue, and the bindings to Ironic's notification exchange.
 
-use crate::config::AmqpSection;
+use crate::config::{AmqpSection, QueueType};
 use lapin::options::*;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ExchangeKind};
@@ -113,7 +113,7 @@ impl Topology {
             "x-dead-letter-routing-key".into(),
             AMQPValue::LongString(self.dead_letter_queue.as_str().into()),
         );
-        if amqp.queue_type == "quorum" {
+        if amqp.queue_type == QueueType::Quorum {
             args.insert(
                 "x-delivery-limit".into(),
                 AMQPValue::LongInt(amqp.delivery_limit as i32),

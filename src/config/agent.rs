@@ -1,7 +1,7 @@
 //! `[agent]`: how Ironic's agent gets its image (the options of Ironic's
 //! `[agent]` that decide what the worker caches).
 
-use super::check::Report;
+use super::choice::choice;
 use serde::{Deserialize, Serialize};
 
 /// `[agent]` options shared with Ironic.
@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 #[serde(default, deny_unknown_fields)]
 pub struct AgentSection {
     /// `local`, `http` or `swift` (see docs/contract.md, "Which images are cached"); the worker defaults to `local`.
-    pub image_download_source: String,
+    pub image_download_source: ImageDownloadSource,
     /// Ironic's `stream_raw_images` (default true).
     pub stream_raw_images: bool,
     /// Ironic's `allow_md5_checksum` (default true): when false, a request
@@ -24,10 +24,24 @@ pub struct AgentSection {
     pub served_md5: bool,
 }
 
+choice! {
+    /// Ironic's three `image_download_source` modes: `[agent]`'s, and a
+    /// request's own (`instance_info`), parsed with the same words.
+    pub enum ImageDownloadSource refused as "unknown value {value:?} (local, http or swift)" {
+        /// The image is cached (and converted) and served by the worker.
+        Local = "local",
+        /// An http(s) source is handed to the agent as it is; others are
+        /// cached as in `local`.
+        Http = "http",
+        /// Swift temporary URLs: not handled by this worker.
+        Swift = "swift",
+    }
+}
+
 impl Default for AgentSection {
     fn default() -> Self {
         AgentSection {
-            image_download_source: "local".into(),
+            image_download_source: ImageDownloadSource::Local,
             stream_raw_images: true,
             allow_md5_checksum: true,
             served_md5: true,
@@ -35,16 +49,30 @@ impl Default for AgentSection {
     }
 }
 
-impl AgentSection {
-    /// `image_download_source` is one of Ironic's three modes.
-    pub(super) fn check(&self, report: &mut Report) {
-        match self.image_download_source.as_str() {
-            "local" | "http" | "swift" => {}
-            other => report.error(
-                "agent",
-                "image_download_source",
-                format!("unknown value {other:?} (local, http or swift)"),
-            ),
+#[cfg(test)]
+mod tests {
+    use super::super::choice::refusal;
+    use super::ImageDownloadSource;
+
+    #[test]
+    fn image_download_source_is_one_of_ironics_three_modes() {
+        for (word, mode) in [
+            ("local", ImageDownloadSource::Local),
+            ("http", ImageDownloadSource::Http),
+            ("swift", ImageDownloadSource::Swift),
+        ] {
+            assert_eq!(word.parse(), Ok(mode));
+            assert_eq!(mode.as_str(), word);
         }
+        let refused = "unknown value \"ftp\" (local, http or swift)";
+        assert_eq!("ftp".parse::<ImageDownloadSource>(), Err(refused.into()));
+        let error = refusal(&["agent.image_download_source=ftp"]).unwrap();
+        assert!(
+            error.contains(&format!(
+                "[agent]image_download_source (--set agent.image_download_source): {refused}"
+            )),
+            "{error}"
+        );
+        assert_eq!(refusal(&["agent.image_download_source=http"]), None);
     }
 }

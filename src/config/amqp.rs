@@ -2,6 +2,7 @@
 //! and the names and kinds of its exchanges and queues.
 
 use super::check::Report;
+use super::choice::choice;
 use crate::secrets::redact_url_list;
 use serde::{Deserialize, Serialize};
 
@@ -39,7 +40,7 @@ pub struct AmqpSection {
     /// oslo.messaging's `ssl_version`: `TLSv1_2` or `TLSv1_3` pins that
     /// version; empty (or `SSLv23`/`TLS`) allows TLS 1.2 and 1.3. Older
     /// versions are refused.
-    pub ssl_version: String,
+    pub ssl_version: SslVersion,
     /// The broker's `consumer_timeout` in seconds (RabbitMQ's default 1800;
     /// 0 = none): work still running after three quarters of it is
     /// acknowledged early, so the broker neither closes the channel nor
@@ -54,7 +55,7 @@ pub struct AmqpSection {
     /// Exchange for completion events without `reply_to`.
     pub events_exchange: String,
     /// `quorum` or `classic`.
-    pub queue_type: String,
+    pub queue_type: QueueType,
     /// Redeliveries allowed before a quorum queue dead-letters a message.
     pub delivery_limit: u32,
     /// Messages handled at once (AMQP prefetch).
@@ -81,6 +82,31 @@ pub struct AmqpSection {
     pub max_message_bytes: usize,
 }
 
+choice! {
+    /// `[amqp]ssl_version`: the TLS versions spoken to the brokers, with
+    /// oslo.messaging's names (and `TLSv1.2`/`TLSv1.3`); older versions
+    /// are refused.
+    pub enum SslVersion refused as "{value:?}: only TLSv1_2 and TLSv1_3 are supported (empty allows both)" {
+        /// TLS 1.2 and 1.3.
+        Any = "" | "SSLv23" | "TLS" | "PROTOCOL_TLS",
+        /// TLS 1.2 only.
+        Tls12 = "TLSv1_2" | "TLSv1.2",
+        /// TLS 1.3 only.
+        Tls13 = "TLSv1_3" | "TLSv1.3",
+    }
+}
+
+choice! {
+    /// `[amqp]queue_type`: the kind of the queues the worker declares, as
+    /// RabbitMQ's `x-queue-type` names it.
+    pub enum QueueType refused as "unknown value {value:?} (quorum or classic)" {
+        /// Replicated, with a delivery limit.
+        Quorum = "quorum",
+        /// A classic queue (no delivery limit).
+        Classic = "classic",
+    }
+}
+
 impl Default for AmqpSection {
     fn default() -> Self {
         AmqpSection {
@@ -92,13 +118,13 @@ impl Default for AmqpSection {
             ssl_cert_file: String::new(),
             ssl_key_file: String::new(),
             ssl_verify_hostname: true,
-            ssl_version: String::new(),
+            ssl_version: SslVersion::Any,
             consumer_timeout: 1800,
             command_exchange: "ironic-image-worker".into(),
             queue_prefix: "ironic-image-worker".into(),
             dead_letter_exchange: "ironic-image-worker.dlx".into(),
             events_exchange: "ironic-image-worker.events".into(),
-            queue_type: "quorum".into(),
+            queue_type: QueueType::Quorum,
             delivery_limit: 5,
             prefetch: 32,
             bind_notifications: None,
@@ -127,19 +153,11 @@ impl AmqpSection {
             .join(",")
     }
 
-    /// Every broker URL parses, the TLS options name readable files, the
-    /// TLS version is one this TLS stack speaks, the queue type is known
-    /// and the limits are limits to the broker.
+    /// Every broker URL parses, the TLS options name readable files and
+    /// the limits are limits to the broker.
     pub(super) fn check(&self, report: &mut Report) {
         self.check_urls(report);
         self.check_tls(report);
-        if !matches!(self.queue_type.as_str(), "quorum" | "classic") {
-            report.error(
-                "amqp",
-                "queue_type",
-                format!("unknown value {:?} (quorum or classic)", self.queue_type),
-            );
-        }
         if self.prefetch == 0 {
             report.error(
                 "amqp",
@@ -204,15 +222,6 @@ impl AmqpSection {
                 report.error("amqp", name, format!("{path}: {e}"));
             }
         }
-        match self.ssl_version.as_str() {
-            "" | "SSLv23" | "TLS" | "PROTOCOL_TLS" | "TLSv1_2" | "TLSv1.2" | "TLSv1_3"
-            | "TLSv1.3" => {}
-            other => report.error(
-                "amqp",
-                "ssl_version",
-                format!("{other:?}: only TLSv1_2 and TLSv1_3 are supported (empty allows both)"),
-            ),
-        }
     }
 }
 
@@ -257,4 +266,52 @@ pub fn split_broker_urls(value: &str) -> std::result::Result<Vec<String>, String
             }
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::choice::refusal;
+    use super::{QueueType, SslVersion};
+
+    #[test]
+    fn ssl_version_takes_oslo_messagings_names() {
+        for (word, version) in [
+            ("", SslVersion::Any),
+            ("SSLv23", SslVersion::Any),
+            ("TLS", SslVersion::Any),
+            ("PROTOCOL_TLS", SslVersion::Any),
+            ("TLSv1_2", SslVersion::Tls12),
+            ("TLSv1.2", SslVersion::Tls12),
+            ("TLSv1_3", SslVersion::Tls13),
+            ("TLSv1.3", SslVersion::Tls13),
+        ] {
+            assert_eq!(word.parse(), Ok(version), "{word:?}");
+        }
+        assert_eq!(serde_json::to_value(SslVersion::Any).unwrap(), "");
+        assert_eq!(SslVersion::Tls12.as_str(), "TLSv1_2");
+        let refused = "\"TLSv1_1\": only TLSv1_2 and TLSv1_3 are supported (empty allows both)";
+        assert_eq!("TLSv1_1".parse::<SslVersion>(), Err(refused.into()));
+        let error = refusal(&["amqp.ssl_version=TLSv1_1"]).unwrap();
+        assert!(
+            error.contains("[amqp]ssl_version (--set amqp.ssl_version): "),
+            "{error}"
+        );
+        assert!(error.contains(refused), "{error}");
+    }
+
+    #[test]
+    fn queue_type_is_quorum_or_classic() {
+        assert_eq!("quorum".parse(), Ok(QueueType::Quorum));
+        assert_eq!("classic".parse(), Ok(QueueType::Classic));
+        assert_eq!(QueueType::Classic.as_str(), "classic");
+        let refused = "unknown value \"stream\" (quorum or classic)";
+        assert_eq!("stream".parse::<QueueType>(), Err(refused.into()));
+        let error = refusal(&["amqp.queue_type=stream"]).unwrap();
+        assert!(
+            error.contains(&format!(
+                "[amqp]queue_type (--set amqp.queue_type): {refused}"
+            )),
+            "{error}"
+        );
+    }
 }

@@ -2,6 +2,7 @@
 //! names the option and where its value came from, so `config check`, a
 //! refused start and a warning all point at the line to change.
 
+use super::choice::AuthStrategy;
 use super::layers::{Layers, Source};
 use crate::error::{Error, ErrorCode};
 use std::fmt;
@@ -73,35 +74,36 @@ impl Report {
             .push(Problem::of_option(section, option, message.into()));
     }
 
-    /// Checks one HTTP Basic set-up of `section`: `noauth`, or `http_basic`
-    /// with a user (without `:`) and a password; `names` are the options of
-    /// the strategy, the user and the password, `values` theirs.
-    pub fn basic_auth(&mut self, section: &str, names: [&str; 3], values: [&str; 3]) {
+    /// Checks one HTTP Basic set-up of `section`: `http_basic` needs a user
+    /// (without `:`) and a password; `names` are the options of the
+    /// strategy, the user and the password, `credentials` the user's and
+    /// the password's values.
+    pub fn basic_auth(
+        &mut self,
+        section: &str,
+        names: [&str; 3],
+        strategy: AuthStrategy,
+        credentials: [&str; 2],
+    ) {
         let [strategy_name, user_name, password_name] = names;
-        let [strategy, user, password] = values;
-        match strategy {
-            "noauth" => {}
-            "http_basic" if user.is_empty() || password.is_empty() => self.error(
+        let [user, password] = credentials;
+        if strategy == AuthStrategy::NoAuth {
+            return;
+        }
+        if user.is_empty() || password.is_empty() {
+            self.error(
                 section,
                 strategy_name,
                 format!("http_basic needs {user_name} and {password_name}"),
-            ),
-            "http_basic" if user.contains(':') => {
-                self.error(section, user_name, "must not contain ':' (HTTP Basic)")
-            }
-            "http_basic" => {}
-            other => self.error(
-                section,
-                strategy_name,
-                format!("unknown value {other:?} (noauth or http_basic)"),
-            ),
+            );
+        } else if user.contains(':') {
+            self.error(section, user_name, "must not contain ':' (HTTP Basic)");
         }
     }
 
     /// Checks one HTTPS set-up of `section` (`tls_cert_file`,
-    /// `tls_key_file`, `tls_min_version`): both files or neither, each
-    /// readable, and a version rustls speaks.
-    pub fn tls(&mut self, section: &str, cert: &str, key: &str, min_version: &str) {
+    /// `tls_key_file`): both files or neither, each readable.
+    pub fn tls(&mut self, section: &str, cert: &str, key: &str) {
         if cert.is_empty() != key.is_empty() {
             let set = if cert.is_empty() {
                 "tls_key_file"
@@ -116,13 +118,6 @@ impl Report {
             {
                 self.error(section, name, format!("{path}: {e}"));
             }
-        }
-        if !matches!(min_version, "1.2" | "1.3") {
-            self.error(
-                section,
-                "tls_min_version",
-                format!("{min_version:?}: 1.2 or 1.3"),
-            );
         }
     }
 

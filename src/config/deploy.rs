@@ -3,6 +3,7 @@
 //! own names and meaning).
 
 use super::check::Report;
+use super::choice::AuthStrategy;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -25,7 +26,7 @@ pub struct DeploySection {
     // fallback credential of an OCI registry) to the hosts they are
     // permitted for. Not the worker's own image port: `[http]auth_*`.
     /// `noauth` or `http_basic`.
-    pub image_server_auth_strategy: String,
+    pub image_server_auth_strategy: AuthStrategy,
     /// User name of `http_basic`.
     pub image_server_user: String,
     /// Password of `http_basic` (never logged).
@@ -45,7 +46,7 @@ impl Default for DeploySection {
             http_root: super::default_state_dir().join("httpboot"),
             http_url: String::new(),
             http_image_subdir: "agent_images".into(),
-            image_server_auth_strategy: "noauth".into(),
+            image_server_auth_strategy: AuthStrategy::NoAuth,
             image_server_user: String::new(),
             image_server_password: String::new(),
             image_server_auth_hosts: Vec::new(),
@@ -82,11 +83,8 @@ impl DeploySection {
                 "image_server_user",
                 "image_server_password",
             ],
-            [
-                &self.image_server_auth_strategy,
-                &self.image_server_user,
-                &self.image_server_password,
-            ],
+            self.image_server_auth_strategy,
+            [&self.image_server_user, &self.image_server_password],
         );
     }
 
@@ -94,7 +92,7 @@ impl DeploySection {
     /// (`[deploy]image_server_*`), as Ironic 39 sends them with its own
     /// downloads: `http_basic` only, http(s) only, to a permitted host.
     pub fn source_credentials(&self, url: &str) -> Option<(String, String)> {
-        (self.image_server_auth_strategy == "http_basic" && self.auth_permitted(url))
+        (self.image_server_auth_strategy == AuthStrategy::HttpBasic && self.auth_permitted(url))
             .then(|| self.credentials())
     }
 

@@ -13,7 +13,7 @@ pub struct GlanceSection {
     pub endpoint_override: String,
     /// `password`/`v3password`, `v3applicationcredential`, `admin_token`
     /// (a static token, sent as it is) or `none`/`noauth`.
-    pub auth_type: String,
+    pub auth_type: GlanceAuthType,
     /// Keystone URL (`.../v3` or its root).
     pub auth_url: String,
     /// Password authentication: user name.
@@ -47,11 +47,64 @@ pub struct GlanceSection {
     pub insecure: bool,
 }
 
+/// `[glance]auth_type`: the keystoneauth plugins the worker speaks, read
+/// once. An ironic.conf may name any plugin, and Glance may never be used:
+/// another name is kept, not refused at start, and refused when Glance is
+/// used (as before there was this type).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(from = "String", into = "String")]
+pub enum GlanceAuthType {
+    /// `password` or `v3password`: a Keystone token for a user.
+    Password,
+    /// `v3applicationcredential` or `applicationcredential`: a Keystone
+    /// token for an application credential.
+    ApplicationCredential,
+    /// `admin_token`: the static `token`, sent as it is.
+    AdminToken,
+    /// `none` or `noauth`: no token at all.
+    NoAuth,
+    /// Any other plugin name, as written.
+    Unsupported(String),
+}
+
+impl GlanceAuthType {
+    /// The plugin's name, as the configuration writes it.
+    pub fn as_str(&self) -> &str {
+        match self {
+            GlanceAuthType::Password => "password",
+            GlanceAuthType::ApplicationCredential => "v3applicationcredential",
+            GlanceAuthType::AdminToken => "admin_token",
+            GlanceAuthType::NoAuth => "none",
+            GlanceAuthType::Unsupported(name) => name,
+        }
+    }
+}
+
+impl From<String> for GlanceAuthType {
+    fn from(name: String) -> Self {
+        match name.as_str() {
+            "password" | "v3password" => GlanceAuthType::Password,
+            "v3applicationcredential" | "applicationcredential" => {
+                GlanceAuthType::ApplicationCredential
+            }
+            "admin_token" => GlanceAuthType::AdminToken,
+            "none" | "noauth" => GlanceAuthType::NoAuth,
+            _ => GlanceAuthType::Unsupported(name),
+        }
+    }
+}
+
+impl From<GlanceAuthType> for String {
+    fn from(auth: GlanceAuthType) -> String {
+        auth.as_str().to_string()
+    }
+}
+
 impl Default for GlanceSection {
     fn default() -> Self {
         GlanceSection {
             endpoint_override: String::new(),
-            auth_type: "password".into(),
+            auth_type: GlanceAuthType::Password,
             auth_url: String::new(),
             username: String::new(),
             password: String::new(),
@@ -68,5 +121,37 @@ impl Default for GlanceSection {
             valid_interfaces: vec!["internal".into(), "public".into()],
             insecure: false,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::choice::refusal;
+    use super::GlanceAuthType;
+
+    #[test]
+    fn auth_type_names_a_plugin_and_another_is_kept_for_later() {
+        for (name, auth) in [
+            ("password", GlanceAuthType::Password),
+            ("v3password", GlanceAuthType::Password),
+            (
+                "v3applicationcredential",
+                GlanceAuthType::ApplicationCredential,
+            ),
+            (
+                "applicationcredential",
+                GlanceAuthType::ApplicationCredential,
+            ),
+            ("admin_token", GlanceAuthType::AdminToken),
+            ("none", GlanceAuthType::NoAuth),
+            ("noauth", GlanceAuthType::NoAuth),
+        ] {
+            assert_eq!(GlanceAuthType::from(name.to_string()), auth, "{name}");
+        }
+        assert_eq!(GlanceAuthType::AdminToken.as_str(), "admin_token");
+        let kerberos = GlanceAuthType::from("kerberos".to_string());
+        assert_eq!(kerberos, GlanceAuthType::Unsupported("kerberos".into()));
+        assert_eq!(serde_json::to_value(kerberos).unwrap(), "kerberos");
+        assert_eq!(refusal(&["glance.auth_type=kerberos"]), None);
     }
 }

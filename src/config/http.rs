@@ -2,6 +2,7 @@
 //! and connection cap, HTTPS, and compressed serving.
 
 use super::check::Report;
+use super::choice::{AuthStrategy, TlsMinVersion};
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 
@@ -29,12 +30,12 @@ pub struct HttpSection {
     pub tls_key_file: String,
     /// Lowest TLS version accepted: `1.3` (the default, as Ironic's own
     /// servers) or `1.2`.
-    pub tls_min_version: String,
+    pub tls_min_version: TlsMinVersion,
     /// The image port's own authentication: `noauth` or `http_basic`
     /// (every request carries `auth_user` / `auth_password`; Ironic hands
     /// the agent its `[deploy]image_server_user` / `_password`, so set the
     /// same there, with this host permitted).
-    pub auth_strategy: String,
+    pub auth_strategy: AuthStrategy,
     /// User name of `http_basic`.
     pub auth_user: String,
     /// Password of `http_basic` (never logged).
@@ -68,8 +69,8 @@ impl Default for HttpSection {
             max_connections: 0,
             tls_cert_file: String::new(),
             tls_key_file: String::new(),
-            tls_min_version: "1.3".into(),
-            auth_strategy: "noauth".into(),
+            tls_min_version: TlsMinVersion::Tls13,
+            auth_strategy: AuthStrategy::NoAuth,
             auth_user: String::new(),
             auth_password: String::new(),
             gzip: GzipMode::Off,
@@ -84,20 +85,16 @@ impl HttpSection {
         !self.tls_cert_file.is_empty()
     }
 
-    /// TLS files both given and readable, a version this TLS stack speaks,
-    /// the credentials `http_basic` needs.
+    /// TLS files both given and readable, the credentials `http_basic`
+    /// needs.
     pub(super) fn check(&self, report: &mut Report) {
         report.basic_auth(
             "http",
             ["auth_strategy", "auth_user", "auth_password"],
-            [&self.auth_strategy, &self.auth_user, &self.auth_password],
+            self.auth_strategy,
+            [&self.auth_user, &self.auth_password],
         );
-        report.tls(
-            "http",
-            &self.tls_cert_file,
-            &self.tls_key_file,
-            &self.tls_min_version,
-        );
+        report.tls("http", &self.tls_cert_file, &self.tls_key_file);
         // NaN fails the comparison too.
         if !(self.gzip_min_ratio >= 1.0 && self.gzip_min_ratio.is_finite()) {
             report.error(

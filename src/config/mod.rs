@@ -19,20 +19,23 @@
 //! `json_rpc`, `log`); the [`Config`] that holds them and the checks across
 //! sections (this file). The layers and the source of every value
 //! (`layers`), turning the layers' values into the typed sections
-//! (`value`), problems that name an option and its source (`check`), the
+//! (`value`), the options that take one of a few words, each an enum
+//! (`choice`), problems that name an option and its source (`check`), the
 //! directories the worker writes checked at start (`dirs`), `config show`
 //! (`show`), and reading an existing ironic.conf (`ironic_conf`). Must not
 //! know anything else of the worker.
 //!
 //! A new option is a field of its section (with its default in the
-//! section's `Default`, a check in its `check` when it needs one) and a
-//! commented line in `ops/worker.example.toml`; a new section is a file
-//! here and a field of [`Config`].
+//! section's `Default`, a check in its `check` when it needs one; one of a
+//! few words is a `choice!` enum, not a string) and a commented line in
+//! `ops/worker.example.toml`; a new section is a file here and a field of
+//! [`Config`].
 
 mod agent;
 mod amqp;
 mod cache;
 mod check;
+mod choice;
 mod conductor;
 mod convert;
 mod default;
@@ -53,15 +56,16 @@ mod show;
 mod source;
 mod value;
 
-pub use agent::AgentSection;
-pub use amqp::{AmqpSection, split_broker_urls};
+pub use agent::{AgentSection, ImageDownloadSource};
+pub use amqp::{AmqpSection, QueueType, SslVersion, split_broker_urls};
 pub use cache::CacheSection;
 pub use check::{Problem, Report, refusal};
+pub use choice::{AuthStrategy, TlsMinVersion};
 pub use conductor::{BLOCKED_FILE_URL_PATHS, ConductorSection, blocked_dir};
 pub use convert::ConvertSection;
 pub use default::{DefaultSection, system_hostname};
 pub use deploy::DeploySection;
-pub use glance::GlanceSection;
+pub use glance::{GlanceAuthType, GlanceSection};
 pub use http::{GzipMode, HttpSection};
 pub use json_rpc::JsonRpcSection;
 pub use layers::{ENV_PREFIX, Files, Layers, Raw, Setting, Source};
@@ -229,7 +233,6 @@ impl Config {
     /// Every section's checks, then those across sections.
     fn check(&self, report: &mut Report) {
         self.default.check(report);
-        self.agent.check(report);
         self.deploy.check(report);
         self.pxe.check(report);
         self.conductor.check(report);

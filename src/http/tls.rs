@@ -41,15 +41,6 @@ pub enum MinVersion {
 }
 
 impl MinVersion {
-    /// `1.2` or `1.3` (`[http]tls_min_version`).
-    pub fn parse(value: &str) -> Option<MinVersion> {
-        match value {
-            "1.2" => Some(MinVersion::Tls12),
-            "1.3" => Some(MinVersion::Tls13),
-            _ => None,
-        }
-    }
-
     fn versions(self) -> &'static [&'static rustls::SupportedProtocolVersion] {
         static FROM_TLS12: [&rustls::SupportedProtocolVersion; 2] =
             [&rustls::version::TLS13, &rustls::version::TLS12];

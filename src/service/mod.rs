@@ -9,7 +9,7 @@
 
 pub(crate) mod sd_notify;
 
-use crate::config::Config;
+use crate::config::{AuthStrategy, Config, TlsMinVersion};
 use crate::error::{Error, ErrorCode, Result};
 use crate::http::{self, Health, ImageRoots};
 use crate::metrics::Metrics;
@@ -202,7 +202,7 @@ fn spawn_json_rpc(
     };
     let c = &config.json_rpc;
     let configuration = |e: String| Error::new(ErrorCode::Internal, format!("configuration: {e}"));
-    let auth = (c.auth_strategy == "http_basic")
+    let auth = (c.auth_strategy == AuthStrategy::HttpBasic)
         .then(|| crate::rpc::htpasswd::Htpasswd::open(c.http_basic_auth_user_file.clone().into()))
         .transpose()
         .map_err(|e| configuration(format!("[json_rpc]http_basic_auth_user_file {e}")))?
@@ -213,8 +213,7 @@ fn spawn_json_rpc(
             let files = http::tls::TlsFiles {
                 cert: c.tls_cert_file.clone().into(),
                 key: c.tls_key_file.clone().into(),
-                min_version: http::tls::MinVersion::parse(&c.tls_min_version)
-                    .unwrap_or(http::tls::MinVersion::Tls13),
+                min_version: min_version(c.tls_min_version),
             };
             http::Tls::load(files, Some(metrics.http.tls_reloads.clone()))
         })
@@ -403,8 +402,7 @@ fn image_server_security(config: &Config, metrics: &Metrics) -> Result<http::Sec
         let files = http::tls::TlsFiles {
             cert: config.http.tls_cert_file.clone().into(),
             key: config.http.tls_key_file.clone().into(),
-            min_version: http::tls::MinVersion::parse(&config.http.tls_min_version)
-                .unwrap_or(http::tls::MinVersion::Tls13),
+            min_version: min_version(config.http.tls_min_version),
         };
         let tls = http::Tls::load(files, Some(metrics.http.tls_reloads.clone()))
             .map_err(|e| Error::new(ErrorCode::Internal, format!("configuration: {e}")))?;
@@ -413,9 +411,17 @@ fn image_server_security(config: &Config, metrics: &Metrics) -> Result<http::Sec
         None
     };
     let h = &config.http;
-    let auth = (h.auth_strategy == "http_basic")
+    let auth = (h.auth_strategy == AuthStrategy::HttpBasic)
         .then(|| http::BasicAuth::new(&h.auth_user, &h.auth_password));
     Ok(http::Security { tls, auth })
+}
+
+/// The image server's name for a `tls_min_version` of the configuration.
+fn min_version(configured: TlsMinVersion) -> http::tls::MinVersion {
+    match configured {
+        TlsMinVersion::Tls12 => http::tls::MinVersion::Tls12,
+        TlsMinVersion::Tls13 => http::tls::MinVersion::Tls13,
+    }
 }
 
 /// How the image server logs its requests (`[log]access_log`, `format`).

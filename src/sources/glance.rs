@@ -4,7 +4,7 @@
 //! (password or application credential, cached and renewed before it
 //! expires or when refused), a static token, or none.
 
-use crate::config::GlanceSection;
+use crate::config::{GlanceAuthType, GlanceSection};
 use crate::error::{Error, ErrorCode, Result};
 use serde::Deserialize;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -128,8 +128,8 @@ impl Glance {
 
     fn uses_keystone(&self) -> bool {
         !matches!(
-            self.config.auth_type.as_str(),
-            "admin_token" | "none" | "noauth"
+            self.config.auth_type,
+            GlanceAuthType::AdminToken | GlanceAuthType::NoAuth
         )
     }
 
@@ -137,9 +137,11 @@ impl Glance {
     async fn endpoint_and_token(&self) -> Result<(String, Option<String>)> {
         let fixed = self.config.endpoint_override.trim_end_matches('/');
         let fixed = fixed.strip_suffix("/v2").unwrap_or(fixed).to_string();
-        match self.config.auth_type.as_str() {
-            "none" | "noauth" => Ok((need_endpoint(fixed)?, None)),
-            "admin_token" => Ok((need_endpoint(fixed)?, Some(self.config.token.clone()))),
+        match self.config.auth_type {
+            GlanceAuthType::NoAuth => Ok((need_endpoint(fixed)?, None)),
+            GlanceAuthType::AdminToken => {
+                Ok((need_endpoint(fixed)?, Some(self.config.token.clone())))
+            }
             _ => {
                 let mut cached = self.token.lock().await;
                 let fresh = cached.as_ref().is_some_and(|t| {
@@ -226,8 +228,8 @@ fn auth_request(c: &GlanceSection) -> Result<serde_json::Value> {
 
 /// The `identity` of a token request for `[glance]auth_type`.
 fn identity(c: &GlanceSection) -> Result<serde_json::Value> {
-    match c.auth_type.as_str() {
-        "password" | "v3password" => Ok(serde_json::json!({
+    match &c.auth_type {
+        GlanceAuthType::Password => Ok(serde_json::json!({
             "methods": ["password"],
             "password": {"user": {
                 "name": c.username,
@@ -235,7 +237,7 @@ fn identity(c: &GlanceSection) -> Result<serde_json::Value> {
                 "domain": domain(&c.user_domain_id, &c.user_domain_name),
             }},
         })),
-        "v3applicationcredential" | "applicationcredential" => Ok(serde_json::json!({
+        GlanceAuthType::ApplicationCredential => Ok(serde_json::json!({
             "methods": ["application_credential"],
             "application_credential": {
                 "id": c.application_credential_id,
@@ -244,7 +246,7 @@ fn identity(c: &GlanceSection) -> Result<serde_json::Value> {
         })),
         other => Err(Error::new(
             ErrorCode::SourceNotAllowed,
-            format!("[glance]auth_type {other:?} is not supported"),
+            format!("[glance]auth_type {:?} is not supported", other.as_str()),
         )),
     }
 }
@@ -295,7 +297,7 @@ async fn read_token(resp: reqwest::Response) -> Result<(String, TokenBody)> {
 }
 
 fn identity_is_app_cred(c: &GlanceSection) -> bool {
-    c.auth_type.contains("applicationcredential")
+    c.auth_type == GlanceAuthType::ApplicationCredential
 }
 
 fn domain(id: &str, name: &str) -> serde_json::Value {
@@ -387,7 +389,7 @@ mod tests {
 
     fn section(auth_type: &str) -> GlanceSection {
         GlanceSection {
-            auth_type: auth_type.to_string(),
+            auth_type: auth_type.to_string().into(),
             username: "ironic".to_string(),
             password: "pw".to_string(),
             ..GlanceSection::default()
@@ -436,6 +438,7 @@ mod tests {
     fn unknown_auth_type_is_refused() {
         let e = auth_request(&section("kerberos")).unwrap_err();
         assert_eq!(e.code, ErrorCode::SourceNotAllowed);
+        assert_eq!(e.message, "[glance]auth_type \"kerberos\" is not supported");
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! Contracts other programs rely on: configuration precedence and the
 //! closed list of error codes in the completion schema.
 
-use ironic_image_worker::config::{Config, Files};
+use ironic_image_worker::config::{Config, Files, ImageDownloadSource, SslVersion};
 use ironic_image_worker::error::ErrorCode;
 
 #[test]
@@ -125,7 +125,7 @@ fn ironic_conf_gives_the_shared_options_and_our_file_overrides_it() {
         ["ironic_versioned_notifications", "ops_notifications"]
     );
     assert!(c.amqp.notification_exchange_durable);
-    assert_eq!(c.agent.image_download_source, "http");
+    assert_eq!(c.agent.image_download_source, ImageDownloadSource::Http);
     assert_eq!(c.deploy.http_root, std::path::Path::new("/srv/httpboot"));
     assert_eq!(c.http_url(), "http://192.0.2.10:8088");
     assert_eq!(
@@ -164,7 +164,7 @@ fn ironic_conf_gives_the_shared_options_and_our_file_overrides_it() {
     )
     .unwrap();
     assert_eq!(c.deploy.http_root, std::path::Path::new("/httpboot"));
-    assert_eq!(c.agent.image_download_source, "local");
+    assert_eq!(c.agent.image_download_source, ImageDownloadSource::Local);
     assert_eq!(c.amqp.url, ["amqp://guest:guest@127.0.0.1:5672/%2f"]);
 }
 
@@ -492,7 +492,7 @@ fn ironic_conf_multi_host_transport_and_tls() {
         ]
     );
     assert_eq!(c.amqp.ssl_ca_file, ca.display().to_string());
-    assert_eq!(c.amqp.ssl_version, "TLSv1_2");
+    assert_eq!(c.amqp.ssl_version, SslVersion::Tls12);
     assert_eq!(
         c.amqp.url_redacted(),
         "amqps://a:***@mq1:5671/ironic,amqps://b:***@mq2:5672/ironic,amqps://c:***@mq3/ironic"

@@ -459,7 +459,7 @@ async fn wait_metric(worker: &Worker, prefix: &str, value: f64) {
 
 #[test]
 fn tls_and_auth_options_are_checked() {
-    use ironic_image_worker::config::{Config, Files};
+    use ironic_image_worker::config::{AuthStrategy, Config, Files, TlsMinVersion};
     let dir = tempfile::tempdir().unwrap();
     make_ca_and_server(dir.path(), "ca1");
     let cert = format!(
@@ -511,7 +511,11 @@ fn tls_and_auth_options_are_checked() {
     }
     let c = load(&[&cert, &key, "http.listen=[::1]:8443"]).unwrap();
     assert_eq!(c.http_url(), "https://[::1]:8443", "derived as https://");
-    assert_eq!(c.http.tls_min_version, "1.3", "Ironic's default");
+    assert_eq!(
+        c.http.tls_min_version,
+        TlsMinVersion::Tls13,
+        "Ironic's default"
+    );
     let c = load(&[
         "deploy.image_server_auth_strategy=http_basic",
         "deploy.image_server_user=ironic",
@@ -532,6 +536,6 @@ fn tls_and_auth_options_are_checked() {
         ..Files::default()
     };
     let c = Config::load_from(&files, &[], &[]).unwrap();
-    assert_eq!(c.deploy.image_server_auth_strategy, "http_basic");
+    assert_eq!(c.deploy.image_server_auth_strategy, AuthStrategy::HttpBasic);
     assert_eq!(c.deploy.image_server_password, "from-ironic");
 }

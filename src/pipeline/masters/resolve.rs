@@ -6,6 +6,7 @@
 
 use super::job::MasterFetch;
 use super::{Masters, Request};
+use crate::config::ImageDownloadSource;
 use crate::error::{Error, ErrorCode, Result};
 use crate::messages::{Completion, InstanceInfo};
 use crate::sources::Source;
@@ -23,16 +24,16 @@ impl Masters {
         req: &Request,
         done: &mut Completion,
     ) -> Result<ImagePlan> {
-        let mode = self.download_source(&req.instance_info).to_string();
+        let mode = self.download_source(&req.instance_info);
         let mut info = req.instance_info.clone();
-        let (source, href) = Box::pin(self.source_of(req, &mode, &mut info, done)).await?;
+        let (source, href) = Box::pin(self.source_of(req, mode, &mut info, done)).await?;
         Box::pin(self.complete_from_glance(&source, &mut info)).await?;
         let spec = ChecksumSpec::from_fields(
             info.image_checksum.as_deref(),
             info.image_os_hash_algo.as_deref(),
             info.image_os_hash_value.as_deref(),
         )?;
-        let mode = self.download_mode(&mode, &source)?;
+        let mode = self.download_mode(mode, &source)?;
         Ok(ImagePlan {
             source,
             href,
@@ -83,28 +84,29 @@ impl Masters {
     }
 
     /// The node's `image_download_source` (an empty one counts as unset, as
-    /// in Ironic), else `[agent]`'s.
-    fn download_source<'a>(&'a self, info: &'a InstanceInfo) -> &'a str {
-        info.image_download_source
-            .as_deref()
-            .map(str::trim)
-            .filter(|m| !m.is_empty())
-            .unwrap_or(&self.config.agent.image_download_source)
+    /// in Ironic), else `[agent]`'s; `Err` holds a request's unknown word,
+    /// refused by [`Masters::download_mode`] once the source is known.
+    fn download_source<'a>(&self, info: &'a InstanceInfo) -> DownloadSource<'a> {
+        match info.image_download_source.as_deref().map(str::trim) {
+            Some(word) if !word.is_empty() => word.parse().map_err(|_| word),
+            _ => Ok(self.config.agent.image_download_source),
+        }
     }
 
     /// What `image_download_source` (the request's, else `[agent]`'s; an
     /// empty value is unset, as in Ironic's get_image_download_source) asks
     /// for this source.
-    fn download_mode(&self, mode: &str, source: &Source) -> Result<Mode> {
+    fn download_mode(&self, mode: DownloadSource, source: &Source) -> Result<Mode> {
+        use ImageDownloadSource::{Http, Local, Swift};
         match (mode, source) {
-            ("swift", _) => Err(Error::new(
+            (Ok(Swift), _) => Err(Error::new(
                 ErrorCode::SourceNotAllowed,
                 "image_download_source=swift is not handled by this worker",
             )),
-            ("http", Source::Http(_)) if self.validates_http_sources() => Ok(Mode::Validate),
-            ("http", Source::Http(_)) => Ok(Mode::PassThrough),
-            ("local" | "http", _) => Ok(Mode::Cache),
-            (other, _) => Err(Error::new(
+            (Ok(Http), Source::Http(_)) if self.validates_http_sources() => Ok(Mode::Validate),
+            (Ok(Http), Source::Http(_)) => Ok(Mode::PassThrough),
+            (Ok(Local | Http), _) => Ok(Mode::Cache),
+            (Err(other), _) => Err(Error::new(
                 ErrorCode::InvalidMessage,
                 format!("unknown image_download_source {other:?}"),
             )),
@@ -117,7 +119,7 @@ impl Masters {
     async fn source_of(
         &self,
         req: &Request,
-        mode: &str,
+        mode: DownloadSource<'_>,
         info: &mut InstanceInfo,
         done: &mut Completion,
     ) -> Result<(Source, String)> {
@@ -155,11 +157,11 @@ impl Masters {
         &self,
         r: &crate::sources::oci::OciRef,
         req: &Request,
-        mode: &str,
+        mode: DownloadSource<'_>,
         info: &mut InstanceInfo,
         done: &mut Completion,
     ) -> Result<Source> {
-        if mode == "swift" {
+        if mode == Ok(ImageDownloadSource::Swift) {
             return Err(Error::new(
                 ErrorCode::SourceNotAllowed,
                 "image_download_source=swift cannot fetch from an OCI registry",
@@ -173,7 +175,7 @@ impl Masters {
         let arch = req.node_info.cpu_arch.as_deref();
         let resolved = self
             .fetcher
-            .resolve_oci(r, credential, mode == "local", arch)
+            .resolve_oci(r, credential, mode == Ok(ImageDownloadSource::Local), arch)
             .await?;
         let digest = &resolved.blob.digest;
         tracing::info!(source = %r.display(), manifest = %resolved.manifest_url, blob = %digest, "OCI reference resolved");
@@ -297,6 +299,9 @@ impl ImagePlan {
         }
     }
 }
+
+/// A request's `image_download_source`, or the unknown word it gave.
+type DownloadSource<'a> = std::result::Result<ImageDownloadSource, &'a str>;
 
 /// How a prepare answers, from `image_download_source` and the source.
 pub(in crate::pipeline) enum Mode {
