@@ -14,7 +14,7 @@ use crate::fsutil::TempGuard;
 use crate::image::inspect;
 use crate::peers::wire::OfferedMaster;
 use crate::sources::peer::{Holder, PeerFetcher};
-use crate::store::cache::{Master, MasterMeta};
+use crate::store::cache::{Master, MasterMeta, md5s_agree};
 use crate::store::sink::Digests;
 use std::time::Duration;
 
@@ -61,15 +61,15 @@ impl Masters {
         let record = meta_of(&facts);
         let as_fetched = record.served_as_fetched();
         let mut meta = MasterMeta {
+            sha256: own.served_sha256()?,
             size: own.size,
             md5: own.md5,
-            sha256: own.sha256,
-            sha512: own.sha512.filter(|d| !d.is_empty()),
+            sha512: own.sha512,
             ..record
         };
         if as_fetched {
             meta.source_size = meta.size;
-            meta.source_md5 = Some(meta.md5.clone()).filter(|m| !m.is_empty());
+            meta.source_md5 = meta.md5.clone();
             meta.source_sha256 = Some(meta.sha256.clone());
             meta.source_sha512 = meta.sha512.clone();
         }
@@ -138,13 +138,18 @@ impl Masters {
         path: &std::path::Path,
         own: &Digests,
     ) -> std::result::Result<(), Refusal> {
-        let md5_differs = !own.md5.is_empty() && !facts.md5.is_empty() && own.md5 != facts.md5;
-        if own.size != facts.size || own.sha256 != facts.sha256 || md5_differs {
+        let sha256 = own.sha256.as_deref();
+        let md5s_agree = md5s_agree(own.md5.as_deref(), facts.md5.as_deref());
+        if own.size != facts.size || sha256 != Some(&facts.sha256) || !md5s_agree {
             let e = Error::new(
                 ErrorCode::ChecksumMismatch,
                 format!(
                     "master {} from a peer: {} bytes, sha256 {}; the peer recorded {} bytes, sha256 {}",
-                    job.name, own.size, own.sha256, facts.size, facts.sha256
+                    job.name,
+                    own.size,
+                    sha256.unwrap_or("not computed"),
+                    facts.size,
+                    facts.sha256
                 ),
             );
             return Err(("digest_mismatch", e));

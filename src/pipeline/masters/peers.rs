@@ -27,7 +27,7 @@ use crate::peers::live::LiveMasters;
 use crate::peers::wire::{Offer, OfferState, OfferedMaster};
 use crate::sources::http_client;
 use crate::sources::peer::{Holder, PeerFetcher};
-use crate::store::cache::Master;
+use crate::store::cache::{Master, md5s_agree};
 use futures_util::future::BoxFuture;
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -523,8 +523,6 @@ impl BadHolders {
 /// Whether offer `o` holds exactly the bytes `m` describes.
 fn same(o: &Offer, m: &OfferedMaster) -> bool {
     o.master.as_ref().is_some_and(|x| {
-        x.size == m.size
-            && x.sha256 == m.sha256
-            && (x.md5 == m.md5 || x.md5.is_empty() || m.md5.is_empty())
+        x.size == m.size && x.sha256 == m.sha256 && md5s_agree(x.md5.as_deref(), m.md5.as_deref())
     })
 }
