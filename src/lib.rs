@@ -20,6 +20,7 @@
 //! | `metrics` | Prometheus metrics and transfer progress |
 //! | [`config`] | configuration: a file per section, the layers (defaults, ironic.conf, TOML, environment, `--set`) with each value's source |
 //! | `node` | the validated node UUID |
+//! | `optional_digest` | a digest not computed: `None` in memory, an empty string in sidecars and offers, as earlier versions wrote it |
 //! | `peers` | what the workers of one deployment say to each other: signed master URLs, sealed queries and offers |
 //! | `gzip` | a master's compressed form: where it lives, the identity its header records (written by `store`, served by `http`) |
 //! | `fsutil` | file-system helpers every layer may use (permissions, atomic replacement, the O_NOFOLLOW walk) |
@@ -52,6 +53,7 @@ pub mod image;
 pub(crate) mod messages;
 pub(crate) mod metrics;
 pub(crate) mod node;
+pub(crate) mod optional_digest;
 pub(crate) mod peers;
 pub(crate) mod pipeline;
 pub(crate) mod retry;

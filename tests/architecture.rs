@@ -63,7 +63,17 @@ const ALLOWED: &[(&str, &[&str])] = &[
         ],
     ),
     ("image", &["store", "fsutil", "error"]),
-    ("store", &["config", "node", "fsutil", "gzip", "error"]),
+    (
+        "store",
+        &[
+            "config",
+            "node",
+            "fsutil",
+            "gzip",
+            "optional_digest",
+            "error",
+        ],
+    ),
     ("http", &["metrics", "fsutil", "peers", "gzip", "error"]),
     ("metrics", &["messages"]),
     (
@@ -74,7 +84,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("gzip", &[]),
     ("secrets", &[]),
     ("node", &["error"]),
-    ("peers", &[]),
+    ("peers", &["optional_digest"]),
+    ("optional_digest", &[]),
     ("retry", &[]),
     ("error", &[]),
     ("lib", &[]),

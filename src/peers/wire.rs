@@ -3,6 +3,7 @@
 //! facts of its sidecar) or are downloading it. Plain data: the broker side
 //! carries them, the pipeline decides what an offer is worth.
 
+use crate::optional_digest;
 use serde::{Deserialize, Serialize};
 
 /// Routing key prefix of queries on the peer exchange (`query.<name>`).
@@ -59,8 +60,10 @@ pub struct Offer {
 pub struct OfferedMaster {
     /// Size of the master's bytes.
     pub size: u64,
-    /// MD5 of the master's bytes.
-    pub md5: String,
+    /// MD5 of the master's bytes, when computed. Sent as an empty string
+    /// when absent: earlier versions read a string.
+    #[serde(default, with = "optional_digest")]
+    pub md5: Option<String>,
     /// SHA-256 of the master's bytes.
     pub sha256: String,
     /// SHA-512 of the master's bytes, when computed.
@@ -111,5 +114,38 @@ mod tests {
         assert!(text.contains("\"state\":\"downloading\""), "{text}");
         assert!(text.contains("\"live_size\":1073741824"), "{text}");
         assert_eq!(serde_json::from_str::<Offer>(&text).unwrap(), offer);
+    }
+
+    /// A master offered without an MD5 says so with an empty string, which
+    /// an earlier worker (holding the MD5 as a plain string) reads, and
+    /// an earlier worker's empty string reads as no MD5.
+    #[test]
+    fn an_offered_master_without_md5_crosses_versions() {
+        let master = OfferedMaster {
+            size: 5,
+            md5: None,
+            sha256: "b".into(),
+            sha512: None,
+            converted: false,
+            disk_format: "raw".into(),
+            source_format: "raw".into(),
+            source: "http://example.com/m".into(),
+            fetched_at: 1,
+            source_last_modified: None,
+            source_size: 5,
+            source_md5: None,
+            source_sha256: None,
+            source_sha512: None,
+        };
+        let text = serde_json::to_value(&master).unwrap();
+        assert_eq!(text["md5"], "", "{text}");
+        assert_eq!(
+            serde_json::from_value::<OfferedMaster>(text).unwrap(),
+            master
+        );
+        let mut with_md5 = serde_json::to_value(&master).unwrap();
+        with_md5["md5"] = "a".into();
+        let read: OfferedMaster = serde_json::from_value(with_md5).unwrap();
+        assert_eq!(read.md5.as_deref(), Some("a"));
     }
 }

@@ -12,8 +12,9 @@
 
 use crate::error::{Error, ErrorCode, Result};
 use crate::fsutil::{self, TempOwner};
+use crate::optional_digest;
 use crate::store::lock::{LockGuard, Locks};
-use serde::{Deserialize, Deserializer, Serialize};
+use serde::{Deserialize, Serialize};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -40,7 +41,10 @@ const TEMP_DIR: &str = ".tmp";
 pub const MASTER_MARK: &str = "user.ironic-image-worker.master";
 
 /// What the sidecar records about a master. A digest that was not computed
-/// is absent (never an empty string), so it can be computed later.
+/// is `None` (never an empty string in memory), so it can be computed
+/// later; on disk it is null, or an empty string for `md5` (see
+/// [`crate::optional_digest`]), and an empty string of an earlier version
+/// reads as `None`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MasterMeta {
     /// The `image_source` the master was made from, its secrets masked
@@ -54,13 +58,13 @@ pub struct MasterMeta {
     /// Size of the source bytes.
     pub source_size: u64,
     /// MD5 of the source bytes, when computed.
-    #[serde(default, deserialize_with = "digest_opt")]
+    #[serde(default, deserialize_with = "optional_digest::deserialize")]
     pub source_md5: Option<String>,
     /// SHA-256 of the source bytes, when computed.
-    #[serde(default, deserialize_with = "digest_opt")]
+    #[serde(default, deserialize_with = "optional_digest::deserialize")]
     pub source_sha256: Option<String>,
     /// SHA-512 of the source bytes, when computed.
-    #[serde(default, deserialize_with = "digest_opt")]
+    #[serde(default, deserialize_with = "optional_digest::deserialize")]
     pub source_sha512: Option<String>,
     /// Format detected in the source bytes.
     pub source_format: String,
@@ -70,24 +74,20 @@ pub struct MasterMeta {
     pub disk_format: String,
     /// Size of the master's bytes.
     pub size: u64,
-    /// MD5 of the master's bytes; empty when it was not computed
-    /// (`[agent] served_md5 = false`; computed from the master when a
-    /// request needs it).
-    pub md5: String,
+    /// MD5 of the master's bytes, when computed (not with `[agent]
+    /// served_md5 = false`; computed from the master when a request needs
+    /// it). Written as an empty string when absent: earlier versions read a
+    /// string.
+    #[serde(default, with = "optional_digest")]
+    pub md5: Option<String>,
     /// SHA-256 of the master's bytes.
     pub sha256: String,
     /// SHA-512 of the master's bytes, when computed.
-    #[serde(default, deserialize_with = "digest_opt")]
+    #[serde(default, deserialize_with = "optional_digest::deserialize")]
     pub sha512: Option<String>,
     /// Inode of the master the sidecar describes: a replaced master never
     /// inherits an older sidecar.
     pub inode: u64,
-}
-
-/// Sidecars of earlier versions wrote an empty string for a digest that
-/// was not computed: read it as absent.
-fn digest_opt<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Option<String>, D::Error> {
-    Ok(Option::<String>::deserialize(d)?.filter(|s| !s.is_empty()))
 }
 
 impl MasterMeta {
@@ -110,24 +110,28 @@ impl MasterMeta {
             (&mut self.source_md5, &other.source_md5),
             (&mut self.source_sha256, &other.source_sha256),
             (&mut self.source_sha512, &other.source_sha512),
+            (&mut self.md5, &other.md5),
             (&mut self.sha512, &other.sha512),
         ] {
             if mine.is_none() {
                 mine.clone_from(theirs);
             }
         }
-        if self.md5.is_empty() {
-            self.md5.clone_from(&other.md5);
-        }
     }
 
-    /// True when both describe the same served bytes (an MD5 not computed
-    /// on either side is not compared).
+    /// True when both describe the same served bytes (see [`md5s_agree`]).
     fn same_bytes(&self, other: &MasterMeta) -> bool {
         self.size == other.size
             && self.sha256 == other.sha256
-            && (self.md5 == other.md5 || self.md5.is_empty() || other.md5.is_empty())
+            && md5s_agree(self.md5.as_deref(), other.md5.as_deref())
     }
+}
+
+/// Whether two records of the same bytes agree on their MD5: one not
+/// computed on either side is not compared (masters made with `[agent]
+/// served_md5 = false` have none).
+pub fn md5s_agree(a: Option<&str>, b: Option<&str>) -> bool {
+    a.is_none() || b.is_none() || a == b
 }
 
 /// A master that passed validation, with its path.
@@ -467,13 +471,9 @@ impl Cache {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_remembered_sidecar_follows_the_file() {
-        let dir = tempfile::tempdir().unwrap();
-        let cache = Cache::open(dir.path()).unwrap();
-        let temp = cache.temp_path("m").unwrap();
-        std::fs::write(&temp, b"bytes").unwrap();
-        let meta = MasterMeta {
+    /// A master's record, with an MD5.
+    fn sample() -> MasterMeta {
+        MasterMeta {
             source: "http://example.com/m".into(),
             fetched_at: 1,
             source_last_modified: None,
@@ -485,12 +485,20 @@ mod tests {
             converted: false,
             disk_format: "raw".into(),
             size: 5,
-            md5: "a".into(),
+            md5: Some("a".into()),
             sha256: "b".into(),
             sha512: None,
             inode: 0,
-        };
-        let master = cache.commit(&temp, "m", meta).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_remembered_sidecar_follows_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = Cache::open(dir.path()).unwrap();
+        let temp = cache.temp_path("m").unwrap();
+        std::fs::write(&temp, b"bytes").unwrap();
+        let master = cache.commit(&temp, "m", sample()).unwrap();
         assert_eq!(cache.load("m").unwrap().meta, master.meta);
         // Replaced (a digest learnt, by this process or another): the new
         // contents, not the remembered ones.
@@ -504,6 +512,46 @@ mod tests {
         assert_eq!(cache.load("m").unwrap().meta, learnt);
         cache.remove_meta("m").unwrap();
         assert!(cache.load("m").is_none());
+    }
+
+    /// A sidecar of an earlier version, which wrote an empty string for a
+    /// digest not computed, reads with those digests absent, and its MD5
+    /// when there is one.
+    #[test]
+    fn an_earlier_sidecar_reads_with_empty_digests_absent() {
+        let mut earlier = serde_json::to_value(sample()).unwrap();
+        earlier["md5"] = "".into();
+        earlier["source_md5"] = "".into();
+        earlier["sha512"] = "".into();
+        let meta: MasterMeta = serde_json::from_value(earlier.clone()).unwrap();
+        assert_eq!((meta.md5, meta.source_md5, meta.sha512), (None, None, None));
+        earlier["md5"] = "a".into();
+        let meta: MasterMeta = serde_json::from_value(earlier).unwrap();
+        assert_eq!(meta, sample());
+    }
+
+    /// A sidecar written now reads back as written, and an earlier version
+    /// (which holds `md5` as a plain string) reads it too: an MD5 not
+    /// computed is written as an empty string, the optional digests as
+    /// null.
+    #[test]
+    fn a_sidecar_written_now_reads_in_this_and_the_earlier_version() {
+        #[derive(Deserialize)]
+        struct Earlier {
+            md5: String,
+            sha256: String,
+            sha512: Option<String>,
+            source_md5: Option<String>,
+        }
+        for md5 in [Some("a".to_string()), None] {
+            let meta = MasterMeta { md5, ..sample() };
+            let text = serde_json::to_vec_pretty(&meta).unwrap();
+            assert_eq!(serde_json::from_slice::<MasterMeta>(&text).unwrap(), meta);
+            let earlier: Earlier = serde_json::from_slice(&text).unwrap();
+            assert_eq!(earlier.md5, meta.md5.unwrap_or_default());
+            assert_eq!(earlier.sha256, meta.sha256);
+            assert_eq!((earlier.sha512, earlier.source_md5), (None, None));
+        }
     }
 
     #[test]

@@ -78,7 +78,7 @@ impl Masters {
             }
             None => (temp, served, false),
         };
-        let meta = master_meta(job.href, downloaded, &found, served, converted);
+        let meta = master_meta(job.href, downloaded, &found, served, converted)?;
         let committed = self.commit_master(job.name, temp, meta).await?;
         if let Some(live) = live {
             live.committed();
@@ -200,20 +200,20 @@ fn master_meta(
     found: &inspect::Inspection,
     served: Digests,
     converted: bool,
-) -> MasterMeta {
+) -> Result<MasterMeta> {
     let Downloaded {
         digests,
         stat,
         fetched_at,
     } = downloaded;
-    MasterMeta {
+    Ok(MasterMeta {
         source: crate::secrets::redact_url(href),
         fetched_at,
         source_last_modified: stat.last_modified.map(cache::unix_secs),
         source_size: digests.size,
-        source_md5: Some(digests.md5).filter(|d| !d.is_empty()),
-        source_sha256: Some(digests.sha256).filter(|d| !d.is_empty()),
-        source_sha512: digests.sha512.filter(|d| !d.is_empty()),
+        source_md5: digests.md5,
+        source_sha256: digests.sha256,
+        source_sha512: digests.sha512,
         source_format: found.format.name().into(),
         converted,
         disk_format: if converted {
@@ -221,12 +221,12 @@ fn master_meta(
         } else {
             found.format.served_name().into()
         },
+        sha256: served.served_sha256()?,
         size: served.size,
         md5: served.md5,
-        sha256: served.sha256,
-        sha512: served.sha512.filter(|d| !d.is_empty()),
+        sha512: served.sha512,
         inode: 0,
-    }
+    })
 }
 
 /// The converted file must be raw and, for qcow2, exactly the virtual size.

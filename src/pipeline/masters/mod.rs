@@ -12,7 +12,8 @@
 //!   lock (`resolve`); its master under the master lock, the cached one
 //!   when it fits or a new one (`obtain`);
 //! * making a new master: download, verify, decompress, inspect, convert,
-//!   commit (`fetch`); the other conductors' workers first (`peers`); each
+//!   commit (`fetch`); the other conductors' workers first (`peers`), a
+//!   peer's master received, checked and adopted (`peer_bytes`); each
 //!   download attempt's file, sink and conversion (`attempt`); converting a
 //!   qcow2 while it downloads (`stream`);
 //! * below them all: whether a master's record fits a request, a pure
@@ -36,6 +37,7 @@ mod gzip;
 mod job;
 mod keeper;
 mod obtain;
+mod peer_bytes;
 pub mod peers;
 mod resolve;
 mod stream;

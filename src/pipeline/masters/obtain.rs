@@ -123,7 +123,7 @@ impl Masters {
             .map(|e| e.algo)
             .filter(|&algo| source_digest(meta, algo).is_none() && meta.served_as_fetched());
         let sha512_missing = (served.sha512 && meta.sha512.is_none()).then_some(Algo::Sha512);
-        let md5_missing = (served.md5 && meta.md5.is_empty()).then_some(Algo::Md5);
+        let md5_missing = (served.md5 && meta.md5.is_none()).then_some(Algo::Md5);
         let mut learnt = false;
         let mut missing: Vec<Algo> = [source_missing, sha512_missing, md5_missing]
             .into_iter()
@@ -143,7 +143,7 @@ impl Masters {
                 Algo::Sha512 if sha512_missing.is_some() || meta.served_as_fetched() => {
                     meta.sha512 = Some(hex)
                 }
-                Algo::Md5 if meta.md5.is_empty() => meta.md5 = hex,
+                Algo::Md5 if meta.md5.is_none() => meta.md5 = Some(hex),
                 _ => {}
             }
             learnt = true;
@@ -180,7 +180,7 @@ pub(in crate::pipeline) fn fill_image(
     outcome: CacheOutcome,
     done: &mut Completion,
 ) {
-    done.image_checksum = Some(meta.md5.clone()).filter(|m| served.md5 && !m.is_empty());
+    done.image_checksum = meta.md5.clone().filter(|_| served.md5);
     let (algo, value) = match (&meta.sha512, served.sha512) {
         (Some(v), true) => ("sha512", v.clone()),
         _ => ("sha256", meta.sha256.clone()),

@@ -13,23 +13,21 @@
 //! themselves have it); its URL must be a peer listener's at an address the
 //! rules allow; among usable offers the bytes are chosen by rule, never by
 //! how many offer them. Every digest of the new master (size, MD5, SHA-256,
-//! SHA-512) is computed here from the bytes received, checked against the
+//! SHA-512) is computed from the bytes received, checked against the
 //! holder's record, and the file is inspected as a download is, before it
-//! becomes a master.
+//! becomes a master (`peer_bytes`, handed the peer fetcher).
 
 use super::Masters;
-use super::attempt::DELIVERY_DEPTH;
 use super::job::MasterFetch;
+use super::peer_bytes::{UNREACHABLE, meta_of};
 use super::verdict::{self, Verdict};
 use crate::error::{Error, ErrorCode, Result};
 use crate::fsutil::TempGuard;
-use crate::image::inspect;
 use crate::peers::live::LiveMasters;
 use crate::peers::wire::{Offer, OfferState, OfferedMaster};
 use crate::sources::http_client;
 use crate::sources::peer::{Holder, PeerFetcher};
-use crate::store::cache::{Master, MasterMeta};
-use crate::store::sink::Digests;
+use crate::store::cache::{Master, md5s_agree};
 use futures_util::future::BoxFuture;
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -38,10 +36,6 @@ use std::time::{Duration, Instant};
 /// How long a worker that lost the claim waits between two looks at who
 /// holds the master (plus the query's own timeout).
 const WAIT_STEP: Duration = Duration::from_millis(500);
-
-/// How long a worker waits for another's download when no
-/// `[source]download_deadline` bounds it.
-const WAIT_LIMIT: Duration = Duration::from_secs(6 * 3600);
 
 /// How long another worker's claim may stand with nobody answering
 /// `downloading` before this worker stops waiting and downloads from the
@@ -281,15 +275,6 @@ impl Masters {
         }
     }
 
-    /// How long a wait for another worker's download, or a transfer from
-    /// peers, may last: `[source]download_deadline`, else [`WAIT_LIMIT`].
-    fn wait_limit(&self) -> Duration {
-        match self.config.source.download_deadline {
-            0 => WAIT_LIMIT,
-            s => Duration::from_secs(s),
-        }
-    }
-
     /// Whether an offer may stand for what the request wants: a verified
     /// master of the same name from another host, whose record fits the
     /// request as a cache hit's sidecar would ([`verdict::judge`]; an
@@ -335,7 +320,9 @@ impl Masters {
         }
         tracing::info!(master = job.name, holders = ?holders.iter().map(|h| &h.host).collect::<Vec<_>>(), size = facts.size, "fetching from peers");
         let checked = async {
-            let (file, own) = self.receive_bytes(peers, job, facts.size, &holders).await?;
+            let (file, own) = self
+                .receive_bytes(&peers.fetcher, job, facts.size, &holders)
+                .await?;
             self.check_received(job, facts, file.path(), &own).await?;
             Ok((file, own, facts.clone()))
         };
@@ -366,7 +353,9 @@ impl Masters {
         tracing::info!(master = job.name, peer = %holder.host, size, "following a peer's download");
         let checked = async {
             let holders = std::slice::from_ref(&holder);
-            let (file, own) = self.receive_bytes(peers, job, size, holders).await?;
+            let (file, own) = self
+                .receive_bytes(&peers.fetcher, job, size, holders)
+                .await?;
             let Some(facts) = self.record_of(peers, job, &holder.host, bad).await else {
                 let e = Error::new(
                     ErrorCode::SourceUnreachable,
@@ -408,187 +397,7 @@ impl Masters {
         }
         None
     }
-
-    /// Makes a peer's checked bytes our master, with the digests computed
-    /// here, or counts and logs why they were refused.
-    async fn adopt(
-        &self,
-        job: &MasterFetch<'_>,
-        checked: PeerBytes,
-    ) -> Result<(Master, TempGuard)> {
-        let (file, own, facts) = match checked {
-            Ok(got) => got,
-            Err((reason, e)) => {
-                // Failures of the holders themselves are counted as they occur.
-                if reason != UNREACHABLE {
-                    self.metrics
-                        .peers
-                        .fetch_failures
-                        .with_label_values(&[reason])
-                        .inc();
-                }
-                tracing::warn!(master = job.name, reason, error = %e, "a peer's master failed its checks: not used");
-                return Err(e);
-            }
-        };
-        // Every digest of the served bytes is ours. What the holder
-        // recorded of the source (it converted or decompressed it) is taken
-        // from its record, which bound the request's checksum; bytes served
-        // as fetched are the source's, so their digests are ours too.
-        let record = meta_of(&facts);
-        let as_fetched = record.served_as_fetched();
-        let mut meta = MasterMeta {
-            size: own.size,
-            md5: own.md5,
-            sha256: own.sha256,
-            sha512: own.sha512.filter(|d| !d.is_empty()),
-            ..record
-        };
-        if as_fetched {
-            meta.source_size = meta.size;
-            meta.source_md5 = Some(meta.md5.clone()).filter(|m| !m.is_empty());
-            meta.source_sha256 = Some(meta.sha256.clone());
-            meta.source_sha512 = meta.sha512.clone();
-        }
-        self.commit_master(job.name, file, meta).await
-    }
-
-    /// Receives `size` bytes of master `job.name` from `holders` into a
-    /// temporary, hashed in the same pass.
-    async fn receive_bytes(
-        &self,
-        peers: &Peers,
-        job: &MasterFetch<'_>,
-        size: u64,
-        holders: &[Holder],
-    ) -> std::result::Result<(TempGuard, Digests), Refusal> {
-        // Peer bytes are never converted while they arrive, nor hashed
-        // lazily: every digest is computed here, in the same pass.
-        let plain = MasterFetch {
-            force_raw: false,
-            ..*job
-        };
-        let (tx, rx) = tokio::sync::mpsc::channel(DELIVERY_DEPTH);
-        let failed = |h: &Holder, why: &'static str| {
-            tracing::warn!(peer = %h.host, reason = why, "fetch from a peer failed");
-            self.metrics
-                .peers
-                .fetch_failures
-                .with_label_values(&[why])
-                .inc();
-        };
-        let limit = self.wait_limit();
-        let feed = async {
-            let transfer = peers.fetcher.download(job.name, size, holders, tx, &failed);
-            tokio::time::timeout(limit, transfer)
-                .await
-                .unwrap_or_else(|_| {
-                    Err(Error::new(
-                        ErrorCode::SourceUnreachable,
-                        format!(
-                            "master {} from peers: not done within {}s",
-                            job.name,
-                            limit.as_secs()
-                        ),
-                    ))
-                })
-        };
-        let (written, _) = self
-            .receive_from(&plain, rx, feed)
-            .await
-            .map_err(|e| (UNREACHABLE, e))?;
-        self.metrics
-            .peers
-            .received_bytes
-            .inc_by(written.digests.size);
-        Ok((written.file, written.digests))
-    }
-
-    /// The received bytes (`own` digests, in the file at `path`) are the
-    /// bytes `facts` records (size, SHA-256 and MD5), and what the request
-    /// wants: Ironic's checksum for bytes served as fetched (neither
-    /// converted nor decompressed), a file that inspects as recorded.
-    async fn check_received(
-        &self,
-        job: &MasterFetch<'_>,
-        facts: &OfferedMaster,
-        path: &std::path::Path,
-        own: &Digests,
-    ) -> std::result::Result<(), Refusal> {
-        let md5_differs = !own.md5.is_empty() && !facts.md5.is_empty() && own.md5 != facts.md5;
-        if own.size != facts.size || own.sha256 != facts.sha256 || md5_differs {
-            let e = Error::new(
-                ErrorCode::ChecksumMismatch,
-                format!(
-                    "master {} from a peer: {} bytes, sha256 {}; the peer recorded {} bytes, sha256 {}",
-                    job.name, own.size, own.sha256, facts.size, facts.sha256
-                ),
-            );
-            return Err(("digest_mismatch", e));
-        }
-        if let Some(e) = job.expected.filter(|_| meta_of(facts).served_as_fetched())
-            && own.get(e.algo) != Some(e.hex.as_str())
-        {
-            let err = Error::new(
-                ErrorCode::ChecksumMismatch,
-                format!(
-                    "master {} from a peer: {} is not {}",
-                    job.name, e.algo, e.hex
-                ),
-            );
-            return Err(("digest_mismatch", err));
-        }
-        self.inspect_peer_bytes(job, facts, path)
-            .await
-            .map_err(|e| ("format", e))
-    }
-
-    /// The received file is what the offer says: a converted master is
-    /// raw; unconverted bytes are the declared, permitted format and pass
-    /// the safety checks a download passes.
-    async fn inspect_peer_bytes(
-        &self,
-        job: &MasterFetch<'_>,
-        facts: &OfferedMaster,
-        path: &std::path::Path,
-    ) -> Result<()> {
-        let found = match facts.converted {
-            true => inspect::inspect_file(path)?,
-            false => self.inspect_download(job, path).await?.0,
-        };
-        let ok = match facts.converted {
-            true => found.format.is_raw(),
-            false => {
-                found.format.name() == facts.source_format
-                    && !(job.force_raw && found.format.needs_conversion())
-            }
-        };
-        if ok {
-            return Ok(());
-        }
-        Err(Error::new(
-            ErrorCode::CorruptImage,
-            format!(
-                "master {} from a peer is {}, its holder recorded {}",
-                job.name,
-                found.format.name(),
-                facts.disk_format
-            ),
-        ))
-    }
 }
-
-/// Peer bytes with their digests and the record they were checked
-/// against, or why they were refused (the metric's reason).
-type PeerBytes = std::result::Result<(TempGuard, Digests, OfferedMaster), Refusal>;
-
-/// Why a peer's bytes were refused: the metric's reason and the error.
-type Refusal = (&'static str, Error);
-
-/// The reason of a transfer that did not complete (the holders busy,
-/// unreachable or too slow): no fault of the bytes, so no holder is
-/// found bad for it.
-const UNREACHABLE: &str = "unreachable";
 
 /// A wait for another worker's download: bounded in all by `limit`, and
 /// given up when the claim's holder stays silent for [`CLAIM_SILENCE`];
@@ -714,29 +523,6 @@ impl BadHolders {
 /// Whether offer `o` holds exactly the bytes `m` describes.
 fn same(o: &Offer, m: &OfferedMaster) -> bool {
     o.master.as_ref().is_some_and(|x| {
-        x.size == m.size
-            && x.sha256 == m.sha256
-            && (x.md5 == m.md5 || x.md5.is_empty() || m.md5.is_empty())
+        x.size == m.size && x.sha256 == m.sha256 && md5s_agree(x.md5.as_deref(), m.md5.as_deref())
     })
-}
-
-/// The sidecar an offered master would have here (inode set on commit).
-fn meta_of(m: &OfferedMaster) -> MasterMeta {
-    MasterMeta {
-        source: m.source.clone(),
-        fetched_at: m.fetched_at,
-        source_last_modified: m.source_last_modified,
-        source_size: m.source_size,
-        source_md5: m.source_md5.clone(),
-        source_sha256: m.source_sha256.clone(),
-        source_sha512: m.source_sha512.clone(),
-        source_format: m.source_format.clone(),
-        converted: m.converted,
-        disk_format: m.disk_format.clone(),
-        size: m.size,
-        md5: m.md5.clone(),
-        sha256: m.sha256.clone(),
-        sha512: m.sha512.clone(),
-        inode: 0,
-    }
 }

@@ -168,7 +168,7 @@ mod tests {
             converted: false,
             disk_format: "qcow2".into(),
             size: 10,
-            md5: "md5".into(),
+            md5: Some("md5".into()),
             sha256: SHA256.into(),
             sha512: None,
             inode: 1,
@@ -181,7 +181,7 @@ mod tests {
             converted: true,
             disk_format: "raw".into(),
             size: 64,
-            md5: "rawmd5".into(),
+            md5: Some("rawmd5".into()),
             sha256: RAW_SHA256.into(),
             ..qcow2()
         }

@@ -198,8 +198,8 @@ pub(super) fn settle(
 ) -> Result<Digests> {
     let mut digests = Digests {
         size,
-        md5: String::new(),
-        sha256: String::new(),
+        md5: None,
+        sha256: None,
         sha512: None,
         hash_micros: 0,
     };
@@ -209,8 +209,8 @@ pub(super) fn settle(
         if let Output::Digest(algo, hex, busy) = output {
             digests.hash_micros = digests.hash_micros.max(busy.as_micros() as u64);
             match algo {
-                Algo::Md5 => digests.md5 = hex,
-                Algo::Sha256 => digests.sha256 = hex,
+                Algo::Md5 => digests.md5 = Some(hex),
+                Algo::Sha256 => digests.sha256 = Some(hex),
                 Algo::Sha512 => digests.sha512 = Some(hex),
             }
         }

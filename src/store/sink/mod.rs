@@ -37,12 +37,11 @@ const DEPTH: usize = 4;
 pub struct Digests {
     /// Bytes written.
     pub size: u64,
-    /// MD5 hex of the bytes; empty when it was not computed (see
-    /// [`Served`]).
-    pub md5: String,
-    /// SHA-256 hex of the bytes (empty only for a scratch file whose plan
-    /// left it out).
-    pub sha256: String,
+    /// MD5 hex of the bytes, when it was computed (see [`Served`]).
+    pub md5: Option<String>,
+    /// SHA-256 hex of the bytes (absent only for a scratch file whose plan
+    /// left it out; see [`Digests::served_sha256`]).
+    pub sha256: Option<String>,
     /// SHA-512 hex, only when it was asked for.
     pub sha512: Option<String>,
     /// Microseconds the slowest hasher spent hashing (beside the I/O).
@@ -58,12 +57,24 @@ impl Digests {
 
     /// The digest for `algo`, when it was computed.
     pub fn get(&self, algo: Algo) -> Option<&str> {
-        let hex = match algo {
-            Algo::Md5 => Some(&self.md5[..]),
-            Algo::Sha256 => Some(&self.sha256[..]),
+        match algo {
+            Algo::Md5 => self.md5.as_deref(),
+            Algo::Sha256 => self.sha256.as_deref(),
             Algo::Sha512 => self.sha512.as_deref(),
-        };
-        hex.filter(|h| !h.is_empty())
+        }
+    }
+
+    /// The SHA-256 of bytes that become a master: every plan for bytes
+    /// that are served computes it (only a scratch file's may leave it
+    /// out), so its absence is a bug, answered as one rather than with a
+    /// master recorded without it.
+    pub fn served_sha256(&self) -> Result<String> {
+        self.sha256.clone().ok_or_else(|| {
+            Error::new(
+                ErrorCode::Internal,
+                "the SHA-256 of the served bytes was not computed",
+            )
+        })
     }
 }
 
@@ -387,8 +398,8 @@ mod tests {
             let d = sink.finish().await.unwrap();
             assert_eq!(std::fs::read(&path).unwrap(), bytes, "{name}");
             assert_eq!(d.size, bytes.len() as u64);
-            assert_eq!(d.md5, hex(Algo::Md5, &bytes), "{name}");
-            assert_eq!(d.sha256, hex(Algo::Sha256, &bytes), "{name}");
+            assert_eq!(d.md5.unwrap(), hex(Algo::Md5, &bytes), "{name}");
+            assert_eq!(d.sha256.unwrap(), hex(Algo::Sha256, &bytes), "{name}");
             assert_eq!(d.sha512.unwrap(), hex(Algo::Sha512, &bytes), "{name}");
         }
     }
@@ -428,7 +439,7 @@ mod tests {
         let sink = Sink::create(&path, Plan::served(Served::default())).unwrap();
         let d = sink.finish().await.unwrap();
         assert_eq!(std::fs::metadata(&path).unwrap().len(), 0);
-        assert_eq!((d.size, d.sha256), (0, hex(Algo::Sha256, b"")));
+        assert_eq!((d.size, d.sha256), (0, Some(hex(Algo::Sha256, b""))));
     }
 
     /// Zero 4 KiB blocks inside a chunk with data become holes (the file
@@ -493,8 +504,8 @@ mod tests {
         let mut expected = bytes.clone();
         expected.extend(std::iter::repeat_n(0u8, 1 << 20));
         assert_eq!(std::fs::read(&path).unwrap(), expected);
-        assert_eq!(d.md5, hex(Algo::Md5, &expected));
-        assert_eq!(d.sha256, hex(Algo::Sha256, &expected));
+        assert_eq!(d.md5.unwrap(), hex(Algo::Md5, &expected));
+        assert_eq!(d.sha256.unwrap(), hex(Algo::Sha256, &expected));
     }
 
     /// MD5 is left out when the served digests leave it out, unless it is
