@@ -82,6 +82,7 @@ impl Dispatcher {
             .ignored
             .with_label_values(&["redelivered_in_progress"])
             .inc();
+        let _in_request = tracked.span.enter();
         if let Adoption::SettleNow(acker) = adoption {
             tracing::info!("a redelivered copy of work already answered or accepted: settled");
             let dead_letter = tracked.dead_letter;
@@ -90,7 +91,7 @@ impl Dispatcher {
             });
         } else {
             tracing::info!("a redelivered copy of work still running here: adopted");
-            self.arm_early_ack(&tracked, session, received, &tracing::Span::current());
+            self.arm_early_ack(&tracked, session, received);
         }
         true
     }

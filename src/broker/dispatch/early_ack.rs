@@ -41,13 +41,13 @@ impl Dispatcher {
     /// `tracked`, due three quarters of the consumer timeout after the copy
     /// was `received`, whether the job runs by then or still waits behind
     /// another of its node (the broker counts from the delivery). From
-    /// then on the job is answered when done, and a crash loses it.
+    /// then on the job is answered when done, and a crash loses it. Its
+    /// line is in the request's span.
     pub(super) fn arm_early_ack(
         &self,
         tracked: &Arc<Tracked<Acker>>,
         session: u64,
         received: Instant,
-        span: &tracing::Span,
     ) {
         let Some(after) = self.ack_early_after() else {
             return;
@@ -63,7 +63,7 @@ impl Dispatcher {
                     let _ = settle(acker, false).await;
                 }
             }
-            .instrument(span.clone()),
+            .instrument(tracked.span.clone()),
         );
         tracked.arm(session, timer.abort_handle());
     }

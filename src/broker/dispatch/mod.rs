@@ -55,6 +55,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tokio::sync::{Notify, watch};
 use tokio_util::task::TaskTracker;
+use tracing::Instrument;
 
 /// The current connection, as jobs see it: its id and its publisher.
 #[derive(Clone)]
@@ -196,8 +197,7 @@ impl Dispatcher {
         match inbound {
             Inbound::Work(request) => {
                 self.remember(&job);
-                let span = crate::dispatch::span_of(&request);
-                self.arm_early_ack(&job.tracked, session, received, &span);
+                self.arm_early_ack(&job.tracked, session, received);
                 self.work.submit(Job {
                     request: *request,
                     carrier: Box::new(job),
@@ -205,9 +205,10 @@ impl Dispatcher {
             }
             Inbound::Invalid(done) => {
                 self.remember(&job);
+                let span = job.tracked.span.clone();
                 self.work
                     .tracker
-                    .spawn(async move { job.dead_letter(&done).await });
+                    .spawn(async move { job.dead_letter(&done).await }.instrument(span));
             }
             Inbound::Ignore(why) => {
                 let work = self.work.clone();
@@ -240,7 +241,11 @@ impl Dispatcher {
         if let Inbound::Work(req) = &mut inbound {
             req.issued_ms.get_or_insert(issued_ms);
         }
-        let dead_letter = matches!(inbound, Inbound::Invalid(_));
+        let (dead_letter, span) = match &inbound {
+            Inbound::Work(request) => (false, crate::dispatch::span_of(request)),
+            Inbound::Invalid(done) => (true, crate::dispatch::span_of_answer(done)),
+            Inbound::Ignore(_) | Inbound::Moved { .. } => (false, tracing::Span::none()),
+        };
         let text = |s: &Option<lapin::types::ShortString>| s.as_ref().map(|s| s.to_string());
         let job = Delivered {
             dispatcher: self.clone(),
@@ -253,7 +258,7 @@ impl Dispatcher {
             routing_key: delivery.routing_key.to_string(),
             issued_ms,
             resumed: false,
-            tracked: Arc::new(Tracked::new(session, delivery.acker, dead_letter)),
+            tracked: Arc::new(Tracked::new(session, delivery.acker, dead_letter, span)),
             deadline: deadline::of(&delivery.properties, received_ms),
             body: delivery.data,
             properties: delivery.properties,

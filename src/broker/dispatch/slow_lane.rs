@@ -84,6 +84,7 @@ impl Dispatcher {
                 continue;
             };
             request.issued_ms.get_or_insert(parked.issued_ms);
+            let span = crate::dispatch::span_of(&request);
             let job = Delivered {
                 dispatcher: self.clone(),
                 source,
@@ -95,14 +96,14 @@ impl Dispatcher {
                 routing_key: parked.routing_key,
                 issued_ms: parked.issued_ms,
                 resumed: true,
-                tracked: Arc::new(Tracked::accepted()),
+                tracked: Arc::new(Tracked::accepted(span.clone())),
                 deadline: parked.deadline,
                 body,
                 properties: lapin::BasicProperties::default(),
                 redelivered: true,
                 received_ms: parked.received_ms,
             };
-            crate::dispatch::span_of(&request).in_scope(|| {
+            span.in_scope(|| {
                 tracing::info!(
                     "acknowledged early by a process that is gone, never answered: run again"
                 );
