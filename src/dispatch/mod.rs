@@ -30,7 +30,7 @@ mod work;
 pub(crate) use crate::pipeline::Shelf;
 pub(crate) use answers::{AnswerKey, Answers, Lookup};
 
-use crate::messages::{Action, Completion, Request};
+use crate::messages::{Action, Completion, IgnoreReason, Request};
 use crate::metrics::Metrics;
 use crate::pipeline::Pipeline;
 use futures_util::future::BoxFuture;
@@ -106,7 +106,7 @@ pub(crate) trait Carrier: Send + Sync {
     /// The answer was delivered and recorded: settle the delivery.
     fn finish(&self) -> BoxFuture<'_, ()>;
     /// The request needs no answer (`why`, counted): settle it.
-    fn unanswered(&self, why: &'static str) -> BoxFuture<'_, ()>;
+    fn unanswered(&self, why: IgnoreReason) -> BoxFuture<'_, ()>;
 }
 
 /// One request and its transport's side.
@@ -228,8 +228,8 @@ impl Dispatch {
     }
 
     /// Counts a request that needs no answer and lets its carrier settle it.
-    pub(crate) async fn unanswered(&self, carrier: &dyn Carrier, why: &'static str) {
-        self.metrics.ignored.with_label_values(&[why]).inc();
+    pub(crate) async fn unanswered(&self, carrier: &dyn Carrier, why: IgnoreReason) {
+        self.metrics.ignored(why);
         self.metrics.consumed(carrier.source(), "none", "ignored");
         carrier.unanswered(why).await;
     }

@@ -9,6 +9,7 @@
 use super::super::ack::{Adoption, Tracked};
 use super::settle::settle;
 use super::{Delivered, Dispatcher};
+use crate::messages::IgnoreReason;
 use lapin::Acker;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -79,9 +80,7 @@ impl Dispatcher {
         };
         self.work
             .metrics()
-            .ignored
-            .with_label_values(&["redelivered_in_progress"])
-            .inc();
+            .ignored(IgnoreReason::RedeliveredInProgress);
         let _in_request = tracked.span.enter();
         if let Adoption::SettleNow(acker) = adoption {
             tracing::info!("a redelivered copy of work already answered or accepted: settled");

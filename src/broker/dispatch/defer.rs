@@ -7,6 +7,7 @@
 use super::super::{deadline, stamp};
 use super::settle::settle;
 use super::{Delivered, Dispatcher};
+use crate::messages::IgnoreReason;
 
 impl Dispatcher {
     /// Every prepare slot is busy (long downloads): the prepare goes back
@@ -38,12 +39,7 @@ impl Dispatcher {
             Err(e) => Err(e.to_string()),
         };
         match put_back {
-            Ok(()) => self
-                .work
-                .metrics()
-                .ignored
-                .with_label_values(&["deferred_prepare"])
-                .inc(),
+            Ok(()) => self.work.metrics().ignored(IgnoreReason::DeferredPrepare),
             Err(e) => {
                 tracing::warn!(error = %e, "could not defer a prepare; reconnecting, it will be redelivered");
                 link.broken.notify_one();

@@ -43,8 +43,8 @@ use super::deadline;
 use super::identity;
 use super::publisher::Publisher;
 use crate::dispatch::{Carrier, Deferral, DeliveryKey, Dispatch, Job, Transport};
-use crate::messages::Completion;
 use crate::messages::inbound::{self, Inbound};
+use crate::messages::{Completion, IgnoreReason};
 use futures_util::future::BoxFuture;
 use intake::Intake;
 use lapin::Acker;
@@ -222,7 +222,7 @@ impl Dispatcher {
                 let work = self.work.clone();
                 self.work
                     .tracker
-                    .spawn(async move { work.unanswered(&job, "no_action").await });
+                    .spawn(async move { work.unanswered(&job, IgnoreReason::NoAction).await });
             }
         }
     }
@@ -349,7 +349,7 @@ impl Carrier for Delivered {
 
     /// Acknowledges a message that needs no answer (a lost acknowledgement
     /// only means the message comes back and is ignored again).
-    fn unanswered(&self, _why: &'static str) -> BoxFuture<'_, ()> {
+    fn unanswered(&self, _why: IgnoreReason) -> BoxFuture<'_, ()> {
         Box::pin(async move {
             if let Some((_, acker)) = self.tracked.take_acker() {
                 let _ = settle::settle(acker, false).await;
