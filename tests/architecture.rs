@@ -1,8 +1,8 @@
 //! Keeps docs/architecture.md's layer table true: reads every file under
 //! `src/`, collects the `crate::<module>` paths it names and fails on one its
 //! folder's row does not allow, fails on any function longer than the
-//! project's limit, and fails when the pipeline's modules import each other
-//! in a circle. Plain text scanning (comments and string literals are
+//! project's limit, and fails when the modules of the pipeline's folders or
+//! of the broker's dispatch import each other in a circle. Plain text scanning (comments and string literals are
 //! skipped), no compiler involved, so it runs in milliseconds.
 
 use std::collections::BTreeSet;
@@ -459,8 +459,12 @@ fn find_cycle(graph: &std::collections::BTreeMap<String, BTreeSet<String>>) -> O
 }
 
 #[test]
-fn the_pipelines_modules_use_each_other_in_one_direction() {
-    for folder in ["src/pipeline", "src/pipeline/masters"] {
+fn each_folders_modules_use_each_other_in_one_direction() {
+    for folder in [
+        "src/pipeline",
+        "src/pipeline/masters",
+        "src/broker/dispatch",
+    ] {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join(folder);
         let graph = sibling_uses(&dir);
         assert!(

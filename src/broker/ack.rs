@@ -18,6 +18,10 @@ pub(super) struct Tracked<A> {
     state: Mutex<State<A>>,
     /// Settled by dead-lettering (an unusable message), not by an ack.
     pub(super) dead_letter: bool,
+    /// The span of the request the job is (node, request id, action): the
+    /// lines written about it outside its work (a redelivered copy
+    /// adopted, its early acknowledgement, its dead-lettering) are in it.
+    pub(super) span: tracing::Span,
 }
 
 struct State<A> {
@@ -42,8 +46,14 @@ pub(super) enum Adoption<A> {
 }
 
 impl<A> Tracked<A> {
-    /// A job holding the copy of connection `session`.
-    pub(super) fn new(session: u64, acker: A, dead_letter: bool) -> Tracked<A> {
+    /// A job holding the copy of connection `session`, of the request of
+    /// `span`.
+    pub(super) fn new(
+        session: u64,
+        acker: A,
+        dead_letter: bool,
+        span: tracing::Span,
+    ) -> Tracked<A> {
         Tracked {
             state: Mutex::new(State {
                 copy: Some((session, acker)),
@@ -52,12 +62,13 @@ impl<A> Tracked<A> {
                 timer: None,
             }),
             dead_letter,
+            span,
         }
     }
 
     /// A job whose delivery was acknowledged already (run again from its
-    /// parked record): nothing to settle.
-    pub(super) fn accepted() -> Tracked<A> {
+    /// parked record) of the request of `span`: nothing to settle.
+    pub(super) fn accepted(span: tracing::Span) -> Tracked<A> {
         Tracked {
             state: Mutex::new(State {
                 copy: None,
@@ -66,6 +77,7 @@ impl<A> Tracked<A> {
                 timer: None,
             }),
             dead_letter: false,
+            span,
         }
     }
 
@@ -181,7 +193,7 @@ mod tests {
     /// that copy must still be settled, by the adoption or by the end.
     #[test]
     fn a_copy_adopted_while_the_job_ends_is_settled() {
-        let job = std::sync::Arc::new(Tracked::new(1, "first", false));
+        let job = std::sync::Arc::new(Tracked::new(1, "first", false, tracing::Span::none()));
         let mut ended = None;
         let adoption = job.adopt_with(2, "second", || ended = Some(job.finish()));
         let settled_by_adoption = matches!(adoption, Adoption::SettleNow("second"));
@@ -198,7 +210,7 @@ mod tests {
     /// nothing to settle and a later copy is settled at once.
     #[test]
     fn acked_early_is_settled_once() {
-        let job = Tracked::new(1, "first", false);
+        let job = Tracked::new(1, "first", false, tracing::Span::none());
         assert!(job.ack_early(Some(2)).is_none(), "not the timer's copy");
         assert_eq!(job.ack_early(Some(1)), Some((1, "first")));
         assert_eq!(job.ack_early(None), None);

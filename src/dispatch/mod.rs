@@ -30,7 +30,7 @@ mod work;
 pub(crate) use crate::pipeline::Shelf;
 pub(crate) use answers::{AnswerKey, Answers, Lookup};
 
-use crate::messages::{Action, Completion, Request};
+use crate::messages::{Action, Completion, IgnoreReason, Request};
 use crate::metrics::Metrics;
 use crate::pipeline::Pipeline;
 use futures_util::future::BoxFuture;
@@ -106,7 +106,7 @@ pub(crate) trait Carrier: Send + Sync {
     /// The answer was delivered and recorded: settle the delivery.
     fn finish(&self) -> BoxFuture<'_, ()>;
     /// The request needs no answer (`why`, counted): settle it.
-    fn unanswered(&self, why: &'static str) -> BoxFuture<'_, ()>;
+    fn unanswered(&self, why: IgnoreReason) -> BoxFuture<'_, ()>;
 }
 
 /// One request and its transport's side.
@@ -228,8 +228,8 @@ impl Dispatch {
     }
 
     /// Counts a request that needs no answer and lets its carrier settle it.
-    pub(crate) async fn unanswered(&self, carrier: &dyn Carrier, why: &'static str) {
-        self.metrics.ignored.with_label_values(&[why]).inc();
+    pub(crate) async fn unanswered(&self, carrier: &dyn Carrier, why: IgnoreReason) {
+        self.metrics.ignored(why);
         self.metrics.consumed(carrier.source(), "none", "ignored");
         carrier.unanswered(why).await;
     }
@@ -238,11 +238,32 @@ impl Dispatch {
 /// The span of every line written about `request`, whichever transport
 /// brought it: its node, request id and action.
 pub(crate) fn span_of(request: &Request) -> tracing::Span {
+    request_span(
+        &request.node_uuid,
+        request.request_id.as_deref(),
+        request.action,
+    )
+}
+
+/// The span of the lines written about an answer given without a request
+/// to work (an unusable message's error event): what of its node, request
+/// id and action could be read.
+pub(crate) fn span_of_answer(done: &Completion) -> tracing::Span {
+    request_span(
+        done.node_uuid.as_deref().unwrap_or(""),
+        done.request_id.as_deref(),
+        done.action,
+    )
+}
+
+/// The one shape of a request's span, so every line about one request
+/// carries the same fields whatever it was built from.
+fn request_span(node: &str, request_id: Option<&str>, action: Action) -> tracing::Span {
     tracing::info_span!(
         "request",
-        node = %request.node_uuid,
-        request_id = request.request_id.as_deref().unwrap_or(""),
-        action = request.action.as_str()
+        node = %node,
+        request_id = request_id.unwrap_or(""),
+        action = action.as_str()
     )
 }
 

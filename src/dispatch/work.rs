@@ -4,7 +4,7 @@
 
 use super::{AnswerKey, Carrier, Deferral, DeliveryKey, Dispatch, Job};
 use crate::error::{Error, ErrorCode};
-use crate::messages::{Action, Completion, Request, SlowSignal};
+use crate::messages::{Action, Completion, IgnoreReason, Request, SlowSignal};
 use crate::node::NodeUuid;
 use crate::pipeline::Turn;
 use std::sync::Arc;
@@ -58,7 +58,9 @@ impl Dispatch {
         {
             tracing::info!("a redelivered copy of work answered by a process of this host");
             self.answers.end(key.as_ref(), None);
-            return self.unanswered(carrier, "answered_elsewhere").await;
+            return self
+                .unanswered(carrier, IgnoreReason::AnsweredElsewhere)
+                .await;
         }
         let transport = carrier.transport();
         if let Some(done) = key.as_ref().and_then(|k| self.answers.done(k, transport)) {
@@ -81,7 +83,9 @@ impl Dispatch {
         {
             tracing::info!("a copy of work answered by another process of this host");
             self.answers.end(key.as_ref(), None);
-            return self.unanswered(carrier, "answered_elsewhere").await;
+            return self
+                .unanswered(carrier, IgnoreReason::AnsweredElsewhere)
+                .await;
         }
         let Some(done) = self.outcome(&mut request, carrier).await else {
             if let Some((d, node)) = claimed {
@@ -134,7 +138,8 @@ impl Dispatch {
         });
         let done = self.run(request, carrier, slot, slow).await;
         if done.is_none() {
-            self.unanswered(carrier, "not_prepared_here").await;
+            self.unanswered(carrier, IgnoreReason::NotPreparedHere)
+                .await;
         }
         done
     }

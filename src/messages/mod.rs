@@ -47,6 +47,51 @@ impl Action {
     }
 }
 
+/// Why a message is settled without an answer: the `reason` label of
+/// `ignored_messages_total`. A type rather than free strings, so no call
+/// site can count under a label that the documentation, the alert rules
+/// and the tests do not know.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IgnoreReason {
+    /// A notification not published by this host's conductor.
+    OtherPublisher,
+    /// A notification of an event other than a provision state's change.
+    OtherEvent,
+    /// A notification about a node whose deploy interface is not one of
+    /// `[notifications]deploy_interfaces`.
+    OtherDeployInterface,
+    /// A node's transition that asks for no work.
+    NoAction,
+    /// A copy of work answered already, by another process of this host.
+    AnsweredElsewhere,
+    /// Work only for a node prepared here (a notification's release), and
+    /// the node was not.
+    NotPreparedHere,
+    /// A redelivered copy of work still running here (adopted) or answered
+    /// here already (settled).
+    RedeliveredInProgress,
+    /// A prepare put back at the tail of the queue: every prepare slot was
+    /// busy.
+    DeferredPrepare,
+}
+
+impl IgnoreReason {
+    /// The label value: a documented contract (docs/contract.md,
+    /// docs/operations.md, the alert rules), never to change.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IgnoreReason::OtherPublisher => "other_publisher",
+            IgnoreReason::OtherEvent => "other_event",
+            IgnoreReason::OtherDeployInterface => "other_deploy_interface",
+            IgnoreReason::NoAction => "no_action",
+            IgnoreReason::AnsweredElsewhere => "answered_elsewhere",
+            IgnoreReason::NotPreparedHere => "not_prepared_here",
+            IgnoreReason::RedeliveredInProgress => "redelivered_in_progress",
+            IgnoreReason::DeferredPrepare => "deferred_prepare",
+        }
+    }
+}
+
 /// The `instance_info` keys the worker reads (Ironic's names); other keys
 /// (a configdrive, Ironic's own bookkeeping) are skipped unread: a
 /// dead-lettered message keeps them in its original body.
@@ -399,6 +444,26 @@ impl Completion {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The `reason` labels are a contract (dashboards, alerts, the
+    /// integration tests read them): each reason keeps its label.
+    #[test]
+    fn ignore_reasons_keep_their_labels() {
+        use IgnoreReason::*;
+        let labels = [
+            (OtherPublisher, "other_publisher"),
+            (OtherEvent, "other_event"),
+            (OtherDeployInterface, "other_deploy_interface"),
+            (NoAction, "no_action"),
+            (AnsweredElsewhere, "answered_elsewhere"),
+            (NotPreparedHere, "not_prepared_here"),
+            (RedeliveredInProgress, "redelivered_in_progress"),
+            (DeferredPrepare, "deferred_prepare"),
+        ];
+        for (reason, label) in labels {
+            assert_eq!(reason.as_str(), label);
+        }
+    }
 
     /// An error answer keeps who asked, what for and how long it took, and
     /// no field that could pass for a usable image.

@@ -15,7 +15,7 @@ pub(crate) mod peers;
 pub(crate) mod progress;
 pub(crate) mod transfer;
 
-use crate::messages::Completion;
+use crate::messages::{Completion, IgnoreReason};
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
@@ -32,8 +32,9 @@ pub struct Metrics {
     pub http: http::HttpMetrics,
     /// The broker connection's figures.
     pub amqp: amqp::AmqpMetrics,
-    /// Messages acknowledged without an answer, by reason.
-    pub ignored: IntCounterVec,
+    /// Messages acknowledged without an answer, by reason (counted through
+    /// [`Metrics::ignored`], so only an [`IgnoreReason`] labels it).
+    ignored: IntCounterVec,
     /// Prepares whose slow download gave back its prepare slot.
     pub slow_lane: IntCounter,
     /// Messages consumed, by source (command/notification), action, outcome.
@@ -247,6 +248,11 @@ impl Metrics {
         if delta > 0.0 {
             self.children_cpu.inc_by(delta);
         }
+    }
+
+    /// Counts a message settled without an answer, under its reason.
+    pub fn ignored(&self, reason: IgnoreReason) {
+        self.ignored.with_label_values(&[reason.as_str()]).inc();
     }
 
     /// Counts a completion event.

@@ -27,7 +27,7 @@ use crate::dispatch::{
 };
 use crate::http::Limits;
 use crate::messages::inbound::{self, Inbound};
-use crate::messages::{Completion, Request, Status};
+use crate::messages::{Completion, IgnoreReason, Request, Status};
 use axum::extract::{Request as HttpRequest, State};
 use axum::http::{HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -453,7 +453,7 @@ impl Carrier for Caller {
         Box::pin(self.forget())
     }
 
-    fn unanswered(&self, _why: &'static str) -> BoxFuture<'_, ()> {
+    fn unanswered(&self, _why: IgnoreReason) -> BoxFuture<'_, ()> {
         Box::pin(self.forget())
     }
 }

@@ -11,7 +11,7 @@
 
 use crate::error::{Error, ErrorCode};
 use crate::messages::Request;
-use crate::messages::{Action, Completion};
+use crate::messages::{Action, Completion, IgnoreReason};
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 
@@ -29,8 +29,8 @@ pub enum Inbound {
     /// Unusable: answer with this error event and dead-letter the original.
     Invalid(Box<Completion>),
     /// Not for this worker (another conductor, an irrelevant notification):
-    /// acknowledge without answering. The string says why, for metrics.
-    Ignore(&'static str),
+    /// acknowledge without answering, counted by why.
+    Ignore(IgnoreReason),
     /// A notification of a delegating node's transition that asks for no
     /// work (`deploy failed`, `wait call-back`, ...): nothing to answer, but
     /// the node moved on at `at_ms`, so a prepare issued before that is

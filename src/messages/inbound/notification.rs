@@ -4,7 +4,7 @@
 //! nodes, and the request each one becomes.
 
 use super::{Inbound, Text, invalid};
-use crate::messages::{Action, Completion, InstanceInfo, NodeInfo, Options, Request};
+use crate::messages::{Action, Completion, IgnoreReason, InstanceInfo, NodeInfo, Options, Request};
 use crate::node::NodeUuid;
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -155,10 +155,10 @@ pub fn parse_notification(body: &[u8], host: &str, deploy_interfaces: &[String])
     };
     match publisher.split_once('.') {
         Some(("ironic-conductor", h)) if h == host => {}
-        _ => return Inbound::Ignore("other_publisher"),
+        _ => return Inbound::Ignore(IgnoreReason::OtherPublisher),
     }
     if !event_type.starts_with("baremetal.node.provision_set.") {
-        return Inbound::Ignore("other_event");
+        return Inbound::Ignore(IgnoreReason::OtherEvent);
     }
     let payload = msg.payload.map_or("null", RawValue::get);
     let data = match serde_json::from_str::<Option<NodeData>>(payload) {
@@ -213,7 +213,7 @@ fn node_notification(
         ));
     }
     if !delegating {
-        return Inbound::Ignore("other_deploy_interface");
+        return Inbound::Ignore(IgnoreReason::OtherDeployInterface);
     }
     let (instance_info, node_info) =
         match notified_content(action, data.instance_info, data.properties) {
@@ -239,7 +239,7 @@ fn node_notification(
 fn moved_or_ignored(node_uuid: &str, at_ms: Option<u64>, delegating: bool) -> Inbound {
     match (NodeUuid::parse(node_uuid), at_ms) {
         (Ok(node), Some(at_ms)) if delegating => Inbound::Moved { node, at_ms },
-        _ => Inbound::Ignore("no_action"),
+        _ => Inbound::Ignore(IgnoreReason::NoAction),
     }
 }
 
@@ -313,13 +313,13 @@ mod tests {
         for other in [with_interface(START, "direct"), START.to_string()] {
             assert!(matches!(
                 inbound::parse(other.as_bytes(), true, "testhost", &ours(), 1 << 20),
-                Inbound::Ignore("other_deploy_interface")
+                Inbound::Ignore(IgnoreReason::OtherDeployInterface)
             ));
         }
         let teardown = with_interface(END, "direct");
         assert!(matches!(
             inbound::parse(teardown.as_bytes(), true, "testhost", &ours(), 1 << 20),
-            Inbound::Ignore("other_deploy_interface")
+            Inbound::Ignore(IgnoreReason::OtherDeployInterface)
         ));
         // `*` takes every node.
         assert!(matches!(
@@ -377,7 +377,7 @@ mod tests {
         assert!(start.notified);
         assert!(matches!(
             parse(START.as_bytes(), true, "otherhost"),
-            Inbound::Ignore("other_publisher")
+            Inbound::Ignore(IgnoreReason::OtherPublisher)
         ));
     }
 
