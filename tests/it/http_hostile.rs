@@ -432,18 +432,23 @@ async fn conversions_survive_replacing_the_binary() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logs_off_a_terminal_have_no_colours() {
     let env = Env::new("");
-    let worker = serve_from(&env, Path::new(BIN), "true", &[], Stdio::piped()).await;
-    let child = worker.child;
-    if let Some(pid) = child.id() {
+    let mut worker = serve_from(&env, Path::new(BIN), "true", &[], Stdio::piped()).await;
+    let mut stderr = worker.child.stderr.take().unwrap();
+    if let Some(pid) = worker.child.id() {
         unsafe { libc::kill(pid as i32, libc::SIGTERM) };
     }
-    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
-        .await
-        .expect("worker stopped")
-        .unwrap();
-    let log = String::from_utf8_lossy(&out.stderr);
+    let mut out = Vec::new();
+    let read_all = tokio::io::AsyncReadExt::read_to_end(&mut stderr, &mut out);
+    let (read, exit) = tokio::time::timeout(Duration::from_secs(60), async {
+        tokio::join!(read_all, worker.child.wait())
+    })
+    .await
+    .expect("worker stopped");
+    read.unwrap();
+    exit.unwrap();
+    let log = String::from_utf8_lossy(&out);
     assert!(log.contains("ironic-image-worker serving"), "{log}");
-    assert!(!out.stderr.contains(&0x1b), "ANSI escapes in:\n{log}");
+    assert!(!out.contains(&0x1b), "ANSI escapes in:\n{log}");
 }
 
 /// Runs a swap (`renameat2(RENAME_EXCHANGE)`) in a loop on a thread until

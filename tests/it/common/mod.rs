@@ -324,6 +324,20 @@ pub struct Worker {
     pub metrics_port: u16,
 }
 
+impl Drop for Worker {
+    /// Kills the worker and waits until it is gone, so that the next worker
+    /// of the test (same ports, same directories) never finds them still
+    /// held: `kill_on_drop` alone only sends the signal, and under load the
+    /// process outlived the drop and the next `serve` failed to listen.
+    fn drop(&mut self) {
+        let _ = self.child.start_kill();
+        let until = std::time::Instant::now() + Duration::from_secs(10);
+        while matches!(self.child.try_wait(), Ok(None)) && std::time::Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
 impl Worker {
     /// Spawns `command` (a `serve` listening on `http_port` and
     /// `metrics_port`) and waits until it is ready.
