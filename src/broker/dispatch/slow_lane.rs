@@ -58,29 +58,16 @@ impl Dispatcher {
     /// acknowledged before answering them (see `parked`): each as a
     /// redelivered copy, so the ledger's claims and answers apply.
     pub(in crate::broker) async fn resume_parked(self: &Arc<Self>) {
-        for (key, bytes) in self
-            .work
-            .pipeline()
-            .order()
-            .adopt_parked(&Shelf::broker())
-            .await
-        {
+        let order = self.work.pipeline().order();
+        for (key, bytes) in order.adopt_parked(&Shelf::broker()).await {
             let Some((parked, body)) = Parked::from_bytes(&bytes) else {
                 tracing::warn!(key, "an unreadable parked delivery: dropped");
-                self.work
-                    .pipeline()
-                    .order()
-                    .unpark_delivery(&Shelf::broker(), &key)
-                    .await;
+                order.unpark_delivery(&Shelf::broker(), &key).await;
                 continue;
             };
             let (inbound, source) = self.read(&body, &parked.exchange);
             let Inbound::Work(mut request) = inbound else {
-                self.work
-                    .pipeline()
-                    .order()
-                    .unpark_delivery(&Shelf::broker(), &key)
-                    .await;
+                order.unpark_delivery(&Shelf::broker(), &key).await;
                 continue;
             };
             request.issued_ms.get_or_insert(parked.issued_ms);
