@@ -1,14 +1,16 @@
 //! Compressed serving (`[http] gzip = static`): a master compressed once in
 //! the background and served with `Content-Encoding: gzip` to the clients
 //! that accept it (ironic-python-agent 13's own download and verify code
-//! among them), identity to the others, ranges over the gzip bytes, a dense
-//! image served identity, a node prepared again never served the old
-//! compressed file, the compressed file evicted with its master, and
-//! nothing compressed with the default `gzip = off`. Images are made with
-//! qemu-img; the worker is the real `serve`, driven through the real broker.
+//! among them, over plain HTTP and over HTTPS), identity to the others,
+//! ranges over the gzip bytes, a dense image served identity, a node
+//! prepared again never served the old compressed file, the compressed file
+//! evicted with its master, and nothing compressed with the default `gzip =
+//! off`. Images are made with qemu-img; the worker is the real `serve`,
+//! driven through the real broker.
 
 use crate::common;
 
+use common::agent::ipa_download;
 use common::*;
 use std::io::Read;
 use std::os::unix::fs::FileExt;
@@ -152,74 +154,62 @@ async fn the_agent_downloads_and_verifies_the_compressed_image() {
         "the completion describes the decoded bytes"
     );
     let url = done["image_url"].as_str().unwrap();
-    let (ok, out) = ipa_download(env.root(), url, sha256).await;
+    // The agent loads its CA file whatever the URL's scheme.
+    let ca = common::ca::TestCa::new(&env.root().join("agent-ca"), "ca");
+    let (ok, out) = ipa_download(env.root(), url, sha256, &ca.pem, None).await;
     assert!(ok, "the agent downloads and verifies: {out}");
-    let metrics = reqwest::get(worker.metrics_url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let gzip_bytes = metric(
-        &metrics,
-        "ironic_image_worker_http_response_encoding_bytes_total{encoding=\"gzip\"}",
-    )
-    .unwrap_or(0.0) as u64;
-    let identity = metric(
-        &metrics,
-        "ironic_image_worker_http_response_encoding_bytes_total{encoding=\"identity\"}",
-    )
-    .unwrap_or(0.0) as u64;
-    let image = std::fs::metadata(&raw).unwrap().len();
+    assert_sent_gzip_only(&worker, &gz, &raw).await;
+}
+
+/// The agent's download crossed the wire as the compressed file: the
+/// image server sent `gz`'s bytes with `Content-Encoding: gzip`, nothing
+/// identity, and less than an eighth of the decoded image `raw`.
+async fn assert_sent_gzip_only(worker: &Worker, gz: &Path, raw: &Path) {
+    let metrics = worker.metrics_text().await;
+    let sent = |encoding: &str| {
+        let name = format!(
+            "ironic_image_worker_http_response_encoding_bytes_total{{encoding=\"{encoding}\"}}"
+        );
+        metric(&metrics, &name).unwrap_or(0.0) as u64
+    };
+    let image = std::fs::metadata(raw).unwrap().len();
+    let gzip_bytes = sent("gzip");
     assert_eq!(
         gzip_bytes,
-        std::fs::metadata(&gz).unwrap().len(),
+        std::fs::metadata(gz).unwrap().len(),
         "{metrics}"
     );
-    assert_eq!(identity, 0);
+    assert_eq!(sent("identity"), 0, "{metrics}");
     assert!(
         gzip_bytes * 8 < image,
         "{gzip_bytes} bytes on the wire for {image}"
     );
 }
 
-/// ironic-python-agent's download of `url` checked against `sha256`: its
-/// output, and whether it downloaded and verified the image.
-async fn ipa_download(dir: &Path, url: &str, sha256: &str) -> (bool, String) {
-    let info = serde_json::json!({
-        "id": "gzip-test-image",
-        "urls": [url],
-        "os_hash_algo": "sha256",
-        "os_hash_value": sha256,
-        "stream_raw_images": false,
-    });
-    let work = dir.join("ipa");
-    std::fs::create_dir_all(&work).unwrap();
-    // The agent loads its CA file whatever the URL's scheme.
-    common::ca::TestCa::new(&work, "ca");
-    let info_path = work.join("image_info.json");
-    std::fs::write(&info_path, info.to_string()).unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/helpers/ipa_download.py");
-    let python = tokio::task::spawn_blocking(ironic_python).await.unwrap();
-    let out = tokio::process::Command::new(python)
-        .arg(script)
-        .arg(&info_path)
-        .arg(&work)
-        .arg(work.join("ca.pem"))
-        .arg("1.3")
-        .output()
-        .await
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+#[tokio::test]
+async fn over_https_the_agent_gets_and_verifies_the_compressed_image() {
+    let env = gzip_env("");
+    let certs = env.root().join("certs");
+    crate::tls::make_ca_and_server(&certs, "ca1");
+    crate::tls::enable_tls(
+        &env,
+        &certs.join("ca1-server.pem"),
+        &certs.join("ca1-server.key"),
+        "",
+        "",
     );
-    let ok = out.status.success() && text.contains("downloaded and verified");
-    if ok {
-        assert_eq!(sha256sum(&work.join("gzip-test-image")), sha256);
-    }
-    (ok, text)
+    let (raw, qcow2) = zero_heavy(&env, "a", 64, 4, 73);
+    let worker = env.serve().await;
+    let broker = Broker::connect().await;
+    let done = prepare(&env, &broker, &node(), &qcow2).await;
+    let gz = wait_for(&env, ".gz").await;
+    let url = done["image_url"].as_str().unwrap();
+    assert!(url.starts_with("https://"), "{url}");
+    let sha256 = done["image_os_hash_value"].as_str().unwrap();
+    assert_eq!(sha256, sha256sum(&raw));
+    let (ok, out) = ipa_download(env.root(), url, sha256, &certs.join("ca1.pem"), None).await;
+    assert!(ok, "the agent downloads over TLS and verifies: {out}");
+    assert_sent_gzip_only(&worker, &gz, &raw).await;
 }
 
 #[tokio::test]

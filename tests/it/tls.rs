@@ -7,6 +7,7 @@
 
 use crate::common;
 
+use common::agent::ipa_download;
 use common::*;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
@@ -18,7 +19,7 @@ use tokio::net::TcpStream;
 
 /// A CA (`<ca>.pem`) and a server certificate it signs (`<ca>-server.pem`,
 /// `.key`) for `localhost`, 127.0.0.1 and ::1, made in `dir`.
-fn make_ca_and_server(dir: &Path, ca: &str) {
+pub(crate) fn make_ca_and_server(dir: &Path, ca: &str) {
     common::ca::TestCa::new(dir, ca).issue(
         &format!("{ca}-server"),
         "localhost",
@@ -29,7 +30,7 @@ fn make_ca_and_server(dir: &Path, ca: &str) {
 
 /// Turns TLS on in `env`'s configuration with `cert`/`key`, publishing
 /// `https://` URLs, plus extra lines in `[http]` and `[deploy]`.
-fn enable_tls(env: &Env, cert: &Path, key: &Path, http_extra: &str, deploy_extra: &str) {
+pub(crate) fn enable_tls(env: &Env, cert: &Path, key: &Path, http_extra: &str, deploy_extra: &str) {
     let text = std::fs::read_to_string(&env.config).unwrap();
     let text = text
         .replace(
@@ -77,72 +78,6 @@ async fn tls_get(port: u16, ca: &Path, path: &str) -> std::io::Result<String> {
     let mut out = Vec::new();
     s.read_to_end(&mut out).await?;
     Ok(String::from_utf8_lossy(&out).into_owned())
-}
-
-/// What ironic-python-agent's download of `url` ends with: its output, and
-/// whether it downloaded and verified the image; `auth` goes into the
-/// image_info as Ironic's agent deploy puts `[deploy]image_server_*`.
-async fn ipa_download(
-    dir: &Path,
-    url: &str,
-    sha256: &str,
-    ca: &Path,
-    auth: Option<(&str, &str)>,
-) -> (bool, String) {
-    let mut info = serde_json::json!({
-        "id": "tls-test-image",
-        "urls": [url],
-        "os_hash_algo": "sha256",
-        "os_hash_value": sha256,
-        "stream_raw_images": false,
-    });
-    if let Some((user, password)) = auth {
-        info["image_server_auth_strategy"] = "http_basic".into();
-        info["image_server_user"] = user.into();
-        info["image_server_password"] = password.into();
-    }
-    let work = dir.join(format!("ipa-{}", uuid::Uuid::new_v4().simple()));
-    std::fs::create_dir_all(&work).unwrap();
-    let info_path = work.join("image_info.json");
-    std::fs::write(&info_path, info.to_string()).unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/helpers/ipa_download.py");
-    let python = tokio::task::spawn_blocking(agent_python).await.unwrap();
-    let out = tokio::process::Command::new(python)
-        .arg(script)
-        .arg(&info_path)
-        .arg(&work)
-        .arg(ca)
-        .arg("1.3")
-        .output()
-        .await
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let ok = out.status.success() && text.contains("downloaded and verified");
-    if ok {
-        assert_eq!(sha256sum(&work.join("tls-test-image")), sha256);
-    }
-    (ok, text)
-}
-
-/// Python with ironic-python-agent: the Ironic virtualenv's when it
-/// imports the agent already (read only, so no need to wait for the
-/// virtualenv's lock, which other tests hold while they emit), else the one
-/// [`ironic_python`] makes.
-fn agent_python() -> PathBuf {
-    let venv = std::env::var_os("IIW_IRONIC_VENV")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target/ironic-venv"));
-    let python = venv.join("bin/python");
-    let ready = std::process::Command::new(&python)
-        .args(["-c", "import ironic_python_agent.extensions.standby"])
-        .stderr(std::process::Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if ready { python } else { ironic_python() }
 }
 
 /// An environment serving over TLS (CA `ca1`, files `server.pem` and

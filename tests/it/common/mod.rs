@@ -3,6 +3,7 @@
 //! validation of every completion event against the JSON schema.
 #![allow(dead_code)]
 
+pub mod agent;
 pub mod ca;
 pub mod netns;
 pub mod rabbit;
