@@ -762,11 +762,13 @@ class Faults(threading.Thread):
     def fault_impostor(self):
         """A client without the peers' secret, for 5-15 s (soak_tools.py
         impostor): forged offers naming its own listener, bad and replayed
-        seals, squatted claims (two of them under leaked sealed names)."""
+        seals, squatted claims (LEAKED_CLAIMS of them under sealed names, as
+        if leaked)."""
         soak = self.soak
         secs = self.rng.uniform(5, 15)
-        names = sorted(soak.catalog)
-        leaked = [claim_queue(soak.secret, PEERS_EXCHANGE, n) for n in self.rng.sample(names, 2)]
+        # Every master is named `<uuid5>.converted` (whole-disk images, force_raw).
+        names = sorted(n for n in soak.catalog if n.endswith(".converted"))
+        leaked = [claim_queue(soak.secret, PEERS_EXCHANGE, n) for n in self.rng.sample(names, LEAKED_CLAIMS)]
         cfg = {"urls": soak.urls, "exchange": PEERS_EXCHANGE, "seconds": secs,
                "evil_url": soak.evil_url, "evil": soak.evil_facts, "catalog": soak.catalog,
                "leaked_claims": leaked, "heard_file": os.path.join(soak.work, "impostor-heard.json"),
@@ -815,6 +817,7 @@ secret_file = "{secret_file}"
 exchange = "{exchange}"
 """
 EVIL_MIB = 4                # the impostor's own bytes
+LEAKED_CLAIMS = 8           # claim queues the impostor squats under their sealed names, of 65 masters
 
 
 class Soak:
