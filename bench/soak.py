@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """Driver of bench/soak (run it through bench/soak, which builds the worker
 and the Python environment): a 3-node RabbitMQ cluster of its own, two
-workers on one host's queue and directories, a steady stream of
-prepare / deployed / cleanup commands for hundreds of nodes, random faults
-every few seconds, and at the end the figures that must be zero.
+workers on one host's queue and directories (with --peers N: N conductors
+with [peers] on, the first with those two processes, the others one each),
+a steady stream of prepare / deployed / cleanup commands for hundreds of
+nodes, random faults every few seconds (with peers, an impostor without the
+secret among them), and at the end the figures that must be zero.
 
     soak.py BIN [--minutes N] [--nodes N] [--window N] [--rate N] [--grace S] [--seed N] [--keep]
+                [--peers N]
 
 Why the figures are defined as they are: docs/benchmarks.md, "Soak".
 """
@@ -13,6 +16,7 @@ Why the figures are defined as they are: docs/benchmarks.md, "Soak".
 import argparse
 import collections
 import hashlib
+import hmac
 import json
 import os
 import queue
@@ -38,9 +42,18 @@ from soak_cluster import Cluster, url as node_url  # noqa: E402
 EXCHANGE = "ironic-image-worker"
 SLOW_RATE = 768 << 10       # bytes/s of the throttled source, per connection
 FS_MIB = 1024               # the soak's own file system for the workers' directories
+FS_PEER_MIB = 512           # more of it for each conductor after the first (--peers)
 CACHE_MIB = 256             # [pxe]image_cache_size: small, so eviction runs
 VARIANTS = 12               # ?v=N variants of each image: distinct masters, more misses
 REISSUE_AFTER = 90          # seconds: an unconfirmed publish with no answer is sent again
+PEERS_EXCHANGE = "ironic-image-worker.peers"
+METRIC_PREFIX = "ironic_image_worker_"
+# The workers' counters the figures sum over every process life.
+COUNTED = tuple(METRIC_PREFIX + n for n in (
+    "download_bytes_total", "peer_received_bytes_total", "peer_served_bytes_total",
+    "peer_served_requests_total", "peer_queries_total", "peer_fetch_failures_total",
+    "peer_refused_messages_total", "peer_refused_offers_total", "peer_silent_claims_total",
+    "amqp_reconnects_total"))
 
 
 def log(msg):
@@ -123,36 +136,52 @@ def make_images(src, rng):
 # ---------------------------------------------------------------- workers
 
 class Workers:
-    """Two `serve` processes on one host's queue and directories."""
+    """The `serve` processes: `slots[i]` is the conductor (host) process i
+    works for. Conductor 1 always has two processes on its queue and
+    directories; with peers on, conductors 2..N one each."""
 
-    def __init__(self, binary, config, work):
-        self.binary, self.config, self.work = binary, config, work
-        self.http = [free_port(), free_port()]
-        self.metrics = [free_port(), free_port()]
-        self.procs = [None, None]
-        self.lives = [[], []]   # per slot: incarnations {pid, start, end, rss: [(t, kib)]}
+    def __init__(self, binary, configs, slots, work, peers):
+        self.binary, self.configs, self.slots, self.work = binary, configs, slots, work
+        n = len(slots)
+        self.http = [free_port() for _ in range(n)]
+        self.metrics = [free_port() for _ in range(n)]
+        self.peer_ports = [free_port() for _ in range(n)] if peers else [None] * n
+        self.procs = [None] * n
+        # per slot: incarnations {pid, start, end, rss: [(t, kib)], counters: {series: value}}
+        self.lives = [[] for _ in range(n)]
         self.lock = threading.Lock()
+
+    def ports_of(self, conductor):
+        """The image ports of a conductor's processes (they share http_root)."""
+        return [self.http[i] for i, c in enumerate(self.slots) if c == conductor]
 
     def start(self, slot):
         order = [slot % 3, (slot + 1) % 3, (slot + 2) % 3]
         urls = ",".join(node_url(i) for i in order)
         logf = open(os.path.join(self.work, f"worker{slot + 1}.log"), "ab")
+        extra = []
+        if self.peer_ports[slot] is not None:
+            extra = ["--set", f"peers.listen=127.0.0.1:{self.peer_ports[slot]}"]
         proc = subprocess.Popen(
-            [self.binary, "--config", self.config,
+            [self.binary, "--config", self.configs[self.slots[slot]],
              "--set", f"http.listen=127.0.0.1:{self.http[slot]}",
              "--set", f"metrics.listen=127.0.0.1:{self.metrics[slot]}",
+             *extra,
              "--set", f"amqp.url={urls}", "serve"],
             stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
             env=dict(os.environ, RUST_LOG="info,lapin=warn"))
         logf.close()
         with self.lock:
             self.procs[slot] = proc
-            self.lives[slot].append({"pid": proc.pid, "start": time.monotonic(), "end": None, "rss": []})
+            self.lives[slot].append({"pid": proc.pid, "start": time.monotonic(), "end": None, "rss": [],
+                                     "counters": {}})
         self.wait_healthy(slot)
 
     def wait_healthy(self, slot):
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
+            if self.procs[slot] is not None and self.procs[slot].poll() is not None:
+                raise RuntimeError(f"worker {slot + 1} exited ({self.procs[slot].returncode}); see {self.work}")
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{self.metrics[slot]}/healthz", timeout=2)
                 return
@@ -181,6 +210,58 @@ class Workers:
                     continue
                 self.lives[slot][-1]["rss"].append((now, kib))
 
+    def scrape(self):
+        """Keeps the last value of the counters summed in the figures, per
+        process life (a killed process's last scrape stands for its life)."""
+        for slot in range(len(self.procs)):
+            with self.lock:
+                proc, life = self.procs[slot], (self.lives[slot] or [None])[-1]
+            if proc is None or life is None:
+                continue
+            counters = self.counters(slot)
+            if counters is not None:
+                with self.lock:
+                    if self.procs[slot] is proc:
+                        life["counters"] = counters
+
+    def counters(self, slot):
+        """Every series of COUNTED of one live process: {series: value}."""
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics[slot]}/metrics",
+                                          timeout=10).read().decode()
+        except OSError:
+            return None
+        out = {}
+        for line in text.splitlines():
+            if line.startswith(COUNTED):
+                series, _, value = line.rpartition(" ")
+                try:
+                    out[series[len(METRIC_PREFIX):]] = float(value)
+                except ValueError:
+                    pass
+        return out
+
+    def total(self, prefix, conductor=None):
+        """A counter (all series starting with `prefix`) summed over every
+        process life, or over the lives of one conductor's processes."""
+        total = 0.0
+        for slot, lives in enumerate(self.lives):
+            if conductor is not None and self.slots[slot] != conductor:
+                continue
+            for life in lives:
+                total += sum(v for k, v in life["counters"].items() if k.startswith(prefix))
+        return total
+
+    def series(self, prefix):
+        """{series: value} of a counter, summed over every process life."""
+        out = collections.Counter()
+        for lives in self.lives:
+            for life in lives:
+                for k, v in life["counters"].items():
+                    if k.startswith(prefix):
+                        out[k[len(prefix):] or "total"] += v
+        return out
+
     def metric(self, slot, name):
         try:
             text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics[slot]}/metrics",
@@ -194,6 +275,7 @@ class Workers:
         return total
 
     def stop(self):
+        self.scrape()
         for slot, proc in enumerate(self.procs):
             if proc is not None:
                 proc.terminate()
@@ -330,8 +412,9 @@ def fetch(url):
 
 
 def verify(completion, image, ports):
-    """Downloads what image_url serves (from either worker: they share
-    http_root) and checks it against the completion and the reference.
+    """Downloads what image_url serves (from any process of the node's
+    conductor: they share http_root) and checks it against the completion
+    and the reference.
     Returns (outcome, detail): ok, wrong, missing or failed."""
     url = urllib.parse.urlsplit(completion["image_url"])
     order = [url.port] + [p for p in ports if p != url.port]
@@ -378,8 +461,9 @@ class Command:
 class Node:
     """One node's cycle: prepare, verify what is served, (deployed,) cleanup."""
 
-    def __init__(self):
+    def __init__(self, conductor):
         self.uuid = str(uuid.uuid4())
+        self.conductor = conductor   # the conductor (host) all its commands go to, as in Ironic
         self.pending = None          # the Command waiting for its answer
         self.phase = "idle"
         self.image = None
@@ -394,7 +478,7 @@ class Stream:
     def __init__(self, soak, nodes, window, rate, rng):
         self.soak, self.window, self.rate, self.rng = soak, window, rate, rng
         self.credit, self.credit_at = 0.0, time.monotonic()
-        self.nodes = [Node() for _ in range(nodes)]
+        self.nodes = [Node(i % len(soak.hosts)) for i in range(nodes)]
         self.by_uuid = {n.uuid: n for n in self.nodes}
         self.commands = {}
         self.events = queue.Queue()
@@ -406,6 +490,7 @@ class Stream:
         self.not_served = []
         self.left_after_cleanup = []
         self.stale = []
+        self.sources = set()        # image sources (hrefs) prepared: each a master of its own
         self.issuing = True
         self.verifier_threads = [threading.Thread(target=self.verifier, daemon=True) for _ in range(4)]
         self.verify_jobs = queue.Queue()
@@ -421,7 +506,8 @@ class Stream:
         self.commands[corr] = cmd
         node.pending = cmd
         body = dict(body, action=action, node_uuid=node.uuid, request_id=corr)
-        self.soak.publisher.todo.put((f"{self.soak.host}.node.{action}", json.dumps(body), corr))
+        host = self.soak.hosts[node.conductor]
+        self.soak.publisher.todo.put((f"{host}.node.{action}", json.dumps(body), corr))
 
     def prepare(self, node):
         image = self.rng.choice(self.soak.images)
@@ -429,6 +515,7 @@ class Stream:
         source = f"{self.soak.source}/{image.lane}/{image.name}"
         if self.rng.random() < 0.4:
             source += f"?v={self.rng.randrange(VARIANTS)}"
+        self.sources.add((source, image.name))
         info = {"image_source": source, "image_os_hash_algo": "sha256",
                 "image_os_hash_value": image.src_sha256, "image_disk_format": image.fmt,
                 "image_type": "whole-disk"}
@@ -513,13 +600,13 @@ class Stream:
             node.phase = "idle"
             node.cleaned = ok
             node.next_at = time.monotonic() + self.rng.uniform(0, 3)
-            if ok and self.soak.files_of(node.uuid):
-                self.left_after_cleanup.append(f"{node.uuid}: {self.soak.files_of(node.uuid)}")
+            if ok and self.soak.files_of(node):
+                self.left_after_cleanup.append(f"{node.uuid}: {self.soak.files_of(node)}")
 
     def verifier(self):
         while True:
             node, completion = self.verify_jobs.get()
-            outcome = verify(completion, node.image, self.soak.workers.http)
+            outcome = verify(completion, node.image, self.soak.workers.ports_of(node.conductor))
             self.verifies.put((node, outcome))
 
     def drain_verifies(self):
@@ -559,13 +646,16 @@ class Stream:
 
 class Faults(threading.Thread):
     """One fault at a time, every few seconds, each undone before the next.
-    Only the second worker is killed: the first lives the whole run, so its
-    RSS shows whether memory stays flat."""
+    Worker 1 is never killed: it lives the whole run, so its RSS shows
+    whether memory stays flat. With peers on, the impostor is among the
+    faults (twice as likely as each other kind, and the first fault of the
+    run, so that even a short run has one)."""
 
     KINDS = {"kill -9 worker": "fault_worker", "broker stop_app": "fault_stop_app",
              "broker kill -9": "fault_kill_beam", "broker SIGSTOP": "fault_sigstop",
              "close connections": "fault_connections", "disk full": "fault_full",
              "slow clients": "fault_clients"}
+    IMPOSTOR = "impostor"
 
     def __init__(self, soak, rng, until):
         super().__init__(daemon=True)
@@ -573,13 +663,28 @@ class Faults(threading.Thread):
         self.done = collections.Counter()
         self.failed = []
         self.undo = None
+        self.kinds = sorted(self.KINDS)
+        if soak.args.peers:
+            self.kinds += [self.IMPOSTOR, self.IMPOSTOR]
 
     def run(self):
+        first = True
         while time.monotonic() < self.until:
             time.sleep(self.rng.uniform(2, 6))
             if time.monotonic() >= self.until:
                 break
-            kind = self.rng.choice(sorted(self.KINDS))
+            kind = self.rng.choice(self.kinds)
+            if first and self.soak.args.peers:
+                kind = self.IMPOSTOR
+            first = False
+            if kind == self.IMPOSTOR:
+                try:
+                    self.fault_impostor()
+                    self.done[kind] += 1
+                except Exception as e:  # noqa: BLE001 - reported, the soak goes on
+                    self.failed.append(f"{kind}: {e!r}")
+                    log(f"fault {kind} failed: {e!r}")
+                continue
             try:
                 getattr(self, self.KINDS[kind])()
                 self.done[kind] += 1
@@ -598,11 +703,12 @@ class Faults(threading.Thread):
 
     def fault_worker(self):
         workers = self.soak.workers
-        if workers.procs[1] is None:
-            workers.start(1)
-        workers.kill9(1)
-        log("fault: kill -9 worker 2")
-        self.hold(1, 5, lambda: workers.start(1))
+        slot = self.rng.randrange(1, len(workers.procs))
+        if workers.procs[slot] is None:
+            workers.start(slot)
+        workers.kill9(slot)
+        log(f"fault: kill -9 worker {slot + 1} (conductor {workers.slots[slot] + 1})")
+        self.hold(1, 5, lambda: workers.start(slot))
 
     def fault_stop_app(self):
         c, i = self.soak.cluster, self.rng.randrange(3)
@@ -645,13 +751,46 @@ class Faults(threading.Thread):
         self.hold(3, 10, lambda: os.unlink(path))
 
     def fault_clients(self):
-        slot = self.rng.randrange(2)
+        slot = self.rng.randrange(len(self.soak.workers.procs))
         count = self.rng.randint(200, 1500)
         secs = self.rng.uniform(4, 12)
         log(f"fault: {count} slow clients on worker {slot + 1} for {secs:.0f} s")
         subprocess.run([sys.executable, os.path.join(HERE, "soak_tools.py"), "flood",
                         str(self.soak.workers.http[slot]), str(count), str(secs)],
                        capture_output=True, timeout=secs + 120)
+
+    def fault_impostor(self):
+        """A client without the peers' secret, for 5-15 s (soak_tools.py
+        impostor): forged offers naming its own listener, bad and replayed
+        seals, squatted claims (LEAKED_CLAIMS of them under sealed names, as
+        if leaked)."""
+        soak = self.soak
+        secs = self.rng.uniform(5, 15)
+        # Every master is named `<uuid5>.converted` (whole-disk images, force_raw).
+        names = sorted(n for n in soak.catalog if n.endswith(".converted"))
+        leaked = [claim_queue(soak.secret, PEERS_EXCHANGE, n) for n in self.rng.sample(names, LEAKED_CLAIMS)]
+        cfg = {"urls": soak.urls, "exchange": PEERS_EXCHANGE, "seconds": secs,
+               "evil_url": soak.evil_url, "evil": soak.evil_facts, "catalog": soak.catalog,
+               "leaked_claims": leaked, "heard_file": os.path.join(soak.work, "impostor-heard.json"),
+               "seed": self.rng.randrange(1 << 30)}
+        path = os.path.join(soak.work, "impostor.json")
+        with open(path, "w") as f:
+            json.dump(cfg, f)
+        log(f"fault: impostor on the peers' exchange for {secs:.0f} s")
+        out = subprocess.run([sys.executable, os.path.join(HERE, "soak_tools.py"), "impostor", path],
+                             capture_output=True, text=True, timeout=secs + 180)
+        if out.returncode != 0:
+            raise RuntimeError(f"impostor exited {out.returncode}: {out.stderr.strip()[-400:]}")
+        counts = json.loads(out.stdout.strip().splitlines()[-1])
+        soak.impostor.update(counts)
+        log(f"impostor: {counts}")
+
+
+def claim_queue(secret, exchange, name):
+    """The claim queue of master `name` as the workers name it (HMAC with
+    the secret): what the impostor could only have from a leak."""
+    tag = hmac.new(secret, b"iiw-peers-claim-v1\n" + name.encode(), hashlib.sha256).digest()[:16]
+    return f"{exchange}.claim.{tag.hex()}"
 
 
 # ---------------------------------------------------------------- the run
@@ -671,6 +810,15 @@ connect_timeout = 5
 clean_interval = 60
 """
 
+# With --peers: every conductor's [peers], the same secret; each process's
+# listener port comes with --set peers.listen.
+PEERS = """[peers]
+secret_file = "{secret_file}"
+exchange = "{exchange}"
+"""
+EVIL_MIB = 4                # the impostor's own bytes
+LEAKED_CLAIMS = 8           # claim queues the impostor squats under their sealed names, of 65 masters
+
 
 class Soak:
     """Everything the soak starts, and its teardown."""
@@ -680,11 +828,19 @@ class Soak:
         self.rng = random.Random(args.seed)
         self.work = tempfile.mkdtemp(prefix="iiw-soak.", dir="/var/tmp")
         self.host = f"soak-{os.getpid()}"
+        # One conductor (two processes on its queue) without peers; with
+        # --peers N, N conductors, each its own host, queue and directories.
+        if args.peers:
+            self.hosts = [f"{self.host}-c{k + 1}" for k in range(args.peers)]
+        else:
+            self.hosts = [self.host]
         self.reply_queue = f"soak-replies-{self.host}"
         self.fs = os.path.join(self.work, "fs")
         self.urls = [node_url(i) for i in range(3)]
         self.mounted = False
-        self.source_proc = None
+        self.source_proc = self.evil_proc = None
+        self.impostor = collections.Counter()
+        self.catalog = {}
         self.cluster = None
         self.workers = None
         self.publisher = self.consumer = None
@@ -693,7 +849,7 @@ class Soak:
     def setup(self):
         img = os.path.join(self.work, "fs.img")
         with open(img, "wb") as f:
-            f.truncate(FS_MIB << 20)
+            f.truncate((FS_MIB + FS_PEER_MIB * max(0, len(self.hosts) - 1)) << 20)
         run("mkfs.ext4", "-q", "-F", "-m", "0", img)
         os.makedirs(self.fs)
         run("mount", "-o", "loop", img, self.fs)
@@ -707,12 +863,19 @@ class Soak:
         log("starting the 3-node cluster")
         self.cluster = Cluster(os.path.join(self.work, "cluster"))
         self.cluster.start()
-        config = os.path.join(self.work, "worker.toml")
-        with open(config, "w") as f:
-            f.write(CONFIG.format(host=self.host, fs=self.fs, cache=CACHE_MIB))
-        self.workers = Workers(self.args.binary, config, self.work)
-        self.workers.start(0)
-        self.workers.start(1)
+        configs = []
+        peers = ""
+        if self.args.peers:
+            peers = self.setup_peers()
+        for k, host in enumerate(self.hosts):
+            config = os.path.join(self.work, f"worker-c{k + 1}.toml" if self.args.peers else "worker.toml")
+            with open(config, "w") as f:
+                f.write(CONFIG.format(host=host, fs=self.dirs(k), cache=CACHE_MIB) + peers)
+            configs.append(config)
+        slots = [0] + list(range(len(self.hosts)))     # conductor 1 has two processes
+        self.workers = Workers(self.args.binary, configs, slots, self.work, bool(self.args.peers))
+        for slot in range(len(slots)):
+            self.workers.start(slot)
         conn = connect(self.urls, "soak-setup")
         declare_replies(conn.channel(), self.reply_queue)
         conn.close()
@@ -722,9 +885,57 @@ class Soak:
         self.publisher.start()
         self.consumer.start()
 
+    def dirs(self, conductor):
+        """The root of a conductor's directories on the soak's file system."""
+        return os.path.join(self.fs, f"c{conductor + 1}") if self.args.peers else self.fs
+
+    def setup_peers(self):
+        """The secret, the impostor's listener and bytes, and the catalog of
+        master names the impostor can compute (uuid5 of each image source
+        the soak may prepare, as Ironic names masters): the [peers] section."""
+        self.secret = f"soak-peers-{uuid.uuid4().hex}".encode()
+        secret_file = os.path.join(self.work, "peers.secret")
+        fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, self.secret + b"\n")
+        os.close(fd)
+        evil_dir = os.path.join(self.work, "evil")
+        os.makedirs(evil_dir)
+        evil = os.path.join(evil_dir, "evil.raw")
+        with open(evil, "wb") as f:
+            f.write(self.rng.randbytes(EVIL_MIB << 20))
+        md5, sha = digests(evil)
+        self.evil_facts = {"size": os.path.getsize(evil), "md5": md5, "sha256": sha}
+        self.evil_log = os.path.join(evil_dir, "requests.log")
+        port = free_port()
+        self.evil_proc = subprocess.Popen([sys.executable, os.path.join(HERE, "soak_tools.py"), "evil",
+                                           evil, str(port), self.evil_log])
+        self.evil_url = f"http://127.0.0.1:{port}"
+        for image in self.images:
+            base = f"{self.source}/{image.lane}/{image.name}"
+            for href in [base] + [f"{base}?v={v}" for v in range(VARIANTS)]:
+                name = str(uuid.uuid5(uuid.NAMESPACE_URL, href))
+                facts = {"href": href, "sha256": image.src_sha256, "fmt": image.fmt}
+                self.catalog[name] = self.catalog[name + ".converted"] = facts
+        return PEERS.format(secret_file=secret_file, exchange=PEERS_EXCHANGE)
+
+    def evil_requests(self):
+        """The requests the impostor's listener got (a line each)."""
+        if not self.args.peers or not os.path.exists(self.evil_log):
+            return []
+        with open(self.evil_log) as f:
+            return f.read().splitlines()
+
+    def source_stats(self):
+        """What the source served: {path?query: {get, head, bytes}}."""
+        try:
+            return json.loads(urllib.request.urlopen(f"{self.source}/_stats", timeout=30).read())
+        except OSError:
+            return None
+
     def files_of(self, node):
-        paths = (os.path.join(self.fs, "images", node),
-                 os.path.join(self.fs, "httpboot", "agent_images", node))
+        root = self.dirs(node.conductor)
+        paths = (os.path.join(root, "images", node.uuid),
+                 os.path.join(root, "httpboot", "agent_images", node.uuid))
         return [p for p in paths if os.path.lexists(p)]
 
     def run(self):
@@ -758,8 +969,12 @@ class Soak:
         return faults, time.monotonic() - start
 
     def sampler(self, stop):
+        n = 0
         while not stop.wait(2):
             self.workers.sample()
+            n += 1
+            if n % 3 == 0:
+                self.workers.scrape()
 
     def restore(self):
         """Every broker node running, both workers up, the disk free."""
@@ -777,8 +992,9 @@ class Soak:
                                 env=c.env(i), capture_output=True).returncode == 0
             if not ok:
                 c.start_app(i)
-        if self.workers.procs[1] is None:
-            self.workers.start(1)
+        for slot, proc in enumerate(self.workers.procs):
+            if proc is None:
+                self.workers.start(slot)
 
     def teardown(self, keep):
         for t in (self.publisher, self.consumer):
@@ -786,8 +1002,10 @@ class Soak:
                 t.stopping = True
         if self.workers:
             self.workers.stop()
-        if self.source_proc:
-            self.source_proc.kill()
+        for proc in (self.source_proc, self.evil_proc):
+            if proc:
+                proc.kill()
+                proc.wait()
         if self.cluster:
             self.cluster.stop_all()
         if self.mounted:
@@ -827,21 +1045,26 @@ def summary(soak, faults, run_secs):
     s = soak.stream
     cmds = list(s.commands.values())
     sent = [c for c in cmds if c.state == "sent"]
-    try:
-        dead = drain_dead_letters(soak.urls, f"ironic-image-worker.{soak.host}.dead")
-    except Exception as e:  # noqa: BLE001 - reported; every unanswered command then counts as lost
-        print(f"dead-letter queue not read: {e!r}")
-        dead = []
+    soak.workers.scrape()
+    dead = []
+    for host in soak.hosts:
+        try:
+            dead += drain_dead_letters(soak.urls, f"ironic-image-worker.{host}.dead")
+        except Exception as e:  # noqa: BLE001 - reported; every unanswered command then counts as lost
+            print(f"dead-letter queue of {host} not read: {e!r}")
     dead_corr = collections.Counter(corr for corr, _r in dead)
     lost = [c for c in sent if not c.answers and c.corr not in dead_corr]
     unconfirmed = [c for c in cmds if c.state not in ("sent", "queued")]
     twice = [c for c in cmds if len(c.answers) > 1]
-    left = [f"{n.uuid}: {soak.files_of(n.uuid)}" for n in s.nodes if n.cleaned and soak.files_of(n.uuid)]
+    left = [f"{n.uuid}: {soak.files_of(n)}" for n in s.nodes if n.cleaned and soak.files_of(n)]
     by_action = collections.Counter(c.action for c in sent)
     ok = not lost and not s.wrong and not left
     print("\n==== soak summary")
     print(f"run: {run_secs / 60:.1f} min ({soak.args.minutes} min of commands + grace), {len(s.nodes)} nodes, "
           f"{soak.args.window} in flight, {len(soak.images)} images x {VARIANTS} variants, seed {soak.args.seed}")
+    shape = collections.Counter(soak.workers.slots)
+    print(f"conductors: {len(soak.hosts)} ({', '.join(f'{h}: {shape[k]} process(es)' for k, h in enumerate(soak.hosts))}); "
+          f"peers {'on' if soak.args.peers else 'off'}")
     print(f"faults: {dict(faults.done)}; failed to inject: {len(faults.failed)}")
     for f in faults.failed[:10]:
         print(f"  {f}")
@@ -869,7 +1092,7 @@ def summary(soak, faults, run_secs):
     for w in s.not_served[:10]:
         print(f"  {w}")
     flat = True
-    for slot in range(2):
+    for slot in range(len(soak.workers.lives)):
         for life in soak.workers.lives[slot]:
             text, f = rss_line(slot, life, run_secs)
             flat &= f
@@ -882,14 +1105,76 @@ def summary(soak, faults, run_secs):
     for line in s.stale[:5]:
         print(f"  {line}")
     print(f"other: {dict((k, v) for k, v in s.tally.items() if not k.startswith('served'))}")
-    for slot in range(2):
+    for slot in range(len(soak.workers.procs)):
         print(f"worker {slot + 1} metrics: reconnects "
               f"{soak.workers.metric(slot, 'ironic_image_worker_amqp_reconnects_total')}")
-    ok = ok and flat
+    ratio = source_figures(soak)
+    impostor_ok, evil_gets, forged = True, 0, 0
+    if soak.args.peers:
+        impostor_ok, evil_gets, forged = peer_figures(soak)
+    ok = ok and flat and impostor_ok
     print(f"RESULT sent={len(sent)} answered={sum(1 for c in sent if c.answers)} lost={len(lost)} "
           f"twice={len(twice)} dead={len(dead)} wrong_bytes={len(s.wrong)} files_left={len(left)} "
-          f"rss_flat={flat} {'PASS' if ok else 'FAIL'}")
+          f"rss_flat={flat} conductors={len(soak.hosts)} source_per_master={ratio} "
+          f"peer_bytes={soak.workers.total('peer_received_bytes_total') / MIB:.0f}MiB "
+          f"forged={forged} impostor_gets={evil_gets} {'PASS' if ok else 'FAIL'}")
     return ok
+
+
+MIB = float(1 << 20)
+
+
+def source_figures(soak):
+    """Bytes the source served against the sizes of the distinct image
+    sources prepared (each a master): how many times a master crossed from
+    its source on average. Returns that ratio (text)."""
+    stats = soak.source_stats()
+    if stats is None:
+        print("source: statistics not read")
+        return "?"
+    prepared = {}
+    for href, name in soak.stream.sources:
+        prepared[href[len(soak.source):]] = os.path.getsize(os.path.join(soak.work, "src", name))
+    gets = sum(v["get"] for v in stats.values())
+    sent = sum(v["bytes"] for v in stats.values())
+    size = sum(prepared.values())
+    per = [stats.get(p, {}).get("get", 0) for p in prepared]
+    ratio = f"{sent / size:.2f}" if size else "0"
+    print(f"source: {gets} GETs, {sum(v['head'] for v in stats.values())} HEADs, {sent / MIB:.0f} MiB sent, for "
+          f"{len(prepared)} distinct image sources prepared ({size / MIB:.0f} MiB): {ratio} times each "
+          f"master's bytes (GETs per source: mean {sum(per) / max(1, len(per)):.1f}, max {max(per, default=0)})")
+    w = soak.workers
+    for k, host in enumerate(soak.hosts):
+        print(f"  conductor {k + 1} ({host}): {w.total('download_bytes_total', k) / MIB:.0f} MiB from sources, "
+              f"{w.total('peer_received_bytes_total', k) / MIB:.0f} MiB from peers")
+    return ratio
+
+
+def peer_figures(soak):
+    """The peers' counters summed over every process life, and what the
+    impostor did and got. Returns (ok, impostor listener requests, forged
+    messages sent)."""
+    w = soak.workers
+    print(f"peers (summed over every process life; a killed process counts to its last scrape): "
+          f"{w.total('peer_received_bytes_total') / MIB:.0f} MiB received, "
+          f"{w.total('peer_served_bytes_total') / MIB:.0f} MiB served, "
+          f"transfers served {dict(w.series('peer_served_requests_total'))}")
+    print(f"  queries {dict(w.series('peer_queries_total'))}; fetch failures "
+          f"{dict(w.series('peer_fetch_failures_total'))}; silent claims "
+          f"{w.total('peer_silent_claims_total'):.0f}")
+    print(f"  refused messages {dict(w.series('peer_refused_messages_total'))}; refused offers "
+          f"{dict(w.series('peer_refused_offers_total'))}")
+    imp = soak.impostor
+    forged = sum(v for k, v in imp.items() if k.startswith(("offers", "downloading", "queries replayed",
+                                                           "stale", "unsigned")))
+    print(f"impostor: {forged} forged or replayed messages sent; {dict(imp)}")
+    requests = soak.evil_requests()
+    answers = imp.get("answers to the impostor", 0)
+    print(f"impostor's listener asked for bytes: {len(requests)}  (must be 0); "
+          f"answers to the impostor's queries: {answers}  (must be 0)")
+    for line in requests[:10]:
+        print(f"  {line}")
+    return not requests and not answers, len(requests), forged
 
 
 def main():
@@ -902,6 +1187,9 @@ def main():
     ap.add_argument("--grace", type=float, default=240, help="seconds after the end for the last answers")
     ap.add_argument("--seed", type=int, default=int(time.time()))
     ap.add_argument("--keep", action="store_true", help="keep the logs even when the soak passes")
+    ap.add_argument("--peers", type=int, default=0,
+                    help="N conductors with [peers] on, and the impostor among the faults (0: peers off, "
+                         "one conductor)")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     soak = Soak(args)
