@@ -654,7 +654,7 @@ class Faults(threading.Thread):
     KINDS = {"kill -9 worker": "fault_worker", "broker stop_app": "fault_stop_app",
              "broker kill -9": "fault_kill_beam", "broker SIGSTOP": "fault_sigstop",
              "close connections": "fault_connections", "disk full": "fault_full",
-             "slow clients": "fault_clients"}
+             "slow clients": "fault_clients", "impostor": "fault_impostor"}
     IMPOSTOR = "impostor"
 
     def __init__(self, soak, rng, until):
@@ -663,9 +663,9 @@ class Faults(threading.Thread):
         self.done = collections.Counter()
         self.failed = []
         self.undo = None
-        self.kinds = sorted(self.KINDS)
+        self.kinds = sorted(k for k in self.KINDS if k != self.IMPOSTOR)
         if soak.args.peers:
-            self.kinds += [self.IMPOSTOR, self.IMPOSTOR]
+            self.kinds += [self.IMPOSTOR] * 2
 
     def run(self):
         first = True
@@ -677,14 +677,6 @@ class Faults(threading.Thread):
             if first and self.soak.args.peers:
                 kind = self.IMPOSTOR
             first = False
-            if kind == self.IMPOSTOR:
-                try:
-                    self.fault_impostor()
-                    self.done[kind] += 1
-                except Exception as e:  # noqa: BLE001 - reported, the soak goes on
-                    self.failed.append(f"{kind}: {e!r}")
-                    log(f"fault {kind} failed: {e!r}")
-                continue
             try:
                 getattr(self, self.KINDS[kind])()
                 self.done[kind] += 1

@@ -111,12 +111,17 @@ class Source(http.server.BaseHTTPRequestHandler):
                         time.sleep(ahead)
 
 
+def serve(handler, port):
+    """Serves `handler` on 127.0.0.1:`port`, a thread per connection, forever."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
+    server.daemon_threads = True
+    server.serve_forever()
+
+
 def source(root, port, slow_rate):
     Source.root = root
     Source.slow_rate = slow_rate
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Source)
-    server.daemon_threads = True
-    server.serve_forever()
+    serve(Source, port)
 
 
 def flood(port, count, seconds):
@@ -141,46 +146,26 @@ def flood(port, count, seconds):
     print(len(held))
 
 
-class Evil(http.server.BaseHTTPRequestHandler):
+class Evil(Source):
     """The impostor's listener: the same bytes of its own for any path. A
     worker asks it only if it took a forged offer; every request is logged."""
 
-    protocol_version = "HTTP/1.1"
     file = None
     log = None
 
-    def log_message(self, fmt, *args):
-        pass
-
-    def _answer(self, body):
+    def _file(self):
         with open(self.log, "a") as f:
             f.write(f"{time.time():.3f} {self.command} {self.path}\n")
-        size = os.path.getsize(self.file)
-        self.send_response(200)
-        self.send_header("Content-Length", str(size))
-        self.send_header("Content-Type", "application/octet-stream")
-        self.end_headers()
-        if body:
-            try:
-                with open(self.file, "rb") as f:
-                    while data := f.read(64 << 10):
-                        self.wfile.write(data)
-            except (BrokenPipeError, ConnectionResetError):
-                pass
-
-    def do_HEAD(self):
-        self._answer(body=False)
+        return self.file, False
 
     def do_GET(self):
-        self._answer(body=True)
+        self._answer(body=True)   # any path, /_stats too, is the impostor's file
 
 
 def evil(path, port, log):
     Evil.file, Evil.log = path, log
     open(log, "a").close()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Evil)
-    server.daemon_threads = True
-    server.serve_forever()
+    serve(Evil, port)
 
 
 def sealed_headers(key, kind, correlation, reply_to, body, time_ms=None):
