@@ -15,6 +15,7 @@
 //! | `pipeline` | one request end to end: prepare, warm, deployed, cleanup; whether a cached or offered master fits a request; making a new master |
 //! | `sources` | where bytes come from: http(s), `file://`, Glance, OCI registries, peers |
 //! | `image` | format detection, the qcow2 validator, conversion to raw |
+//! | [`image_format`] | the image formats as a type, by the one name a sidecar, an offer and the configuration give each |
 //! | `store` | the master cache, eviction, node links, locks, write-and-hash, checksums |
 //! | `http` | the image server and the operations listener (`/metrics`, `/healthz`, `/readyz`) |
 //! | `metrics` | Prometheus metrics and transfer progress |
@@ -50,6 +51,7 @@ pub(crate) mod fsutil;
 pub(crate) mod gzip;
 pub(crate) mod http;
 pub mod image;
+pub mod image_format;
 pub(crate) mod messages;
 pub(crate) mod metrics;
 pub(crate) mod node;

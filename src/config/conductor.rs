@@ -2,6 +2,7 @@
 //! `file://` sources may be read, the inspection and checksum switches).
 
 use super::check::Report;
+use crate::image_format::Format;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -22,9 +23,11 @@ pub fn blocked_dir(path: &Path) -> Option<&'static str> {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ConductorSection {
-    /// Formats a detected image may have.
-    #[serde(deserialize_with = "super::value::list_opt")]
-    pub permitted_image_formats: Vec<String>,
+    /// Formats a detected image may have: parsed when the configuration
+    /// is read (a name that is no format the worker knows is refused
+    /// there, with the option and its source).
+    #[serde(deserialize_with = "super::value::format_list_opt")]
+    pub permitted_image_formats: Vec<Format>,
     /// Directories under which `file://` sources are allowed (never
     /// under Ironic's always-refused system directories, see
     /// [`BLOCKED_FILE_URL_PATHS`]).
@@ -48,7 +51,7 @@ pub struct ConductorSection {
 impl Default for ConductorSection {
     fn default() -> Self {
         ConductorSection {
-            permitted_image_formats: ["raw", "gpt", "qcow2", "iso"].map(String::from).to_vec(),
+            permitted_image_formats: vec![Format::Raw, Format::Gpt, Format::Qcow2, Format::Iso],
             file_url_allowed_paths: [
                 "/var/lib/ironic",
                 "/shared/html",
@@ -98,5 +101,40 @@ impl ConductorSection {
                 );
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::choice::refusal;
+    use super::super::{Config, Files};
+    use crate::image_format::Format;
+
+    #[test]
+    fn permitted_formats_are_parsed_once_in_any_case() {
+        let flags = ["conductor.permitted_image_formats=RAW, Qcow2,vmdk".to_string()];
+        let c = Config::load_from(&Files::default(), &[], &flags).unwrap();
+        assert_eq!(
+            c.conductor.permitted_image_formats,
+            [Format::Raw, Format::Qcow2, Format::Vmdk]
+        );
+        // `config show` prints them by their names.
+        let shown = serde_json::to_value(&c.conductor).unwrap();
+        assert_eq!(
+            shown["permitted_image_formats"],
+            serde_json::json!(["raw", "qcow2", "vmdk"])
+        );
+    }
+
+    #[test]
+    fn an_unknown_permitted_format_is_refused_with_its_option() {
+        let error = refusal(&["conductor.permitted_image_formats=raw,ploop"]).unwrap();
+        assert!(
+            error.contains(
+                "[conductor]permitted_image_formats (--set conductor.permitted_image_formats): \
+                 unknown image format \"ploop\" (raw, gpt, iso, qcow2, qed, vmdk, vhd, vhdx, vdi, luks)"
+            ),
+            "{error}"
+        );
     }
 }

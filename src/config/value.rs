@@ -8,6 +8,7 @@
 
 use super::check::Problem;
 use super::layers::{Layers, OptionName, Raw, Setting};
+use crate::image_format::Format;
 use serde::de::{self, DeserializeOwned, Deserializer, IntoDeserializer, MapAccess, Visitor};
 use serde::{Deserialize, forward_to_deserialize_any};
 use std::collections::BTreeMap;
@@ -358,6 +359,16 @@ pub fn list_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error
 /// A list option of paths.
 pub fn path_list_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<PathBuf>, D::Error> {
     Ok(list_opt(d)?.into_iter().map(PathBuf::from).collect())
+}
+
+/// A list option of image formats (`[conductor]permitted_image_formats`):
+/// each name in any case, as Ironic's list was matched; one that names no
+/// format the worker knows refuses the option.
+pub fn format_list_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Format>, D::Error> {
+    list_opt(d)?
+        .iter()
+        .map(|name| name.to_ascii_lowercase().parse().map_err(de::Error::custom))
+        .collect()
 }
 
 /// An option that is a boolean or a string (`webserver_verify_ca`): a TOML

@@ -14,10 +14,11 @@
 use crate::error::{Error, ErrorCode, Result};
 use crate::image::clusters::Output;
 use crate::image::growing::GrowingFile;
-use crate::image::inspect::{Format, Inspection};
+use crate::image::inspect::Inspection;
 use crate::image::qcow2;
 use crate::image::reclaim::Reclaimer;
 use crate::image::reports::{ChildReport, report};
+use crate::image_format::Format;
 /// Which digests a conversion computes; named here for the converter
 /// child's command line, which knows the image layer and not the store.
 pub use crate::store::sink::Served;

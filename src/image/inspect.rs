@@ -3,6 +3,7 @@
 
 use crate::error::{Error, ErrorCode, Result};
 use crate::image::qcow2;
+use crate::image_format::Format;
 use serde::Serialize;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -11,86 +12,6 @@ use std::path::Path;
 /// Bytes read from the start of a file for detection (ISO 9660 descriptors
 /// start at 32 KiB).
 pub const HEADER_LEN: usize = 64 * 1024;
-
-/// A disk image format the worker can recognise.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Format {
-    /// Anything without a known signature.
-    Raw,
-    /// A raw disk carrying a GUID partition table.
-    Gpt,
-    /// An ISO 9660 file system.
-    Iso,
-    /// QEMU copy-on-write v2/v3.
-    Qcow2,
-    /// QEMU enhanced disk (refused: it supports backing files only in ways we do not check).
-    Qed,
-    /// VMware disk.
-    Vmdk,
-    /// Virtual PC / Hyper-V legacy disk.
-    Vhd,
-    /// Hyper-V disk.
-    Vhdx,
-    /// VirtualBox disk.
-    Vdi,
-    /// LUKS-encrypted volume.
-    Luks,
-}
-
-impl Format {
-    /// The name used by Glance's `disk_format` and Ironic's permitted formats.
-    pub fn name(self) -> &'static str {
-        match self {
-            Format::Raw => "raw",
-            Format::Gpt => "gpt",
-            Format::Iso => "iso",
-            Format::Qcow2 => "qcow2",
-            Format::Qed => "qed",
-            Format::Vmdk => "vmdk",
-            Format::Vhd => "vhd",
-            Format::Vhdx => "vhdx",
-            Format::Vdi => "vdi",
-            Format::Luks => "luks",
-        }
-    }
-
-    /// Every format, for lookups by name.
-    pub const ALL: [Format; 10] = [
-        Format::Raw,
-        Format::Gpt,
-        Format::Iso,
-        Format::Qcow2,
-        Format::Qed,
-        Format::Vmdk,
-        Format::Vhd,
-        Format::Vhdx,
-        Format::Vdi,
-        Format::Luks,
-    ];
-
-    /// The format called `name` (as [`Format::name`] spells it).
-    pub fn from_name(name: &str) -> Option<Format> {
-        Format::ALL.into_iter().find(|f| f.name() == name)
-    }
-
-    /// True for formats whose bytes are the disk itself (served as `raw`).
-    pub fn is_raw(self) -> bool {
-        matches!(self, Format::Raw | Format::Gpt)
-    }
-
-    /// Whether this format must be converted when force_raw applies: raw and
-    /// GPT disks are raw already, and Ironic never converts an ISO.
-    pub fn needs_conversion(self) -> bool {
-        !self.is_raw() && self != Format::Iso
-    }
-
-    /// The `disk_format` announced for served bytes of this format: IPA only
-    /// streams images announced as `raw`, which a GPT disk is.
-    pub fn served_name(self) -> &'static str {
-        if self.is_raw() { "raw" } else { self.name() }
-    }
-}
 
 /// Detects the format from the first [`HEADER_LEN`] bytes of an image.
 pub fn detect(header: &[u8]) -> Format {
@@ -350,7 +271,7 @@ fn check_vmdk(path: &Path) -> Result<()> {
 
 /// Checks the detected format against the declared `image_disk_format` (a
 /// declared `raw` also accepts a GPT disk) and the permitted list.
-pub fn check_format(detected: Format, declared: Option<&str>, permitted: &[String]) -> Result<()> {
+pub fn check_format(detected: Format, declared: Option<&str>, permitted: &[Format]) -> Result<()> {
     if let Some(declared) = declared.map(str::trim).filter(|d| !d.is_empty()) {
         let declared = declared.to_ascii_lowercase();
         // Kernels and ramdisks declared ari/aki are raw bytes, as Ironic allows.
@@ -361,22 +282,16 @@ pub fn check_format(detected: Format, declared: Option<&str>, permitted: &[Strin
         if !matches {
             return Err(Error::new(
                 ErrorCode::FormatMismatch,
-                format!(
-                    "image declared as {declared} but its content is {}",
-                    detected.name()
-                ),
+                format!("image declared as {declared} but its content is {detected}"),
             ));
         }
     }
-    if !permitted
-        .iter()
-        .any(|p| p.eq_ignore_ascii_case(detected.name()))
-    {
+    if !permitted.contains(&detected) {
+        let permitted: Vec<&str> = permitted.iter().map(|f| f.name()).collect();
         return Err(Error::new(
             ErrorCode::FormatNotPermitted,
             format!(
-                "image format {} is not in [conductor]permitted_image_formats ({})",
-                detected.name(),
+                "image format {detected} is not in [conductor]permitted_image_formats ({})",
                 permitted.join(", ")
             ),
         ));
@@ -413,7 +328,7 @@ mod tests {
 
     #[test]
     fn declared_and_permitted() {
-        let permitted: Vec<String> = ["raw", "gpt", "qcow2"].map(String::from).to_vec();
+        let permitted = [Format::Raw, Format::Gpt, Format::Qcow2];
         assert!(check_format(Format::Gpt, Some("raw"), &permitted).is_ok());
         assert_eq!(
             check_format(Format::Qcow2, Some("raw"), &permitted)

@@ -3,6 +3,7 @@
 //! facts of its sidecar) or are downloading it. Plain data: the broker side
 //! carries them, the pipeline decides what an offer is worth.
 
+use crate::image_format::{Format, ServedFormat};
 use crate::optional_digest;
 use serde::{Deserialize, Serialize};
 
@@ -72,9 +73,9 @@ pub struct OfferedMaster {
     /// Whether the master is a conversion of its source.
     pub converted: bool,
     /// The master's disk format as announced to the agent.
-    pub disk_format: String,
+    pub disk_format: ServedFormat,
     /// The format detected in the source bytes.
-    pub source_format: String,
+    pub source_format: Format,
     /// The image source, its secrets masked.
     pub source: String,
     /// Unix time the source download started.
@@ -116,6 +117,33 @@ mod tests {
         assert_eq!(serde_json::from_str::<Offer>(&text).unwrap(), offer);
     }
 
+    /// An offer as every earlier worker sent it (formats by their
+    /// lower-case names) reads as typed formats and is sent again byte for
+    /// byte; one naming a format this version does not know (or `gpt` as
+    /// served) does not read, and is dropped as any malformed offer.
+    #[test]
+    fn an_offer_keeps_its_bytes_with_typed_formats() {
+        let sent = concat!(
+            r#"{"name":"abc","host":"c1","process":"p","url":"http://10.0.0.1:8089","#,
+            r#""state":"verified","master":{"size":5,"md5":"","sha256":"b","sha512":null,"#,
+            r#""converted":false,"disk_format":"raw","source_format":"gpt","#,
+            r#""source":"http://example.com/m","fetched_at":1,"source_last_modified":null,"#,
+            r#""source_size":5,"source_md5":null,"source_sha256":"b","source_sha512":null}}"#,
+        );
+        let offer: Offer = serde_json::from_str(sent).unwrap();
+        let master = offer.master.as_ref().unwrap();
+        assert_eq!(master.source_format, Format::Gpt);
+        assert_eq!(master.disk_format, Format::Gpt.served());
+        assert_eq!(serde_json::to_string(&offer).unwrap(), sent);
+        for (field, name) in [
+            ("\"source_format\":\"gpt\"", "\"source_format\":\"floppy\""),
+            ("\"disk_format\":\"raw\"", "\"disk_format\":\"gpt\""),
+        ] {
+            let unknown = sent.replace(field, name);
+            assert!(serde_json::from_str::<Offer>(&unknown).is_err(), "{name}");
+        }
+    }
+
     /// A master offered without an MD5 says so with an empty string, which
     /// an earlier worker (holding the MD5 as a plain string) reads, and
     /// an earlier worker's empty string reads as no MD5.
@@ -127,8 +155,8 @@ mod tests {
             sha256: "b".into(),
             sha512: None,
             converted: false,
-            disk_format: "raw".into(),
-            source_format: "raw".into(),
+            disk_format: Format::Raw.served(),
+            source_format: Format::Raw,
             source: "http://example.com/m".into(),
             fetched_at: 1,
             source_last_modified: None,

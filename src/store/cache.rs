@@ -12,6 +12,7 @@
 
 use crate::error::{Error, ErrorCode, Result};
 use crate::fsutil::{self, TempOwner};
+use crate::image_format::{Format, ServedFormat};
 use crate::optional_digest;
 use crate::store::lock::{LockGuard, Locks};
 use serde::{Deserialize, Serialize};
@@ -67,11 +68,11 @@ pub struct MasterMeta {
     #[serde(default, deserialize_with = "optional_digest::deserialize")]
     pub source_sha512: Option<String>,
     /// Format detected in the source bytes.
-    pub source_format: String,
+    pub source_format: Format,
     /// Whether the master is a conversion of the source.
     pub converted: bool,
     /// `disk_format` of the master's bytes as announced to the agent.
-    pub disk_format: String,
+    pub disk_format: ServedFormat,
     /// Size of the master's bytes.
     pub size: u64,
     /// MD5 of the master's bytes, when computed (not with `[agent]
@@ -481,9 +482,9 @@ mod tests {
             source_md5: None,
             source_sha256: None,
             source_sha512: None,
-            source_format: "raw".into(),
+            source_format: Format::Raw,
             converted: false,
-            disk_format: "raw".into(),
+            disk_format: Format::Raw.served(),
             size: 5,
             md5: Some("a".into()),
             sha256: "b".into(),
@@ -551,6 +552,52 @@ mod tests {
             assert_eq!(earlier.md5, meta.md5.unwrap_or_default());
             assert_eq!(earlier.sha256, meta.sha256);
             assert_eq!((earlier.sha512, earlier.source_md5), (None, None));
+        }
+    }
+
+    /// A sidecar as every earlier version wrote it (formats by their
+    /// lower-case names) reads as typed formats and is written back byte
+    /// for byte.
+    #[test]
+    fn a_sidecar_keeps_its_bytes_with_typed_formats() {
+        let written = r#"{
+  "source": "http://example.com/m",
+  "fetched_at": 1,
+  "source_last_modified": null,
+  "source_size": 5,
+  "source_md5": null,
+  "source_sha256": "c",
+  "source_sha512": null,
+  "source_format": "qcow2",
+  "converted": true,
+  "disk_format": "raw",
+  "size": 64,
+  "md5": "a",
+  "sha256": "b",
+  "sha512": null,
+  "inode": 7
+}"#;
+        let meta: MasterMeta = serde_json::from_str(written).unwrap();
+        assert_eq!(meta.source_format, Format::Qcow2);
+        assert_eq!(meta.disk_format, Format::Raw.served());
+        assert_eq!(serde_json::to_string_pretty(&meta).unwrap(), written);
+    }
+
+    /// A sidecar naming a format this version does not know (or `gpt` as
+    /// served) is unreadable, as any other: its master is no hit, and the
+    /// next request makes it again.
+    #[test]
+    fn a_sidecar_naming_an_unknown_format_is_no_master() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = Cache::open(dir.path()).unwrap();
+        let temp = cache.temp_path("m").unwrap();
+        std::fs::write(&temp, b"bytes").unwrap();
+        let master = cache.commit(&temp, "m", sample()).unwrap();
+        for (field, name) in [("source_format", "floppy"), ("disk_format", "gpt")] {
+            let mut json = serde_json::to_value(&master.meta).unwrap();
+            json[field] = name.into();
+            std::fs::write(cache.meta_path("m"), json.to_string()).unwrap();
+            assert!(cache.load("m").is_none(), "{field} = {name}");
         }
     }
 

@@ -3,6 +3,7 @@
 
 use ironic_image_worker::config::{Config, Files, ImageDownloadSource, SslVersion};
 use ironic_image_worker::error::ErrorCode;
+use ironic_image_worker::image_format::Format;
 
 #[test]
 fn schema_lists_exactly_the_error_codes() {
@@ -56,7 +57,10 @@ fn file_then_environment_then_flags() {
     assert!(!c.default.force_raw_images);
     assert_eq!(c.pxe.image_cache_size, 200);
     assert_eq!(c.http.listen.port(), 9999);
-    assert_eq!(c.conductor.permitted_image_formats, ["raw", "qcow2"]);
+    assert_eq!(
+        c.conductor.permitted_image_formats,
+        [Format::Raw, Format::Qcow2]
+    );
     assert_eq!(c.http_url(), "http://127.0.0.1:9999");
 
     assert!(
@@ -81,7 +85,7 @@ fn defaults_need_no_root() {
     assert_eq!(c.deploy.http_image_subdir, "agent_images");
     assert_eq!(
         c.conductor.permitted_image_formats,
-        ["raw", "gpt", "qcow2", "iso"]
+        [Format::Raw, Format::Gpt, Format::Qcow2, Format::Iso]
     );
     assert!(c.default.force_raw_images && c.agent.stream_raw_images);
     assert_eq!(c.amqp.url_redacted(), "amqp://guest:***@127.0.0.1:5672/%2f");
@@ -139,7 +143,10 @@ fn ironic_conf_gives_the_shared_options_and_our_file_overrides_it() {
     );
     assert_eq!(c.pxe.image_cache_size, 51200);
     assert_eq!(c.pxe.image_cache_ttl, 60, "our file beats ironic.conf");
-    assert_eq!(c.conductor.permitted_image_formats, ["raw", "qcow2"]);
+    assert_eq!(
+        c.conductor.permitted_image_formats,
+        [Format::Raw, Format::Qcow2]
+    );
     assert_eq!(
         c.conductor.file_url_allowed_paths,
         [

@@ -206,6 +206,48 @@ fn config_show_says_where_each_value_came_from() {
     );
 }
 
+/// `[conductor]permitted_image_formats` is parsed when the configuration
+/// is read: a name that is no image format is refused by `config check`
+/// with the option and the ironic.conf line it came from; names in any
+/// case are formats, which `config show` prints by their names.
+#[test]
+fn permitted_image_formats_are_refused_or_shown_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let conf = ironic_conf(dir.path());
+    let text = std::fs::read_to_string(&conf).unwrap();
+    std::fs::write(
+        &conf,
+        format!("{text}[conductor]\npermitted_image_formats = raw,\n  ploop\n"),
+    )
+    .unwrap();
+    let conf_arg = conf.to_str().unwrap();
+    let out = run(&["--ironic-config", conf_arg, "config", "check"], &[]);
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}{}", stderr(&out));
+    let expected = format!(
+        "[conductor]permitted_image_formats ({conf_arg} [conductor]permitted_image_formats): \
+         unknown image format \"ploop\""
+    );
+    assert!(text.contains(&expected), "no {expected:?} in:\n{text}");
+
+    let out = run(
+        &[
+            "--ironic-config",
+            conf_arg,
+            "--set",
+            "conductor.permitted_image_formats=RAW, Qcow2",
+            "config",
+            "show",
+        ],
+        &[],
+    );
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    let line = "permitted_image_formats = [\"raw\", \"qcow2\"]  \
+                # --set conductor.permitted_image_formats";
+    assert!(text.contains(line), "no {line:?} in:\n{text}");
+}
+
 /// A value of the worker's own file that overrides ironic.conf's is
 /// logged at start with both values (the documented install used to
 /// override the conductor's broker and cache size silently).

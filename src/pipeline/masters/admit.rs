@@ -11,6 +11,7 @@ use super::{Masters, blocking};
 use crate::error::{Error, Result};
 use crate::fsutil::TempGuard;
 use crate::image::inspect;
+use crate::image_format::Format;
 use crate::messages::InstanceInfo;
 use crate::sources::Source;
 use crate::store::cache::{self, Master, MasterMeta};
@@ -35,15 +36,11 @@ impl Masters {
     /// `[conductor]disable_deep_image_inspection` is set: then, as in
     /// Ironic, the detected format is only what decides the conversion
     /// (the structural checks of `inspect::spawn_safety_check` stay).
-    pub(super) fn check_declared_format(
-        &self,
-        format: inspect::Format,
-        info: &InstanceInfo,
-    ) -> Result<()> {
+    pub(super) fn check_declared_format(&self, format: Format, info: &InstanceInfo) -> Result<()> {
         match self.formats(info) {
             Some(formats) => formats.check(format),
             None => {
-                warn_formats_unchecked(format.name());
+                warn_formats_unchecked(format);
                 Ok(())
             }
         }
@@ -116,9 +113,9 @@ impl Masters {
 
 /// Says, once per request served from a master, that its format was not
 /// checked against the declared and permitted ones.
-pub(super) fn warn_formats_unchecked(format: &str) {
+pub(super) fn warn_formats_unchecked(format: Format) {
     tracing::warn!(
-        format,
+        format = format.name(),
         "[conductor]disable_deep_image_inspection: the declared and permitted formats \
          are not checked"
     );

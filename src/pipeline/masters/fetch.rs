@@ -15,6 +15,7 @@ use crate::error::{Error, ErrorCode, Result};
 use crate::fsutil::TempGuard;
 use crate::image::convert;
 use crate::image::inspect;
+use crate::image_format::Format;
 use crate::metrics::progress::Transfer;
 use crate::sources::SourceStat;
 use crate::store::cache::{self, Master, MasterMeta};
@@ -53,7 +54,7 @@ impl Masters {
             None => (download, downloaded.digests.clone()),
         };
         let (found, qcow2) = self.inspect_download(job, temp.path()).await?;
-        let streamed = streamed.filter(|_| found.format == inspect::Format::Qcow2);
+        let streamed = streamed.filter(|_| found.format == Format::Qcow2);
         let mut live = None;
         let (temp, served, converted) = match streamed {
             // The converter hit its limits on these very bytes: no second try.
@@ -214,12 +215,11 @@ fn master_meta(
         source_md5: digests.md5,
         source_sha256: digests.sha256,
         source_sha512: digests.sha512,
-        source_format: found.format.name().into(),
+        source_format: found.format,
         converted,
-        disk_format: if converted {
-            "raw".into()
-        } else {
-            found.format.served_name().into()
+        disk_format: match converted {
+            true => Format::Raw.served(),
+            false => found.format.served(),
         },
         sha256: served.served_sha256()?,
         size: served.size,
@@ -232,8 +232,7 @@ fn master_meta(
 /// The converted file must be raw and, for qcow2, exactly the virtual size.
 fn check_converted(path: &std::path::Path, d: &Digests, found: &inspect::Inspection) -> Result<()> {
     let now = inspect::inspect_file(path)?;
-    let size_ok =
-        found.format != inspect::Format::Qcow2 || d.size == convert::raw_size(found.virtual_size);
+    let size_ok = found.format != Format::Qcow2 || d.size == convert::raw_size(found.virtual_size);
     if now.format.is_raw() && size_ok {
         return Ok(());
     }

@@ -85,7 +85,7 @@ impl Masters {
             Fit::IfFresh => linked || self.is_fresh(job.source, &m.meta).await?,
         };
         if want.formats.is_none() && fits {
-            super::admit::warn_formats_unchecked(&m.meta.source_format);
+            super::admit::warn_formats_unchecked(m.meta.source_format);
         }
         Ok(fits.then(|| refusal.map_or(Ok(()), Err)))
     }
@@ -187,7 +187,7 @@ pub(in crate::pipeline) fn fill_image(
     };
     done.image_os_hash_algo = Some(algo.into());
     done.image_os_hash_value = Some(value);
-    done.image_disk_format = Some(meta.disk_format.clone());
+    done.image_disk_format = Some(meta.disk_format.name().into());
     done.image_size = Some(meta.size);
     done.converted = Some(meta.converted);
     done.cache = Some(outcome);

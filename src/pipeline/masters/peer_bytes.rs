@@ -187,7 +187,7 @@ impl Masters {
         let ok = match facts.converted {
             true => found.format.is_raw(),
             false => {
-                found.format.name() == facts.source_format
+                found.format == facts.source_format
                     && !(job.force_raw && found.format.needs_conversion())
             }
         };
@@ -228,9 +228,9 @@ pub(super) fn meta_of(m: &OfferedMaster) -> MasterMeta {
         source_md5: m.source_md5.clone(),
         source_sha256: m.source_sha256.clone(),
         source_sha512: m.source_sha512.clone(),
-        source_format: m.source_format.clone(),
+        source_format: m.source_format,
         converted: m.converted,
-        disk_format: m.disk_format.clone(),
+        disk_format: m.disk_format,
         size: m.size,
         md5: m.md5.clone(),
         sha256: m.sha256.clone(),

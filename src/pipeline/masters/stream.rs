@@ -8,6 +8,7 @@ use super::Masters;
 use crate::error::{Error, ErrorCode, Result};
 use crate::image::convert;
 use crate::image::inspect;
+use crate::image_format::Format;
 use crate::metrics::progress::Transfer;
 use crate::peers::live::LiveGuard;
 use crate::store::sink::{Digests, Served};
@@ -45,7 +46,7 @@ impl Masters {
         let wait_for = |len: u64| state.wait_for(temp, len);
         let total = wait_for(inspect::HEADER_LEN as u64).await?;
         let (head, _) = inspect::read_header(temp)?;
-        if inspect::detect(&head) != inspect::Format::Qcow2 {
+        if inspect::detect(&head) != Format::Qcow2 {
             return Err(not_now("not a qcow2").into());
         }
         let limits = self.config.convert.qcow2_limits();

@@ -112,7 +112,7 @@ impl Masters {
                 done.image_os_hash_value = Some(meta.sha256.clone());
             }
         }
-        done.image_disk_format = Some(meta.source_format.clone());
+        done.image_disk_format = Some(meta.source_format.name().into());
         done.image_size = Some(meta.size);
         done.converted = Some(false);
         tracing::info!(format = %meta.source_format, "inspected, the agent downloads from the source");
