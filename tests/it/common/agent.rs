@@ -4,7 +4,7 @@
 //! compressed serving all ask it whether an agent gets verified bytes.
 
 use super::{ironic_python, sha256sum};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// What the agent's download of `url` (checked against `sha256`) ends
 /// with: whether it downloaded and verified the image, and its output.
@@ -36,7 +36,7 @@ pub async fn ipa_download(
     let info_path = work.join("image_info.json");
     std::fs::write(&info_path, info.to_string()).unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/helpers/ipa_download.py");
-    let python = tokio::task::spawn_blocking(agent_python).await.unwrap();
+    let python = tokio::task::spawn_blocking(ironic_python).await.unwrap();
     let out = tokio::process::Command::new(python)
         .arg(script)
         .arg(&info_path)
@@ -56,21 +56,4 @@ pub async fn ipa_download(
         assert_eq!(sha256sum(&work.join(&id)), sha256);
     }
     (ok, text)
-}
-
-/// Python with ironic-python-agent: the Ironic virtualenv's when it
-/// imports the agent already (read only, so no need to wait for the
-/// virtualenv's lock, which other tests hold while they emit), else the one
-/// [`ironic_python`] makes.
-fn agent_python() -> PathBuf {
-    let venv = std::env::var_os("IIW_IRONIC_VENV")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target/ironic-venv"));
-    let python = venv.join("bin/python");
-    let ready = std::process::Command::new(&python)
-        .args(["-c", "import ironic_python_agent.extensions.standby"])
-        .stderr(std::process::Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if ready { python } else { ironic_python() }
 }

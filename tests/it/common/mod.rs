@@ -501,22 +501,30 @@ pub fn tool(cmd: &str, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// `md5sum` of a file (hex).
+/// The MD5 of a file (hex), by OpenSSL, a reference independent of the
+/// worker's own hashing.
 pub fn md5sum(path: &Path) -> String {
-    tool("md5sum", &[path.to_str().unwrap()])
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_string()
+    openssl_digest("md5", path)
 }
 
-/// `sha256sum` of a file (hex).
+/// The SHA-256 of a file (hex), by OpenSSL.
 pub fn sha256sum(path: &Path) -> String {
-    tool("sha256sum", &[path.to_str().unwrap()])
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_string()
+    openssl_digest("sha256", path)
+}
+
+/// The `algo` digest of a file (hex), by `openssl dgst`: coreutils'
+/// `sha256sum` takes six times its CPU here (no SHA instructions), and the
+/// tests hash gigabytes of reference images.
+fn openssl_digest(algo: &str, path: &Path) -> String {
+    let dash_algo = format!("-{algo}");
+    tool(
+        "openssl",
+        &["dgst", &dash_algo, "-r", path.to_str().unwrap()],
+    )
+    .split_whitespace()
+    .next()
+    .unwrap()
+    .to_string()
 }
 
 /// Writes `len` pseudo-random bytes (seeded, so failures reproduce).
@@ -919,6 +927,16 @@ pub fn ironic_python() -> PathBuf {
     let python = venv.join("bin/python");
     let lock = std::fs::File::create(parent.join("ironic-venv.lock")).unwrap();
     lock.lock().unwrap();
+    // A virtualenv made for these very pins says so in a file of its own:
+    // importing Ironic to find out costs seconds of CPU at every call.
+    let marker = venv.join(".ironic-image-worker-pins");
+    let pins = ironic_test_pins()
+        .chain(REPO_TEST_PIP.iter().copied())
+        .collect::<Vec<_>>()
+        .join("\n");
+    if std::fs::read_to_string(&marker).is_ok_and(|made| made == pins) {
+        return python;
+    }
     let ready = || {
         std::process::Command::new(&python)
             .args(["-c", IRONIC_VENV_IMPORTS])
@@ -940,6 +958,7 @@ pub fn ironic_python() -> PathBuf {
         );
         assert!(ready(), "ironic is importable in {}", venv.display());
     }
+    std::fs::write(&marker, pins).unwrap();
     python
 }
 
