@@ -71,7 +71,13 @@ impl OwnNode {
             .env("RABBITMQ_LOG_BASE", dir.join("log"))
             .env("RABBITMQ_ENABLED_PLUGINS_FILE", dir.join("enabled_plugins"))
             .env("RABBITMQ_CONFIG_FILE", dir.join("rabbitmq.conf"))
-            .env("RABBITMQ_ADVANCED_CONFIG_FILE", dir.join("advanced.config"));
+            .env("RABBITMQ_ADVANCED_CONFIG_FILE", dir.join("advanced.config"))
+            // Schedulers that sleep when out of work instead of spinning:
+            // the tests' nodes share two cores with everything else.
+            .env(
+                "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS",
+                "+sbwt none +sbwtdcpu none +sbwtdio none",
+            );
     }
 
     /// Starts the node (fresh, or again after a stop or a kill) and waits
