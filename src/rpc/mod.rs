@@ -255,7 +255,7 @@ impl RpcState {
                 continue;
             };
             tracing::info!(
-                node = %request.node_uuid,
+                node = %request.node_str(),
                 request_id = request.request_id.as_deref().unwrap_or(""),
                 action = request.action.as_str(),
                 "running again a JSON-RPC cast accepted by a process now gone"
@@ -306,13 +306,11 @@ impl RpcState {
             ));
         };
         let request_id = params.get("request_id").and_then(Value::as_str);
-        Ok(
-            match self.server.work.answers().status(node.as_str(), request_id) {
-                Lookup::Done(done) => protocol::completion_value(&done),
-                Lookup::InProgress => json!({"status": "in_progress"}),
-                Lookup::Unknown => json!({"status": "unknown"}),
-            },
-        )
+        Ok(match self.server.work.answers().status(&node, request_id) {
+            Lookup::Done(done) => protocol::completion_value(&done),
+            Lookup::InProgress => json!({"status": "in_progress"}),
+            Lookup::Unknown => json!({"status": "unknown"}),
+        })
     }
 }
 

@@ -194,7 +194,7 @@ fn node_notification(
     deploy_interfaces: &[String],
 ) -> Inbound {
     let node = data.uuid.0;
-    let Some(node_uuid) = node.clone() else {
+    let Some(read) = node.as_deref().map(NodeUuid::parse) else {
         let why = "provision_set payload has no node uuid".to_string();
         return invalid(Action::Unknown, None, message_id, host, why);
     };
@@ -205,13 +205,17 @@ fn node_notification(
     };
     let delegating = delegates(data.deploy_interface.0.as_deref(), deploy_interfaces);
     let Some((action, only_if_prepared)) = action_for(&transition) else {
-        return moved_or_ignored(&node_uuid, at_ms, delegating);
+        return moved_or_ignored(read.ok(), at_ms, delegating);
     };
-    if let Err(e) = NodeUuid::parse(&node_uuid) {
-        return Inbound::Invalid(Box::new(
-            Completion::new(action, node, message_id, host).failed(&e),
-        ));
-    }
+    // A node that does not read is answered echoing it as received.
+    let node_uuid = match read {
+        Ok(node_uuid) => node_uuid,
+        Err(e) => {
+            return Inbound::Invalid(Box::new(
+                Completion::new(action, node, message_id, host).failed(&e),
+            ));
+        }
+    };
     if !delegating {
         return Inbound::Ignore(IgnoreReason::OtherDeployInterface);
     }
@@ -222,7 +226,7 @@ fn node_notification(
         };
     Inbound::Work(Box::new(Request {
         action,
-        node_uuid,
+        node: Some(node_uuid),
         request_id: message_id,
         instance_info,
         options: Options::default(),
@@ -236,9 +240,9 @@ fn node_notification(
 
 /// A transition that asks for no work: the node moved on when it is a
 /// delegating node's and the notification says when; otherwise nothing.
-fn moved_or_ignored(node_uuid: &str, at_ms: Option<u64>, delegating: bool) -> Inbound {
-    match (NodeUuid::parse(node_uuid), at_ms) {
-        (Ok(node), Some(at_ms)) if delegating => Inbound::Moved { node, at_ms },
+fn moved_or_ignored(node: Option<NodeUuid>, at_ms: Option<u64>, delegating: bool) -> Inbound {
+    match (node, at_ms) {
+        (Some(node), Some(at_ms)) if delegating => Inbound::Moved { node, at_ms },
         _ => Inbound::Ignore(IgnoreReason::NoAction),
     }
 }
@@ -339,7 +343,7 @@ mod tests {
     fn captured_ironic_notifications() {
         let start = work(parse(START.as_bytes(), true, "testhost"));
         assert_eq!(start.action, Action::Prepare);
-        assert_eq!(start.node_uuid, "1be26c0b-03f2-4d2e-ae87-c02d7f33c199");
+        assert_eq!(start.node_str(), "1be26c0b-03f2-4d2e-ae87-c02d7f33c199");
         assert_eq!(
             start.instance_info.image_source.as_deref(),
             Some("http://x/y.img")
