@@ -231,6 +231,28 @@ mod tests {
         NodeUuid::parse(NODE).unwrap()
     }
 
+    /// The keys' digests name the JSON-RPC casts kept on disk across
+    /// restarts and upgrades: a node's key is its canonical UUID (however
+    /// the request spelt it), a warm's its image source.
+    #[test]
+    fn the_digest_of_a_fixed_request_never_changes() {
+        let prepare = "a007275e6a6d6eb8f08a7baafe47c5d827c04e8604d3ceaeaeeb9808df430f69";
+        for node in [NODE.to_string(), NODE.to_uppercase()] {
+            let key = AnswerKey::of(&request(Action::Prepare, &node, "r1")).unwrap();
+            assert_eq!(key.digest(), prepare, "{node}");
+        }
+        let warm = serde_json::json!({"action": "warm", "request_id": "w1",
+            "instance_info": {"image_source": " http://x/y "}});
+        let warm = match crate::messages::inbound::parse_command(warm.to_string().as_bytes(), "h") {
+            crate::messages::inbound::Inbound::Work(r) => *r,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            AnswerKey::of(&warm).unwrap().digest(),
+            "d4b95bede686eb25d5076d4bdbb0e52904befbd332473bbdbe0172d69f45543d"
+        );
+    }
+
     #[test]
     fn an_answer_is_given_again_unless_both_came_by_the_broker() {
         let answers = Answers::default();

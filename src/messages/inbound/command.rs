@@ -241,6 +241,50 @@ mod tests {
         }
     }
 
+    /// A node that is not a canonical UUID is answered `invalid_node_uuid`
+    /// (never a request), echoing it as received up to
+    /// `MAX_NODE_ECHO_LEN` bytes, and no further; a UUID in upper case is
+    /// read as its canonical form.
+    #[test]
+    fn a_node_is_read_once_and_a_bad_one_answered() {
+        let upper = NODE.to_uppercase();
+        let body = format!(r#"{{"action":"cleanup","node_uuid":"{upper}"}}"#);
+        match parse_command(body.as_bytes(), "h") {
+            Inbound::Work(r) => assert_eq!(r.node_str(), NODE),
+            other => panic!("{other:?}"),
+        }
+        let fits = "x".repeat(MAX_NODE_ECHO_LEN);
+        let over = "x".repeat(MAX_NODE_ECHO_LEN + 1);
+        for (node, echo) in [
+            ("../x", Some("../x")),
+            (fits.as_str(), Some(fits.as_str())),
+            (over.as_str(), None),
+        ] {
+            let body = serde_json::json!({"action": "deployed", "node_uuid": node,
+                "request_id": "r"});
+            match parse_command(body.to_string().as_bytes(), "h") {
+                Inbound::Invalid(c) => {
+                    assert_eq!(c.action, Action::Deployed);
+                    assert_eq!(c.error.as_ref().unwrap().code, ErrorCode::InvalidNodeUuid);
+                    assert_eq!(c.node_uuid.as_deref(), echo, "{node}");
+                    assert_eq!(c.request_id.as_deref(), Some("r"));
+                    assert_eq!(c.conductor_host, "h");
+                    assert!(c.image_source.is_none());
+                    if node == "../x" {
+                        let wire: serde_json::Value =
+                            serde_json::from_slice(&c.to_json().unwrap()).unwrap();
+                        let want = serde_json::json!({"action": "deployed", "status": "error",
+                            "node_uuid": "../x", "request_id": "r", "conductor_host": "h",
+                            "duration_ms": 0, "error": {"code": "invalid_node_uuid",
+                            "message": "node UUID \"../x\" is not a canonical UUID"}});
+                        assert_eq!(wire, want);
+                    }
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
     #[test]
     fn bad_commands() {
         assert_eq!(

@@ -385,6 +385,34 @@ mod tests {
         ));
     }
 
+    /// The node is read once, where the notification is: a UUID in upper
+    /// case is the canonical node; one that is not a UUID is answered
+    /// `invalid_node_uuid`, echoing it as received, as a command's is.
+    #[test]
+    fn a_notified_node_is_read_once_and_a_bad_one_answered() {
+        let outer: serde_json::Value = serde_json::from_str(START).unwrap();
+        let mut msg: serde_json::Value =
+            serde_json::from_str(outer["oslo.message"].as_str().unwrap()).unwrap();
+        let node = "1be26c0b-03f2-4d2e-ae87-c02d7f33c199";
+        msg["payload"]["ironic_object.data"]["uuid"] = node.to_uppercase().into();
+        let req = work(parse(msg.to_string().as_bytes(), false, "testhost"));
+        assert_eq!(req.node_str(), node);
+        msg["payload"]["ironic_object.data"]["uuid"] = "../x".into();
+        match parse(msg.to_string().as_bytes(), false, "testhost") {
+            Inbound::Invalid(c) => {
+                let wire: serde_json::Value =
+                    serde_json::from_slice(&c.to_json().unwrap()).unwrap();
+                let want = serde_json::json!({"action": "prepare", "status": "error",
+                    "node_uuid": "../x", "request_id": "86931059-05c3-4f24-b329-5ae1bcb7cd04",
+                    "conductor_host": "testhost", "duration_ms": 0,
+                    "error": {"code": "invalid_node_uuid",
+                        "message": "node UUID \"../x\" is not a canonical UUID"}});
+                assert_eq!(wire, want);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
     #[test]
     fn unwrapped_and_newer_payloads_are_tolerated() {
         let outer: serde_json::Value = serde_json::from_str(START).unwrap();
