@@ -32,7 +32,8 @@
 //! # How a request flows
 //!
 //! `broker` (a delivery) or `rpc` (a JSON-RPC call) turns its input into a
-//! `messages` request and hands it to `dispatch`, which keeps each node's
+//! `messages` request (its node a `node` UUID read there, once: a node that
+//! does not read is answered there) and hands it to `dispatch`, which keeps each node's
 //! requests in order and calls the `pipeline` (a one-shot command in `cli`
 //! calls the pipeline directly). The pipeline knows nothing of AMQP,
 //! JSON-RPC or HTTP serving: `sources` streams the bytes, attempt by attempt, and the pipeline writes

@@ -23,7 +23,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
     (
         "cli",
         &[
-            "service", "broker", "pipeline", "messages", "config", "image", "metrics", "error",
+            "service", "broker", "pipeline", "messages", "config", "image", "metrics", "node",
+            "error",
         ],
     ),
     (

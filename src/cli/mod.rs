@@ -18,6 +18,7 @@ use crate::error::Result;
 use crate::messages::Request;
 use crate::messages::{Action, Completion, InstanceInfo, Options, Status};
 use crate::metrics::Metrics;
+use crate::node::NodeUuid;
 use crate::pipeline::Pipeline;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::ffi::OsString;
@@ -303,9 +304,11 @@ async fn send_command(config: &Config, args: SendArgs) -> Result<ExitCode> {
             "--all-conductors is for warm only",
         ));
     }
+    // Read here, so a node that is not a node UUID is refused before
+    // anything is sent.
     let node = match (warm, args.node) {
-        (true, _) => String::new(),
-        (false, Some(n)) => n,
+        (true, _) => None,
+        (false, Some(n)) => Some(NodeUuid::parse(&n)?),
         (false, None) => {
             return Err(crate::error::Error::new(
                 crate::error::ErrorCode::InvalidMessage,
@@ -314,11 +317,7 @@ async fn send_command(config: &Config, args: SendArgs) -> Result<ExitCode> {
         }
     };
     let image = matches!(action, Action::Prepare | Action::Warm).then_some(args.image);
-    let node = NodeArgs {
-        node,
-        request_id: args.request_id,
-    };
-    let mut req = request(action, node, image);
+    let mut req = request(action, node, args.request_id, content(image));
     let request_id = req
         .request_id
         .get_or_insert_with(|| uuid::Uuid::new_v4().to_string())
@@ -359,8 +358,29 @@ async fn send_command(config: &Config, args: SendArgs) -> Result<ExitCode> {
     })
 }
 
-fn request(action: Action, node: NodeArgs, image: Option<ImageArgs>) -> Request {
-    let (instance_info, options) = match image {
+/// A one-shot command's request, its node read from `--node`; or, when
+/// that is not a node UUID, the answer the command prints:
+/// `invalid_node_uuid` echoing it as given (see `pipeline::refused`).
+fn one_shot(
+    action: Action,
+    node: NodeArgs,
+    image: Option<ImageArgs>,
+    host: &str,
+) -> std::result::Result<Request, Box<Completion>> {
+    let content = content(image);
+    match NodeUuid::parse(&node.node) {
+        Ok(uuid) => Ok(request(action, Some(uuid), node.request_id, content)),
+        Err(e) => {
+            let asked = Completion::new(action, Some(node.node), node.request_id, host);
+            Err(Box::new(crate::pipeline::refused(asked, &content.0, &e)))
+        }
+    }
+}
+
+/// What a request of the command line asks for its image: the
+/// `instance_info` and options of `image` (a prepare's, a warm's).
+fn content(image: Option<ImageArgs>) -> (InstanceInfo, Options) {
+    match image {
         None => (InstanceInfo::default(), Options::default()),
         Some(i) => (
             InstanceInfo {
@@ -378,11 +398,20 @@ fn request(action: Action, node: NodeArgs, image: Option<ImageArgs>) -> Request 
                 stream_raw: i.stream_raw,
             },
         ),
-    };
+    }
+}
+
+/// The request of the command line for `node` (none for a warm).
+fn request(
+    action: Action,
+    node: Option<NodeUuid>,
+    request_id: Option<String>,
+    (instance_info, options): (InstanceInfo, Options),
+) -> Request {
     Request {
         action,
-        node_uuid: node.node,
-        request_id: node.request_id,
+        node,
+        request_id,
         instance_info,
         options,
         node_info: Default::default(),
@@ -495,6 +524,7 @@ async fn run(
     mut loaded: crate::config::Loaded,
     files: &crate::config::Files,
 ) -> Result<ExitCode> {
+    let host = loaded.config.default.host.clone();
     let request = match command {
         Command::Serve => {
             let problems = loaded.check_dirs();
@@ -510,9 +540,9 @@ async fn run(
             return cache_command(loaded.config, cmd);
         }
         Command::ConvertChild { .. } | Command::Config(_) => return Ok(ExitCode::FAILURE),
-        Command::Prepare(args) => request(Action::Prepare, args.node, Some(args.image)),
-        Command::Deployed(args) => request(Action::Deployed, args, None),
-        Command::Cleanup(args) => request(Action::Cleanup, args, None),
+        Command::Prepare(args) => one_shot(Action::Prepare, args.node, Some(args.image), &host),
+        Command::Deployed(args) => one_shot(Action::Deployed, args, None, &host),
+        Command::Cleanup(args) => one_shot(Action::Cleanup, args, None, &host),
         Command::Send(args) => return send_command(&loaded.config, args).await,
         Command::Retire { conductor } => {
             let settings = crate::broker::Settings::of(&loaded.config);
@@ -523,6 +553,10 @@ async fn run(
     };
     let config = loaded.config;
     refuse_foreign_cache(&config)?;
+    let request = match request {
+        Ok(request) => request,
+        Err(refused) => return Ok(print_completion(&refused)),
+    };
     let metrics = Arc::new(Metrics::new());
     let pipeline = Pipeline::new(config, metrics.clone())?;
     pipeline.recover()?;

@@ -16,8 +16,8 @@ use std::time::Duration;
 /// warm names no node.
 pub fn command_body(req: &Request) -> serde_json::Value {
     let mut body = serde_json::json!({"action": req.action.as_str()});
-    if req.action != Action::Warm {
-        body["node_uuid"] = req.node_uuid.clone().into();
+    if let Some(node) = &req.node {
+        body["node_uuid"] = node.as_str().into();
     }
     if let Some(id) = &req.request_id {
         body["request_id"] = id.clone().into();

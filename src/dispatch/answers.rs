@@ -11,6 +11,7 @@
 
 use super::Transport;
 use crate::messages::{Action, Completion, Request};
+use crate::node::NodeUuid;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -23,7 +24,8 @@ pub(crate) const KEPT_FOR: Duration = Duration::from_secs(3600);
 pub(crate) const MAX_KEPT: usize = 4096;
 
 /// What identifies one request across transports: its action, its node
-/// (a warm's: its image source) and its `request_id`.
+/// (a warm's: its image source; both as its FIFO queue's key, see
+/// `order_key`) and its `request_id`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) struct AnswerKey {
     action: Action,
@@ -36,13 +38,9 @@ impl AnswerKey {
     /// identifies it across deliveries then).
     pub(crate) fn of(request: &Request) -> Option<AnswerKey> {
         let id = request.request_id.as_deref().filter(|r| !r.is_empty())?;
-        let node = match crate::node::NodeUuid::parse(&request.node_uuid) {
-            Ok(n) => n.as_str().to_string(),
-            Err(_) => super::order_key(request),
-        };
         Some(AnswerKey {
             action: request.action,
-            node,
+            node: super::order_key(request),
             request_id: id.to_string(),
         })
     }
@@ -187,12 +185,14 @@ impl Answers {
 
     /// The latest request of `node` (with `request_id`, when given) and
     /// what is known of it.
-    pub(crate) fn status(&self, node: &str, request_id: Option<&str>) -> Lookup {
+    pub(crate) fn status(&self, node: &NodeUuid, request_id: Option<&str>) -> Lookup {
         let inner = self.inner();
         inner
             .entries
             .iter()
-            .filter(|(k, _)| k.node == node && request_id.is_none_or(|r| k.request_id == r))
+            .filter(|(k, _)| {
+                k.node == node.as_str() && request_id.is_none_or(|r| k.request_id == r)
+            })
             .max_by_key(|(_, e)| e.seq)
             .map_or(Lookup::Unknown, |(_, e)| state(e))
     }
@@ -227,6 +227,32 @@ mod tests {
 
     const NODE: &str = "1be26c0b-03f2-4d2e-ae87-c02d7f33c123";
 
+    fn node() -> NodeUuid {
+        NodeUuid::parse(NODE).unwrap()
+    }
+
+    /// The keys' digests name the JSON-RPC casts kept on disk across
+    /// restarts and upgrades: a node's key is its canonical UUID (however
+    /// the request spelt it), a warm's its image source.
+    #[test]
+    fn the_digest_of_a_fixed_request_never_changes() {
+        let prepare = "a007275e6a6d6eb8f08a7baafe47c5d827c04e8604d3ceaeaeeb9808df430f69";
+        for node in [NODE.to_string(), NODE.to_uppercase()] {
+            let key = AnswerKey::of(&request(Action::Prepare, &node, "r1")).unwrap();
+            assert_eq!(key.digest(), prepare, "{node}");
+        }
+        let warm = serde_json::json!({"action": "warm", "request_id": "w1",
+            "instance_info": {"image_source": " http://x/y "}});
+        let warm = match crate::messages::inbound::parse_command(warm.to_string().as_bytes(), "h") {
+            crate::messages::inbound::Inbound::Work(r) => *r,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            AnswerKey::of(&warm).unwrap().digest(),
+            "d4b95bede686eb25d5076d4bdbb0e52904befbd332473bbdbe0172d69f45543d"
+        );
+    }
+
     #[test]
     fn an_answer_is_given_again_unless_both_came_by_the_broker() {
         let answers = Answers::default();
@@ -234,16 +260,16 @@ mod tests {
         let key = AnswerKey::of(&r).unwrap();
         answers.begin(key.clone());
         assert!(matches!(
-            answers.status(NODE, Some("r1")),
+            answers.status(&node(), Some("r1")),
             Lookup::InProgress
         ));
         let done = Completion::new(Action::Prepare, Some(NODE.into()), Some("r1".into()), "h");
         answers.end(Some(&key), Some((&done, Transport::Amqp)));
         assert!(answers.done(&key, Transport::JsonRpc).is_some());
         assert!(answers.done(&key, Transport::Amqp).is_none());
-        assert!(matches!(answers.status(NODE, None), Lookup::Done(_)));
+        assert!(matches!(answers.status(&node(), None), Lookup::Done(_)));
         assert!(matches!(
-            answers.status(NODE, Some("other")),
+            answers.status(&node(), Some("other")),
             Lookup::Unknown
         ));
         let other = request(Action::Cleanup, NODE, "r1");
@@ -270,7 +296,7 @@ mod tests {
         }
         assert!(answers.inner().entries.len() <= MAX_KEPT);
         assert!(matches!(
-            answers.status(NODE, Some(&format!("r{}", MAX_KEPT + 9))),
+            answers.status(&node(), Some(&format!("r{}", MAX_KEPT + 9))),
             Lookup::Done(_)
         ));
     }

@@ -239,7 +239,7 @@ impl Dispatch {
 /// brought it: its node, request id and action.
 pub(crate) fn span_of(request: &Request) -> tracing::Span {
     request_span(
-        &request.node_uuid,
+        request.node_str(),
         request.request_id.as_deref(),
         request.action,
     )
@@ -267,14 +267,16 @@ fn request_span(node: &str, request_id: Option<&str>, action: Action) -> tracing
     )
 }
 
-/// The key of the FIFO queue a request waits in: its node, so a node's
-/// commands run in order; a warm, which names no node, waits behind the
-/// warms of the same image source (two warms of one image never download
-/// it twice at once here, the master lock serialises across processes) and
-/// never behind a node's commands (a key with a space is never a UUID).
+/// The key of the FIFO queue a request waits in: its node (canonical), so
+/// a node's commands run in order; a warm, which names no node, waits
+/// behind the warms of the same image source (two warms of one image never
+/// download it twice at once here, the master lock serialises across
+/// processes) and never behind a node's commands (a key with a space is
+/// never a UUID).
 pub(crate) fn order_key(request: &Request) -> String {
-    match request.action {
-        Action::Warm => format!(
+    match &request.node {
+        Some(node) => node.to_string(),
+        None => format!(
             "warm {}",
             request
                 .instance_info
@@ -283,6 +285,5 @@ pub(crate) fn order_key(request: &Request) -> String {
                 .unwrap_or("")
                 .trim()
         ),
-        _ => request.node_uuid.clone(),
     }
 }

@@ -50,9 +50,8 @@ impl Dispatch {
         let carrier = &*carrier;
         let key = AnswerKey::of(&request);
         let delivery = carrier.delivery_key();
-        // The node whose ledger records the delivery (none for a warm, or a
-        // request the pipeline will refuse for its node).
-        let node = NodeUuid::parse(&request.node_uuid).ok();
+        // The node whose ledger records the delivery (none for a warm).
+        let node = request.node.clone();
         if let (Some(d), Some(node)) = (delivery.as_ref().filter(|d| d.redelivered), &node)
             && self.answered_before(node, d).await
         {
@@ -65,7 +64,7 @@ impl Dispatch {
         let transport = carrier.transport();
         if let Some(done) = key.as_ref().and_then(|k| self.answers.done(k, transport)) {
             tracing::info!(
-                node = %request.node_uuid,
+                node = %request.node_str(),
                 action = request.action.as_str(),
                 "a request answered already (on either transport): the same answer, no work"
             );
@@ -274,7 +273,7 @@ impl Dispatch {
                 return Some(done);
             }
             tracing::warn!(
-                node = %request.node_uuid,
+                node = %request.node_str(),
                 action = request.action.as_str(),
                 error = ?done.error,
                 retry_in = ?delay,
@@ -300,9 +299,8 @@ fn expired_answer(request: &Request, host: &str) -> Completion {
         "the command's deadline (its expiration, counted from its first delivery) \
          passed before its work could start",
     );
-    tracing::warn!(node = %request.node_uuid, action = request.action.as_str(), "refusing a command past its deadline");
-    let node = (request.action != Action::Warm).then(|| request.node_uuid.clone());
-    Completion::new(request.action, node, request.request_id.clone(), host).failed(&err)
+    tracing::warn!(node = %request.node_str(), action = request.action.as_str(), "refusing a command past its deadline");
+    Completion::for_request(request, host).failed(&err)
 }
 
 #[cfg(test)]

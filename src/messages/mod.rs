@@ -388,6 +388,13 @@ impl Completion {
         }
     }
 
+    /// The bare answer to `req`, for conductor `host`: its action, its
+    /// node (canonical; none for a warm) and its request id.
+    pub fn for_request(req: &Request, host: &str) -> Completion {
+        let node = req.node.as_ref().map(ToString::to_string);
+        Completion::new(req.action, node, req.request_id.clone(), host)
+    }
+
     /// The wire form (`schemas/completion.v1.json`): as serialized, except
     /// that a `warm` answer has no `node_uuid` member at all (it names an
     /// image, not a node), where the other actions always carry one

@@ -3,6 +3,7 @@
 //! and the pipeline runs.
 
 use crate::messages::{Action, InstanceInfo, NodeInfo, Options};
+use crate::node::NodeUuid;
 use std::sync::Arc;
 
 /// A request as the pipeline sees it.
@@ -10,8 +11,11 @@ use std::sync::Arc;
 pub struct Request {
     /// What to do.
     pub action: Action,
-    /// The node UUID as received (validated by the pipeline).
-    pub node_uuid: String,
+    /// The node, read once where the message was (a command, a
+    /// notification, the command line): a node UUID that does not read is
+    /// answered there and never becomes a request. `None` only for a
+    /// `warm`, which names an image, not a node.
+    pub node: Option<NodeUuid>,
     /// Command `request_id` or notification `message_id`.
     pub request_id: Option<String>,
     /// Ironic's `instance_info` (prepare only).
@@ -35,6 +39,14 @@ pub struct Request {
     /// Inferred from an Ironic notification (whose prepare is not started
     /// past `[notifications]max_age`).
     pub notified: bool,
+}
+
+impl Request {
+    /// The node as every log line about the request names it (its `node`
+    /// field): the canonical UUID, empty for a warm.
+    pub fn node_str(&self) -> &str {
+        self.node.as_ref().map_or("", NodeUuid::as_str)
+    }
 }
 
 /// How a slow download tells whoever runs its request that it no longer

@@ -16,7 +16,7 @@
 use crate::config::Config;
 use crate::error::{Error, ErrorCode, Result};
 use crate::fsutil;
-use crate::messages::{Action, Completion, Request};
+use crate::messages::{Action, Completion, InstanceInfo, Request};
 use crate::metrics::Metrics;
 use crate::node::NodeUuid;
 use std::sync::Arc;
@@ -153,7 +153,7 @@ impl Pipeline {
         req.only_if_prepared = false;
         match self.handle_unless_stray(&req).await {
             Some(done) => done,
-            None => Completion::new(req.action, Some(req.node_uuid.clone()), req.request_id, ""),
+            None => Completion::for_request(&req, ""),
         }
     }
 
@@ -163,12 +163,7 @@ impl Pipeline {
     /// in progress in any process sharing the directories is waited for
     /// and then cleaned up, never missed.
     pub async fn handle_unless_stray(&self, req: &Request) -> Option<Completion> {
-        let span = tracing::error_span!(
-            "request",
-            node = %req.node_uuid,
-            request_id = req.request_id.as_deref().unwrap_or(""),
-            action = req.action.as_str()
-        );
+        let span = request_span(req.node_str(), req.request_id.as_deref(), req.action);
         let gauge = self
             .metrics
             .in_flight
@@ -184,29 +179,9 @@ impl Pipeline {
 
     async fn handle_inner(&self, req: &Request) -> Option<Completion> {
         let started = Instant::now();
-        let mut done = Completion::new(
-            req.action,
-            Some(req.node_uuid.clone()),
-            req.request_id.clone(),
-            &self.config.default.host,
-        );
-        if matches!(req.action, Action::Prepare | Action::Warm) {
-            // Credentials in the URL never leave in an event, nor a source
-            // too long to be one.
-            done.image_source = req
-                .instance_info
-                .image_source
-                .as_deref()
-                .filter(|s| s.len() <= crate::messages::MAX_URL_LEN)
-                .map(crate::secrets::redact_url);
-        }
-        let result = match node_of(req) {
-            Ok(node) => {
-                done.node_uuid = node.as_ref().map(NodeUuid::to_string);
-                self.run(req, node.as_ref(), &mut done).await
-            }
-            Err(e) => Err(e),
-        };
+        let mut done = Completion::for_request(req, &self.config.default.host);
+        done.image_source = echoed_source(req.action, &req.instance_info);
+        let result = self.run(req, &mut done).await;
         if matches!(result, Ok(Released::Stray)) {
             return None;
         }
@@ -215,7 +190,7 @@ impl Pipeline {
         // request id, action): what to grep for a node.
         match result {
             Err(e) => {
-                tracing::warn!(error = %e, duration_ms = done.duration_ms, "request failed");
+                log_failed(&e, done.duration_ms);
                 done = done.failed(&e);
             }
             Ok(_) => tracing::info!(
@@ -227,21 +202,21 @@ impl Pipeline {
         Some(done)
     }
 
-    /// Does what `req` asks of `node` (none for a warm).
-    async fn run(
-        &self,
-        req: &Request,
-        node: Option<&NodeUuid>,
-        done: &mut Completion,
-    ) -> Result<Released> {
-        match (req.action, node) {
+    /// Does what `req` asks of its node (none for a warm).
+    async fn run(&self, req: &Request, done: &mut Completion) -> Result<Released> {
+        match (req.action, &req.node) {
             (Action::Warm, _) => Box::pin(self.masters.warm(req, done))
                 .await
                 .map(|()| Released::Done),
             (Action::Prepare, Some(node)) => self.prepare(node, req, done).await,
             (Action::Deployed, Some(node)) => self.release(node, req, false).await,
             (Action::Cleanup, Some(node)) => self.release(node, req, true).await,
-            _ => Err(Error::new(ErrorCode::InvalidMessage, "unknown action")),
+            (Action::Unknown, _) => Err(Error::new(ErrorCode::InvalidMessage, "unknown action")),
+            // Never built: every reader of a message gives these a node.
+            (action, None) => Err(Error::new(
+                ErrorCode::InvalidMessage,
+                format!("{} names no node", action.as_str()),
+            )),
         }
     }
 
@@ -286,13 +261,45 @@ impl Pipeline {
     }
 }
 
-/// The node `req` is about, parsed once here: `None` for a warm, which
-/// names an image, not a node.
-fn node_of(req: &Request) -> Result<Option<NodeUuid>> {
-    match req.action {
-        Action::Warm => Ok(None),
-        _ => NodeUuid::parse(&req.node_uuid).map(Some),
+/// The answer to a one-shot request whose node does not read (`err`),
+/// from `done` (who asked, the node as given): the command line reads its
+/// `--node` itself, before any request, and answers and logs that as a
+/// request failing here is answered and logged.
+pub fn refused(mut done: Completion, info: &InstanceInfo, err: &Error) -> Completion {
+    done.image_source = echoed_source(done.action, info);
+    let node = done.node_uuid.as_deref().unwrap_or("");
+    request_span(node, done.request_id.as_deref(), done.action)
+        .in_scope(|| log_failed(err, done.duration_ms));
+    done.failed(err)
+}
+
+/// The span of every line about a request: its node, request id and
+/// action.
+fn request_span(node: &str, request_id: Option<&str>, action: Action) -> tracing::Span {
+    tracing::error_span!(
+        "request",
+        node = %node,
+        request_id = request_id.unwrap_or(""),
+        action = action.as_str()
+    )
+}
+
+/// The line of a request answered with an error (inside its span).
+fn log_failed(e: &Error, duration_ms: u64) {
+    tracing::warn!(error = %e, duration_ms, "request failed");
+}
+
+/// The `image_source` the answer to a prepare or a warm echoes: the source
+/// asked for with its credentials masked, none when too long to be a URL
+/// (and none for the other actions).
+fn echoed_source(action: Action, info: &InstanceInfo) -> Option<String> {
+    if !matches!(action, Action::Prepare | Action::Warm) {
+        return None;
     }
+    info.image_source
+        .as_deref()
+        .filter(|s| s.len() <= crate::messages::MAX_URL_LEN)
+        .map(crate::secrets::redact_url)
 }
 
 /// What a request did to the node's files.

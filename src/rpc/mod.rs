@@ -194,21 +194,7 @@ impl RpcState {
     /// The command `body` as a request issued at `issued_ms`, or the error
     /// completion of one that does not read.
     fn request(&self, body: &[u8], issued_ms: u64) -> Result<Request, Box<Completion>> {
-        match inbound::parse_command(body, &self.host) {
-            Inbound::Work(mut request) => {
-                request.issued_ms = Some(issued_ms);
-                Ok(*request)
-            }
-            Inbound::Invalid(done) => Err(done),
-            Inbound::Ignore(_) | Inbound::Moved { .. } => Err(Box::new(
-                Completion::new(crate::messages::Action::Unknown, None, None, &self.host).failed(
-                    &crate::error::Error::new(
-                        crate::error::ErrorCode::InvalidMessage,
-                        "not a command",
-                    ),
-                ),
-            )),
-        }
+        read_command(body, &self.host, issued_ms)
     }
 
     /// Keeps a cast accepted (its command `body`) on this port's shelf until
@@ -255,7 +241,7 @@ impl RpcState {
                 continue;
             };
             tracing::info!(
-                node = %request.node_uuid,
+                node = %request.node_str(),
                 request_id = request.request_id.as_deref().unwrap_or(""),
                 action = request.action.as_str(),
                 "running again a JSON-RPC cast accepted by a process now gone"
@@ -306,13 +292,11 @@ impl RpcState {
             ));
         };
         let request_id = params.get("request_id").and_then(Value::as_str);
-        Ok(
-            match self.server.work.answers().status(node.as_str(), request_id) {
-                Lookup::Done(done) => protocol::completion_value(&done),
-                Lookup::InProgress => json!({"status": "in_progress"}),
-                Lookup::Unknown => json!({"status": "unknown"}),
-            },
-        )
+        Ok(match self.server.work.answers().status(&node, request_id) {
+            Lookup::Done(done) => protocol::completion_value(&done),
+            Lookup::InProgress => json!({"status": "in_progress"}),
+            Lookup::Unknown => json!({"status": "unknown"}),
+        })
     }
 }
 
@@ -391,6 +375,24 @@ fn command_body(envelope: Envelope) -> Vec<u8> {
     serde_json::to_vec(&params).unwrap_or_default()
 }
 
+/// The command `body` as a request for conductor `host` issued at
+/// `issued_ms` (its node read there, as a broker command's), or the error
+/// completion of one that does not read.
+fn read_command(body: &[u8], host: &str, issued_ms: u64) -> Result<Request, Box<Completion>> {
+    match inbound::parse_command(body, host) {
+        Inbound::Work(mut request) => {
+            request.issued_ms = Some(issued_ms);
+            Ok(*request)
+        }
+        Inbound::Invalid(done) => Err(done),
+        Inbound::Ignore(_) | Inbound::Moved { .. } => Err(Box::new(
+            Completion::new(crate::messages::Action::Unknown, None, None, host).failed(
+                &crate::error::Error::new(crate::error::ErrorCode::InvalidMessage, "not a command"),
+            ),
+        )),
+    }
+}
+
 /// A JSON-RPC request's side of its job: the answer is what the shared
 /// dispatch records (the caller reads it there); nothing to settle, no
 /// copy to put back, no deadline of its own. Holds its place among the
@@ -464,4 +466,44 @@ fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The command a call carries, read as the listener reads it.
+    fn read(call: Value) -> Result<Request, Box<Completion>> {
+        let envelope = protocol::parse(call.to_string().as_bytes()).unwrap();
+        read_command(&command_body(envelope), "h", 7)
+    }
+
+    /// A call whose node is read once, as a canonical node UUID; one whose
+    /// node is not a node UUID is answered `invalid_node_uuid` (a 400 with
+    /// Ironic's `InvalidParameterValue`) echoing it as received, as on the
+    /// broker.
+    #[test]
+    fn a_called_node_is_read_once_and_a_bad_one_answered() {
+        let node = "1be26c0b-03f2-4d2e-ae87-c02d7f33c123";
+        let call = |node: &str| {
+            json!({"jsonrpc": "2.0", "method": "cleanup", "id": 1,
+                   "params": {"node_uuid": node, "context": {"request_id": "req-1"}}})
+        };
+        let request = read(call(&node.to_uppercase())).unwrap();
+        assert_eq!(request.node_str(), node);
+        assert_eq!(request.issued_ms, Some(7));
+        let done = read(call("not-a-uuid")).unwrap_err();
+        let want_completion = json!({"action": "cleanup", "status": "error",
+            "node_uuid": "not-a-uuid", "request_id": "req-1", "conductor_host": "h",
+            "duration_ms": 0, "error": {"code": "invalid_node_uuid",
+                "message": "node UUID \"not-a-uuid\" is not a canonical UUID"}});
+        assert_eq!(
+            protocol::completion_error(&done),
+            json!({"code": 400,
+                   "message": "invalid_node_uuid: node UUID \"not-a-uuid\" is not a canonical UUID",
+                   "data": {"class": "ironic.common.exception.InvalidParameterValue",
+                            "error_code": "invalid_node_uuid",
+                            "completion": want_completion}})
+        );
+    }
 }

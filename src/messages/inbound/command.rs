@@ -93,7 +93,7 @@ fn command_request(cmd: CommandBody, host: &str) -> Result<Request, Inbound> {
         let why = format!("unknown action {:?}", cmd.action);
         return Err(invalid(Action::Unknown, node, request_id, host, why));
     };
-    let node_uuid = command_node(action, cmd.node_uuid.as_deref(), &request_id, host)?;
+    let target = command_node(action, cmd.node_uuid.as_deref(), &request_id, host)?;
     if let Some(long) = cmd
         .request_id
         .as_ref()
@@ -115,7 +115,7 @@ fn command_request(cmd: CommandBody, host: &str) -> Result<Request, Inbound> {
     }
     Ok(Request {
         action,
-        node_uuid,
+        node: target,
         request_id: cmd.request_id,
         instance_info,
         options: cmd.options.unwrap_or_default(),
@@ -127,24 +127,26 @@ fn command_request(cmd: CommandBody, host: &str) -> Result<Request, Inbound> {
     })
 }
 
-/// The node a command's action works on: none for a `warm` (it names an
-/// image), a valid node UUID for every other action; else the error answer.
+/// The node a command's action works on, read here once: none for a
+/// `warm` (it names an image), a valid node UUID for every other action;
+/// else the error answer, `invalid_node_uuid` echoing the node as received
+/// when it is at most [`MAX_NODE_ECHO_LEN`] bytes long.
 fn command_node(
     action: Action,
     node_uuid: Option<&str>,
     request_id: &Option<String>,
     host: &str,
-) -> Result<String, Inbound> {
+) -> Result<Option<NodeUuid>, Inbound> {
     let refuse = |why: &str| invalid(action, None, request_id.clone(), host, why.to_string());
     match (action, node_uuid) {
-        (Action::Warm, None) => Ok(String::new()),
+        (Action::Warm, None) => Ok(None),
         (Action::Warm, Some(_)) => Err(refuse(
             "warm names an image, not a node: it has no node_uuid",
         )),
         (_, None) => Err(refuse(
             "command does not fit the schema: missing field `node_uuid`",
         )),
-        (_, Some(n)) => NodeUuid::parse(n).map(|_| n.to_string()).map_err(|e| {
+        (_, Some(n)) => NodeUuid::parse(n).map(Some).map_err(|e| {
             let echo = Some(n)
                 .filter(|n| n.len() <= MAX_NODE_ECHO_LEN)
                 .map(str::to_string);
@@ -231,9 +233,55 @@ mod tests {
         match parse_command(body.as_bytes(), "h") {
             Inbound::Work(r) => {
                 assert_eq!(r.action, Action::Prepare);
+                assert_eq!(r.node.as_ref().map(NodeUuid::as_str), Some(NODE));
+                assert_eq!(r.node_str(), NODE);
                 assert_eq!(r.options.force_raw, Some(false));
             }
             other => panic!("{other:?}"),
+        }
+    }
+
+    /// A node that is not a canonical UUID is answered `invalid_node_uuid`
+    /// (never a request), echoing it as received up to
+    /// `MAX_NODE_ECHO_LEN` bytes, and no further; a UUID in upper case is
+    /// read as its canonical form.
+    #[test]
+    fn a_node_is_read_once_and_a_bad_one_answered() {
+        let upper = NODE.to_uppercase();
+        let body = format!(r#"{{"action":"cleanup","node_uuid":"{upper}"}}"#);
+        match parse_command(body.as_bytes(), "h") {
+            Inbound::Work(r) => assert_eq!(r.node_str(), NODE),
+            other => panic!("{other:?}"),
+        }
+        let fits = "x".repeat(MAX_NODE_ECHO_LEN);
+        let over = "x".repeat(MAX_NODE_ECHO_LEN + 1);
+        for (node, echo) in [
+            ("../x", Some("../x")),
+            (fits.as_str(), Some(fits.as_str())),
+            (over.as_str(), None),
+        ] {
+            let body = serde_json::json!({"action": "deployed", "node_uuid": node,
+                "request_id": "r"});
+            match parse_command(body.to_string().as_bytes(), "h") {
+                Inbound::Invalid(c) => {
+                    assert_eq!(c.action, Action::Deployed);
+                    assert_eq!(c.error.as_ref().unwrap().code, ErrorCode::InvalidNodeUuid);
+                    assert_eq!(c.node_uuid.as_deref(), echo, "{node}");
+                    assert_eq!(c.request_id.as_deref(), Some("r"));
+                    assert_eq!(c.conductor_host, "h");
+                    assert!(c.image_source.is_none());
+                    if node == "../x" {
+                        let wire: serde_json::Value =
+                            serde_json::from_slice(&c.to_json().unwrap()).unwrap();
+                        let want = serde_json::json!({"action": "deployed", "status": "error",
+                            "node_uuid": "../x", "request_id": "r", "conductor_host": "h",
+                            "duration_ms": 0, "error": {"code": "invalid_node_uuid",
+                            "message": "node UUID \"../x\" is not a canonical UUID"}});
+                        assert_eq!(wire, want);
+                    }
+                }
+                other => panic!("{other:?}"),
+            }
         }
     }
 
@@ -280,7 +328,8 @@ mod tests {
         match parse_command(warm.as_bytes(), "h") {
             Inbound::Work(r) => {
                 assert_eq!(r.action, Action::Warm);
-                assert_eq!(r.node_uuid, "");
+                assert!(r.node.is_none());
+                assert_eq!(r.node_str(), "");
                 assert_eq!(r.options.force_raw, Some(false));
             }
             other => panic!("{other:?}"),

@@ -194,7 +194,7 @@ fn node_notification(
     deploy_interfaces: &[String],
 ) -> Inbound {
     let node = data.uuid.0;
-    let Some(node_uuid) = node.clone() else {
+    let Some(read) = node.as_deref().map(NodeUuid::parse) else {
         let why = "provision_set payload has no node uuid".to_string();
         return invalid(Action::Unknown, None, message_id, host, why);
     };
@@ -205,13 +205,17 @@ fn node_notification(
     };
     let delegating = delegates(data.deploy_interface.0.as_deref(), deploy_interfaces);
     let Some((action, only_if_prepared)) = action_for(&transition) else {
-        return moved_or_ignored(&node_uuid, at_ms, delegating);
+        return moved_or_ignored(read.ok(), at_ms, delegating);
     };
-    if let Err(e) = NodeUuid::parse(&node_uuid) {
-        return Inbound::Invalid(Box::new(
-            Completion::new(action, node, message_id, host).failed(&e),
-        ));
-    }
+    // A node that does not read is answered echoing it as received.
+    let node_uuid = match read {
+        Ok(node_uuid) => node_uuid,
+        Err(e) => {
+            return Inbound::Invalid(Box::new(
+                Completion::new(action, node, message_id, host).failed(&e),
+            ));
+        }
+    };
     if !delegating {
         return Inbound::Ignore(IgnoreReason::OtherDeployInterface);
     }
@@ -222,7 +226,7 @@ fn node_notification(
         };
     Inbound::Work(Box::new(Request {
         action,
-        node_uuid,
+        node: Some(node_uuid),
         request_id: message_id,
         instance_info,
         options: Options::default(),
@@ -236,9 +240,9 @@ fn node_notification(
 
 /// A transition that asks for no work: the node moved on when it is a
 /// delegating node's and the notification says when; otherwise nothing.
-fn moved_or_ignored(node_uuid: &str, at_ms: Option<u64>, delegating: bool) -> Inbound {
-    match (NodeUuid::parse(node_uuid), at_ms) {
-        (Ok(node), Some(at_ms)) if delegating => Inbound::Moved { node, at_ms },
+fn moved_or_ignored(node: Option<NodeUuid>, at_ms: Option<u64>, delegating: bool) -> Inbound {
+    match (node, at_ms) {
+        (Some(node), Some(at_ms)) if delegating => Inbound::Moved { node, at_ms },
         _ => Inbound::Ignore(IgnoreReason::NoAction),
     }
 }
@@ -339,7 +343,7 @@ mod tests {
     fn captured_ironic_notifications() {
         let start = work(parse(START.as_bytes(), true, "testhost"));
         assert_eq!(start.action, Action::Prepare);
-        assert_eq!(start.node_uuid, "1be26c0b-03f2-4d2e-ae87-c02d7f33c199");
+        assert_eq!(start.node_str(), "1be26c0b-03f2-4d2e-ae87-c02d7f33c199");
         assert_eq!(
             start.instance_info.image_source.as_deref(),
             Some("http://x/y.img")
@@ -379,6 +383,34 @@ mod tests {
             parse(START.as_bytes(), true, "otherhost"),
             Inbound::Ignore(IgnoreReason::OtherPublisher)
         ));
+    }
+
+    /// The node is read once, where the notification is: a UUID in upper
+    /// case is the canonical node; one that is not a UUID is answered
+    /// `invalid_node_uuid`, echoing it as received, as a command's is.
+    #[test]
+    fn a_notified_node_is_read_once_and_a_bad_one_answered() {
+        let outer: serde_json::Value = serde_json::from_str(START).unwrap();
+        let mut msg: serde_json::Value =
+            serde_json::from_str(outer["oslo.message"].as_str().unwrap()).unwrap();
+        let node = "1be26c0b-03f2-4d2e-ae87-c02d7f33c199";
+        msg["payload"]["ironic_object.data"]["uuid"] = node.to_uppercase().into();
+        let req = work(parse(msg.to_string().as_bytes(), false, "testhost"));
+        assert_eq!(req.node_str(), node);
+        msg["payload"]["ironic_object.data"]["uuid"] = "../x".into();
+        match parse(msg.to_string().as_bytes(), false, "testhost") {
+            Inbound::Invalid(c) => {
+                let wire: serde_json::Value =
+                    serde_json::from_slice(&c.to_json().unwrap()).unwrap();
+                let want = serde_json::json!({"action": "prepare", "status": "error",
+                    "node_uuid": "../x", "request_id": "86931059-05c3-4f24-b329-5ae1bcb7cd04",
+                    "conductor_host": "testhost", "duration_ms": 0,
+                    "error": {"code": "invalid_node_uuid",
+                        "message": "node UUID \"../x\" is not a canonical UUID"}});
+                assert_eq!(wire, want);
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
