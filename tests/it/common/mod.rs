@@ -7,6 +7,10 @@ pub mod agent;
 pub mod ca;
 pub mod netns;
 pub mod rabbit;
+pub mod served;
+
+#[allow(unused_imports)] // tests/broker_restart.rs includes this module too
+pub use served::{assert_served, fetch_served, served};
 
 use axum::Router;
 use axum::extract::{Request, State};
