@@ -593,13 +593,7 @@ async fn qcow2_converted_while_it_downloads() {
         .await;
     assert_served(&local, &reference);
     let text = worker.metrics_text().await;
-    assert_eq!(
-        metric(
-            &text,
-            "ironic_image_worker_conversions_total{mode=\"after_download\"}"
-        ),
-        Some(1.0)
-    );
+    assert_eq!(mode(&text, "after_download"), Some(1.0), "{text}");
 }
 
 /// A qcow2 whose L2 table points two guest clusters at the same host

@@ -189,10 +189,10 @@ async fn checksum_file_urls_are_refused_when_disabled() {
 
 /// `[conductor]disable_deep_image_inspection = true`: the declared and
 /// permitted formats are not checked (the detected format still decides
-/// the conversion); the structural checks stay.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn disabled_deep_inspection_skips_the_format_checks_only() {
-    let env = Env::new("");
+/// the conversion); the structural checks stay. The images of these tests,
+/// in the allowed directory: `disk.vmdk` and `disk.qcow2` of the returned
+/// raw disk, and `backed.qcow2` backed by it.
+fn inspected_images(env: &Env) -> std::path::PathBuf {
     let allowed = env.root().join("allowed");
     let raw = env.root().join("disk.raw");
     patchy_raw(&raw, 8 << 20, 263);
@@ -210,37 +210,56 @@ async fn disabled_deep_inspection_skips_the_format_checks_only() {
     );
     qcow2_from(&raw, &allowed.join("disk.qcow2"), &[]);
     qcow2_backed_by(&raw, &allowed.join("backed.qcow2"));
-    let file = |n: &str| format!("file://{}", allowed.join(n).display());
-    let off = ["--set", "conductor.disable_deep_image_inspection=true"];
+    raw
+}
 
-    let (_, ev) = prepare_with(&env, &[], &[], &file("disk.vmdk"), &[]).await;
+/// A file:// URL of `name` in the allowed directory.
+fn allowed_file(env: &Env, name: &str) -> String {
+    format!("file://{}", env.root().join("allowed").join(name).display())
+}
+
+const NO_DEEP_INSPECTION: [&str; 2] = ["--set", "conductor.disable_deep_image_inspection=true"];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deep_inspection_checks_the_permitted_and_declared_formats() {
+    let env = Env::new("");
+    inspected_images(&env);
+    let (_, ev) = prepare_with(&env, &[], &[], &allowed_file(&env, "disk.vmdk"), &[]).await;
     assert_eq!(code(&ev), "format_not_permitted", "{ev}");
-    let (_, ev) = prepare_with(
-        &env,
-        &[],
-        &[],
-        &file("disk.qcow2"),
-        &["--disk-format", "raw"],
-    )
-    .await;
+    let qcow2 = allowed_file(&env, "disk.qcow2");
+    let (_, ev) = prepare_with(&env, &[], &[], &qcow2, &["--disk-format", "raw"]).await;
     assert_eq!(code(&ev), "format_mismatch", "{ev}");
+}
 
-    let (ok, ev) = prepare_with(&env, &off, &[], &file("disk.vmdk"), &[]).await;
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_deep_inspection_a_vmdk_is_converted() {
+    let env = Env::new("");
+    let raw = inspected_images(&env);
+    let vmdk = allowed_file(&env, "disk.vmdk");
+    let (ok, ev) = prepare_with(&env, &NO_DEEP_INSPECTION, &[], &vmdk, &[]).await;
     assert!(ok, "{ev}");
     assert_eq!(ev["converted"], true);
     assert_served(&ev, &raw);
-    let (ok, ev) = prepare_with(
-        &env,
-        &off,
-        &[],
-        &file("disk.qcow2"),
-        &["--disk-format", "raw"],
-    )
-    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_deep_inspection_a_qcow2_declared_raw_is_converted() {
+    let env = Env::new("");
+    let raw = inspected_images(&env);
+    let qcow2 = allowed_file(&env, "disk.qcow2");
+    let declared = ["--disk-format", "raw"];
+    let (ok, ev) = prepare_with(&env, &NO_DEEP_INSPECTION, &[], &qcow2, &declared).await;
     assert!(ok, "{ev}");
     assert_eq!(ev["converted"], true);
     assert_served(&ev, &raw);
-    let (_, ev) = prepare_with(&env, &off, &[], &file("backed.qcow2"), &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_deep_inspection_a_backing_file_is_still_unsafe() {
+    let env = Env::new("");
+    inspected_images(&env);
+    let backed = allowed_file(&env, "backed.qcow2");
+    let (_, ev) = prepare_with(&env, &NO_DEEP_INSPECTION, &[], &backed, &[]).await;
     assert_eq!(code(&ev), "unsafe_image", "{ev}");
 }
 
@@ -424,37 +443,42 @@ async fn webserver_verify_ca_false_does_not_verify_https_sources() {
 
 /// `[DEFAULT]webserver_connection_timeout`: the longest wait for a byte of
 /// an http(s) source, over `[source]read_timeout` (5 s in these tests) in
-/// both directions; the source pauses 3 s before its body.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn webserver_connection_timeout_bounds_the_wait_for_a_source() {
+/// both directions; the source pauses 3 s before its body. A prepare of
+/// `disk.img` from such a source with `flags` and `vars`, tried once.
+async fn paused_prepare(flags: &[&str], vars: Vars<'_>) -> (bool, Value) {
     let env = Env::new("");
     let src = env.root().join("src");
-    random_file(&src.join("a.img"), 1 << 20, 267);
-    // One name per case: a verified master would be a cache hit.
-    for name in ["b.img", "c.img"] {
-        std::fs::copy(src.join("a.img"), src.join(name)).unwrap();
-    }
-    let sha256 = sha256sum(&src.join("a.img"));
+    random_file(&src.join("disk.img"), 1 << 20, 267);
+    let sha256 = sha256sum(&src.join("disk.img"));
     let base = odd_server(&src).await;
-    let url = |name: &str| format!("{base}/pause/{name}");
-    let sum = ["--checksum", sha256.as_str()];
-    let once = ["--set", "source.retries=0"];
+    let url = format!("{base}/pause/disk.img");
+    let once = [&["--set", "source.retries=0"][..], flags].concat();
+    prepare_with(&env, &once, vars, &url, &["--checksum", &sha256]).await
+}
 
-    let (ok, ev) = prepare_with(&env, &once, &[], &url("a.img"), &sum).await;
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_pausing_within_read_timeout_is_read() {
+    let (ok, ev) = paused_prepare(&[], &[]).await;
     assert!(ok, "3 s within read_timeout: {ev}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shorter_webserver_connection_timeout_gives_up_on_a_pause() {
     let short = [("OS_DEFAULT__WEBSERVER_CONNECTION_TIMEOUT", "1")];
-    let (ok, ev) = prepare_with(&env, &once, &short, &url("b.img"), &sum).await;
+    let (ok, ev) = paused_prepare(&[], &short).await;
     assert!(!ok, "{ev}");
     assert_eq!(code(&ev), "source_unreachable", "{ev}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_longer_webserver_connection_timeout_outlasts_read_timeout() {
     let long = [
-        "--set",
-        "source.retries=0",
         "--set",
         "source.read_timeout=1",
         "--set",
         "DEFAULT.webserver_connection_timeout=10",
     ];
-    let (ok, ev) = prepare_with(&env, &long, &[], &url("c.img"), &sum).await;
+    let (ok, ev) = paused_prepare(&long, &[]).await;
     assert!(ok, "{ev}");
     assert_eq!(ev["cache"], "miss");
 }
@@ -487,7 +511,13 @@ async fn file_urls_are_never_read_under_system_directories() {
             "{ev}"
         );
     }
-    // Other files under `/` are allowed then.
+}
+
+/// With `file_url_allowed_paths = /`, other files are read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_urls_elsewhere_are_read_when_all_is_allowed() {
+    let env = Env::new("");
+    let everywhere = ["--set", "conductor.file_url_allowed_paths=/"];
     let image = env.root().join("src/disk.img");
     random_file(&image, 1 << 20, 268);
     let source = format!("file://{}", image.display());

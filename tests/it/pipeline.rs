@@ -328,40 +328,34 @@ impl Checksummed {
         let url = self.server.url("disk.img");
         self.env.prepare(&node(), &url, args).await
     }
+}
 
-    /// A prepare of `disk.img` with `args`, which must succeed.
-    async fn accepted(&self, args: &[&str]) -> Value {
-        let (ok, ev) = self.prepare(args).await;
-        assert!(ok, "{args:?}: {ev}");
-        ev
-    }
+/// A prepare of `c`'s `disk.img` with `args`, which must succeed.
+async fn accepted(c: &Checksummed, args: &[&str]) -> Value {
+    let (ok, ev) = c.prepare(args).await;
+    assert!(ok, "{args:?}: {ev}");
+    ev
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn checksum_with_an_algorithm_prefix() {
     let c = Checksummed::start().await;
-    let ev = c
-        .accepted(&["--checksum", &format!("sha256:{}", c.sha)])
-        .await;
+    let ev = accepted(&c, &["--checksum", &format!("sha256:{}", c.sha)]).await;
     assert_served(&ev, &c.src);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn checksum_file_url() {
     let c = Checksummed::start().await;
-    let ev = c
-        .accepted(&["--checksum", &c.server.url("SHA256SUMS")])
-        .await;
+    let ev = accepted(&c, &["--checksum", &c.server.url("SHA256SUMS")]).await;
     assert_served(&ev, &c.src);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn os_hash_sha512_is_answered_with_the_sha512() {
     let c = Checksummed::start().await;
-    let ev = c
-        .accepted(&["--os-hash-algo", "sha512", "--os-hash-value", &c.sha512])
-        .await;
-    served(&c.src).sha512().check(&ev);
+    let sha512 = ["--os-hash-algo", "sha512", "--os-hash-value", &c.sha512];
+    served(&c.src).sha512().check(&accepted(&c, &sha512).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -369,9 +363,7 @@ async fn os_hash_wins_over_a_wrong_legacy_checksum() {
     let c = Checksummed::start().await;
     let wrong = "0".repeat(32);
     let sha = ["--os-hash-algo", "sha256", "--os-hash-value", &c.sha];
-    let ev = c
-        .accepted(&[&["--checksum", &wrong][..], &sha].concat())
-        .await;
+    let ev = accepted(&c, &[&["--checksum", &wrong][..], &sha].concat()).await;
     assert_served(&ev, &c.src);
 }
 
