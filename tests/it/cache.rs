@@ -332,11 +332,7 @@ async fn missing_digest_is_computed_from_the_master_not_downloaded() {
     assert!(meta["source_sha512"].is_null(), "{meta}");
     let master_inode = inode(&env.master_dir().join(&name));
     // Another node asks for SHA-512: computed from the master, no download.
-    let sha512 = tool("sha512sum", &[img.to_str().unwrap()])
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_string();
+    let sha512 = sha512sum(&img);
     let (ok, ev) = env
         .prepare(
             &n2,

@@ -55,13 +55,12 @@ impl Cloud {
     fn add(&self, file: &Path, disk_format: &str) -> String {
         let id = node();
         let bytes = std::fs::read(file).unwrap();
-        let sha512 = tool("sha512sum", &[file.to_str().unwrap()]);
         let doc = json!({
             "id": id, "name": "test-image", "status": "active",
             "disk_format": disk_format, "container_format": "bare",
             "checksum": md5sum(file),
             "os_hash_algo": "sha512",
-            "os_hash_value": sha512.split_whitespace().next().unwrap(),
+            "os_hash_value": sha512sum(file),
             "size": bytes.len(),
             "updated_at": "2026-11-30T05:00:00Z",
             "visibility": "public",

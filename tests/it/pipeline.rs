@@ -311,8 +311,7 @@ impl Checksummed {
         )
         .unwrap();
         let server = SourceServer::start(&env.root().join("src")).await;
-        let sha512 = tool("sha512sum", &[src.to_str().unwrap()]);
-        let sha512 = sha512.split_whitespace().next().unwrap().to_string();
+        let sha512 = sha512sum(&src);
         Checksummed {
             env,
             src,

@@ -8,16 +8,6 @@
 use crate::common::*;
 use crate::convert::disk_of;
 use serde_json::Value;
-use std::path::Path;
-
-/// `sha512sum` of a file (hex).
-fn sha512sum(path: &Path) -> String {
-    tool("sha512sum", &[path.to_str().unwrap()])
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_string()
-}
 
 /// The `md5` every master's record holds.
 fn recorded_md5s(env: &Env) -> Vec<String> {

@@ -516,10 +516,15 @@ pub fn sha256sum(path: &Path) -> String {
     openssl_digest("sha256", path)
 }
 
+/// The SHA-512 of a file (hex), by OpenSSL.
+pub fn sha512sum(path: &Path) -> String {
+    openssl_digest("sha512", path)
+}
+
 /// The `algo` digest of a file (hex), by `openssl dgst`: coreutils'
 /// `sha256sum` takes six times its CPU here (no SHA instructions), and the
 /// tests hash gigabytes of reference images.
-fn openssl_digest(algo: &str, path: &Path) -> String {
+pub fn openssl_digest(algo: &str, path: &Path) -> String {
     let dash_algo = format!("-{algo}");
     tool(
         "openssl",

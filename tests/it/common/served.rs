@@ -2,7 +2,7 @@
 //! `image_checksum` (the MD5, or its absence with `[agent] served_md5 =
 //! false`), `image_os_hash_algo` and `image_os_hash_value` (sha256, or
 //! sha512 when the request's algorithm was sha512) and `image_size`, against
-//! `md5sum`, `sha256sum`/`sha512sum` and the length of a file: the served
+//! the digests OpenSSL gives ([`openssl_digest`]) and the length of a file: the served
 //! file itself (fetched with [`fetch_served`] or read from http_root) or the
 //! reference it must equal (the source, or `qemu-img convert`'s output).
 //!
@@ -10,7 +10,7 @@
 //! disagreed, with the expected and actual values, the node and the URL of
 //! the completion, and the file compared.
 
-use super::tool;
+use super::openssl_digest;
 use serde_json::Value;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -69,14 +69,14 @@ impl Served {
         let size = std::fs::metadata(&self.bytes)
             .unwrap_or_else(|e| panic!("the bytes to compare, {path}: {e}"))
             .len();
-        // The two reference tools at once: the files are up to gigabytes.
+        // The two digests at once: the files are up to gigabytes.
         let (md5, sha) = std::thread::scope(|s| {
-            let md5 = s.spawn(|| self.md5.then(|| digest("md5sum", path)));
-            let sha = digest(&format!("{}sum", self.algo), path);
+            let md5 = s.spawn(|| self.md5.then(|| openssl_digest("md5", &self.bytes)));
+            let sha = openssl_digest(self.algo, &self.bytes);
             (md5.join().unwrap(), sha)
         });
         let mut wrong = Vec::new();
-        // Only a success serves bytes (a warm's too, with no node or URL).
+        // Only a success serves bytes (a warm's has no node or URL: null).
         if ev["status"] != "success" {
             wrong.push(format!(
                 "status: expected \"success\", actual {}",
@@ -115,15 +115,6 @@ impl Served {
         let _ = write!(msg, "\nthe completion: {ev}");
         panic!("{msg}");
     }
-}
-
-/// The hex digest `tool` (md5sum, sha256sum, sha512sum) prints for `path`.
-fn digest(tool_name: &str, path: &str) -> String {
-    tool(tool_name, &[path])
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_string()
 }
 
 /// GETs the completion's `image_url` (it must answer 200) and writes the
