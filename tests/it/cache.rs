@@ -321,7 +321,7 @@ async fn missing_digest_is_computed_from_the_master_not_downloaded() {
     let server = SourceServer::start(&src).await;
     let url = server.url("a.img");
     let (n1, n2) = (node(), node());
-    let md5 = md5sum(&img);
+    let (md5, sha512) = (md5sum(&img), sha512sum(&img));
     let (ok, ev) = env
         .prepare(&n1, &url, &["--checksum", &md5, "--force-raw", "false"])
         .await;
@@ -332,7 +332,6 @@ async fn missing_digest_is_computed_from_the_master_not_downloaded() {
     assert!(meta["source_sha512"].is_null(), "{meta}");
     let master_inode = inode(&env.master_dir().join(&name));
     // Another node asks for SHA-512: computed from the master, no download.
-    let sha512 = sha512sum(&img);
     let (ok, ev) = env
         .prepare(
             &n2,
