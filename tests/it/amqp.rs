@@ -40,13 +40,8 @@ async fn prepare_deployed_cleanup_through_the_broker() {
     assert_eq!(first["status"], "success", "{first}");
     assert_eq!(first["request_id"], cmd["request_id"]);
     assert_eq!(first["conductor_host"], env.host);
-    let (status, body) = get(first["image_url"].as_str().unwrap()).await;
-    assert_eq!(status, 200);
-    let served = env.root().join("served");
-    std::fs::write(&served, body).unwrap();
-    assert_eq!(first["image_checksum"], md5sum(&served));
-    assert_eq!(first["image_os_hash_value"], sha256sum(&served));
-    assert_eq!(md5sum(&served), md5sum(&src));
+    assert_served(&first, &fetch_served(&first, env.root()).await);
+    assert_served(&first, &src);
 
     // The same command again: the same answer, no second download.
     let again = broker.call(&env.host, cmd).await;
@@ -238,7 +233,7 @@ async fn send_subcommand_waits_for_the_answer() {
     let (ok, ev) = completion_of(&out);
     assert!(ok, "{ev}");
     assert_eq!(ev["request_id"], "cli-1");
-    assert_eq!(ev["image_checksum"], md5sum(&src));
+    assert_served(&ev, &src);
     // No worker for that host: a clear failure, not a silent loss.
     let out = env
         .run(&[

@@ -93,10 +93,10 @@ async fn odd_server(dir: &Path) -> String {
 
 /// `[agent]allow_md5_checksum = false`: an MD5-only checksum (inline or
 /// from a checksum file) is refused, whichever way the option is set;
-/// SHA-256 still works.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn md5_only_checksums_are_refused_when_md5_is_not_allowed() {
-    let env = Env::new("");
+/// SHA-256 still works. The source of these tests: `disk.img` beside an
+/// `MD5SUMS` naming it; returns its MD5, its sha256, the file's URL and
+/// the server (kept running).
+async fn md5_source(env: &Env) -> (String, String, String, SourceServer) {
     let src = env.root().join("src");
     random_file(&src.join("disk.img"), 1 << 20, 261);
     let md5 = md5sum(&src.join("disk.img"));
@@ -104,25 +104,53 @@ async fn md5_only_checksums_are_refused_when_md5_is_not_allowed() {
     std::fs::write(src.join("MD5SUMS"), format!("{md5}  disk.img\n")).unwrap();
     let server = SourceServer::start(&src).await;
     let url = server.url("disk.img");
+    (md5, sha256, url, server)
+}
 
+/// With MD5 not allowed by `flags` and `vars`, each MD5-only form (inline,
+/// `md5:` prefixed, a checksum file) is refused.
+async fn md5_refused(env: &Env, flags: &[&str], vars: Vars<'_>) {
+    let (md5, _, url, server) = md5_source(env).await;
+    for checksum in [md5.clone(), format!("md5:{md5}"), server.url("MD5SUMS")] {
+        let (ok, ev) = prepare_with(env, flags, vars, &url, &["--checksum", &checksum]).await;
+        assert!(!ok, "{flags:?} {vars:?} {checksum}: {ev}");
+        assert_eq!(code(&ev), "checksum_not_permitted", "{ev}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn md5_checksums_are_allowed_by_default() {
+    let env = Env::new("");
+    let (md5, _, url, _server) = md5_source(&env).await;
     let (ok, ev) = prepare_with(&env, &[], &[], &url, &["--checksum", &md5]).await;
     assert!(ok, "MD5 is allowed by default: {ev}");
+}
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn md5_only_checksums_are_refused_when_set_does_not_allow_md5() {
+    let env = Env::new("");
+    md5_refused(&env, &["--set", "agent.allow_md5_checksum=false"], &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn md5_only_checksums_are_refused_when_the_environment_does_not_allow_md5() {
+    let env = Env::new("");
+    md5_refused(&env, &[], &[("OS_AGENT__ALLOW_MD5_CHECKSUM", "false")]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn md5_only_checksums_are_refused_when_ironic_conf_does_not_allow_md5() {
+    let env = Env::new("");
     let ironic_conf = env.root().join("ironic.conf");
     std::fs::write(&ironic_conf, "[agent]\nallow_md5_checksum = False\n").unwrap();
     let conf = ironic_conf.to_str().unwrap();
-    let refused: [(&[&str], Vars); 3] = [
-        (&["--set", "agent.allow_md5_checksum=false"], &[]),
-        (&[], &[("OS_AGENT__ALLOW_MD5_CHECKSUM", "false")]),
-        (&["--ironic-config", conf], &[]),
-    ];
-    for (flags, vars) in refused {
-        for checksum in [md5.clone(), format!("md5:{md5}"), server.url("MD5SUMS")] {
-            let (ok, ev) = prepare_with(&env, flags, vars, &url, &["--checksum", &checksum]).await;
-            assert!(!ok, "{flags:?} {vars:?} {checksum}: {ev}");
-            assert_eq!(code(&ev), "checksum_not_permitted", "{ev}");
-        }
-    }
+    md5_refused(&env, &["--ironic-config", conf], &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sha256_still_works_when_md5_is_not_allowed() {
+    let env = Env::new("");
+    let (_, sha256, url, _server) = md5_source(&env).await;
     let (ok, ev) = prepare_with(
         &env,
         &[],
@@ -161,10 +189,10 @@ async fn checksum_file_urls_are_refused_when_disabled() {
 
 /// `[conductor]disable_deep_image_inspection = true`: the declared and
 /// permitted formats are not checked (the detected format still decides
-/// the conversion); the structural checks stay.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn disabled_deep_inspection_skips_the_format_checks_only() {
-    let env = Env::new("");
+/// the conversion); the structural checks stay. The images of these tests,
+/// in the allowed directory: `disk.vmdk` and `disk.qcow2` of the returned
+/// raw disk, and `backed.qcow2` backed by it.
+fn inspected_images(env: &Env) -> std::path::PathBuf {
     let allowed = env.root().join("allowed");
     let raw = env.root().join("disk.raw");
     patchy_raw(&raw, 8 << 20, 263);
@@ -182,37 +210,56 @@ async fn disabled_deep_inspection_skips_the_format_checks_only() {
     );
     qcow2_from(&raw, &allowed.join("disk.qcow2"), &[]);
     qcow2_backed_by(&raw, &allowed.join("backed.qcow2"));
-    let file = |n: &str| format!("file://{}", allowed.join(n).display());
-    let off = ["--set", "conductor.disable_deep_image_inspection=true"];
+    raw
+}
 
-    let (_, ev) = prepare_with(&env, &[], &[], &file("disk.vmdk"), &[]).await;
+/// A file:// URL of `name` in the allowed directory.
+fn allowed_file(env: &Env, name: &str) -> String {
+    format!("file://{}", env.root().join("allowed").join(name).display())
+}
+
+const NO_DEEP_INSPECTION: [&str; 2] = ["--set", "conductor.disable_deep_image_inspection=true"];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deep_inspection_checks_the_permitted_and_declared_formats() {
+    let env = Env::new("");
+    inspected_images(&env);
+    let (_, ev) = prepare_with(&env, &[], &[], &allowed_file(&env, "disk.vmdk"), &[]).await;
     assert_eq!(code(&ev), "format_not_permitted", "{ev}");
-    let (_, ev) = prepare_with(
-        &env,
-        &[],
-        &[],
-        &file("disk.qcow2"),
-        &["--disk-format", "raw"],
-    )
-    .await;
+    let qcow2 = allowed_file(&env, "disk.qcow2");
+    let (_, ev) = prepare_with(&env, &[], &[], &qcow2, &["--disk-format", "raw"]).await;
     assert_eq!(code(&ev), "format_mismatch", "{ev}");
+}
 
-    let (ok, ev) = prepare_with(&env, &off, &[], &file("disk.vmdk"), &[]).await;
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_deep_inspection_a_vmdk_is_converted() {
+    let env = Env::new("");
+    let raw = inspected_images(&env);
+    let vmdk = allowed_file(&env, "disk.vmdk");
+    let (ok, ev) = prepare_with(&env, &NO_DEEP_INSPECTION, &[], &vmdk, &[]).await;
     assert!(ok, "{ev}");
     assert_eq!(ev["converted"], true);
-    assert_eq!(ev["image_os_hash_value"], sha256sum(&raw));
-    let (ok, ev) = prepare_with(
-        &env,
-        &off,
-        &[],
-        &file("disk.qcow2"),
-        &["--disk-format", "raw"],
-    )
-    .await;
+    assert_served(&ev, &raw);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_deep_inspection_a_qcow2_declared_raw_is_converted() {
+    let env = Env::new("");
+    let raw = inspected_images(&env);
+    let qcow2 = allowed_file(&env, "disk.qcow2");
+    let declared = ["--disk-format", "raw"];
+    let (ok, ev) = prepare_with(&env, &NO_DEEP_INSPECTION, &[], &qcow2, &declared).await;
     assert!(ok, "{ev}");
     assert_eq!(ev["converted"], true);
-    assert_eq!(ev["image_os_hash_value"], sha256sum(&raw));
-    let (_, ev) = prepare_with(&env, &off, &[], &file("backed.qcow2"), &[]).await;
+    assert_served(&ev, &raw);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_deep_inspection_a_backing_file_is_still_unsafe() {
+    let env = Env::new("");
+    inspected_images(&env);
+    let backed = allowed_file(&env, "backed.qcow2");
+    let (_, ev) = prepare_with(&env, &NO_DEEP_INSPECTION, &[], &backed, &[]).await;
     assert_eq!(code(&ev), "unsafe_image", "{ev}");
 }
 
@@ -255,10 +302,8 @@ async fn http_mode_inspects_sources_when_the_conductor_always_validates() {
     assert_eq!(ev["image_url"], good, "the agent downloads from the source");
     assert_eq!(ev["image_disk_format"], "qcow2");
     assert_eq!(ev["converted"], false);
-    assert_eq!(
-        ev["image_os_hash_value"],
-        sha256sum(&src.join("disk.qcow2"))
-    );
+    // Inspected, not served: no MD5 computed, the sha256 of the source.
+    served(&src.join("disk.qcow2")).without_md5().check(&ev);
     assert_eq!(server.count("GET", "disk.qcow2"), 1);
     // Verified once: a repeat with the checksum is not downloaded again.
     let sha = sha256sum(&src.join("disk.qcow2"));
@@ -305,7 +350,7 @@ async fn raw_image_growth_factor_sizes_the_conversion_space_check() {
     assert_eq!(code(&ev), "insufficient_disk_space", "{ev}");
     let (ok, ev) = prepare_with(&env, &flags, &[], &source, &[]).await;
     assert!(ok, "{ev}");
-    assert_eq!(ev["image_os_hash_value"], sha256sum(&raw));
+    assert_served(&ev, &raw);
 }
 
 /// Makes a CA and a certificate for 127.0.0.1 signed by it, and
@@ -346,63 +391,94 @@ impl Drop for Killed {
 }
 
 /// `[DEFAULT]webserver_verify_ca`: a CA bundle path, or False, for https
-/// sources (the system store knows nothing of the test's CA).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn webserver_verify_ca_decides_how_https_sources_are_verified() {
-    let env = Env::new("");
+/// sources (the system store knows nothing of the test's CA). The source
+/// of these tests: `disk.img` over HTTPS; returns the server, the file,
+/// its URL, the test CA and a `--checksum` of the file.
+fn https_source(
+    env: &Env,
+) -> (
+    Killed,
+    std::path::PathBuf,
+    String,
+    std::path::PathBuf,
+    String,
+) {
     let src = env.root().join("src");
     random_file(&src.join("disk.img"), 1 << 20, 266);
     let sha256 = sha256sum(&src.join("disk.img"));
-    let (_server, base) = https_server(&src, &env.root().join("certs"));
+    let (server, base) = https_server(&src, &env.root().join("certs"));
     let url = format!("{base}/disk.img");
     let ca = env.root().join("certs/ca.pem");
-    let sum = ["--checksum", sha256.as_str()];
+    (server, src.join("disk.img"), url, ca, sha256)
+}
 
-    let (ok, ev) = prepare_with(&env, &[], &[], &url, &sum).await;
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_source_signed_by_an_unknown_ca_is_unreachable() {
+    let env = Env::new("");
+    let (_server, _, url, _, sha256) = https_source(&env);
+    let (ok, ev) = prepare_with(&env, &[], &[], &url, &["--checksum", &sha256]).await;
     assert!(!ok, "an unknown CA: {ev}");
     assert_eq!(code(&ev), "source_unreachable", "{ev}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webserver_verify_ca_as_a_bundle_verifies_https_sources() {
+    let env = Env::new("");
+    let (_server, file, url, ca, sha256) = https_source(&env);
     let bundle = format!("DEFAULT.webserver_verify_ca={}", ca.display());
+    let sum = ["--checksum", sha256.as_str()];
     let (ok, ev) = prepare_with(&env, &["--set", &bundle], &[], &url, &sum).await;
     assert!(ok, "{ev}");
-    assert_eq!(ev["image_os_hash_value"], sha256);
+    assert_served(&ev, &file);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webserver_verify_ca_false_does_not_verify_https_sources() {
+    let env = Env::new("");
+    let (_server, _, url, _, sha256) = https_source(&env);
     let no = [("OS_DEFAULT__WEBSERVER_VERIFY_CA", "False")];
-    let (ok, ev) = prepare_with(&env, &[], &no, &url, &sum).await;
+    let (ok, ev) = prepare_with(&env, &[], &no, &url, &["--checksum", &sha256]).await;
     assert!(ok, "{ev}");
 }
 
 /// `[DEFAULT]webserver_connection_timeout`: the longest wait for a byte of
 /// an http(s) source, over `[source]read_timeout` (5 s in these tests) in
-/// both directions; the source pauses 3 s before its body.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn webserver_connection_timeout_bounds_the_wait_for_a_source() {
+/// both directions; the source pauses 3 s before its body. A prepare of
+/// `disk.img` from such a source with `flags` and `vars`, tried once.
+async fn paused_prepare(flags: &[&str], vars: Vars<'_>) -> (bool, Value) {
     let env = Env::new("");
     let src = env.root().join("src");
-    random_file(&src.join("a.img"), 1 << 20, 267);
-    // One name per case: a verified master would be a cache hit.
-    for name in ["b.img", "c.img"] {
-        std::fs::copy(src.join("a.img"), src.join(name)).unwrap();
-    }
-    let sha256 = sha256sum(&src.join("a.img"));
+    random_file(&src.join("disk.img"), 1 << 20, 267);
+    let sha256 = sha256sum(&src.join("disk.img"));
     let base = odd_server(&src).await;
-    let url = |name: &str| format!("{base}/pause/{name}");
-    let sum = ["--checksum", sha256.as_str()];
-    let once = ["--set", "source.retries=0"];
+    let url = format!("{base}/pause/disk.img");
+    let once = [&["--set", "source.retries=0"][..], flags].concat();
+    prepare_with(&env, &once, vars, &url, &["--checksum", &sha256]).await
+}
 
-    let (ok, ev) = prepare_with(&env, &once, &[], &url("a.img"), &sum).await;
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_pausing_within_read_timeout_is_read() {
+    let (ok, ev) = paused_prepare(&[], &[]).await;
     assert!(ok, "3 s within read_timeout: {ev}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shorter_webserver_connection_timeout_gives_up_on_a_pause() {
     let short = [("OS_DEFAULT__WEBSERVER_CONNECTION_TIMEOUT", "1")];
-    let (ok, ev) = prepare_with(&env, &once, &short, &url("b.img"), &sum).await;
+    let (ok, ev) = paused_prepare(&[], &short).await;
     assert!(!ok, "{ev}");
     assert_eq!(code(&ev), "source_unreachable", "{ev}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_longer_webserver_connection_timeout_outlasts_read_timeout() {
     let long = [
-        "--set",
-        "source.retries=0",
         "--set",
         "source.read_timeout=1",
         "--set",
         "DEFAULT.webserver_connection_timeout=10",
     ];
-    let (ok, ev) = prepare_with(&env, &long, &[], &url("c.img"), &sum).await;
+    let (ok, ev) = paused_prepare(&long, &[]).await;
     assert!(ok, "{ev}");
     assert_eq!(ev["cache"], "miss");
 }
@@ -435,7 +511,13 @@ async fn file_urls_are_never_read_under_system_directories() {
             "{ev}"
         );
     }
-    // Other files under `/` are allowed then.
+}
+
+/// With `file_url_allowed_paths = /`, other files are read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_urls_elsewhere_are_read_when_all_is_allowed() {
+    let env = Env::new("");
+    let everywhere = ["--set", "conductor.file_url_allowed_paths=/"];
     let image = env.root().join("src/disk.img");
     random_file(&image, 1 << 20, 268);
     let source = format!("file://{}", image.display());
@@ -451,7 +533,6 @@ async fn gzip_encoded_sources_are_decoded() {
     let env = Env::new("");
     let src = env.root().join("src");
     random_file(&src.join("disk.img"), 1 << 20, 269);
-    let decoded = std::fs::read(src.join("disk.img")).unwrap();
     let gz = std::process::Command::new("gzip")
         .args(["-c", src.join("disk.img").to_str().unwrap()])
         .output()
@@ -468,8 +549,9 @@ async fn gzip_encoded_sources_are_decoded() {
     ];
     let (ok, ev) = prepare_with(&env, &[], &[], &source, &sum).await;
     assert!(ok, "{ev}");
-    assert_eq!(ev["image_size"], decoded.len());
+    assert_served(&ev, &src.join("disk.img"));
     let node = ev["node_uuid"].as_str().unwrap();
-    let served = std::fs::read(env.link_dir().join(node)).unwrap();
-    assert!(served == decoded, "the decoded bytes are served");
+    served(&env.link_dir().join(node))
+        .context("the decoded bytes are served")
+        .check(&ev);
 }

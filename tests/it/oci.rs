@@ -269,13 +269,12 @@ fn disk(dir: &Path, name: &str, seed: u64) -> (PathBuf, PathBuf) {
 
 /// The served bytes of a successful prepare match its completion's
 /// checksums and the `want` reference file.
+#[track_caller]
 fn assert_serves(env: &Env, done: &Value, want: &Path) {
-    let served = env.link_dir().join(done["node_uuid"].as_str().unwrap());
-    assert_eq!(md5sum(&served), md5sum(want), "served bytes");
-    assert_eq!(done["image_checksum"], md5sum(want));
-    assert_eq!(done["image_os_hash_algo"], "sha256");
-    assert_eq!(done["image_os_hash_value"], sha256sum(want));
-    assert_eq!(done["image_size"], std::fs::metadata(want).unwrap().len());
+    assert_served(done, want);
+    served(&env.served_file(done))
+        .context("served bytes")
+        .check(done);
 }
 
 /// Also fetches what a running worker serves at `image_url`.

@@ -9,8 +9,8 @@
 
 use crate::common;
 use crate::peers::{
-    Conductor, MINUTE, SECRET, assert_served, conductors, cutting_proxy, exchange, image,
-    image_with, metric_of, peers_section, prepare,
+    Conductor, MINUTE, SECRET, conductors, cutting_proxy, exchange, image, image_with, metric_of,
+    peers_section, prepare,
 };
 
 use common::*;
@@ -303,7 +303,10 @@ async fn forged_offers_from_a_participant_without_the_secret_are_ignored() {
         "the impostor's listener was never asked"
     );
     let masters = b.env.masters();
-    assert_eq!(sha256sum(&b.env.master_dir().join(&masters[0])), served);
+    assert_eq!(
+        sha256sum(&b.env.master_dir().join(&masters[0])),
+        sha256sum(&served)
+    );
     for reason in ["unsigned", "bad_signature"] {
         let line = format!(
             "ironic_image_worker_peer_refused_messages_total{{kind=\"offer\",reason=\"{reason}\"}}"
@@ -535,7 +538,7 @@ async fn a_zstd_decompressed_master_crosses_between_conductors() {
     let data = std::fs::read(&raw).unwrap();
     let packed = src.path().join("disk.raw.zst");
     std::fs::write(&packed, zstd::encode_all(&data[..], 3).unwrap()).unwrap();
-    let (sha, served) = (sha256sum(&packed), sha256sum(&raw));
+    let (sha, served) = (sha256sum(&packed), raw.clone());
     let source = SourceServer::start(src.path()).await;
     let cloud = conductors(2, Some(&exchange())).await;
     let broker = Broker::connect().await;
@@ -558,7 +561,10 @@ async fn a_zstd_decompressed_master_crosses_between_conductors() {
         0.0
     );
     let masters = b.env.masters();
-    assert_eq!(sha256sum(&b.env.master_dir().join(&masters[0])), served);
+    assert_eq!(
+        sha256sum(&b.env.master_dir().join(&masters[0])),
+        sha256sum(&served)
+    );
 }
 
 /// A holder serving as many peers as `max_uploads` answers 503 with

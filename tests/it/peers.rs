@@ -9,7 +9,7 @@ use crate::common;
 
 use common::*;
 use serde_json::{Value, json};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 pub(crate) const SECRET: &str = "peers-test-secret-0123456789abcdef";
@@ -44,10 +44,10 @@ pub(crate) fn exchange() -> String {
     format!("iiw-test-peers-{}", uuid::Uuid::new_v4().simple())
 }
 
-/// A qcow2 with data in `dir` (sparse but for a few patches, or `dense`),
-/// and the sha256 of its bytes (the checksum Ironic passes) and of its raw
-/// conversion (what is served).
-pub(crate) fn image_with(dir: &Path, name: &str, mib: u64, dense: bool) -> (String, String) {
+/// A qcow2 with data in `dir` (sparse but for a few patches, or `dense`):
+/// the sha256 of its bytes (the checksum Ironic passes), and its raw
+/// conversion by qemu-img (what is served), kept in `dir` as `<name>.ref`.
+pub(crate) fn image_with(dir: &Path, name: &str, mib: u64, dense: bool) -> (String, PathBuf) {
     let raw = dir.join(format!("{name}.raw"));
     match dense {
         true => random_file(&raw, (mib << 20) as usize, 11),
@@ -57,13 +57,11 @@ pub(crate) fn image_with(dir: &Path, name: &str, mib: u64, dense: bool) -> (Stri
     qcow2_from(&raw, &img, &[]);
     let converted = dir.join(format!("{name}.ref"));
     reference_raw(&img, &converted);
-    let served = sha256sum(&converted);
     std::fs::remove_file(&raw).unwrap();
-    std::fs::remove_file(&converted).unwrap();
-    (sha256sum(&img), served)
+    (sha256sum(&img), converted)
 }
 
-pub(crate) fn image(dir: &Path, name: &str, mib: u64) -> (String, String) {
+pub(crate) fn image(dir: &Path, name: &str, mib: u64) -> (String, PathBuf) {
     image_with(dir, name, mib, false)
 }
 
@@ -79,19 +77,13 @@ pub(crate) async fn metric_of(c: &Conductor, name: &str) -> f64 {
     metric(&c.worker.metrics_text().await, name).unwrap_or(0.0)
 }
 
-/// Checks a successful answer serving bytes with SHA-256 `served`.
-pub(crate) fn assert_served(ev: &Value, served: &str) {
-    assert_eq!(ev["status"], "success", "{ev}");
-    assert_eq!(ev["image_os_hash_value"], served, "{ev}");
-}
-
-/// A source serving one qcow2 (its sha256 and that of what is served) and
+/// A source serving one qcow2 (its sha256 and what is served) and
 /// conductors with peers on one exchange of their own, with a broker
 /// client.
 struct Cloud {
     src: tempfile::TempDir,
     sha: String,
-    served: String,
+    served: PathBuf,
     source: SourceServer,
     cloud: Vec<Conductor>,
     broker: Broker,
@@ -143,7 +135,10 @@ async fn four_conductors_at_once_download_once() {
         from_peers += metric_of(c, "ironic_image_worker_peer_received_bytes_total").await;
         let masters = c.env.masters();
         assert_eq!(masters.len(), 1, "{masters:?}");
-        assert_eq!(sha256sum(&c.env.master_dir().join(&masters[0])), served);
+        assert_eq!(
+            sha256sum(&c.env.master_dir().join(&masters[0])),
+            sha256sum(&served)
+        );
     }
     let size = std::fs::metadata(cloud[0].env.master_dir().join(&cloud[0].env.masters()[0]))
         .unwrap()
@@ -188,7 +183,7 @@ async fn a_node_moved_to_another_conductor_takes_the_image_from_the_first() {
     assert_eq!(status, 200);
     let served_here = src.path().join("served");
     std::fs::write(&served_here, body).unwrap();
-    assert_eq!(sha256sum(&served_here), served);
+    assert_eq!(sha256sum(&served_here), sha256sum(&served));
 }
 
 #[tokio::test]
@@ -234,7 +229,10 @@ async fn a_peer_master_corrupted_on_disk_is_detected_and_never_served() {
     );
     let masters = b.env.masters();
     assert_eq!(masters.len(), 1, "{masters:?}");
-    assert_eq!(sha256sum(&b.env.master_dir().join(&masters[0])), served);
+    assert_eq!(
+        sha256sum(&b.env.master_dir().join(&masters[0])),
+        sha256sum(&served)
+    );
     assert!(
         b.env.temporaries().is_empty(),
         "nothing of the bad bytes left"
@@ -353,7 +351,7 @@ pub(crate) type Heads = std::sync::Arc<std::sync::Mutex<Vec<String>>>;
 async fn holder_behind_a_proxy(
     url: &str,
     sha: &str,
-    served: &str,
+    served: &Path,
     cut: usize,
     rate: usize,
 ) -> (Conductor, Conductor, Broker, Heads) {
@@ -419,7 +417,10 @@ async fn a_transfer_cut_mid_way_resumes_with_range_and_no_source_get() {
         1.0
     );
     let masters = b.env.masters();
-    assert_eq!(sha256sum(&b.env.master_dir().join(&masters[0])), served);
+    assert_eq!(
+        sha256sum(&b.env.master_dir().join(&masters[0])),
+        sha256sum(&served)
+    );
 }
 
 #[tokio::test]
@@ -465,7 +466,10 @@ async fn the_only_holder_killed_mid_transfer_leaves_the_rest_to_the_source() {
     );
     let masters = b.env.masters();
     assert_eq!(masters.len(), 1, "{masters:?}");
-    assert_eq!(sha256sum(&b.env.master_dir().join(&masters[0])), served);
+    assert_eq!(
+        sha256sum(&b.env.master_dir().join(&masters[0])),
+        sha256sum(&served)
+    );
     assert!(b.env.temporaries().is_empty(), "nothing partial left");
 }
 
@@ -534,7 +538,7 @@ async fn warming_every_conductor_crosses_from_the_source_once() {
 /// prepares' correlation ids (A's, B's).
 struct Following {
     _src: tempfile::TempDir,
-    served: String,
+    served: PathBuf,
     source: FaultServer,
     a: Conductor,
     b: Conductor,
@@ -599,7 +603,7 @@ async fn a_second_conductor_follows_the_first_ones_download_as_it_lands() {
     let masters = b.env.masters();
     assert_eq!(masters.len(), 1, "{masters:?}");
     let master = b.env.master_dir().join(&masters[0]);
-    assert_eq!(sha256sum(&master), f.served);
+    assert_eq!(sha256sum(&master), sha256sum(&f.served));
     assert_eq!(
         metric_of(b, "ironic_image_worker_peer_received_bytes_total").await,
         std::fs::metadata(&master).unwrap().len() as f64

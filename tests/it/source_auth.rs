@@ -95,7 +95,7 @@ async fn source_credentials_go_to_permitted_hosts_only() {
         assert_eq!(source.carried_credentials(), sent, "{scope}: {done}");
         if sent {
             assert!(ok, "{scope}: {done}");
-            assert_eq!(done["image_checksum"], md5sum(&file));
+            served(&file).context(scope).check(&done);
         } else {
             assert!(!ok, "{scope}: {done}");
             assert_eq!(done["error"]["code"], "source_not_allowed", "{done}");

@@ -238,13 +238,10 @@ async fn serves_what_the_worker_prepared(
     assert!(www_data_can_read(&link), "www-data reads through the link");
 
     // The agent's download, through the web server: the announced MD5 and size.
-    let (status, body) = get(url).await;
-    assert_eq!(status, 200);
-    let fetched = env.root().join("fetched");
-    std::fs::write(&fetched, &body).unwrap();
-    assert_eq!(ev["image_checksum"], md5sum(&fetched));
-    assert_eq!(ev["image_size"], body.len() as u64);
-    assert_eq!(md5sum(&fetched), md5sum(&reference));
+    let fetched = fetch_served(&ev, env.root()).await;
+    assert_served(&ev, &fetched);
+    assert_served(&ev, &reference);
+    let body = std::fs::read(&fetched).unwrap();
 
     // A byte range, as a resuming agent asks for it.
     let resp = reqwest::Client::new()

@@ -7,6 +7,10 @@ pub mod agent;
 pub mod ca;
 pub mod netns;
 pub mod rabbit;
+pub mod served;
+
+#[allow(unused_imports)] // tests/broker_restart.rs includes this module too
+pub use served::{assert_served, fetch_served, served};
 
 use axum::Router;
 use axum::extract::{Request, State};
@@ -512,10 +516,15 @@ pub fn sha256sum(path: &Path) -> String {
     openssl_digest("sha256", path)
 }
 
+/// The SHA-512 of a file (hex), by OpenSSL.
+pub fn sha512sum(path: &Path) -> String {
+    openssl_digest("sha512", path)
+}
+
 /// The `algo` digest of a file (hex), by `openssl dgst`: coreutils'
 /// `sha256sum` takes six times its CPU here (no SHA instructions), and the
 /// tests hash gigabytes of reference images.
-fn openssl_digest(algo: &str, path: &Path) -> String {
+pub fn openssl_digest(algo: &str, path: &Path) -> String {
     let dash_algo = format!("-{algo}");
     tool(
         "openssl",
