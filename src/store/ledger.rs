@@ -19,9 +19,8 @@
 //!   alive while it holds the `flock` on its token's file in
 //!   `.ledger/.owners/` ([`TempOwner`]): a claim of a process that died is
 //!   not honoured. A claim is a small file of its own
-//!   (`.ledger/claims/<key>`), created exclusively (no lock when there is
-//!   none yet) and removed by its process, never synced: it counts only
-//!   while its process lives, which a crash of the host ends anyway;
+//!   (`.ledger/claims/<key>`), created and removed, never synced: it counts
+//!   only while its process lives, which a crash of the host ends anyway;
 //! * the work accepted before its answer (a prepare moved to the slow lane
 //!   and acknowledged to the broker, a JSON-RPC cast): nobody else holds a
 //!   copy of it, so each is kept whole (opaque bytes the transport writes)
@@ -48,11 +47,10 @@ use crate::error::{Error, Result};
 use crate::fsutil::{self, TempOwner};
 use crate::node::NodeUuid;
 use serde::{Deserialize, Serialize};
-use std::collections::HashSet;
 use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// How long a record is kept after its newest entry.
@@ -91,10 +89,6 @@ const CLAIMS_DIR: &str = "claims";
 
 /// How many lock files the nodes' records are spread over.
 pub const LOCK_STRIPES: u8 = 64;
-
-/// A claim file still empty after this long lost its maker between making
-/// it and writing it: it no longer counts.
-const UNWRITTEN_CLAIM: Duration = Duration::from_secs(10);
 
 /// Temporaries left by a writer that died are removed after this long.
 const STALE_TEMP_AFTER: Duration = Duration::from_secs(3600);
@@ -156,9 +150,6 @@ pub struct Ledger {
     dir: PathBuf,
     /// This process, as its claims name it.
     owner: Arc<TempOwner>,
-    /// The delivery keys whose claim this process made and still holds:
-    /// as many as the deliveries it works on.
-    claims: Arc<Mutex<HashSet<String>>>,
 }
 
 impl std::fmt::Debug for Ledger {
@@ -172,11 +163,7 @@ impl Ledger {
     pub fn open(dir: PathBuf) -> Result<Ledger> {
         fsutil::ensure_dir(&dir)?;
         let owner = Arc::new(TempOwner::new(dir.join(".owners")));
-        Ok(Ledger {
-            dir,
-            owner,
-            claims: Arc::default(),
-        })
+        Ok(Ledger { dir, owner })
     }
 
     fn path(&self, node: &NodeUuid) -> PathBuf {
@@ -217,13 +204,6 @@ impl Ledger {
     /// `answered_counts`: a command its sender publishes again is new
     /// work), else it is claimed for this process. A key too long to record
     /// is this process's without a claim.
-    ///
-    /// The claim file is made exclusively (`O_EXCL`), so the usual case, no
-    /// claim yet, takes no lock; only an existing claim (this process's, a
-    /// live one's, or one of a process that died, to be replaced) is looked
-    /// at under the node's lock. The answers are looked at after the claim
-    /// is made: an answer is recorded before its claim is removed, so a
-    /// claim made once the other one is gone sees that answer.
     pub fn claim(
         &self,
         node: &NodeUuid,
@@ -235,26 +215,20 @@ impl Ledger {
             return Ok(Turn::Mine);
         }
         self.owner.register()?;
-        let path = self.dir.join(CLAIMS_DIR).join(key);
-        let body = format!("{} {at_ms} {node}", self.owner.token());
-        let made = making_dir(&self.dir.join(CLAIMS_DIR), "write a ledger claim", || {
-            create_claim(&path, &body)
-        })?;
-        if !made {
-            let _lock = self.lock(node)?;
-            match read_claim(&path) {
-                Holder::Owner(owner) if owner == self.owner.token() => {}
-                holder if self.counts(&holder, &path) => return Ok(Turn::Elsewhere),
-                _ => std::fs::write(&path, &body)
-                    .map_err(|e| Error::io("write a ledger claim", e))?,
-            }
-        }
-        self.held().insert(key.to_string());
+        let _lock = self.lock(node)?;
         if answered_counts && self.read(node).answered.iter().any(|(k, _)| k == key) {
-            let _lock = self.lock(node)?;
-            self.drop_claim(key);
             return Ok(Turn::Answered);
         }
+        let path = self.dir.join(CLAIMS_DIR).join(key);
+        let elsewhere = read_claim(&path)
+            .is_some_and(|owner| owner != self.owner.token() && self.owner.is_alive(&owner));
+        if elsewhere {
+            return Ok(Turn::Elsewhere);
+        }
+        let body = format!("{} {at_ms} {node}", self.owner.token());
+        making_dir(&self.dir.join(CLAIMS_DIR), "write a ledger claim", || {
+            std::fs::write(&path, &body)
+        })?;
         Ok(Turn::Mine)
     }
 
@@ -268,29 +242,12 @@ impl Ledger {
         Ok(())
     }
 
-    /// The keys this process claims now (see [`Ledger::claim`]).
-    fn held(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
-        self.claims.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Whether the claim `holder`, read from `path`, still stands: its
-    /// process lives, or it is being written (a claim is made empty, then
-    /// written; one left empty longer than [`UNWRITTEN_CLAIM`] lost its
-    /// maker in between).
-    fn counts(&self, holder: &Holder, path: &Path) -> bool {
-        match holder {
-            Holder::Nobody => false,
-            Holder::Owner(owner) => self.owner.is_alive(owner),
-            Holder::Unwritten => !is_older_than(path, UNWRITTEN_CLAIM),
-        }
-    }
-
     /// Removes this process's claim on `key`, if it holds one (called under
-    /// the node's lock). Known from memory, not read back: a live process's
-    /// claim is replaced by nobody, and removed only by that process.
+    /// the node's lock).
     fn drop_claim(&self, key: &str) {
-        if self.held().remove(key) {
-            let _ = std::fs::remove_file(self.dir.join(CLAIMS_DIR).join(key));
+        let path = self.dir.join(CLAIMS_DIR).join(key);
+        if read_claim(&path).is_some_and(|owner| owner == self.owner.token()) {
+            let _ = std::fs::remove_file(&path);
         }
     }
 
@@ -428,8 +385,7 @@ impl Ledger {
     }
 
     /// Removes the claims of processes that are gone (each under its node's
-    /// lock, under which alone a claim is replaced, so a claim just made in
-    /// their place stays).
+    /// lock, so a claim just made in their place stays).
     fn expire_claims(&self) -> usize {
         let dir = self.dir.join(CLAIMS_DIR);
         let Ok(entries) = std::fs::read_dir(&dir) else {
@@ -446,16 +402,13 @@ impl Ledger {
                 .nth(2)
                 .and_then(|n| NodeUuid::parse(n).ok())
             else {
-                // Not written yet, or not a claim at all once it stays so.
-                let gone =
-                    is_older_than(&path, UNWRITTEN_CLAIM) && std::fs::remove_file(&path).is_ok();
-                removed += usize::from(gone);
+                removed += usize::from(std::fs::remove_file(&path).is_ok());
                 continue;
             };
             let Ok(_lock) = self.lock(&node) else {
                 continue;
             };
-            let dead = !self.counts(&read_claim(&path), &path);
+            let dead = read_claim(&path).is_some_and(|owner| !self.owner.is_alive(&owner));
             removed += usize::from(dead && std::fs::remove_file(&path).is_ok());
         }
         removed
@@ -510,21 +463,6 @@ fn is_file_name(key: &str) -> bool {
     !key.is_empty() && key.len() <= MAX_KEY_LEN && key.bytes().all(|b| b.is_ascii_alphanumeric())
 }
 
-/// Makes the claim file `path` holding `body` unless it exists: true when
-/// made, false when a claim is there already.
-fn create_claim(path: &Path, body: &str) -> std::io::Result<bool> {
-    use std::io::Write;
-    match std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(path)
-    {
-        Ok(mut file) => file.write_all(body.as_bytes()).map(|()| true),
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
-        Err(e) => Err(e),
-    }
-}
-
 /// A claim file's line, `<owner> <at_ms> <node>`; `None` when there is none.
 fn read_claim_line(path: &Path) -> Option<String> {
     let file = File::open(path).ok()?;
@@ -533,25 +471,9 @@ fn read_claim_line(path: &Path) -> Option<String> {
     Some(line)
 }
 
-/// Who holds a claim, as its file says.
-enum Holder {
-    /// No claim file.
-    Nobody,
-    /// The token of the process that made it.
-    Owner(String),
-    /// A claim file not written yet (or whose maker died before writing it).
-    Unwritten,
-}
-
-/// Who holds the claim in `path`.
-fn read_claim(path: &Path) -> Holder {
-    match read_claim_line(path) {
-        None => Holder::Nobody,
-        Some(line) => match line.split(' ').collect::<Vec<_>>()[..] {
-            [owner, _, _] if !owner.is_empty() => Holder::Owner(owner.to_string()),
-            _ => Holder::Unwritten,
-        },
-    }
+/// The owner of the claim in `path`, if there is one.
+fn read_claim(path: &Path) -> Option<String> {
+    read_claim_line(path)?.split(' ').next().map(str::to_string)
 }
 
 /// A record file's contents; `None` when missing, too large or unreadable.
@@ -660,27 +582,6 @@ mod tests {
         drop(second);
         let third = Ledger::open(dir.path().join("l")).unwrap();
         assert_eq!(third.claim(&node(), "j", now, true).unwrap(), Turn::Mine);
-    }
-
-    #[test]
-    fn a_claim_being_written_holds_until_its_maker_is_seen_dead() {
-        let dir = tempfile::tempdir().unwrap();
-        let ledger = Ledger::open(dir.path().join("l")).unwrap();
-        let claims_dir = dir.path().join("l").join(CLAIMS_DIR);
-        std::fs::create_dir_all(&claims_dir).unwrap();
-        // Made by another process that has not written it yet.
-        let unwritten = File::create(claims_dir.join("k")).unwrap();
-        let now = now_ms();
-        assert_eq!(
-            ledger.claim(&node(), "k", now, true).unwrap(),
-            Turn::Elsewhere
-        );
-        assert_eq!(ledger.expire(), 0, "a young unwritten claim stays");
-        let long_ago = SystemTime::now() - UNWRITTEN_CLAIM - Duration::from_secs(1);
-        unwritten.set_modified(long_ago).unwrap();
-        assert_eq!(ledger.claim(&node(), "k", now, true).unwrap(), Turn::Mine);
-        ledger.note_answered(&node(), "k", now).unwrap();
-        assert_eq!(claims(&dir), 0);
     }
 
     #[test]
