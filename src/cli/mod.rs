@@ -107,7 +107,7 @@ pub enum Command {
     /// Remove a node's image and URL, without a broker.
     Cleanup(NodeArgs),
     /// Publish a command to a running worker through the broker.
-    Send(SendArgs),
+    Send(send::SendArgs),
     /// Delete the queues of a conductor taken out of service (its command
     /// queue and dead-letter queue), which would otherwise stay bound to
     /// Ironic's notifications and to `all.image.warm` and grow for ever.
@@ -232,130 +232,6 @@ pub struct PrepareArgs {
     node: NodeArgs,
     #[command(flatten)]
     image: ImageArgs,
-}
-
-/// Arguments of `send`: publish a command to a running worker.
-#[derive(Debug, Args)]
-pub struct SendArgs {
-    /// prepare, deployed, cleanup, or warm (cache an image, for no node).
-    #[arg(value_enum)]
-    action: SendAction,
-    /// Node UUID (every action but warm).
-    #[arg(long)]
-    node: Option<String>,
-    /// Request id echoed in the completion event (default: a new UUID).
-    #[arg(long)]
-    request_id: Option<String>,
-    #[command(flatten)]
-    image: ImageArgs,
-    /// Conductor host whose worker gets the command (default `[DEFAULT]host`).
-    #[arg(long, visible_alias = "host")]
-    conductor: Option<String>,
-    /// warm only: every conductor's worker (`all.image.warm`); waits for
-    /// the answers and prints each (implies `--wait`).
-    #[arg(long, conflicts_with = "conductor")]
-    all_conductors: bool,
-    /// With `--all-conductors`: stop waiting once this many answered (the
-    /// exit code is non-zero when fewer did within `--timeout`).
-    #[arg(long, requires = "all_conductors")]
-    expect: Option<usize>,
-    /// Wait for the completion event and print it.
-    #[arg(long)]
-    wait: bool,
-    /// Seconds to wait with `--wait` (or `--all-conductors`).
-    #[arg(long, default_value_t = 3600)]
-    timeout: u64,
-}
-
-/// Actions a command can carry.
-#[derive(Debug, Clone, Copy, ValueEnum)]
-pub enum SendAction {
-    /// Cache and publish the image.
-    Prepare,
-    /// Withdraw URL and link after deployment.
-    Deployed,
-    /// Remove everything of the node.
-    Cleanup,
-    /// Cache the image on one conductor (or all), so deploys find it.
-    Warm,
-}
-
-impl SendAction {
-    fn action(self) -> Action {
-        match self {
-            SendAction::Prepare => Action::Prepare,
-            SendAction::Deployed => Action::Deployed,
-            SendAction::Cleanup => Action::Cleanup,
-            SendAction::Warm => Action::Warm,
-        }
-    }
-}
-
-/// `send`: publishes the command, prints the answers it waited for (one
-/// JSON line each); fails when any is an error, or when `--expect`
-/// answers did not all come.
-async fn send_command(config: &Config, args: SendArgs) -> Result<ExitCode> {
-    use crate::cli::send::{Target, Wait};
-    let action = args.action.action();
-    let warm = action == Action::Warm;
-    if args.all_conductors && !warm {
-        return Err(crate::error::Error::new(
-            crate::error::ErrorCode::InvalidMessage,
-            "--all-conductors is for warm only",
-        ));
-    }
-    // Read here, so a node that is not a node UUID is refused before
-    // anything is sent.
-    let node = match (warm, args.node) {
-        (true, _) => None,
-        (false, Some(n)) => Some(NodeUuid::parse(&n)?),
-        (false, None) => {
-            return Err(crate::error::Error::new(
-                crate::error::ErrorCode::InvalidMessage,
-                format!("{} needs --node", action.as_str()),
-            ));
-        }
-    };
-    let image = matches!(action, Action::Prepare | Action::Warm).then_some(args.image);
-    let mut req = request(action, node, args.request_id, content(image));
-    let request_id = req
-        .request_id
-        .get_or_insert_with(|| uuid::Uuid::new_v4().to_string())
-        .clone();
-    let host = args
-        .conductor
-        .unwrap_or_else(|| config.default.host.clone());
-    let target = match args.all_conductors {
-        true => Target::AllConductors,
-        false => Target::Host(&host),
-    };
-    let wait = (args.wait || args.all_conductors).then_some(Wait {
-        limit: std::time::Duration::from_secs(args.timeout),
-        expect: args.expect,
-    });
-    let answers =
-        crate::cli::send::send(&crate::broker::Settings::of(config), target, &req, wait).await?;
-    if wait.is_none() {
-        println!("{}", serde_json::json!({"request_id": request_id}));
-        return Ok(ExitCode::SUCCESS);
-    }
-    let mut ok = !answers.is_empty();
-    for done in &answers {
-        ok &= print_completion(done) == ExitCode::SUCCESS;
-    }
-    if let Some(n) = args.expect.filter(|&n| answers.len() < n) {
-        eprintln!(
-            "ironic-image-worker: {} of the {n} expected conductors answered within {} s",
-            answers.len(),
-            args.timeout
-        );
-        ok = false;
-    }
-    Ok(if ok {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
 }
 
 /// A one-shot command's request, its node read from `--node`; or, when
@@ -543,7 +419,7 @@ async fn run(
         Command::Prepare(args) => one_shot(Action::Prepare, args.node, Some(args.image), &host),
         Command::Deployed(args) => one_shot(Action::Deployed, args, None, &host),
         Command::Cleanup(args) => one_shot(Action::Cleanup, args, None, &host),
-        Command::Send(args) => return send_command(&loaded.config, args).await,
+        Command::Send(args) => return send::send_command(&loaded.config, args).await,
         Command::Retire { conductor } => {
             let settings = crate::broker::Settings::of(&loaded.config);
             let deleted = crate::cli::send::retire(&settings, &conductor).await?;
