@@ -30,7 +30,7 @@ mod work;
 pub(crate) use crate::pipeline::Shelf;
 pub(crate) use answers::{AnswerKey, Answers, Lookup};
 
-use crate::messages::{Action, Completion, IgnoreReason, Request};
+use crate::messages::{Completion, IgnoreReason, Request};
 use crate::metrics::Metrics;
 use crate::pipeline::Pipeline;
 use futures_util::future::BoxFuture;
@@ -233,38 +233,6 @@ impl Dispatch {
         self.metrics.consumed(carrier.source(), "none", "ignored");
         carrier.unanswered(why).await;
     }
-}
-
-/// The span of every line written about `request`, whichever transport
-/// brought it: its node, request id and action.
-pub(crate) fn span_of(request: &Request) -> tracing::Span {
-    request_span(
-        request.node_str(),
-        request.request_id.as_deref(),
-        request.action,
-    )
-}
-
-/// The span of the lines written about an answer given without a request
-/// to work (an unusable message's error event): what of its node, request
-/// id and action could be read.
-pub(crate) fn span_of_answer(done: &Completion) -> tracing::Span {
-    request_span(
-        done.node_uuid.as_deref().unwrap_or(""),
-        done.request_id.as_deref(),
-        done.action,
-    )
-}
-
-/// The one shape of a request's span, so every line about one request
-/// carries the same fields whatever it was built from.
-fn request_span(node: &str, request_id: Option<&str>, action: Action) -> tracing::Span {
-    tracing::info_span!(
-        "request",
-        node = %node,
-        request_id = request_id.unwrap_or(""),
-        action = action.as_str()
-    )
 }
 
 /// The key of the FIFO queue a request waits in: its node (canonical), so

@@ -37,7 +37,7 @@ impl Dispatch {
     /// taken back), is refused past its deadline, runs, is answered and
     /// recorded.
     pub(super) async fn work(&self, job: Job) {
-        let span = super::span_of(&job.request);
+        let span = job.request.span();
         self.work_in_span(job).instrument(span).await
     }
 

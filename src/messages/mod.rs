@@ -388,6 +388,17 @@ impl Completion {
         }
     }
 
+    /// The span of the lines written about this answer when no request
+    /// was worked for it (an unusable message's error, a one-shot command
+    /// refused): what of its node, request id and action could be read.
+    pub fn span(&self) -> tracing::Span {
+        request_span(
+            self.node_uuid.as_deref().unwrap_or(""),
+            self.request_id.as_deref(),
+            self.action,
+        )
+    }
+
     /// The bare answer to `req`, for conductor `host`: its action, its
     /// node (canonical; none for a warm) and its request id.
     pub fn for_request(req: &Request, host: &str) -> Completion {
@@ -446,6 +457,18 @@ impl Completion {
             )
         }
     }
+}
+
+/// The one shape of a request's span, so that every line about one
+/// request carries the same fields whatever it was built from. At error
+/// level, so that it is on every line a filter lets through.
+fn request_span(node: &str, request_id: Option<&str>, action: Action) -> tracing::Span {
+    tracing::error_span!(
+        "request",
+        node = %node,
+        request_id = request_id.unwrap_or(""),
+        action = action.as_str()
+    )
 }
 
 #[cfg(test)]

@@ -47,6 +47,12 @@ impl Request {
     pub fn node_str(&self) -> &str {
         self.node.as_ref().map_or("", NodeUuid::as_str)
     }
+
+    /// The span of every line written about the request, whichever
+    /// transport brought it and whoever works on it.
+    pub fn span(&self) -> tracing::Span {
+        super::request_span(self.node_str(), self.request_id.as_deref(), self.action)
+    }
 }
 
 /// How a slow download tells whoever runs its request that it no longer

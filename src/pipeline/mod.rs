@@ -163,7 +163,7 @@ impl Pipeline {
     /// in progress in any process sharing the directories is waited for
     /// and then cleaned up, never missed.
     pub async fn handle_unless_stray(&self, req: &Request) -> Option<Completion> {
-        let span = request_span(req.node_str(), req.request_id.as_deref(), req.action);
+        let span = req.span();
         let gauge = self
             .metrics
             .in_flight
@@ -267,21 +267,8 @@ impl Pipeline {
 /// request failing here is answered and logged.
 pub fn refused(mut done: Completion, info: &InstanceInfo, err: &Error) -> Completion {
     done.image_source = echoed_source(done.action, info);
-    let node = done.node_uuid.as_deref().unwrap_or("");
-    request_span(node, done.request_id.as_deref(), done.action)
-        .in_scope(|| log_failed(err, done.duration_ms));
+    done.span().in_scope(|| log_failed(err, done.duration_ms));
     done.failed(err)
-}
-
-/// The span of every line about a request: its node, request id and
-/// action.
-fn request_span(node: &str, request_id: Option<&str>, action: Action) -> tracing::Span {
-    tracing::error_span!(
-        "request",
-        node = %node,
-        request_id = request_id.unwrap_or(""),
-        action = action.as_str()
-    )
 }
 
 /// The line of a request answered with an error (inside its span).

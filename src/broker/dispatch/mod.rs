@@ -242,8 +242,8 @@ impl Dispatcher {
             req.issued_ms.get_or_insert(issued_ms);
         }
         let (dead_letter, span) = match &inbound {
-            Inbound::Work(request) => (false, crate::dispatch::span_of(request)),
-            Inbound::Invalid(done) => (true, crate::dispatch::span_of_answer(done)),
+            Inbound::Work(request) => (false, request.span()),
+            Inbound::Invalid(done) => (true, done.span()),
             Inbound::Ignore(_) | Inbound::Moved { .. } => (false, tracing::Span::none()),
         };
         let text = |s: &Option<lapin::types::ShortString>| s.as_ref().map(|s| s.to_string());

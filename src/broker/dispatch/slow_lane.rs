@@ -71,7 +71,7 @@ impl Dispatcher {
                 continue;
             };
             request.issued_ms.get_or_insert(parked.issued_ms);
-            let span = crate::dispatch::span_of(&request);
+            let span = request.span();
             let job = Delivered {
                 dispatcher: self.clone(),
                 source,
