@@ -156,7 +156,7 @@ impl RpcState {
         let is_call = envelope.id.is_some();
         let body = command_body(envelope);
         let issued_ms = now_ms();
-        let request = match self.request(&body, issued_ms) {
+        let request = match read_command(&body, &self.host, issued_ms) {
             Ok(r) => r,
             Err(done) => return Err(protocol::completion_error(&done)),
         };
@@ -189,12 +189,6 @@ impl RpcState {
             return Ok(Value::Null);
         }
         answer(self.wait(&key).await)
-    }
-
-    /// The command `body` as a request issued at `issued_ms`, or the error
-    /// completion of one that does not read.
-    fn request(&self, body: &[u8], issued_ms: u64) -> Result<Request, Box<Completion>> {
-        read_command(body, &self.host, issued_ms)
     }
 
     /// Keeps a cast accepted (its command `body`) on this port's shelf until
@@ -230,7 +224,8 @@ impl RpcState {
             let record: Option<(String, u64)> = serde_json::from_slice::<Value>(&bytes)
                 .ok()
                 .and_then(|v| Some((v["body"].as_str()?.to_string(), v["issued_ms"].as_u64()?)));
-            let request = record.and_then(|(body, at)| self.request(body.as_bytes(), at).ok());
+            let request =
+                record.and_then(|(body, at)| read_command(body.as_bytes(), &self.host, at).ok());
             let (Some(request), Ok(slot)) = (request, self.in_flight.clone().try_acquire_owned())
             else {
                 tracing::warn!(
