@@ -5,7 +5,7 @@
 //! another, leaving nothing behind.
 
 use crate::common;
-use crate::convert::{disk_of, file_url, prepare_like_qemu_img};
+use crate::convert::{assert_same_bytes, disk_of, file_url, prepare_like_qemu_img};
 
 use common::*;
 use std::os::unix::fs::MetadataExt;
@@ -81,14 +81,9 @@ async fn compressed_clusters_decode_in_parallel_exactly_like_qemu_img() {
             "{name}: the image holds compressed clusters"
         );
         let reference = env.root().join(format!("{name}.ref"));
-        let (node, ev) = prepare_like_qemu_img(&env, &img, &reference, name).await;
+        let (node, ev) = prepare_like_qemu_img(&env, &img, served(&reference).context(name)).await;
         assert_eq!(ev["image_size"], size, "{name}");
-        let status = std::process::Command::new("cmp")
-            .arg(disk_of(&env, &node))
-            .arg(&reference)
-            .status()
-            .unwrap();
-        assert!(status.success(), "{name}: served bytes equal qemu-img's");
+        assert_same_bytes(&disk_of(&env, &node), &reference);
         // A quarter of the blocks are zeros: holes, as qemu-img leaves them.
         let allocated = std::fs::metadata(disk_of(&env, &node)).unwrap().blocks() * 512;
         assert!(

@@ -10,7 +10,7 @@ pub mod rabbit;
 pub mod served;
 
 #[allow(unused_imports)] // tests/broker_restart.rs includes this module too
-pub use served::{assert_served, fetch_served, served};
+pub use served::{Served, assert_served, fetch_served, served};
 
 use axum::Router;
 use axum::extract::{Request, State};
@@ -523,17 +523,75 @@ pub fn sha512sum(path: &Path) -> String {
 
 /// The `algo` digest of a file (hex), by `openssl dgst`: coreutils'
 /// `sha256sum` takes six times its CPU here (no SHA instructions), and the
-/// tests hash gigabytes of reference images.
+/// tests hash gigabytes of reference images. A file with holes is fed
+/// through a pipe with its holes as zeros from memory: the first read of a
+/// hole makes the kernel zero page cache for it, 20 s of system time for
+/// the 8 GiB of a sparse test's reference.
 pub fn openssl_digest(algo: &str, path: &Path) -> String {
+    use std::io::{Read, Seek, SeekFrom, Write};
+    let len = std::fs::metadata(path).unwrap().len();
+    let ranges = data_ranges(path);
     let dash_algo = format!("-{algo}");
-    tool(
-        "openssl",
-        &["dgst", &dash_algo, "-r", path.to_str().unwrap()],
-    )
-    .split_whitespace()
-    .next()
-    .unwrap()
-    .to_string()
+    let out = if ranges.iter().map(|(a, b)| b - a).sum::<u64>() == len {
+        tool(
+            "openssl",
+            &["dgst", &dash_algo, "-r", path.to_str().unwrap()],
+        )
+    } else {
+        let mut child = std::process::Command::new("openssl")
+            .args(["dgst", &dash_algo, "-r"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut pipe = child.stdin.take().unwrap();
+        let mut file = std::fs::File::open(path).unwrap();
+        let zeros = vec![0u8; 1 << 20];
+        let mut buf = vec![0u8; 1 << 20];
+        let mut at = 0;
+        for (start, end) in ranges.into_iter().chain([(len, len)]) {
+            while at < start {
+                let n = (start - at).min(zeros.len() as u64) as usize;
+                pipe.write_all(&zeros[..n]).unwrap();
+                at += n as u64;
+            }
+            file.seek(SeekFrom::Start(at)).unwrap();
+            while at < end {
+                let n = (end - at).min(buf.len() as u64) as usize;
+                file.read_exact(&mut buf[..n]).unwrap();
+                pipe.write_all(&buf[..n]).unwrap();
+                at += n as u64;
+            }
+        }
+        drop(pipe);
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "openssl dgst {dash_algo} failed");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    out.split_whitespace().next().unwrap().to_string()
+}
+
+/// The `(start, end)` ranges of `path` that are not holes (SEEK_DATA /
+/// SEEK_HOLE), in order.
+pub fn data_ranges(path: &Path) -> Vec<(u64, u64)> {
+    use std::os::fd::AsRawFd;
+    let file = std::fs::File::open(path).unwrap();
+    let len = file.metadata().unwrap().len() as i64;
+    let mut ranges = Vec::new();
+    let mut at = 0i64;
+    while at < len {
+        // SAFETY: lseek on a descriptor this function owns; no memory is passed.
+        let data = unsafe { libc::lseek(file.as_raw_fd(), at, libc::SEEK_DATA) };
+        if data < 0 {
+            break; // ENXIO: only a hole from here to the end.
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(file.as_raw_fd(), data, libc::SEEK_HOLE) };
+        assert!(hole > data, "SEEK_HOLE of {path:?} at {data}");
+        ranges.push((data as u64, hole as u64));
+        at = hole;
+    }
+    ranges
 }
 
 /// Writes `len` pseudo-random bytes (seeded, so failures reproduce).
@@ -925,70 +983,27 @@ pub fn prepare_cmd(node: &str, source: &str) -> Value {
 }
 
 /// Python with Ironic installed (a virtualenv at `$IIW_IRONIC_VENV`, default
-/// `target/ironic-venv`, created on first use from PyPI), to emit
-/// notifications with Ironic's own code.
+/// `target/ironic-venv`, made on first use from PyPI by
+/// `tests/helpers/ironic_venv.py`, which `.ci/run` also starts ahead of the
+/// build), to run Ironic's own code.
 pub fn ironic_python() -> PathBuf {
-    let venv = std::env::var_os("IIW_IRONIC_VENV")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target/ironic-venv"));
-    let parent = venv.parent().unwrap().to_path_buf();
-    std::fs::create_dir_all(&parent).unwrap();
-    let python = venv.join("bin/python");
-    let lock = std::fs::File::create(parent.join("ironic-venv.lock")).unwrap();
-    lock.lock().unwrap();
-    // A virtualenv made for these very pins says so in a file of its own:
-    // importing Ironic to find out costs seconds of CPU at every call.
-    let marker = venv.join(".ironic-image-worker-pins");
-    let pins = ironic_test_pins()
-        .chain(REPO_TEST_PIP.iter().copied())
-        .collect::<Vec<_>>()
-        .join("\n");
-    if std::fs::read_to_string(&marker).is_ok_and(|made| made == pins) {
-        return python;
-    }
-    let ready = || {
-        std::process::Command::new(&python)
-            .args(["-c", IRONIC_VENV_IMPORTS])
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    if !ready() {
-        tool("python3", &["-m", "venv", venv.to_str().unwrap()]);
-        let pip = venv.join("bin/pip");
-        let quiet = ["install", "-q", "--disable-pip-version-check"];
-        let (ironic, others): (Vec<&str>, Vec<&str>) =
-            ironic_test_pins().partition(|pin| pin.starts_with("ironic=="));
-        // Ironic first, as an operator installs it; then its test tools.
-        tool(pip.to_str().unwrap(), &[&quiet[..], &ironic[..]].concat());
-        tool(
-            pip.to_str().unwrap(),
-            &[&quiet[..], &others[..], REPO_TEST_PIP].concat(),
-        );
-        assert!(ready(), "ironic is importable in {}", venv.display());
-    }
-    std::fs::write(&marker, pins).unwrap();
-    python
+    static PYTHON: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    PYTHON
+        .get_or_init(|| {
+            let venv = std::env::var_os("IIW_IRONIC_VENV")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| {
+                    Path::new(env!("CARGO_MANIFEST_DIR")).join("target/ironic-venv")
+                });
+            let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/helpers/ironic_venv.py");
+            let python = tool(
+                "python3",
+                &[script.to_str().unwrap(), venv.to_str().unwrap()],
+            );
+            PathBuf::from(python.trim())
+        })
+        .clone()
 }
-
-/// The pins of the Ironic virtualenv, defined once in the deploy
-/// interface's `test-requirements.txt` (the Ironic release, the agent whose
-/// download code verifies the result, and what runs Ironic's own test
-/// fixtures under pytest), which its developers install with pip.
-fn ironic_test_pins() -> impl Iterator<Item = &'static str> {
-    include_str!("../../../ironic-plugin/test-requirements.txt")
-        .lines()
-        .map(str::trim)
-        .filter(|line| !line.is_empty() && !line.starts_with('#'))
-}
-
-/// Beside the plug-in's pins, for this repository's own tests: pushes OCI
-/// artifacts as operators do (tests/it/oci.rs).
-const REPO_TEST_PIP: &[&str] = &["oras==0.2.43"];
-
-/// What a ready Ironic virtualenv imports.
-const IRONIC_VENV_IMPORTS: &str = "import ironic.conductor.notification_utils, \
-     ironic_python_agent, pytest, fixtures, oslotest, oras.client";
 
 /// Emits provision_set notifications through Ironic's notifier as conductor
 /// `host`; each spec is one transition (see tests/helpers/emit_notification.py).

@@ -102,10 +102,21 @@ impl OwnNode {
         self.child = Some(cmd.spawn().expect("rabbitmq-server"));
     }
 
-    /// Waits until the node runs its application (the first attempts
-    /// find no node to ask yet).
+    /// Waits until the node runs its application. Its AMQP port is watched
+    /// first: each `rabbitmqctl` starts an Erlang VM (most of a CPU second),
+    /// and one asked before the node exists only fails.
     pub fn await_startup(&self) {
         let deadline = Instant::now() + Duration::from_secs(120);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "node {} never listened on {}; see {}",
+                self.name,
+                self.port,
+                self.dir.display()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
         loop {
             let mut cmd = Command::new(CTL);
             self.env(&mut cmd);

@@ -55,6 +55,11 @@ impl Served {
         self
     }
 
+    /// The file whose bytes the completion must describe.
+    pub fn bytes(&self) -> &Path {
+        &self.bytes
+    }
+
     /// A word for the failure message (which case of a loop, say).
     pub fn context(mut self, context: impl std::fmt::Display) -> Served {
         self.context = context.to_string();
