@@ -5,6 +5,8 @@ ironic.objects.Node, masked by Ironic's notification code and sent by
 oslo.messaging's messagingv2 notifier, exactly as ironic-conductor does.
 
 Usage: emit_notification.py HOST JSON_LINES_FILE
+       emit_notification.py HOST -   (lines on stdin, each emitted as it
+                                      comes and answered "sent")
 Each line: {"node": uuid, "state": ..., "target": ..., "prev_state": ...,
             "prev_target": ..., "event": ..., "status": "start|end|success|error",
             "instance_info": {...}, "deploy_interface": "direct-worker",
@@ -86,7 +88,7 @@ def main():
     ironic_config.parse_args(["ironic-conductor", "--config-file", conf.name], default_config_files=[])
     ctx = ironic_context.get_admin_context()
     levels = {"error": fields.NotificationLevel.ERROR}
-    with open(path) as f:
+    with (sys.stdin if path == "-" else open(path)) as f:
         for line in f:
             spec = json.loads(line)
             node = make_node(ctx, spec)
@@ -99,6 +101,8 @@ def main():
                 spec.get("prev_target"),
                 spec.get("event"),
             )
+            if path == "-":
+                print("sent", flush=True)
     rpc.cleanup()
 
 

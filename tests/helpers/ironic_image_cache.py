@@ -5,6 +5,8 @@ image_cache.clean_up_all, configured through a generated ironic.conf exactly
 as ironic-conductor reads it.
 
 Usage: ironic_image_cache.py SPEC_JSON
+       ironic_image_cache.py -   (a SPEC_JSON a line on stdin, answered in
+                                  turn; the directories are the first's)
 SPEC_JSON: {"op": "fetch" | "clean",
             "master": Ironic's [pxe]instance_master_path,
             "images": Ironic's [pxe]images_path,
@@ -15,7 +17,7 @@ SPEC_JSON: {"op": "fetch" | "clean",
             # clean: clean_up_all() with a zero size and TTL (every unlinked
             # plain file goes), repeated until the file "until" exists
             "until": path}
-Prints one JSON line: {"ok": true, ...} or {"ok": false, "error": "..."}.
+Prints one JSON line per spec: {"ok": true, ...} or {"ok": false, "error": "..."}.
 """
 import json
 import os
@@ -87,16 +89,30 @@ def clean(spec):
         time.sleep(0.01)  # pace the sweeps; not a synchronisation
 
 
-def main():
-    spec = json.loads(sys.argv[1])
-    configure(spec)
+def run(spec):
     try:
         result = {"fetch": fetch, "clean": clean}[spec["op"]](spec)
         result["ok"] = True
     except Exception as e:
         result = {"ok": False, "error": f"{type(e).__name__}: {e}",
                   "trace": traceback.format_exc()}
-    print(json.dumps(result))
+    print(json.dumps(result), flush=True)
+
+
+def main():
+    if sys.argv[1] != "-":
+        spec = json.loads(sys.argv[1])
+        configure(spec)
+        run(spec)
+        return
+    # One conductor, many operations: configured by the first.
+    configured = False
+    for line in sys.stdin:
+        spec = json.loads(line)
+        if not configured:
+            configure(spec)
+            configured = True
+        run(spec)
 
 
 if __name__ == "__main__":

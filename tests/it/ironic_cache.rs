@@ -12,22 +12,77 @@ use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(120);
 
-/// Starts the helper with `spec` (Ironic's directories filled in).
-fn start_ironic(env: &Env, mut spec: Value) -> tokio::process::Child {
+/// `spec` with Ironic's directories filled in.
+fn in_env(env: &Env, mut spec: Value) -> Value {
     spec["images"] = json!(env.images_dir());
     spec["allowed"] = json!(env.root().join("allowed"));
     if spec.get("master").is_none() {
         spec["master"] = json!(ironic_master(env));
     }
+    spec
+}
+
+/// The helper, given `arg` (a spec, or `-` for specs on stdin).
+fn helper(arg: &str) -> tokio::process::Command {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/helpers/ironic_image_cache.py");
-    tokio::process::Command::new(ironic_python())
-        .arg(script)
-        .arg(spec.to_string())
+    let mut cmd = tokio::process::Command::new(ironic_python());
+    cmd.arg(script)
+        .arg(arg)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap()
+        .kill_on_drop(true);
+    cmd
+}
+
+/// Starts the helper with `spec` (Ironic's directories filled in).
+fn start_ironic(env: &Env, spec: Value) -> tokio::process::Child {
+    helper(&in_env(env, spec).to_string()).spawn().unwrap()
+}
+
+/// Ironic's image cache in one long-lived conductor process, an operation
+/// at a time: for tests that fetch in turns, one import of Ironic (seconds
+/// of CPU) instead of one a turn.
+struct Conductor {
+    stdin: tokio::process::ChildStdin,
+    lines: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+    _child: tokio::process::Child,
+    /// Its stderr (a pipe nobody reads could fill and stop it).
+    stderr: tempfile::NamedTempFile,
+}
+
+impl Conductor {
+    fn start() -> Conductor {
+        let stderr = tempfile::NamedTempFile::new().unwrap();
+        let mut child = helper("-")
+            .stdin(std::process::Stdio::piped())
+            .stderr(stderr.reopen().unwrap())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let stdout = tokio::io::BufReader::new(child.stdout.take().unwrap());
+        let lines = tokio::io::AsyncBufReadExt::lines(stdout);
+        Conductor {
+            stdin,
+            lines,
+            _child: child,
+            stderr,
+        }
+    }
+
+    /// Runs `spec` (Ironic's directories filled in); the helper's answer.
+    async fn run(&mut self, env: &Env, spec: Value) -> Value {
+        use tokio::io::AsyncWriteExt;
+        let line = format!("{}\n", in_env(env, spec));
+        self.stdin.write_all(line.as_bytes()).await.unwrap();
+        let answer = tokio::time::timeout(WAIT, self.lines.next_line()).await;
+        match answer {
+            Ok(Ok(Some(l))) => serde_json::from_str(&l).unwrap_or_else(|e| panic!("{l:?}: {e}")),
+            other => panic!(
+                "the helper answered {other:?}; stderr {}",
+                std::fs::read_to_string(self.stderr.path()).unwrap_or_default()
+            ),
+        }
+    }
 }
 
 /// The helper's JSON answer.
@@ -43,11 +98,6 @@ async fn answer(child: tokio::process::Child) -> Value {
             String::from_utf8_lossy(&out.stderr)
         )
     })
-}
-
-/// Runs the helper with `spec` to the end.
-async fn ironic(env: &Env, spec: Value) -> Value {
-    answer(start_ironic(env, spec)).await
 }
 
 /// Ironic's own master directory: never the worker's.
@@ -150,6 +200,7 @@ async fn ironic_fetch_beside_the_worker_prepare_of_the_same_image_never_fails() 
     let server = SourceServer::start(&src).await;
     let _worker = env.serve().await;
     let broker = Broker::connect().await;
+    let mut ironic = Conductor::start();
     for run in 0..10u64 {
         // A new image each run, so both sides download it at the same time.
         let raw = env.root().join(format!("r{run}.raw"));
@@ -163,7 +214,7 @@ async fn ironic_fetch_beside_the_worker_prepare_of_the_same_image_never_fails() 
             .await;
         let spec = json!({"op": "fetch", "node": ironic_node, "href": url, "force_raw": true,
                           "checksum": md5sum(&src.join(&name)), "checksum_algo": "md5"});
-        let (theirs, (got, ours)) = tokio::join!(ironic(&env, spec), broker.next_reply(WAIT));
+        let (theirs, (got, ours)) = tokio::join!(ironic.run(&env, spec), broker.next_reply(WAIT));
         assert_eq!(theirs["ok"], true, "run {run}: Ironic failed: {theirs}");
         assert_eq!(got.as_deref(), Some(corr.as_str()));
         assert_eq!(ours["status"], "success", "run {run}: {ours}");
@@ -198,6 +249,7 @@ async fn stock_direct_node_prepared_by_ironic_beside_its_notifications() {
     let server = SourceServer::start(&src).await;
     let worker = env.serve().await;
     let node = node();
+    let (mut ironic, mut notifier) = (Conductor::start(), Notifier::start(&env.host));
     for run in 0..10u64 {
         let raw = env.root().join(format!("r{run}.raw"));
         patchy_raw(&raw, 16 << 20, 700 + run);
@@ -207,23 +259,11 @@ async fn stock_direct_node_prepared_by_ironic_beside_its_notifications() {
         // Ironic prepares the node itself while its notifications for the
         // same node (deploy interface `direct`) reach the worker.
         let info = json!({"image_source": url});
-        let notify = {
-            let host = env.host.clone();
-            let node = node.clone();
-            tokio::task::spawn_blocking(move || {
-                emit_notifications(
-                    &host,
-                    &[
-                        json!({"node": node, "status": "start", "prev_state": "active",
-                             "state": "deploying", "target": "active", "event": "rebuild",
-                             "instance_info": info, "deploy_interface": "direct"}),
-                    ],
-                )
-            })
-        };
+        let transition = json!({"node": node, "status": "start", "prev_state": "active",
+                                "state": "deploying", "target": "active", "event": "rebuild",
+                                "instance_info": info, "deploy_interface": "direct"});
         let spec = json!({"op": "fetch", "node": node, "href": url, "force_raw": true});
-        let theirs = ironic(&env, spec).await;
-        notify.await.unwrap();
+        let (theirs, ()) = tokio::join!(ironic.run(&env, spec), notifier.emit(&transition));
         assert_eq!(theirs["ok"], true, "run {run}: Ironic failed: {theirs}");
         let reference = env.root().join(format!("r{run}.ref"));
         reference_raw(&src.join(&name), &reference);

@@ -1026,6 +1026,60 @@ pub fn emit_notifications(host: &str, specs: &[Value]) {
     );
 }
 
+/// Ironic's notifier as one long-lived conductor process `host` (see
+/// tests/helpers/emit_notification.py): for tests that emit in turns, one
+/// import of Ironic (seconds of CPU) instead of one a turn.
+pub struct Notifier {
+    child: tokio::process::Child,
+    stdin: tokio::process::ChildStdin,
+    lines: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+    /// Its stderr (a pipe nobody reads could fill and stop it).
+    stderr: tempfile::NamedTempFile,
+}
+
+impl Notifier {
+    pub fn start(host: &str) -> Notifier {
+        let script =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/helpers/emit_notification.py");
+        let stderr = tempfile::NamedTempFile::new().unwrap();
+        let mut child = tokio::process::Command::new(ironic_python())
+            .arg(script)
+            .arg(host)
+            .arg("-")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(stderr.reopen().unwrap())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let stdout = tokio::io::BufReader::new(child.stdout.take().unwrap());
+        let lines = tokio::io::AsyncBufReadExt::lines(stdout);
+        Notifier {
+            child,
+            stdin,
+            lines,
+            stderr,
+        }
+    }
+
+    /// Emits the transition `spec` and waits until Ironic has sent it.
+    pub async fn emit(&mut self, spec: &Value) {
+        use tokio::io::AsyncWriteExt;
+        self.stdin
+            .write_all(format!("{spec}\n").as_bytes())
+            .await
+            .unwrap();
+        let sent = tokio::time::timeout(Duration::from_secs(120), self.lines.next_line()).await;
+        assert!(
+            matches!(&sent, Ok(Ok(Some(l))) if l == "sent"),
+            "emit failed: {sent:?} (exit {:?}); stderr {}",
+            self.child.try_wait(),
+            std::fs::read_to_string(self.stderr.path()).unwrap_or_default()
+        );
+    }
+}
+
 /// A queue receiving the completion events published without reply_to.
 pub struct EventTap {
     channel: lapin::Channel,
