@@ -259,9 +259,11 @@ async fn stock_direct_node_prepared_by_ironic_beside_its_notifications() {
         // Ironic prepares the node itself while its notifications for the
         // same node (deploy interface `direct`) reach the worker.
         let info = json!({"image_source": url});
-        let transition = json!({"node": node, "status": "start", "prev_state": "active",
+        let transition = [
+            json!({"node": node, "status": "start", "prev_state": "active",
                                 "state": "deploying", "target": "active", "event": "rebuild",
-                                "instance_info": info, "deploy_interface": "direct"});
+                                "instance_info": info, "deploy_interface": "direct"}),
+        ];
         let spec = json!({"op": "fetch", "node": node, "href": url, "force_raw": true});
         let (theirs, ()) = tokio::join!(ironic.run(&env, spec), notifier.emit(&transition));
         assert_eq!(theirs["ok"], true, "run {run}: Ironic failed: {theirs}");

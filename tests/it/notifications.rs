@@ -67,6 +67,7 @@ async fn slow_image(seed: u64) -> (Env, FaultServer, Worker, Broker, EventTap) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_deploy_then_rebuild_then_teardown() {
     let env = Env::new("");
+    let mut ironic = Notifier::start(&env.host);
     let a = env.root().join("src/a.img");
     let b = env.root().join("src/b.img");
     random_file(&a, 2 << 20, 31);
@@ -81,7 +82,7 @@ async fn full_deploy_then_rebuild_then_teardown() {
 
     // deploying (start): prepared. Symlink there until active (end).
     let steps = deploy(&node, &info_a, "available", "deploy");
-    emit_notifications(&env.host, &steps[..1]);
+    ironic.emit(&steps[..1]).await;
     let ev = tap.collect(&env.host, 1, WAIT).await;
     assert_eq!(ev.len(), 1);
     assert_eq!(ev[0]["action"], "prepare");
@@ -95,14 +96,16 @@ async fn full_deploy_then_rebuild_then_teardown() {
     assert!(link.symlink_metadata().is_ok());
     let (status, body) = get(ev[0]["image_url"].as_str().unwrap()).await;
     assert_eq!((status, body), (200, std::fs::read(&a).unwrap()));
-    emit_notifications(&env.host, &steps[1..]);
+    ironic.emit(&steps[1..]).await;
     let ev = tap.collect(&env.host, 1, WAIT).await;
     assert_eq!(ev[0]["action"], "deployed", "{ev:?}");
     assert!(link.symlink_metadata().is_err(), "symlink gone once active");
 
     // Rebuild with another image.
     let info_b = json!({"image_source": server.url("b.img"), "image_url": "******"});
-    emit_notifications(&env.host, &deploy(&node, &info_b, "active", "rebuild")[..1]);
+    ironic
+        .emit(&deploy(&node, &info_b, "active", "rebuild")[..1])
+        .await;
     let ev = tap.collect(&env.host, 1, WAIT).await;
     assert_eq!(ev[0]["action"], "prepare");
     assert_served(&ev[0], &b);
@@ -112,9 +115,8 @@ async fn full_deploy_then_rebuild_then_teardown() {
     );
 
     // Teardown: deleting cleans up once; the cleaning/available that follow are quiet.
-    emit_notifications(
-        &env.host,
-        &[
+    ironic
+        .emit(&[
             transition(&node, "start", "active", "deleting", "deleted", &info_b),
             transition(
                 &node,
@@ -125,8 +127,8 @@ async fn full_deploy_then_rebuild_then_teardown() {
                 &json!({}),
             ),
             transition(&node, "end", "cleaning", "available", "done", &json!({})),
-        ],
-    );
+        ])
+        .await;
     let ev = tap.collect(&env.host, 3, Duration::from_secs(5)).await;
     assert_eq!(ev.len(), 1, "{ev:?}");
     assert_eq!(ev[0]["action"], "cleanup");
@@ -138,30 +140,30 @@ async fn full_deploy_then_rebuild_then_teardown() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_deploy_keeps_the_link_until_teardown() {
     let (env, server, _worker, _broker, tap) = one_image(33).await;
+    let mut ironic = Notifier::start(&env.host);
     let node = node();
     let link = env.link_dir().join(&node);
     let info = json!({"image_source": server.url("a.img")});
 
     // The start arrives twice (redelivery): the same answer, one download.
     let start = transition(&node, "start", "available", "deploying", "deploy", &info);
-    emit_notifications(&env.host, &[start.clone(), start]);
+    ironic.emit(&[start.clone(), start]).await;
     let ev = tap.collect(&env.host, 2, WAIT).await;
     assert_eq!(ev.len(), 2);
     assert_eq!(ev[0]["image_url"], ev[1]["image_url"]);
     assert_eq!(ev[0]["image_checksum"], ev[1]["image_checksum"]);
     assert_eq!(server.count("GET", "a.img"), 1);
 
-    emit_notifications(
-        &env.host,
-        &[transition(
+    ironic
+        .emit(&[transition(
             &node,
             "error",
             "wait call-back",
             "deploy failed",
             "fail",
             &info,
-        )],
-    );
+        )])
+        .await;
     assert!(
         tap.collect(&env.host, 1, Duration::from_secs(3))
             .await
@@ -172,33 +174,31 @@ async fn failed_deploy_keeps_the_link_until_teardown() {
         "deploy failed keeps the symlink for debugging"
     );
 
-    emit_notifications(
-        &env.host,
-        &[transition(
+    ironic
+        .emit(&[transition(
             &node,
             "start",
             "deploy failed",
             "deleting",
             "deleted",
             &info,
-        )],
-    );
+        )])
+        .await;
     let ev = tap.collect(&env.host, 1, WAIT).await;
     assert_eq!(ev[0]["action"], "cleanup");
     assert!(link.symlink_metadata().is_err());
     // A cleanup for a node never prepared here: answered, harmless.
     let other = common::node();
-    emit_notifications(
-        &env.host,
-        &[transition(
+    ironic
+        .emit(&[transition(
             &other,
             "start",
             "active",
             "deleting",
             "deleted",
             &json!({}),
-        )],
-    );
+        )])
+        .await;
     let ev = tap.collect(&env.host, 1, WAIT).await;
     assert_eq!(
         (ev[0]["action"].as_str(), ev[0]["status"].as_str()),

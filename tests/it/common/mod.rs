@@ -1063,20 +1063,23 @@ impl Notifier {
         }
     }
 
-    /// Emits the transition `spec` and waits until Ironic has sent it.
-    pub async fn emit(&mut self, spec: &Value) {
+    /// Emits the transitions `specs` in turn, each once Ironic has sent the
+    /// one before.
+    pub async fn emit(&mut self, specs: &[Value]) {
         use tokio::io::AsyncWriteExt;
-        self.stdin
-            .write_all(format!("{spec}\n").as_bytes())
-            .await
-            .unwrap();
-        let sent = tokio::time::timeout(Duration::from_secs(120), self.lines.next_line()).await;
-        assert!(
-            matches!(&sent, Ok(Ok(Some(l))) if l == "sent"),
-            "emit failed: {sent:?} (exit {:?}); stderr {}",
-            self.child.try_wait(),
-            std::fs::read_to_string(self.stderr.path()).unwrap_or_default()
-        );
+        for spec in specs {
+            self.stdin
+                .write_all(format!("{spec}\n").as_bytes())
+                .await
+                .unwrap();
+            let sent = tokio::time::timeout(Duration::from_secs(120), self.lines.next_line()).await;
+            assert!(
+                matches!(&sent, Ok(Ok(Some(l))) if l == "sent"),
+                "emit failed: {sent:?} (exit {:?}); stderr {}",
+                self.child.try_wait(),
+                std::fs::read_to_string(self.stderr.path()).unwrap_or_default()
+            );
+        }
     }
 }
 
