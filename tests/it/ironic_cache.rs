@@ -40,48 +40,18 @@ fn start_ironic(env: &Env, spec: Value) -> tokio::process::Child {
 }
 
 /// Ironic's image cache in one long-lived conductor process, an operation
-/// at a time: for tests that fetch in turns, one import of Ironic (seconds
-/// of CPU) instead of one a turn.
-struct Conductor {
-    stdin: tokio::process::ChildStdin,
-    lines: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
-    _child: tokio::process::Child,
-    /// Its stderr (a pipe nobody reads could fill and stop it).
-    stderr: tempfile::NamedTempFile,
-}
+/// at a time, for tests that fetch in turns.
+struct Conductor(LineHelper);
 
 impl Conductor {
     fn start() -> Conductor {
-        let stderr = tempfile::NamedTempFile::new().unwrap();
-        let mut child = helper("-")
-            .stdin(std::process::Stdio::piped())
-            .stderr(stderr.reopen().unwrap())
-            .spawn()
-            .unwrap();
-        let stdin = child.stdin.take().unwrap();
-        let stdout = tokio::io::BufReader::new(child.stdout.take().unwrap());
-        let lines = tokio::io::AsyncBufReadExt::lines(stdout);
-        Conductor {
-            stdin,
-            lines,
-            _child: child,
-            stderr,
-        }
+        Conductor(LineHelper::start(helper("-")))
     }
 
     /// Runs `spec` (Ironic's directories filled in); the helper's answer.
     async fn run(&mut self, env: &Env, spec: Value) -> Value {
-        use tokio::io::AsyncWriteExt;
-        let line = format!("{}\n", in_env(env, spec));
-        self.stdin.write_all(line.as_bytes()).await.unwrap();
-        let answer = tokio::time::timeout(WAIT, self.lines.next_line()).await;
-        match answer {
-            Ok(Ok(Some(l))) => serde_json::from_str(&l).unwrap_or_else(|e| panic!("{l:?}: {e}")),
-            other => panic!(
-                "the helper answered {other:?}; stderr {}",
-                std::fs::read_to_string(self.stderr.path()).unwrap_or_default()
-            ),
-        }
+        let answer = self.0.ask(&in_env(env, spec).to_string()).await;
+        serde_json::from_str(&answer).unwrap_or_else(|e| panic!("{answer:?}: {e}"))
     }
 }
 

@@ -1026,10 +1026,10 @@ pub fn emit_notifications(host: &str, specs: &[Value]) {
     );
 }
 
-/// Ironic's notifier as one long-lived conductor process `host` (see
-/// tests/helpers/emit_notification.py): for tests that emit in turns, one
-/// import of Ironic (seconds of CPU) instead of one a turn.
-pub struct Notifier {
+/// A long-lived helper process that answers each line written to its stdin
+/// with one line on its stdout (the Ironic helpers' `-` mode): one import
+/// of Ironic (seconds of CPU) for a test's many operations.
+pub struct LineHelper {
     child: tokio::process::Child,
     stdin: tokio::process::ChildStdin,
     lines: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
@@ -1037,15 +1037,11 @@ pub struct Notifier {
     stderr: tempfile::NamedTempFile,
 }
 
-impl Notifier {
-    pub fn start(host: &str) -> Notifier {
-        let script =
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/helpers/emit_notification.py");
+impl LineHelper {
+    /// Starts `cmd` with its stdin and stdout piped to this helper.
+    pub fn start(mut cmd: tokio::process::Command) -> LineHelper {
         let stderr = tempfile::NamedTempFile::new().unwrap();
-        let mut child = tokio::process::Command::new(ironic_python())
-            .arg(script)
-            .arg(host)
-            .arg("-")
+        let mut child = cmd
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(stderr.reopen().unwrap())
@@ -1055,7 +1051,7 @@ impl Notifier {
         let stdin = child.stdin.take().unwrap();
         let stdout = tokio::io::BufReader::new(child.stdout.take().unwrap());
         let lines = tokio::io::AsyncBufReadExt::lines(stdout);
-        Notifier {
+        LineHelper {
             child,
             stdin,
             lines,
@@ -1063,22 +1059,44 @@ impl Notifier {
         }
     }
 
+    /// Writes `line` and returns the answer; panics, with the helper's
+    /// stderr, when none comes within two minutes.
+    pub async fn ask(&mut self, line: &str) -> String {
+        use tokio::io::AsyncWriteExt;
+        self.stdin
+            .write_all(format!("{line}\n").as_bytes())
+            .await
+            .unwrap();
+        match tokio::time::timeout(Duration::from_secs(120), self.lines.next_line()).await {
+            Ok(Ok(Some(answer))) => answer,
+            other => panic!(
+                "the helper answered {other:?} (exit {:?}); stderr {}",
+                self.child.try_wait(),
+                std::fs::read_to_string(self.stderr.path()).unwrap_or_default()
+            ),
+        }
+    }
+}
+
+/// Ironic's notifier as one long-lived conductor process (see
+/// tests/helpers/emit_notification.py), for tests that emit in turns.
+pub struct Notifier(LineHelper);
+
+impl Notifier {
+    /// The notifier of conductor `host`.
+    pub fn start(host: &str) -> Notifier {
+        let script =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/helpers/emit_notification.py");
+        let mut cmd = tokio::process::Command::new(ironic_python());
+        cmd.arg(script).arg(host).arg("-");
+        Notifier(LineHelper::start(cmd))
+    }
+
     /// Emits the transitions `specs` in turn, each once Ironic has sent the
     /// one before.
     pub async fn emit(&mut self, specs: &[Value]) {
-        use tokio::io::AsyncWriteExt;
         for spec in specs {
-            self.stdin
-                .write_all(format!("{spec}\n").as_bytes())
-                .await
-                .unwrap();
-            let sent = tokio::time::timeout(Duration::from_secs(120), self.lines.next_line()).await;
-            assert!(
-                matches!(&sent, Ok(Ok(Some(l))) if l == "sent"),
-                "emit failed: {sent:?} (exit {:?}); stderr {}",
-                self.child.try_wait(),
-                std::fs::read_to_string(self.stderr.path()).unwrap_or_default()
-            );
+            assert_eq!(self.0.ask(&spec.to_string()).await, "sent", "{spec}");
         }
     }
 }
