@@ -1,5 +1,5 @@
 //! qcow2 -> raw conversion and hostile images: results compared with
-//! `qemu-img convert -O raw`, checksums with md5sum/sha256sum.
+//! `qemu-img convert -O raw`, checksums with `openssl dgst`.
 
 use crate::common;
 
