@@ -7,8 +7,9 @@ repository's own test tools (EXTRA below). A virtualenv made for exactly
 these pins says so in VENV/.ironic-image-worker-pins and is left as it is
 (importing Ironic to find out would cost seconds of CPU at every call);
 otherwise pip installs the pins from PyPI (into a new virtualenv if there is
-none) and what the tests import is checked. Concurrent callers (test processes, `.ci/run` making it
-ahead of the build) wait for each other on a lock beside VENV.
+none) and what the tests import is checked. Concurrent callers (test
+processes, `.ci/run` making it ahead of the build) wait for each other on a
+lock beside VENV.
 Prints VENV's python; exits non-zero with pip's error when it cannot be made.
 """
 import fcntl
@@ -56,7 +57,7 @@ def make(venv, wanted):
 def main():
     venv = os.path.abspath(sys.argv[1])
     os.makedirs(os.path.dirname(venv), exist_ok=True)
-    wanted = "\n".join(pins())
+    wanted = pins()
     marker = os.path.join(venv, MARKER)
     with open(os.path.join(os.path.dirname(venv), "ironic-venv.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -65,10 +66,10 @@ def main():
                 made = f.read()
         except OSError:
             made = None
-        if made != wanted:
-            make(venv, pins())
+        if made != "\n".join(wanted):
+            make(venv, wanted)
             with open(marker, "w") as f:
-                f.write(wanted)
+                f.write("\n".join(wanted))
     print(os.path.join(venv, "bin", "python"))
 
 
