@@ -4,10 +4,9 @@ The payload is built by Ironic's NodeSetProvisionStatePayload from an
 ironic.objects.Node, masked by Ironic's notification code and sent by
 oslo.messaging's messagingv2 notifier, exactly as ironic-conductor does.
 
-Usage: emit_notification.py HOST JSON_LINES_FILE
-       emit_notification.py HOST -   (lines on stdin, each emitted as it
-                                      comes and answered "sent")
-Each line: {"node": uuid, "state": ..., "target": ..., "prev_state": ...,
+Usage: emit_notification.py HOST
+Reads one transition a line on stdin, emits each as it comes and answers
+"sent" on stdout once it is sent. Each line: {"node": uuid, "state": ..., "target": ..., "prev_state": ...,
             "prev_target": ..., "event": ..., "status": "start|end|success|error",
             "instance_info": {...}, "deploy_interface": "direct-worker",
             "properties": {...}, "driver_info": {...}}
@@ -72,7 +71,7 @@ def make_node(ctx, spec):
 
 
 def main():
-    host, path = sys.argv[1], sys.argv[2]
+    host = sys.argv[1]
     # The settings an operator puts in ironic.conf for the worker.
     with tempfile.NamedTemporaryFile("w", suffix=".conf", delete=False) as conf:
         conf.write(
@@ -88,21 +87,19 @@ def main():
     ironic_config.parse_args(["ironic-conductor", "--config-file", conf.name], default_config_files=[])
     ctx = ironic_context.get_admin_context()
     levels = {"error": fields.NotificationLevel.ERROR}
-    with (sys.stdin if path == "-" else open(path)) as f:
-        for line in f:
-            spec = json.loads(line)
-            node = make_node(ctx, spec)
-            status = spec["status"]
-            notification_utils.emit_provision_set_notification(
-                Task(ctx, node),
-                levels.get(status, fields.NotificationLevel.INFO),
-                status,
-                spec.get("prev_state"),
-                spec.get("prev_target"),
-                spec.get("event"),
-            )
-            if path == "-":
-                print("sent", flush=True)
+    for line in sys.stdin:
+        spec = json.loads(line)
+        node = make_node(ctx, spec)
+        status = spec["status"]
+        notification_utils.emit_provision_set_notification(
+            Task(ctx, node),
+            levels.get(status, fields.NotificationLevel.INFO),
+            status,
+            spec.get("prev_state"),
+            spec.get("prev_target"),
+            spec.get("event"),
+        )
+        print("sent", flush=True)
     rpc.cleanup()
 
 

@@ -4,9 +4,9 @@ Ironic 39's InstanceImageCache (ironic.drivers.modules.deploy_utils) and
 image_cache.clean_up_all, configured through a generated ironic.conf exactly
 as ironic-conductor reads it.
 
-Usage: ironic_image_cache.py SPEC_JSON
-       ironic_image_cache.py -   (a SPEC_JSON a line on stdin, answered in
-                                  turn; the directories are the first's)
+Usage: ironic_image_cache.py
+Reads one SPEC_JSON a line on stdin and runs each in turn, as one conductor
+configured by the first (its directories):
 SPEC_JSON: {"op": "fetch" | "clean",
             "master": Ironic's [pxe]instance_master_path,
             "images": Ironic's [pxe]images_path,
@@ -100,12 +100,6 @@ def run(spec):
 
 
 def main():
-    if sys.argv[1] != "-":
-        spec = json.loads(sys.argv[1])
-        configure(spec)
-        run(spec)
-        return
-    # One conductor, many operations: configured by the first.
     configured = False
     for line in sys.stdin:
         spec = json.loads(line)

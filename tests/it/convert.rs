@@ -75,7 +75,8 @@ pub(crate) fn assert_same_bytes(a: &Path, b: &Path) {
                 f.seek(SeekFrom::Start(at)).unwrap();
                 f.read_exact(&mut buf[..n]).unwrap();
             }
-            if let Some(i) = (0..n).find(|&i| ba[i] != bb[i]) {
+            if ba[..n] != bb[..n] {
+                let i = (0..n).find(|&i| ba[i] != bb[i]).unwrap_or_default();
                 panic!("{a:?} and {b:?} differ at byte {}", at + i as u64);
             }
             at += n as u64;

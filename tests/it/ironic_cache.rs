@@ -22,30 +22,17 @@ fn in_env(env: &Env, mut spec: Value) -> Value {
     spec
 }
 
-/// The helper, given `arg` (a spec, or `-` for specs on stdin).
-fn helper(arg: &str) -> tokio::process::Command {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/helpers/ironic_image_cache.py");
-    let mut cmd = tokio::process::Command::new(ironic_python());
-    cmd.arg(script)
-        .arg(arg)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true);
-    cmd
-}
-
-/// Starts the helper with `spec` (Ironic's directories filled in).
-fn start_ironic(env: &Env, spec: Value) -> tokio::process::Child {
-    helper(&in_env(env, spec).to_string()).spawn().unwrap()
-}
-
 /// Ironic's image cache in one long-lived conductor process, an operation
-/// at a time, for tests that fetch in turns.
+/// at a time.
 struct Conductor(LineHelper);
 
 impl Conductor {
     fn start() -> Conductor {
-        Conductor(LineHelper::start(helper("-")))
+        let script =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/helpers/ironic_image_cache.py");
+        let mut cmd = tokio::process::Command::new(ironic_python());
+        cmd.arg(script);
+        Conductor(LineHelper::start(cmd))
     }
 
     /// Runs `spec` (Ironic's directories filled in); the helper's answer.
@@ -53,21 +40,6 @@ impl Conductor {
         let answer = self.0.ask(&in_env(env, spec).to_string()).await;
         serde_json::from_str(&answer).unwrap_or_else(|e| panic!("{answer:?}: {e}"))
     }
-}
-
-/// The helper's JSON answer.
-async fn answer(child: tokio::process::Child) -> Value {
-    let out = tokio::time::timeout(WAIT, child.wait_with_output())
-        .await
-        .unwrap()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap_or_else(|e| {
-        panic!(
-            "helper answered {stdout:?} ({e}); stderr {}",
-            String::from_utf8_lossy(&out.stderr)
-        )
-    })
 }
 
 /// Ironic's own master directory: never the worker's.
@@ -126,20 +98,20 @@ async fn ironic_clean_up_never_touches_the_worker_files() {
         .await;
     env.wait_for_temporary(WAIT).await;
     let stop = env.root().join("stop");
-    let sweeps = [
-        json!({"op": "clean", "until": stop}),
-        json!({"op": "clean", "until": stop, "master": env.master_dir()}),
-    ];
-    let cleaners: Vec<_> = sweeps
-        .iter()
-        .map(|s| start_ironic(&env, s.clone()))
-        .collect();
-    let (got, ev) = broker.next_reply(WAIT).await;
-    std::fs::write(&stop, b"").unwrap();
-    let mut results = Vec::new();
-    for c in cleaners {
-        results.push(answer(c).await);
-    }
+    let (mut on_own, mut on_workers) = (Conductor::start(), Conductor::start());
+    let (a, b, (got, ev)) = tokio::join!(
+        on_own.run(&env, json!({"op": "clean", "until": stop})),
+        on_workers.run(
+            &env,
+            json!({"op": "clean", "until": stop, "master": env.master_dir()})
+        ),
+        async {
+            let reply = broker.next_reply(WAIT).await;
+            std::fs::write(&stop, b"").unwrap();
+            reply
+        }
+    );
+    let results = [a, b];
     assert_eq!(got.as_deref(), Some(corr.as_str()));
     assert_served(&ev, &src.join("b.img"));
     for r in &results {
@@ -231,8 +203,8 @@ async fn stock_direct_node_prepared_by_ironic_beside_its_notifications() {
         let info = json!({"image_source": url});
         let transition = [
             json!({"node": node, "status": "start", "prev_state": "active",
-                                "state": "deploying", "target": "active", "event": "rebuild",
-                                "instance_info": info, "deploy_interface": "direct"}),
+                   "state": "deploying", "target": "active", "event": "rebuild",
+                   "instance_info": info, "deploy_interface": "direct"}),
         ];
         let spec = json!({"op": "fetch", "node": node, "href": url, "force_raw": true});
         let (theirs, ()) = tokio::join!(ironic.run(&env, spec), notifier.emit(&transition));

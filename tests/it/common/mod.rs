@@ -1008,17 +1008,23 @@ pub fn ironic_python() -> PathBuf {
 /// Emits provision_set notifications through Ironic's notifier as conductor
 /// `host`; each spec is one transition (see tests/helpers/emit_notification.py).
 pub fn emit_notifications(host: &str, specs: &[Value]) {
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("specs.jsonl");
-    let lines: Vec<String> = specs.iter().map(|s| s.to_string()).collect();
-    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/helpers/emit_notification.py");
-    let out = std::process::Command::new(ironic_python())
-        .arg(script)
+    use std::io::Write;
+    let mut child = std::process::Command::new(ironic_python())
+        .arg(notifier_script())
         .arg(host)
-        .arg(&file)
-        .output()
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap();
+    let lines: String = specs.iter().map(|s| format!("{s}\n")).collect();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(lines.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
     assert!(
         out.status.success(),
         "emit failed: {}",
@@ -1026,8 +1032,13 @@ pub fn emit_notifications(host: &str, specs: &[Value]) {
     );
 }
 
+/// Ironic's notifier, a transition a line on stdin.
+fn notifier_script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/helpers/emit_notification.py")
+}
+
 /// A long-lived helper process that answers each line written to its stdin
-/// with one line on its stdout (the Ironic helpers' `-` mode): one import
+/// with one line on its stdout (the Ironic helpers in tests/helpers): one import
 /// of Ironic (seconds of CPU) for a test's many operations.
 pub struct LineHelper {
     child: tokio::process::Child,
@@ -1085,10 +1096,8 @@ pub struct Notifier(LineHelper);
 impl Notifier {
     /// The notifier of conductor `host`.
     pub fn start(host: &str) -> Notifier {
-        let script =
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/helpers/emit_notification.py");
         let mut cmd = tokio::process::Command::new(ironic_python());
-        cmd.arg(script).arg(host).arg("-");
+        cmd.arg(notifier_script()).arg(host);
         Notifier(LineHelper::start(cmd))
     }
 
