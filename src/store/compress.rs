@@ -11,10 +11,11 @@
 //! place: the name never holds a partial file.
 //!
 //! Raw disks are mostly zeros: holes (`SEEK_DATA`/`SEEK_HOLE`) are never
-//! read, and every whole MiB of zeros, a hole or read, is a deflate chunk
-//! made once (the compressor is fully flushed first, so the chunk is
-//! appended as it is) with its CRC-32 combined, not computed. The rest is
-//! raw deflate at [`LEVEL`]. A master that cannot pay (its compressed output
+//! read, and zeros, a hole or a MiB read, are written as deflate blocks
+//! made for them (`zero_deflate`; the compressor is fully flushed first, so
+//! a block is appended as it is; a whole MiB is one block made once) with
+//! their CRC-32 combined, not computed. The rest is raw deflate at
+//! [`LEVEL`]. A master that cannot pay (its compressed output
 //! passes `size / gzip_min_ratio`) is abandoned there and a marker
 //! (`.gzip/<inode>.identity`) remembers it, so it is not tried again.
 
@@ -22,6 +23,7 @@ use crate::error::{Error, Result};
 use crate::fsutil;
 use crate::gzip::{self, Origin};
 use crate::store::cache::Cache;
+use crate::store::zero_deflate;
 use flate2::{Compress, Compression, FlushCompress, Status};
 use std::fs::File;
 use std::io::Write;
@@ -330,27 +332,31 @@ impl Member {
         self.deflate_all(input, FlushCompress::None)
     }
 
-    /// `n` zero bytes: whole MiB as the chunk made once, the rest deflated.
+    /// `n` zero bytes, after a full flush: whole MiB as the block made
+    /// once, the rest as a block of its own (see `zero_deflate`).
     fn zeros(&mut self, n: u64) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        if !self.flushed {
+            self.deflate_all(&[], FlushCompress::Full)?;
+            self.flushed = true;
+        }
         let (chunk, crc) = zero_chunk();
-        let whole = n / BLOCK as u64;
-        if whole > 0 {
-            if !self.flushed {
-                self.deflate_all(&[], FlushCompress::Full)?;
-                self.flushed = true;
-            }
-            for _ in 0..whole {
-                self.crc.combine(crc);
-                self.raw(chunk)?;
-                if self.over_budget() {
-                    return Ok(());
-                }
+        for _ in 0..n / BLOCK as u64 {
+            self.crc.combine(crc);
+            self.raw(chunk)?;
+            if self.over_budget() {
+                return Ok(());
             }
         }
         let rest = (n % BLOCK as u64) as usize;
         if rest > 0 {
-            let zeros = vec![0u8; rest];
-            self.data(&zeros)?;
+            let mut crc = crc32fast::Hasher::new();
+            crc.update(&vec![0u8; rest]);
+            self.crc.combine(&crc);
+            zero_deflate::append_zeros(&mut self.buf, rest);
+            self.spill(false)?;
         }
         Ok(())
     }
@@ -396,27 +402,15 @@ impl Member {
     }
 }
 
-/// A MiB of zeros as raw deflate (level 1, ending with a full flush: byte
-/// aligned, no reference out of itself), and its CRC-32; made once.
+/// A MiB of zeros as raw deflate (`zero_deflate`) and its CRC-32; made
+/// once.
 fn zero_chunk() -> &'static (Vec<u8>, crc32fast::Hasher) {
     static CHUNK: OnceLock<(Vec<u8>, crc32fast::Hasher)> = OnceLock::new();
     CHUNK.get_or_init(|| {
-        let mut deflate = Compress::new(Compression::fast(), false);
-        let mut out = Vec::with_capacity(64 << 10);
-        let zeros = vec![0u8; BLOCK];
-        let mut input: &[u8] = &zeros;
-        loop {
-            let before = deflate.total_in();
-            // Cannot fail: a fresh stream, valid arguments.
-            let _ = deflate.compress_vec(input, &mut out, FlushCompress::Full);
-            input = &input[(deflate.total_in() - before) as usize..];
-            if input.is_empty() && out.len() < out.capacity() {
-                break;
-            }
-            out.reserve(64 << 10);
-        }
+        let mut out = Vec::new();
+        zero_deflate::append_zeros(&mut out, BLOCK);
         let mut crc = crc32fast::Hasher::new();
-        crc.update(&zeros);
+        crc.update(&vec![0u8; BLOCK]);
         (out, crc)
     })
 }

@@ -17,3 +17,4 @@ pub(crate) mod link;
 pub(crate) mod lock;
 pub(crate) mod md5;
 pub(crate) mod sink;
+mod zero_deflate;
