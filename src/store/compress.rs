@@ -14,9 +14,9 @@
 //! read, and zeros, a hole or a MiB read, are written as deflate blocks
 //! made for them from [`ZERO_BLOCK_MIN`] on (`zero_deflate`; the compressor
 //! is fully flushed first, so a block is appended as it is; a whole MiB is
-//! one block made once) with their CRC-32 combined, not computed. The rest is raw deflate at
-//! [`LEVEL`]. A master that cannot pay (its compressed output
-//! passes `size / gzip_min_ratio`) is abandoned there and a marker
+//! one block made once) with their CRC-32 combined, not computed. The rest
+//! is raw deflate at [`LEVEL`]. A master that cannot pay (its compressed
+//! output passes `size / gzip_min_ratio`) is abandoned there and a marker
 //! (`.gzip/<inode>.identity`) remembers it, so it is not tried again.
 
 use crate::error::{Error, Result};
@@ -44,6 +44,8 @@ const LEVEL: u32 = 1;
 /// trees and the data's lost history for little (4 KiB of zeros: 87 bytes
 /// as a block, 44 deflated at level 1; 64 KiB: 274 and 641).
 const ZERO_BLOCK_MIN: u64 = 64 << 10;
+/// A MiB of zeros, read where zeros are deflated or hashed (no allocation).
+static ZEROS: [u8; BLOCK] = [0; BLOCK];
 /// Compressed bytes buffered before a write.
 const OUT_BUFFER: usize = 1 << 20;
 
@@ -342,7 +344,7 @@ impl Member {
     /// (see `zero_deflate`); a shorter run deflated with the data around it.
     fn zeros(&mut self, n: u64) -> Result<()> {
         if n < ZERO_BLOCK_MIN {
-            return self.data(&vec![0u8; n as usize]);
+            return self.data(&ZEROS[..n as usize]);
         }
         if !self.flushed {
             self.deflate_all(&[], FlushCompress::Full)?;
@@ -359,7 +361,7 @@ impl Member {
         let rest = (n % BLOCK as u64) as usize;
         if rest > 0 {
             let mut crc = crc32fast::Hasher::new();
-            crc.update(&vec![0u8; rest]);
+            crc.update(&ZEROS[..rest]);
             self.crc.combine(&crc);
             zero_deflate::append_zeros(&mut self.buf, rest);
             self.spill(false)?;
@@ -416,7 +418,7 @@ fn zero_chunk() -> &'static (Vec<u8>, crc32fast::Hasher) {
         let mut out = Vec::new();
         zero_deflate::append_zeros(&mut out, BLOCK);
         let mut crc = crc32fast::Hasher::new();
-        crc.update(&vec![0u8; BLOCK]);
+        crc.update(&ZEROS);
         (out, crc)
     })
 }

@@ -85,11 +85,6 @@ pub(crate) fn assert_same_bytes(a: &Path, b: &Path) {
     }
 }
 
-/// The worker of the multi-gigabyte sparse cases: no served MD5, which was
-/// most of their CPU (gigabytes of zeros hashed by the worker and again by
-/// the check); the smaller cases and the corpus keep it.
-const NO_MD5: &str = "[agent]\nserved_md5 = false\n";
-
 /// A qcow2 made by qemu-img with `opts` from a patchy raw disk of `size`
 /// bytes (seed `seed`) converts to exactly qemu-img's raw, as a master
 /// named `<id>.converted`, leaving no temporary.

@@ -87,9 +87,7 @@ async fn crash_during_download_is_redelivered_and_answered_once() {
 /// the restarted worker converts again and answers once, as qemu-img would.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_during_conversion_is_redelivered_and_answered_once() {
-    // No served MD5: gigabytes of zeros hashed twice by the worker and again
-    // by the check were most of this test's CPU, and say nothing of a crash.
-    let env = Env::new("[agent]\nserved_md5 = false\n");
+    let env = Env::new(NO_MD5);
     let raw = env.root().join("big.raw");
     patchy_raw(&raw, 3 << 30, 63);
     let img = env.root().join("allowed/big.qcow2");

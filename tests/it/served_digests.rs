@@ -31,7 +31,7 @@ fn prepare_with(node: &str, url: &str, algo: &str, value: &str) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_served_md5_only_the_sha_of_the_served_file() {
-    let env = Env::new("[agent]\nserved_md5 = false\n");
+    let env = Env::new(NO_MD5);
     let src = env.root().join("src");
     std::fs::create_dir_all(&src).unwrap();
     let source = SourceServer::start(&src).await;

@@ -594,6 +594,11 @@ pub fn data_ranges(path: &Path) -> Vec<(u64, u64)> {
     ranges
 }
 
+/// A worker configuration without the served MD5, for tests where
+/// gigabytes of zeros hashed by the worker and again by the check would be
+/// most of their CPU and say nothing of what they test.
+pub const NO_MD5: &str = "[agent]\nserved_md5 = false\n";
+
 /// Writes `len` pseudo-random bytes (seeded, so failures reproduce).
 pub fn random_file(path: &Path, len: usize, seed: u64) {
     let mut state = seed
