@@ -131,6 +131,17 @@ fn recorded(h: &[u8]) -> Option<String> {
     None
 }
 
+/// The compressed file of the open master whose metadata is `meta`, in
+/// the directory at `dir` (the master cache's [`DIR`]): [`open_for`] after
+/// opening the directory. The image server and the peer listener both
+/// serve through it. `None` means: serve identity.
+pub fn open_in(dir: &std::path::Path, meta: &Metadata) -> Option<(File, Metadata)> {
+    use rustix::fs::{Mode, OFlags};
+    let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC;
+    let dir = rustix::fs::open(dir, flags, Mode::empty()).ok()?;
+    open_for(&dir, meta)
+}
+
 /// The compressed file for the open file `opened` (metadata `meta`), found
 /// in the directory `dir` (the master cache's [`DIR`], opened as a
 /// directory): only a regular file whose recorded identity is exactly

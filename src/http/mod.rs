@@ -86,13 +86,7 @@ impl ImageRoots {
         tokio::task::spawn_blocking(move || {
             let file = beneath.open(&raw_path)?;
             let meta = file.metadata().map_err(|_| StatusCode::NOT_FOUND)?;
-            let gzip = gzip.and_then(|dir| {
-                let flags = rustix::fs::OFlags::PATH
-                    | rustix::fs::OFlags::DIRECTORY
-                    | rustix::fs::OFlags::CLOEXEC;
-                let dir = rustix::fs::open(dir.as_path(), flags, rustix::fs::Mode::empty()).ok()?;
-                crate::gzip::open_for(&dir, &meta)
-            });
+            let gzip = gzip.and_then(|dir| crate::gzip::open_in(&dir, &meta));
             Ok(crate::http::body::Opened { file, meta, gzip })
         })
         .await

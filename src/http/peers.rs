@@ -1,6 +1,7 @@
 //! The peer listener: serves committed masters to the other workers of the
-//! deployment (and a master still being written, as it grows: `live`),
-//! and nothing to anybody else. It listens apart from the image
+//! deployment (in their compressed form to a peer that accepts gzip, as
+//! the image server does; a master still being written, as it grows:
+//! `live`), and nothing to anybody else. It listens apart from the image
 //! port (bound to the management network), answers only URLs signed with
 //! the shared secret (`crate::peers::token`), opens only a regular file
 //! named like a master directly in the master directory (never following a
@@ -32,6 +33,10 @@ pub struct PeerServer {
     pub max_uploads: usize,
     /// The masters this process is writing, streamed as they grow.
     pub live: Arc<LiveMasters>,
+    /// Where the masters' compressed forms are (`[http] gzip = static`):
+    /// a committed master is sent in it to a peer that accepts gzip, as
+    /// the image server sends it to an agent; `None`: always identity.
+    pub gzip: Option<PathBuf>,
 }
 
 struct PeerState {
@@ -42,6 +47,7 @@ struct PeerState {
     /// `uploads` (a follow lasts the whole download).
     follows: Arc<Semaphore>,
     live: Arc<LiveMasters>,
+    gzip: Option<PathBuf>,
     /// What the followers of each master being written share.
     followed: crate::http::live::Followed,
     metrics: Arc<crate::metrics::Metrics>,
@@ -62,6 +68,7 @@ pub async fn serve_peers(
         uploads: Arc::new(Semaphore::new(server.max_uploads)),
         follows: Arc::new(Semaphore::new(server.max_uploads)),
         live: server.live,
+        gzip: server.gzip,
         followed: Default::default(),
         metrics,
     });
@@ -124,16 +131,14 @@ async fn answer(state: &PeerState, req: Request) -> (Response, Option<OwnedSemap
     let Ok(slot) = state.uploads.clone().try_acquire_owned() else {
         return (busy(), None);
     };
-    let masters = state.masters.clone();
-    match tokio::task::spawn_blocking(move || open_master(&masters, &name)).await {
-        Ok(Ok((file, meta))) => {
-            let opened = crate::http::body::Opened {
-                file,
-                meta,
-                gzip: None,
-            };
-            (crate::http::body::respond(&req, opened), Some(slot))
-        }
+    let (masters, gzip) = (state.masters.clone(), state.gzip.clone());
+    let opened = move || -> Result<_, StatusCode> {
+        let (file, meta) = open_master(&masters, &name)?;
+        let gzip = gzip.and_then(|dir| crate::gzip::open_in(&dir, &meta));
+        Ok(crate::http::body::Opened { file, meta, gzip })
+    };
+    match tokio::task::spawn_blocking(opened).await {
+        Ok(Ok(opened)) => (crate::http::body::respond(&req, opened), Some(slot)),
         Ok(Err(status)) => (status.into_response(), None),
         Err(_) => (StatusCode::INTERNAL_SERVER_ERROR.into_response(), None),
     }

@@ -313,6 +313,7 @@ async fn spawn_peer_listener(
         secret: config.peers.load_secret()?,
         max_uploads: config.peers.max_uploads,
         live: pipeline.masters().live_masters(),
+        gzip: pipeline.masters().gzip_dir(),
     };
     let listener = bind("[peers]listen", listen).await?;
     tracing::info!(peers = %listen, "serving masters to peers");

@@ -12,11 +12,13 @@
 //! body reads (`http_client`), Glance with its Keystone token (`glance`),
 //! OCI registries: references, credentials and the artifact choice (`oci`),
 //! their HTTP side (`oci_registry`, its authentication as values in
-//! `oci_registry/auth`), and masters from peers (`peer`). Must not know the
-//! cache layout or conversion.
+//! `oci_registry/auth`), and masters from peers (`peer`, decoding a
+//! compressed answer: `gunzip`). Must not know the cache layout or
+//! conversion.
 
 mod file;
 pub(crate) mod glance;
+mod gunzip;
 pub(crate) mod http_client;
 pub(crate) mod oci;
 pub(crate) mod oci_registry;

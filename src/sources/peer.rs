@@ -10,11 +10,14 @@
 //! so they are written and hashed in the same pass as a download's;
 //! whether they are the offered bytes is the receiver's to check.
 
+use super::gunzip::Gunzip;
 use super::{Delivery, RateCheck, SourceStat, deliver};
 use crate::config::Config;
 use crate::error::{Error, ErrorCode, Result};
 use crate::peers::token;
+use bytes::Bytes;
 use futures_util::StreamExt;
+use reqwest::header;
 use std::time::Duration;
 use tokio::sync::mpsc;
 
@@ -73,8 +76,10 @@ impl PeerFetcher {
     pub fn new(config: &Config) -> Result<PeerFetcher> {
         let allow_local = local_peers_allowed(config);
         let purpose = super::http_client::Purpose::Peer { allow_local };
+        // Compressed answers are decoded here, in bounded chunks, and only
+        // from the first byte (a resumed transfer is identity).
         let client = super::http_client::build_with(config, purpose, false, |b| {
-            b.redirect(reqwest::redirect::Policy::none())
+            b.redirect(reqwest::redirect::Policy::none()).no_gzip()
         })?;
         Ok(PeerFetcher {
             client,
@@ -171,7 +176,10 @@ impl PeerFetcher {
     }
 
     /// One GET from `holder` from byte `got` on, delivering what arrives;
-    /// Ok when `size` bytes are in.
+    /// Ok when `size` bytes are in. From the first byte it asks for the
+    /// holder's compressed form and decodes it as it arrives
+    /// ([`Gunzip`]); a resumed transfer (`Range`) is identity, from the
+    /// first decoded byte not yet delivered.
     async fn get_from(
         &self,
         holder: &Holder,
@@ -186,39 +194,82 @@ impl PeerFetcher {
             holder.url,
             token::signed_path(&self.secret, name, expires)
         );
-        let mut req = self.client.get(url);
-        if *got > 0 {
-            req = req.header(reqwest::header::RANGE, format!("bytes={got}-"));
-        }
+        let req = match *got {
+            0 => self.client.get(url).header(header::ACCEPT_ENCODING, "gzip"),
+            from => self
+                .client
+                .get(url)
+                .header(header::RANGE, format!("bytes={from}-")),
+        };
         let resp = req.send().await.map_err(unreachable)?;
-        check_response(&resp, *got, size)?;
+        let gzip = check_response(&resp, *got, size)?;
+        let mut gunzip = gzip.then(Gunzip::new);
         let mut body = resp.bytes_stream();
         let mut rate = RateCheck::new(self.min_rate, self.min_rate_window);
+        let mut wire = 0u64;
+        let pass = async |bytes: Bytes, got: &mut u64, rate: &mut RateCheck| {
+            if *got + bytes.len() as u64 > size {
+                return Err(Short::Drop("size"));
+            }
+            *got += bytes.len() as u64;
+            rate.add(bytes.len() as u64);
+            deliver(to, Delivery::Bytes(bytes))
+                .await
+                .map_err(Short::Stop)
+        };
         loop {
-            match tokio::time::timeout_at(rate.window_end(), body.next()).await {
-                Err(_) => {}
+            let chunk = match tokio::time::timeout_at(rate.window_end(), body.next()).await {
+                Err(_) => None,
                 Ok(None) => break,
-                Ok(Some(chunk)) => {
-                    let chunk = chunk.map_err(unreachable)?;
-                    if *got + chunk.len() as u64 > size {
+                Ok(Some(Ok(chunk))) => Some(chunk),
+                Ok(Some(Err(e))) => {
+                    // Cut: what was decoded is the master's all the same.
+                    if let Some(gunzip) = &mut gunzip {
+                        pass(gunzip.take_all().into(), got, &mut rate).await?;
+                    }
+                    return Err(unreachable(e));
+                }
+            };
+            match (chunk, &mut gunzip) {
+                (None, _) => {}
+                (Some(chunk), None) => pass(chunk, got, &mut rate).await?,
+                (Some(chunk), Some(gunzip)) => {
+                    wire += chunk.len() as u64;
+                    if wire > max_compressed(size) {
                         return Err(Short::Drop("size"));
                     }
-                    *got += chunk.len() as u64;
-                    rate.add(chunk.len() as u64);
-                    deliver(to, Delivery::Bytes(chunk))
-                        .await
-                        .map_err(Short::Stop)?;
+                    let mut input = &chunk[..];
+                    while !input.is_empty() {
+                        let used = gunzip.feed(input).map_err(|_| Short::Drop("corrupt"))?;
+                        input = &input[used..];
+                        if let Some(out) = gunzip.take() {
+                            pass(out.into(), got, &mut rate).await?;
+                        }
+                    }
                 }
             }
             if rate.too_slow().is_some() {
                 return Err(Short::Again("too_slow", None));
             }
         }
+        if let Some(gunzip) = &mut gunzip {
+            // A stream cut short leaves `got` short (resumed identity); a
+            // wrong trailer with every byte in is the digests' to refuse.
+            let last = gunzip.finish().unwrap_or_else(|_| gunzip.take_all());
+            pass(last.into(), got, &mut rate).await?;
+        }
         match *got == size {
             true => Ok(()),
             false => Err(Short::Again("short", None)),
         }
     }
+}
+
+/// The most bytes a holder may send for the compressed form of `size`
+/// bytes: a holder compresses only what halves at least (by default), so
+/// this is far above any real one, and bounds a hostile one.
+fn max_compressed(size: u64) -> u64 {
+    size + size / 8 + (1 << 20)
 }
 
 /// A transport failure: retried, its cause (with the library's own
@@ -231,27 +282,40 @@ fn unreachable(e: reqwest::Error) -> Short {
     )
 }
 
-/// The status and headers a holder must answer for bytes `from..size`.
+/// The status and headers a holder must answer for bytes `from..size`:
+/// true when the body is their compressed form (asked for from the first
+/// byte only), to be decoded.
 fn check_response(
     resp: &reqwest::Response,
     from: u64,
     size: u64,
-) -> std::result::Result<(), Short> {
+) -> std::result::Result<bool, Short> {
     let status = resp.status().as_u16();
+    let coding = resp.headers().get(header::CONTENT_ENCODING);
+    let gzip = match coding.map(|c| c.as_bytes().to_ascii_lowercase()) {
+        None => false,
+        Some(c) if c == b"identity" => false,
+        Some(c) if c == b"gzip" && status == 200 && from == 0 => true,
+        Some(_) => return Err(Short::Drop("status")),
+    };
     match status {
+        200 if gzip => match resp.content_length() {
+            Some(len) if len > max_compressed(size) => Err(Short::Drop("size")),
+            _ => Ok(true),
+        },
         200 if from == 0 => match resp.content_length() {
-            Some(len) if len == size => Ok(()),
+            Some(len) if len == size => Ok(false),
             _ => Err(Short::Drop("size")),
         },
         206 => {
             let range = resp
                 .headers()
-                .get(reqwest::header::CONTENT_RANGE)
+                .get(header::CONTENT_RANGE)
                 .and_then(|v| v.to_str().ok())
                 .unwrap_or_default();
             let want = format!("bytes {from}-{}/{size}", size.saturating_sub(1));
             match range == want {
-                true => Ok(()),
+                true => Ok(false),
                 false => Err(Short::Drop("size")),
             }
         }
@@ -268,7 +332,7 @@ fn check_response(
 fn retry_after(resp: &reqwest::Response) -> Duration {
     let secs = resp
         .headers()
-        .get(reqwest::header::RETRY_AFTER)
+        .get(header::RETRY_AFTER)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<u64>().ok())
         .unwrap_or(1);

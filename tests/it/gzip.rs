@@ -21,9 +21,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 /// An environment with `[http] gzip = static` (and `extra` in `[http]`).
 fn gzip_env(extra: &str) -> Env {
     let env = Env::new("");
-    let text = std::fs::read_to_string(&env.config).unwrap();
-    let text = text.replace("[http]\n", &format!("[http]\ngzip = \"static\"\n{extra}\n"));
-    std::fs::write(&env.config, text).unwrap();
+    env.gzip_static(extra);
     env
 }
 
@@ -74,7 +72,7 @@ async fn prepare(env: &Env, broker: &Broker, node: &str, source: &Path) -> serde
 }
 
 /// The files of `.gzip/` with `suffix`, waited for up to a minute.
-async fn wait_for(env: &Env, suffix: &str) -> PathBuf {
+pub(crate) async fn wait_for(env: &Env, suffix: &str) -> PathBuf {
     for _ in 0..600 {
         if let Some(found) = gzip_files(env)
             .into_iter()

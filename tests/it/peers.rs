@@ -355,6 +355,18 @@ async fn holder_behind_a_proxy(
     cut: usize,
     rate: usize,
 ) -> (Conductor, Conductor, Broker, Heads) {
+    holder_behind_a_proxy_with(url, sha, served, (cut, rate), false).await
+}
+
+/// [`holder_behind_a_proxy`], A with `[http] gzip = static` when `gzip`
+/// (its master's compressed form made before this returns).
+async fn holder_behind_a_proxy_with(
+    url: &str,
+    sha: &str,
+    served: &Path,
+    (cut, rate): (usize, usize),
+    gzip: bool,
+) -> (Conductor, Conductor, Broker, Heads) {
     let exchange = exchange();
     let listen = free_port();
     let (proxy, heads) = cutting_proxy(listen, cut, rate).await;
@@ -362,6 +374,9 @@ async fn holder_behind_a_proxy(
         "[peers]\nlisten = \"127.0.0.1:{listen}\"\nurl = \"http://127.0.0.1:{proxy}\"\n\
          secret = \"{SECRET}\"\nexchange = \"{exchange}\"\n"
     ));
+    if gzip {
+        a_env.gzip_static("");
+    }
     let a = Conductor {
         worker: a_env.serve().await,
         env: a_env,
@@ -372,6 +387,9 @@ async fn holder_behind_a_proxy(
         &broker.call(&a.env.host, prepare(&node(), url, sha)).await,
         served,
     );
+    if gzip {
+        crate::gzip::wait_for(&a.env, ".gz").await;
+    }
     (a, b, broker, heads)
 }
 
@@ -415,6 +433,93 @@ async fn a_transfer_cut_mid_way_resumes_with_range_and_no_source_get() {
         )
         .await,
         1.0
+    );
+    let masters = b.env.masters();
+    assert_eq!(
+        sha256sum(&b.env.master_dir().join(&masters[0])),
+        sha256sum(&served)
+    );
+}
+
+#[tokio::test]
+async fn a_compressed_master_crosses_to_a_peer_compressed_and_is_checked_decoded() {
+    let src = tempfile::tempdir().unwrap();
+    let (sha, served) = image(src.path(), "disk.qcow2", 48);
+    let source = SourceServer::start(src.path()).await;
+    // Only A compresses: B asks for gzip all the same, and decodes it.
+    let (a, b, broker, heads) = holder_behind_a_proxy_with(
+        &source.url("disk.qcow2"),
+        &sha,
+        &served,
+        (usize::MAX, usize::MAX),
+        true,
+    )
+    .await;
+    let cmd = prepare(&node(), &source.url("disk.qcow2"), &sha);
+    assert_served(&broker.call(&b.env.host, cmd).await, &served);
+    assert_eq!(source.count("GET", "disk.qcow2"), 1, "B took it from A");
+    let heads = heads.lock().unwrap().clone();
+    assert_eq!(heads.len(), 1, "{heads:?}");
+    assert!(
+        heads[0]
+            .to_ascii_lowercase()
+            .contains("accept-encoding: gzip"),
+        "{heads:?}"
+    );
+    let size = std::fs::metadata(&served).unwrap().len() as f64;
+    let sent = metric_of(&a, "ironic_image_worker_peer_served_bytes_total").await;
+    assert!(
+        sent > 0.0 && sent * 8.0 < size,
+        "{sent} bytes crossed for {size}"
+    );
+    assert_eq!(
+        metric_of(&b, "ironic_image_worker_peer_received_bytes_total").await,
+        size,
+        "counted decoded"
+    );
+    let masters = b.env.masters();
+    assert_eq!(masters.len(), 1, "{masters:?}");
+    assert_eq!(
+        sha256sum(&b.env.master_dir().join(&masters[0])),
+        sha256sum(&served)
+    );
+}
+
+#[tokio::test]
+async fn a_compressed_transfer_cut_mid_way_resumes_identity_where_decoding_stopped() {
+    let src = tempfile::tempdir().unwrap();
+    let (sha, served) = image(src.path(), "disk.qcow2", 48);
+    let source = SourceServer::start(src.path()).await;
+    // Cut 100 KB into the compressed answer (about half of it).
+    let (_a, b, broker, heads) = holder_behind_a_proxy_with(
+        &source.url("disk.qcow2"),
+        &sha,
+        &served,
+        (100_000, usize::MAX),
+        true,
+    )
+    .await;
+    let cmd = prepare(&node(), &source.url("disk.qcow2"), &sha);
+    assert_served(&broker.call(&b.env.host, cmd).await, &served);
+    assert_eq!(source.count("GET", "disk.qcow2"), 1, "B took it from A");
+    let heads: Vec<String> = heads
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|h| h.to_ascii_lowercase())
+        .collect();
+    assert_eq!(heads.len(), 2, "{heads:?}");
+    assert!(heads[0].contains("accept-encoding: gzip"), "{heads:?}");
+    assert!(!heads[1].contains("accept-encoding"), "{heads:?}");
+    let from: u64 = heads[1]
+        .split("range: bytes=")
+        .nth(1)
+        .and_then(|r| r.split('-').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("resumed with a Range: {}", heads[1]));
+    assert!(
+        from >= 1 << 20,
+        "decoded bytes before the cut count: {from}"
     );
     let masters = b.env.masters();
     assert_eq!(

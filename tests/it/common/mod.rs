@@ -118,6 +118,14 @@ pub fn free_port() -> u16 {
 }
 
 impl Env {
+    /// Turns on compressed serving (`[http] gzip = static`, with `extra`
+    /// lines in `[http]`), before the worker starts.
+    pub fn gzip_static(&self, extra: &str) {
+        let text = std::fs::read_to_string(&self.config).unwrap();
+        let text = text.replace("[http]\n", &format!("[http]\ngzip = \"static\"\n{extra}\n"));
+        std::fs::write(&self.config, text).unwrap();
+    }
+
     /// A new environment; `extra` is appended to the TOML file.
     pub fn new(extra: &str) -> Env {
         let tmp = tempfile::tempdir().unwrap();
