@@ -393,35 +393,61 @@ async fn holder_behind_a_proxy_with(
     (a, b, broker, heads)
 }
 
-#[tokio::test]
-async fn a_transfer_cut_mid_way_resumes_with_range_and_no_source_get() {
+/// A 48 MiB qcow2 prepared on A (reached through `cutting_proxy(.., cut,
+/// unthrottled)`, compressing it when `gzip`), then on B, which must take
+/// A's master: served right, one source GET in all, B's master the served
+/// bytes. Returns A, B and the proxy's request heads (lower case).
+async fn b_takes_the_master_from_a(cut: usize, gzip: bool) -> (Conductor, Conductor, Vec<String>) {
     let src = tempfile::tempdir().unwrap();
     let (sha, served) = image(src.path(), "disk.qcow2", 48);
     let source = SourceServer::start(src.path()).await;
-    // Conductor A is reached by its peers through a proxy that cuts the
-    // first transfer after 5 MiB.
-    let (_a, b, broker, heads) = holder_behind_a_proxy(
-        &source.url("disk.qcow2"),
-        &sha,
-        &served,
-        5 << 20,
-        usize::MAX,
-    )
-    .await;
-    let cmd = prepare(&node(), &source.url("disk.qcow2"), &sha);
-    assert_served(&broker.call(&b.env.host, cmd).await, &served);
+    let url = source.url("disk.qcow2");
+    let (a, b, broker, heads) =
+        holder_behind_a_proxy_with(&url, &sha, &served, (cut, usize::MAX), gzip).await;
+    let done = broker.call(&b.env.host, prepare(&node(), &url, &sha)).await;
+    assert_served(&done, &served);
     assert_eq!(source.count("GET", "disk.qcow2"), 1, "B took it from A");
-    let heads = heads.lock().unwrap().clone();
-    assert_eq!(heads.len(), 2, "{heads:?}");
-    // The cut came 5 MiB into the answer, its head included; what the
-    // reset caught unread in the receiver's socket is fetched again.
-    let lower = heads[1].to_ascii_lowercase();
-    let from: u64 = lower
-        .split("range: bytes=")
+    let masters = b.env.masters();
+    assert_eq!(masters.len(), 1, "{masters:?}");
+    assert_eq!(
+        sha256sum(&b.env.master_dir().join(&masters[0])),
+        sha256sum(&served)
+    );
+    let heads = heads
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|h| h.to_ascii_lowercase())
+        .collect();
+    (a, b, heads)
+}
+
+/// Where the request `head` resumed a transfer (its `Range`).
+fn resumed_from(head: &str) -> u64 {
+    head.split("range: bytes=")
         .nth(1)
         .and_then(|r| r.split('-').next())
         .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("resumed with a Range: {lower}"));
+        .unwrap_or_else(|| panic!("resumed with a Range: {head}"))
+}
+
+/// The size of B's master.
+fn master_size(b: &Conductor) -> f64 {
+    let masters = b.env.masters();
+    std::fs::metadata(b.env.master_dir().join(&masters[0]))
+        .unwrap()
+        .len() as f64
+}
+
+#[tokio::test]
+async fn a_transfer_cut_mid_way_resumes_with_range_and_no_source_get() {
+    // A's listener is reached through a proxy that cuts the first transfer
+    // after 5 MiB.
+    let (_a, b, heads) = b_takes_the_master_from_a(5 << 20, false).await;
+    assert_eq!(heads.len(), 2, "{heads:?}");
+    // The cut came 5 MiB into the answer, its head included; what the
+    // reset caught unread in the receiver's socket is fetched again.
+    let from = resumed_from(&heads[1]);
     assert!(
         (1..5 << 20).contains(&from),
         "resumed where it was cut: {from}"
@@ -434,39 +460,15 @@ async fn a_transfer_cut_mid_way_resumes_with_range_and_no_source_get() {
         .await,
         1.0
     );
-    let masters = b.env.masters();
-    assert_eq!(
-        sha256sum(&b.env.master_dir().join(&masters[0])),
-        sha256sum(&served)
-    );
 }
 
 #[tokio::test]
 async fn a_compressed_master_crosses_to_a_peer_compressed_and_is_checked_decoded() {
-    let src = tempfile::tempdir().unwrap();
-    let (sha, served) = image(src.path(), "disk.qcow2", 48);
-    let source = SourceServer::start(src.path()).await;
     // Only A compresses: B asks for gzip all the same, and decodes it.
-    let (a, b, broker, heads) = holder_behind_a_proxy_with(
-        &source.url("disk.qcow2"),
-        &sha,
-        &served,
-        (usize::MAX, usize::MAX),
-        true,
-    )
-    .await;
-    let cmd = prepare(&node(), &source.url("disk.qcow2"), &sha);
-    assert_served(&broker.call(&b.env.host, cmd).await, &served);
-    assert_eq!(source.count("GET", "disk.qcow2"), 1, "B took it from A");
-    let heads = heads.lock().unwrap().clone();
+    let (a, b, heads) = b_takes_the_master_from_a(usize::MAX, true).await;
     assert_eq!(heads.len(), 1, "{heads:?}");
-    assert!(
-        heads[0]
-            .to_ascii_lowercase()
-            .contains("accept-encoding: gzip"),
-        "{heads:?}"
-    );
-    let size = std::fs::metadata(&served).unwrap().len() as f64;
+    assert!(heads[0].contains("accept-encoding: gzip"), "{heads:?}");
+    let size = master_size(&b);
     let sent = metric_of(&a, "ironic_image_worker_peer_served_bytes_total").await;
     assert!(
         sent > 0.0 && sent * 8.0 < size,
@@ -477,54 +479,19 @@ async fn a_compressed_master_crosses_to_a_peer_compressed_and_is_checked_decoded
         size,
         "counted decoded"
     );
-    let masters = b.env.masters();
-    assert_eq!(masters.len(), 1, "{masters:?}");
-    assert_eq!(
-        sha256sum(&b.env.master_dir().join(&masters[0])),
-        sha256sum(&served)
-    );
 }
 
 #[tokio::test]
 async fn a_compressed_transfer_cut_mid_way_resumes_identity_where_decoding_stopped() {
-    let src = tempfile::tempdir().unwrap();
-    let (sha, served) = image(src.path(), "disk.qcow2", 48);
-    let source = SourceServer::start(src.path()).await;
     // Cut 100 KB into the compressed answer (about half of it).
-    let (_a, b, broker, heads) = holder_behind_a_proxy_with(
-        &source.url("disk.qcow2"),
-        &sha,
-        &served,
-        (100_000, usize::MAX),
-        true,
-    )
-    .await;
-    let cmd = prepare(&node(), &source.url("disk.qcow2"), &sha);
-    assert_served(&broker.call(&b.env.host, cmd).await, &served);
-    assert_eq!(source.count("GET", "disk.qcow2"), 1, "B took it from A");
-    let heads: Vec<String> = heads
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|h| h.to_ascii_lowercase())
-        .collect();
+    let (_a, _b, heads) = b_takes_the_master_from_a(100_000, true).await;
     assert_eq!(heads.len(), 2, "{heads:?}");
     assert!(heads[0].contains("accept-encoding: gzip"), "{heads:?}");
     assert!(!heads[1].contains("accept-encoding"), "{heads:?}");
-    let from: u64 = heads[1]
-        .split("range: bytes=")
-        .nth(1)
-        .and_then(|r| r.split('-').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("resumed with a Range: {}", heads[1]));
+    let from = resumed_from(&heads[1]);
     assert!(
         from >= 1 << 20,
         "decoded bytes before the cut count: {from}"
-    );
-    let masters = b.env.masters();
-    assert_eq!(
-        sha256sum(&b.env.master_dir().join(&masters[0])),
-        sha256sum(&served)
     );
 }
 
