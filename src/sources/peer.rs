@@ -175,6 +175,19 @@ impl PeerFetcher {
         Ok(stat)
     }
 
+    /// The signed GET of master `name` from `holder`, from byte `from` on:
+    /// the compressed form accepted from the first byte, identity with
+    /// `Range` after it.
+    fn request(&self, holder: &Holder, name: &str, from: u64) -> reqwest::RequestBuilder {
+        let expires = token::now() + self.url_ttl;
+        let path = token::signed_path(&self.secret, name, expires);
+        let req = self.client.get(format!("{}{path}", holder.url));
+        match from {
+            0 => req.header(header::ACCEPT_ENCODING, "gzip"),
+            from => req.header(header::RANGE, format!("bytes={from}-")),
+        }
+    }
+
     /// One GET from `holder` from byte `got` on, delivering what arrives;
     /// Ok when `size` bytes are in. From the first byte it asks for the
     /// holder's compressed form and decodes it as it arrives
@@ -188,20 +201,11 @@ impl PeerFetcher {
         got: &mut u64,
         to: &mpsc::Sender<Delivery>,
     ) -> std::result::Result<(), Short> {
-        let expires = token::now() + self.url_ttl;
-        let url = format!(
-            "{}{}",
-            holder.url,
-            token::signed_path(&self.secret, name, expires)
-        );
-        let req = match *got {
-            0 => self.client.get(url).header(header::ACCEPT_ENCODING, "gzip"),
-            from => self
-                .client
-                .get(url)
-                .header(header::RANGE, format!("bytes={from}-")),
-        };
-        let resp = req.send().await.map_err(unreachable)?;
+        let resp = self
+            .request(holder, name, *got)
+            .send()
+            .await
+            .map_err(unreachable)?;
         let gzip = check_response(&resp, *got, size)?;
         let mut gunzip = gzip.then(Gunzip::new);
         let mut body = resp.bytes_stream();
