@@ -144,6 +144,14 @@ impl Record {
     }
 }
 
+/// A node's stripe lock, held until dropped: what an update of the node's
+/// record or of its deliveries' claims is made under ([`Ledger::lock`],
+/// [`Ledger::try_lock`]), so that no update of another process is lost.
+pub struct Stripe {
+    _file: File,
+    node: NodeUuid,
+}
+
 /// The ledger directory of one host.
 #[derive(Clone)]
 pub struct Ledger {
@@ -184,13 +192,12 @@ impl Ledger {
         self.update(node, |r| r.moved_ms = r.moved_ms.max(at_ms))
     }
 
-    /// The delivery `key` of `node` was answered at `at_ms`.
-    pub fn note_answered(&self, node: &NodeUuid, key: &str, at_ms: u64) -> Result<()> {
+    /// The delivery `key` of the node `held` locks was answered at `at_ms`.
+    pub fn note_answered(&self, held: &Stripe, key: &str, at_ms: u64) -> Result<()> {
         if !is_file_name(key) {
             return Ok(());
         }
-        let _lock = self.lock(node)?;
-        self.update(node, |r| {
+        self.update(&held.node, |r| {
             r.answered.retain(|(k, _)| k != key);
             r.answered.push((key.to_string(), at_ms));
         })?;
@@ -198,7 +205,8 @@ impl Ledger {
         Ok(())
     }
 
-    /// Takes the turn to work on the delivery `key` of `node` at `at_ms`:
+    /// Takes the turn to work on the delivery `key` of the node `held`
+    /// locks at `at_ms`:
     /// [`Turn::Elsewhere`] while another process that is alive claims it,
     /// [`Turn::Answered`] when it was answered (looked at only when
     /// `answered_counts`: a command its sender publishes again is new
@@ -206,7 +214,7 @@ impl Ledger {
     /// is this process's without a claim.
     pub fn claim(
         &self,
-        node: &NodeUuid,
+        held: &Stripe,
         key: &str,
         at_ms: u64,
         answered_counts: bool,
@@ -215,7 +223,7 @@ impl Ledger {
             return Ok(Turn::Mine);
         }
         self.owner.register()?;
-        let _lock = self.lock(node)?;
+        let node = &held.node;
         if answered_counts && self.read(node).answered.iter().any(|(k, _)| k == key) {
             return Ok(Turn::Answered);
         }
@@ -232,14 +240,13 @@ impl Ledger {
         Ok(Turn::Mine)
     }
 
-    /// This process no longer works on the delivery `key` of `node`
-    /// without having answered it (taken back, needing no answer).
-    pub fn release(&self, node: &NodeUuid, key: &str) -> Result<()> {
+    /// This process no longer works on the delivery `key` of the node
+    /// `held` locks without having answered it (taken back, needing no
+    /// answer).
+    pub fn release(&self, _held: &Stripe, key: &str) {
         if is_file_name(key) {
-            let _lock = self.lock(node)?;
             self.drop_claim(key);
         }
-        Ok(())
     }
 
     /// Removes this process's claim on `key`, if it holds one (called under
@@ -332,22 +339,44 @@ impl Ledger {
         adopted
     }
 
-    /// Holds the `flock` of `node`'s stripe until dropped: a new open file
-    /// each time, so it excludes other threads of this process as well.
-    fn lock(&self, node: &NodeUuid) -> Result<File> {
+    /// Waits for the `flock` of `node`'s stripe (a blocking call).
+    pub fn lock(&self, node: &NodeUuid) -> Result<Stripe> {
+        let file = self.stripe_file(node)?;
+        file.lock().map_err(|e| Error::io("lock the ledger", e))?;
+        Ok(Stripe {
+            _file: file,
+            node: node.clone(),
+        })
+    }
+
+    /// The `flock` of `node`'s stripe if nobody holds it now (a few
+    /// microseconds: fit for an async thread); `None` when it is held.
+    pub fn try_lock(&self, node: &NodeUuid) -> Result<Option<Stripe>> {
+        let file = self.stripe_file(node)?;
+        match file.try_lock() {
+            Ok(()) => Ok(Some(Stripe {
+                _file: file,
+                node: node.clone(),
+            })),
+            Err(std::fs::TryLockError::WouldBlock) => Ok(None),
+            Err(std::fs::TryLockError::Error(e)) => Err(Error::io("lock the ledger", e)),
+        }
+    }
+
+    /// The lock file of `node`'s stripe, opened anew each time so that its
+    /// `flock` excludes other threads of this process as well.
+    fn stripe_file(&self, node: &NodeUuid) -> Result<File> {
         let stripe = u8::from_str_radix(&node.as_str()[node.as_str().len() - 2..], 16).unwrap_or(0)
             % LOCK_STRIPES;
         let dir = self.dir.join(".locks");
         let path = dir.join(stripe.to_string());
-        let file = making_dir(&dir, "open a ledger lock", || {
+        making_dir(&dir, "open a ledger lock", || {
             std::fs::OpenOptions::new()
                 .create(true)
                 .truncate(false)
                 .write(true)
                 .open(&path)
-        })?;
-        file.lock().map_err(|e| Error::io("lock the ledger", e))?;
-        Ok(file)
+        })
     }
 
     /// Removes records past their TTL, claims of processes that are gone
@@ -527,7 +556,8 @@ mod tests {
         ledger.note_moved(&node(), now - 5).unwrap();
         assert_eq!(other.read(&node()).moved_ms, now, "the latest move is kept");
         for i in 0..(MAX_ANSWERED + 10) {
-            other.note_answered(&node(), &format!("k{i}"), now).unwrap();
+            let held = other.lock(&node()).unwrap();
+            other.note_answered(&held, &format!("k{i}"), now).unwrap();
         }
         let r = ledger.read(&node());
         assert_eq!(r.answered.len(), MAX_ANSWERED);
@@ -554,34 +584,30 @@ mod tests {
         // Another process: another owner over the same directory.
         let second = Ledger::open(dir.path().join("l")).unwrap();
         let now = now_ms();
-        assert_eq!(first.claim(&node(), "k", now, true).unwrap(), Turn::Mine);
-        assert_eq!(
-            first.claim(&node(), "k", now, true).unwrap(),
-            Turn::Mine,
-            "its own again"
-        );
-        assert_eq!(
-            second.claim(&node(), "k", now, true).unwrap(),
-            Turn::Elsewhere
-        );
-        first.note_answered(&node(), "k", now).unwrap();
+        let claim = |ledger: &Ledger, key: &str, answered_counts: bool| {
+            let held = ledger.lock(&node()).unwrap();
+            ledger.claim(&held, key, now, answered_counts).unwrap()
+        };
+        assert_eq!(claim(&first, "k", true), Turn::Mine);
+        assert_eq!(claim(&first, "k", true), Turn::Mine, "its own again");
+        assert_eq!(claim(&second, "k", true), Turn::Elsewhere);
+        first
+            .note_answered(&first.lock(&node()).unwrap(), "k", now)
+            .unwrap();
         assert_eq!(claims(&dir), 0, "the answer ends the claim");
+        assert_eq!(claim(&second, "k", true), Turn::Answered);
         assert_eq!(
-            second.claim(&node(), "k", now, true).unwrap(),
-            Turn::Answered
-        );
-        assert_eq!(
-            second.claim(&node(), "k", now, false).unwrap(),
+            claim(&second, "k", false),
             Turn::Mine,
             "sent again on purpose: new work"
         );
-        second.release(&node(), "k").unwrap();
+        second.release(&second.lock(&node()).unwrap(), "k");
         assert_eq!(claims(&dir), 0);
         // A claim of a process that is gone is not honoured.
-        second.claim(&node(), "j", now, true).unwrap();
+        claim(&second, "j", true);
         drop(second);
         let third = Ledger::open(dir.path().join("l")).unwrap();
-        assert_eq!(third.claim(&node(), "j", now, true).unwrap(), Turn::Mine);
+        assert_eq!(claim(&third, "j", true), Turn::Mine);
     }
 
     #[test]
@@ -601,10 +627,13 @@ mod tests {
                                 .unwrap();
                         let key = format!("k{i}");
                         loop {
-                            match ledger.claim(&node, &key, now_ms(), true).unwrap() {
+                            let held = ledger.lock(&node).unwrap();
+                            match ledger.claim(&held, &key, now_ms(), true).unwrap() {
                                 Turn::Mine => {
+                                    drop(held);
                                     answers.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                                    ledger.note_answered(&node, &key, now_ms()).unwrap();
+                                    let held = ledger.lock(&node).unwrap();
+                                    ledger.note_answered(&held, &key, now_ms()).unwrap();
                                     break;
                                 }
                                 Turn::Answered => break,
