@@ -207,8 +207,8 @@ mod tests {
     }
 
     /// An update whose stripe another process holds waits for it on a
-    /// blocking thread (the async thread is never blocked) and then runs.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    /// blocking thread (the only async thread stays free) and then runs.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
     async fn an_update_waits_for_a_stripe_held_elsewhere_off_the_async_threads() {
         let dir = tempfile::tempdir().unwrap();
         let order = Order {
@@ -223,13 +223,16 @@ mod tests {
         let order = std::sync::Arc::new(order);
         let o = order.clone();
         let answer = tokio::spawn(async move { o.note_answered(&node(), "k").await });
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        assert!(!answer.is_finished(), "the answer waits for the stripe");
-        // The async threads still run other work meanwhile.
-        tokio::time::timeout(Duration::from_secs(1), tokio::task::yield_now())
-            .await
-            .unwrap();
+        // Waited for on this thread, not the runtime's: its one async
+        // thread may be the one blocked.
+        std::thread::sleep(Duration::from_millis(200));
+        let (tx, rx) = std::sync::mpsc::channel();
+        tokio::spawn(async move { tx.send(()) });
+        let probe = rx.recv_timeout(Duration::from_secs(1));
+        let waited = !answer.is_finished();
         drop(held);
+        assert!(waited, "the answer waits for the stripe");
+        assert!(probe.is_ok(), "the async thread runs other tasks meanwhile");
         tokio::time::timeout(Duration::from_secs(5), answer)
             .await
             .expect("the answer is noted once the stripe is free")
