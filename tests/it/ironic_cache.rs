@@ -221,10 +221,27 @@ async fn stock_direct_node_prepared_by_ironic_beside_its_notifications() {
     // Every notification was seen and ignored; the worker wrote nothing.
     let sample = "ironic_image_worker_ignored_messages_total{reason=\"other_deploy_interface\"}";
     let deadline = tokio::time::Instant::now() + WAIT;
-    while metric(&worker.metrics_text().await, sample) < Some(10.0) {
+    loop {
+        let text = worker.metrics_text().await;
+        if metric(&text, sample) >= Some(10.0) {
+            break;
+        }
+        // What the worker did count, should it not see them all.
+        let counted: Vec<&str> = text
+            .lines()
+            .filter(|l| {
+                [
+                    "ignored_messages_total{",
+                    "messages_consumed_total{",
+                    "amqp_",
+                ]
+                .iter()
+                .any(|p| l.starts_with(&format!("ironic_image_worker_{p}")))
+            })
+            .collect();
         assert!(
             tokio::time::Instant::now() < deadline,
-            "not all notifications seen"
+            "not all notifications seen: {counted:#?}"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
