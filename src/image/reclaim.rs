@@ -8,7 +8,11 @@
 //! 0.12-0.18 s when each range is punched out right after it was read).
 //! So the converter punches out the data clusters it has read (the file
 //! keeps its size: the download goes on writing past them), and the pages
-//! are reused for the next bytes that arrive.
+//! are reused for the next bytes that arrive (the download is written in
+//! pieces of a cluster, `store::sink::writer`'s `SCRATCH_PIECE`, so what
+//! is punched out frees whole page-cache folios). Compressed clusters are
+//! not given back: their stored streams are not aligned, and one may share
+//! a sector with the next.
 //!
 //! The header, the L1, L2 and refcount tables stay: the complete file is
 //! still inspected after the download. Since read bytes may be gone, host
