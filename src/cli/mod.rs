@@ -462,15 +462,21 @@ fn refuse_foreign_cache(config: &Config) -> Result<()> {
         .find_map(|d| std::fs::metadata(d).ok())
         .map(|m| m.uid());
     match owner {
-        Some(uid) if uid != 0 => Err(crate::error::Error::new(
-            crate::error::ErrorCode::Internal,
-            format!(
-                "[pxe]instance_master_path {} belongs to uid {uid}: run as root, this command \
-                 would leave files there the service cannot remove; run it as that user \
-                 (sudo -u '#{uid}' ironic-image-worker ...)",
-                dir.display()
-            ),
-        )),
+        Some(uid) if uid != 0 => {
+            let run_as = match crate::fsutil::user_name(uid) {
+                Some(name) => format!("runuser -u {name} -- ironic-image-worker ..."),
+                None => format!("setpriv --reuid={uid} --regid=<its group> --clear-groups ..."),
+            };
+            Err(crate::error::Error::new(
+                crate::error::ErrorCode::Internal,
+                format!(
+                    "[pxe]instance_master_path {} belongs to uid {uid}: run as root, this \
+                     command would leave files there the service cannot remove; run it as \
+                     that user ({run_as})",
+                    dir.display()
+                ),
+            ))
+        }
         _ => Ok(()),
     }
 }

@@ -596,7 +596,8 @@ fn root_leaves_no_files_the_service_cannot_remove() {
     let out = run(&args, &[]);
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     assert!(
-        stderr(&out).contains("belongs to uid 65534"),
+        stderr(&out).contains("belongs to uid 65534")
+            && stderr(&out).contains("(runuser -u nobody -- ironic-image-worker ...)"),
         "{}",
         stderr(&out)
     );
