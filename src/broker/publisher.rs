@@ -5,6 +5,25 @@ use crate::messages::Completion;
 use lapin::options::*;
 use lapin::{BasicProperties, Channel, Confirmation};
 
+/// Why a publish failed: the broker refused this one message (a nack, or
+/// no queue took a mandatory one), which says nothing of the connection, or
+/// the channel or connection failed.
+#[derive(Debug)]
+pub enum PublishError {
+    /// The broker refused the message (e.g. a full `reject-publish` queue).
+    Refused(String),
+    /// The channel or the connection failed.
+    Failed(String),
+}
+
+impl std::fmt::Display for PublishError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PublishError::Refused(e) | PublishError::Failed(e) => f.write_str(e),
+        }
+    }
+}
+
 /// Publishes completion events with publisher confirms.
 #[derive(Clone)]
 pub struct Publisher {
@@ -33,10 +52,10 @@ impl Publisher {
         done: &Completion,
         reply_to: Option<&str>,
         correlation_id: Option<&str>,
-    ) -> Result<()> {
+    ) -> std::result::Result<(), PublishError> {
         let body = done
             .to_json()
-            .map_err(|e| Error::new(ErrorCode::Internal, e.to_string()))?;
+            .map_err(|e| PublishError::Failed(format!("completion to JSON: {e}")))?;
         let kind = done.event_kind();
         let mut props = BasicProperties::default()
             .with_content_type("application/json".into())
@@ -50,9 +69,7 @@ impl Publisher {
             Some(queue) => (String::new(), queue.to_string()),
             None => (self.events_exchange.clone(), kind),
         };
-        self.confirmed(&exchange, &key, false, &body, props)
-            .await
-            .map_err(|e| Error::new(ErrorCode::Internal, format!("publish completion: {e}")))
+        self.confirmed(&exchange, &key, false, &body, props).await
     }
 
     /// Puts a copy of a delivery back at the tail of `queue` (through the
@@ -70,8 +87,8 @@ impl Publisher {
     }
 
     /// Publishes one message and waits for the broker's confirmation: a
-    /// refusal (nack) or, when `mandatory`, a message no queue took is an
-    /// error, as is a failed channel.
+    /// refusal (nack) or, when `mandatory`, a message no queue took is
+    /// [`PublishError::Refused`]; a failed channel [`PublishError::Failed`].
     async fn confirmed(
         &self,
         exchange: &str,
@@ -79,12 +96,12 @@ impl Publisher {
         mandatory: bool,
         body: &[u8],
         props: BasicProperties,
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<(), PublishError> {
         let options = BasicPublishOptions {
             mandatory,
             ..BasicPublishOptions::default()
         };
-        let chain = |e: lapin::Error| crate::error::error_chain(&e);
+        let chain = |e: lapin::Error| PublishError::Failed(crate::error::error_chain(&e));
         let confirm = self
             .channel
             .basic_publish(exchange.into(), key.into(), options, body, props)
@@ -94,8 +111,12 @@ impl Publisher {
             .map_err(chain)?;
         match confirm {
             Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
-            Confirmation::Ack(Some(_)) => Err("no queue took the message".into()),
-            Confirmation::Nack(_) => Err("the broker refused the message".into()),
+            Confirmation::Ack(Some(_)) => {
+                Err(PublishError::Refused("no queue took the message".into()))
+            }
+            Confirmation::Nack(_) => Err(PublishError::Refused(
+                "the broker refused the message".into(),
+            )),
         }
     }
 }

@@ -451,3 +451,67 @@ async fn bodies_over_the_limit_are_refused_unread_and_dead_lettered() {
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].delivery.data, over, "dead-lettered intact");
 }
+
+/// A command whose `reply_to` is a queue that refuses every message (full,
+/// with `reject-publish`: anyone on the broker can make one and name it)
+/// is answered on the events exchange after a few refusals, and the
+/// refusal is not taken for a broken connection: before, the worker
+/// renewed its connection and published again in a tight loop, for as
+/// long as that queue existed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_its_reply_queue_refuses_goes_to_the_events_exchange() {
+    use lapin::options::{BasicPublishOptions, QueueDeclareOptions};
+    use lapin::types::{AMQPValue, FieldTable};
+    let env = Env::new("");
+    let worker = env.serve().await;
+    let broker = Broker::connect().await;
+    let tap = EventTap::new(&broker).await;
+    let full = format!("refusing-{}", uuid::Uuid::new_v4().simple());
+    let mut args = FieldTable::default();
+    args.insert("x-max-length".into(), AMQPValue::LongInt(0));
+    args.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    let options = QueueDeclareOptions {
+        exclusive: true,
+        ..Default::default()
+    };
+    broker
+        .channel
+        .queue_declare(full.as_str().into(), options, args)
+        .await
+        .unwrap();
+    let cleanup = json!({"action": "cleanup", "node_uuid": node(), "request_id": "refused-1"});
+    let props = lapin::BasicProperties::default()
+        .with_content_type("application/json".into())
+        .with_correlation_id("refused-1".into())
+        .with_reply_to(full.as_str().into());
+    broker
+        .channel
+        .basic_publish(
+            "ironic-image-worker".into(),
+            format!("{}.node.cleanup", env.host).as_str().into(),
+            BasicPublishOptions::default(),
+            cleanup.to_string().as_bytes(),
+            props,
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let (key, _, event) = tap
+        .next(&env.host, Duration::from_secs(30))
+        .await
+        .expect("the answer its reply queue refused, on the events exchange");
+    assert_eq!(key, "node.cleanup.success");
+    assert_eq!(event["request_id"], "refused-1");
+    let metrics = worker.metrics_text().await;
+    assert_eq!(
+        metric(&metrics, "ironic_image_worker_amqp_reconnects_total"),
+        Some(0.0),
+        "{metrics}"
+    );
+    let after = json!({"action": "cleanup", "node_uuid": node(), "request_id": "after"});
+    assert_eq!(broker.call(&env.host, after).await["status"], "success");
+}

@@ -6,6 +6,7 @@
 //! settles the copy a job holds when it ends.
 
 use super::super::ack::Tracked;
+use super::super::publisher::PublishError;
 use super::{Delivered, Dispatcher};
 use crate::dispatch::Shelf;
 use crate::messages::Completion;
@@ -13,6 +14,10 @@ use lapin::Acker;
 use lapin::options::{BasicAckOptions, BasicRejectOptions};
 use std::sync::Arc;
 use std::time::Duration;
+
+/// How often a completion the broker refuses is published again on one
+/// route (its `reply_to`, then the events exchange) before the next.
+const REFUSALS: u32 = 3;
 
 /// Settles a copy: acknowledged, or rejected without requeueing when it is
 /// to be dead-lettered; the error chain when the broker did not take it.
@@ -29,10 +34,22 @@ pub(super) async fn settle(acker: Acker, dead_letter: bool) -> Result<(), String
 
 impl Dispatcher {
     /// Publishes `done` through the live connection, waiting for one and
-    /// trying again on the next if publishing fails. False only when the
-    /// worker stops first (the copy is then redelivered after a restart).
+    /// trying again on the next if the connection fails. False only when
+    /// the worker stops first (the copy is then redelivered after a
+    /// restart).
+    ///
+    /// A refusal of the message itself (a nack: the `reply_to` queue a
+    /// command named is full with `reject-publish`, or has lost its
+    /// majority) says nothing of the connection, and renewing it would
+    /// only loop: it is tried [`REFUSALS`] times a second apart, then the
+    /// answer goes to the events exchange instead, tried as often; a
+    /// completion refused there too is logged and given up, so that one
+    /// message chosen by anyone on the broker cannot hold a delivery slot,
+    /// nor the connection, for ever.
     pub(super) async fn answer(&self, done: &Completion, job: &Delivered) -> bool {
-        let (reply_to, correlation_id) = (job.reply_to.as_deref(), job.correlation_id.as_deref());
+        let correlation_id = job.correlation_id.as_deref();
+        let mut reply_to = job.reply_to.as_deref();
+        let mut refused = 0;
         let mut links = self.link.subscribe();
         loop {
             let link = match links.wait_for(|l| l.is_some()).await {
@@ -42,7 +59,20 @@ impl Dispatcher {
             let Some(link) = link else { continue };
             match link.publisher.publish(done, reply_to, correlation_id).await {
                 Ok(()) => return true,
-                Err(e) => {
+                Err(PublishError::Refused(e)) => {
+                    refused += 1;
+                    if refused < REFUSALS {
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                        continue;
+                    }
+                    let Some(queue) = reply_to.take() else {
+                        tracing::error!(error = %e, "the broker refused a completion {REFUSALS} times, to the events exchange too: given up");
+                        return true;
+                    };
+                    tracing::warn!(error = %e, reply_to = queue, "the broker refused a completion to its reply_to {REFUSALS} times: published to the events exchange instead");
+                    refused = 0;
+                }
+                Err(PublishError::Failed(e)) => {
                     tracing::warn!(error = %e, "could not publish a completion; reconnecting");
                     link.broken.notify_one();
                     self.disconnected(link.session);
