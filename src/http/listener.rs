@@ -160,6 +160,10 @@ const REQUEST: u8 = 2; // bytes of a request received
 struct Shared {
     /// Requests being answered (0: waiting for a request).
     busy: AtomicUsize,
+    /// Requests whose handler has not returned its response yet (a
+    /// JSON-RPC call waiting for its work): no byte moves meanwhile, and
+    /// the handler bounds its own time, so the idle timeout waits.
+    handling: AtomicUsize,
     /// [`FRESH`], [`WAITING`] or [`REQUEST`].
     state: AtomicU8,
     /// Told when the connection must make room for a new one.
@@ -303,6 +307,7 @@ fn admit(
     reg.next_id += 1;
     let shared = Arc::new(Shared {
         busy: AtomicUsize::new(0),
+        handling: AtomicUsize::new(0),
         state: AtomicU8::new(FRESH),
         close: Notify::new(),
         stream: stream.clone(),
@@ -473,7 +478,9 @@ impl Connection {
                     .insert(crate::http::access::ClientAddr(addr));
             }
             async move {
+                let handling = Handling::enter(&guard.0);
                 let response = app.oneshot(req).await?;
+                drop(handling);
                 Ok::<_, Infallible>(response.map(|body| {
                     Body::new(crate::http::Holding {
                         body,
@@ -499,7 +506,9 @@ impl Connection {
                     _ => None,
                 },
                 _ = tokio::time::sleep_until(idle_until) => {
-                    if Instant::now() >= clock.last() + self.limits.idle_timeout {
+                    if self.shared.handling.load(Ordering::Acquire) > 0 {
+                        clock.touch();
+                    } else if Instant::now() >= clock.last() + self.limits.idle_timeout {
                         break Some("idle_timeout");
                     }
                 }
@@ -534,6 +543,23 @@ impl Drop for InFlight {
         if self.0.busy.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.0.state.store(WAITING, Ordering::Release);
         }
+    }
+}
+
+/// Counts a request as being handled until its handler returns the
+/// response (see [`Shared::handling`]).
+struct Handling(Arc<Shared>);
+
+impl Handling {
+    fn enter(shared: &Arc<Shared>) -> Handling {
+        shared.handling.fetch_add(1, Ordering::AcqRel);
+        Handling(shared.clone())
+    }
+}
+
+impl Drop for Handling {
+    fn drop(&mut self) {
+        self.0.handling.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

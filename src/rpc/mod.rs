@@ -109,15 +109,38 @@ async fn handle(State(state): State<Arc<RpcState>>, req: HttpRequest) -> Respons
         );
     }
     let limit = state.server.max_body_bytes;
-    let body = match axum::body::to_bytes(req.into_body(), limit).await {
-        Ok(b) => b,
-        Err(_) => {
-            let message = format!("request body over {limit} bytes ([json_rpc]max_body_bytes)");
-            let error =
-                protocol::error(None, protocol::plain_error(code::INVALID_REQUEST, &message));
-            return status_json(StatusCode::PAYLOAD_TOO_LARGE, error);
-        }
+    let too_large = || {
+        let message = format!("request body over {limit} bytes ([json_rpc]max_body_bytes)");
+        let error = protocol::error(None, protocol::plain_error(code::INVALID_REQUEST, &message));
+        status_json(StatusCode::PAYLOAD_TOO_LARGE, error)
     };
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return too_large();
+    }
+    // The whole body within the header's time: a body sent a byte at a
+    // time would otherwise hold its connection for ever.
+    let deadline = state.server.limits.header_timeout;
+    let body =
+        match tokio::time::timeout(deadline, axum::body::to_bytes(req.into_body(), limit)).await {
+            Ok(Ok(b)) => b,
+            Ok(Err(_)) => return too_large(),
+            Err(_) => {
+                let message = format!(
+                    "request body not received within {} s ([http]header_timeout)",
+                    deadline.as_secs()
+                );
+                let error =
+                    protocol::error(None, protocol::plain_error(code::INVALID_REQUEST, &message));
+                let mut r = status_json(StatusCode::REQUEST_TIMEOUT, error);
+                r.headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                return r;
+            }
+        };
     let envelope = match protocol::parse(&body) {
         Ok(e) => e,
         Err(r) => return status_json(StatusCode::OK, protocol::error(r.id.as_ref(), r.error)),
@@ -125,7 +148,16 @@ async fn handle(State(state): State<Arc<RpcState>>, req: HttpRequest) -> Respons
     let id = envelope.id.clone();
     let outcome = state.call(envelope).await;
     match id {
-        None => StatusCode::NO_CONTENT.into_response(),
+        // A cast the worker had no room for is lost unless its sender
+        // learns it: Ironic's client ignores a cast's body but raises on
+        // an HTTP error. Any other cast is answered with nothing.
+        None => match outcome {
+            Err(error) if error["code"].as_i64() == Some(code::SERVER_BUSY) => status_json(
+                StatusCode::SERVICE_UNAVAILABLE,
+                protocol::error(None, error),
+            ),
+            _ => StatusCode::NO_CONTENT.into_response(),
+        },
         Some(id) => {
             let body = match outcome {
                 Ok(value) => protocol::result(&id, value),

@@ -346,3 +346,140 @@ async fn a_cast_outlives_its_worker_killed_mid_download() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Sends `head` on a new connection to `port`, then `body` a byte every
+/// `gap`; what the listener answered within `within` (empty if nothing).
+async fn trickle(port: u16, head: &str, body: &[u8], gap: Duration, within: Duration) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let (mut rd, mut wr) = s.into_split();
+    let writer = {
+        let (head, body) = (head.to_string(), body.to_vec());
+        tokio::spawn(async move {
+            let _ = wr.write_all(head.as_bytes()).await;
+            for b in body {
+                tokio::time::sleep(gap).await;
+                if wr.write_all(&[b]).await.is_err() {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+        })
+    };
+    let mut got = Vec::new();
+    let _ = tokio::time::timeout(within, async {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = rd.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+            got.extend_from_slice(&buf[..n]);
+        }
+    })
+    .await;
+    writer.abort();
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+/// The listener's time bounds hold for the body and spare a waiting call:
+/// a body sent a byte at a time is cut at `[http]header_timeout` (`408`;
+/// before, it held its connection for ever), a `Content-Length` over
+/// `max_body_bytes` is refused before any body (`413`; before, the
+/// listener waited for a mebibyte), and a call whose work outlasts
+/// `[http]idle_timeout` still gets `in_progress` at `request_timeout`
+/// (before, the idle timeout closed it with no answer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_bodies_are_bounded_in_time_and_waiting_calls_are_not_idle() {
+    let (env, port) = env_without_broker("request_timeout = 4");
+    let text = std::fs::read_to_string(&env.config).unwrap();
+    let text = text.replace("[http]\n", "[http]\nheader_timeout = 2\nidle_timeout = 2\n");
+    std::fs::write(&env.config, text).unwrap();
+    let _worker = env.serve().await;
+
+    let head = "POST / HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+                Content-Length: 100\r\n\r\n";
+    let slow = trickle(
+        port,
+        head,
+        &[b' '; 100],
+        Duration::from_millis(300),
+        Duration::from_secs(10),
+    )
+    .await;
+    assert!(slow.starts_with("HTTP/1.1 408"), "{slow:?}");
+
+    let huge = "POST / HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+                Content-Length: 1000000000000\r\n\r\n";
+    let refused = trickle(port, huge, b"", Duration::ZERO, Duration::from_secs(2)).await;
+    assert!(refused.starts_with("HTTP/1.1 413"), "{refused:?}");
+
+    // A source that accepts and never answers: the prepare goes on.
+    let hang = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let source = format!("http://{}/disk.img", hang.local_addr().unwrap());
+    let held = tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((s, _)) = hang.accept().await {
+            open.push(s);
+        }
+    });
+    let prepare = json!({"jsonrpc": "2.0", "id": 1, "method": "prepare",
+        "params": {"node_uuid": node(), "request_id": "waiting",
+                   "instance_info": {"image_source": source}}});
+    let (status, answer) = post(&format!("http://127.0.0.1:{port}/"), &prepare).await;
+    assert_eq!(
+        (status, &answer["result"]),
+        (200, &json!({"status": "in_progress"})),
+        "{answer}"
+    );
+    held.abort();
+}
+
+/// A cast the worker has no room for (1,024 requests queued or running) is
+/// answered `503` with the `-32000` error, so that Ironic's client raises;
+/// before, it got the `204` of a queued cast and was lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cast_with_no_room_is_refused_not_lost() {
+    let (env, port) = env_without_broker("");
+    let _worker = env.serve().await;
+    let hang = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let source = format!("http://{}/disk.img", hang.local_addr().unwrap());
+    let held = tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((s, _)) = hang.accept().await {
+            open.push(s);
+        }
+    });
+    let url = format!("http://127.0.0.1:{port}/");
+    let node = node();
+    let client = reqwest::Client::new();
+    let mut statuses = std::collections::BTreeMap::new();
+    let mut last = Value::Null;
+    for batch in 0..65 {
+        let sends = (0..16).map(|i| {
+            let cast = json!({"jsonrpc": "2.0", "method": "prepare",
+                "params": {"node_uuid": node, "request_id": format!("flood-{batch}-{i}"),
+                           "instance_info": {"image_source": source}}});
+            let (client, url) = (client.clone(), url.clone());
+            async move {
+                let r = client.post(&url).json(&cast).send().await.unwrap();
+                let status = r.status().as_u16();
+                (status, r.json::<Value>().await.unwrap_or(Value::Null))
+            }
+        });
+        for (status, body) in futures_util::future::join_all(sends).await {
+            *statuses.entry(status).or_insert(0) += 1;
+            if status != 204 {
+                last = body;
+            }
+        }
+    }
+    assert_eq!(
+        statuses,
+        [(204, 1024), (503, 16)].into_iter().collect(),
+        "{last}"
+    );
+    assert_eq!(last["error"]["code"], -32000, "{last}");
+    held.abort();
+}
