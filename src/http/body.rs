@@ -43,6 +43,7 @@ pub(crate) fn respond(req: &Request, opened: Opened) -> Response {
     let current = Validators {
         etag: &chosen.etag,
         modified: chosen.modified,
+        date_is_strong: !chosen.varies,
     };
     let h = req.headers();
     match ranges::preconditions(&conditions(h), &current) {

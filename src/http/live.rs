@@ -59,6 +59,7 @@ pub(crate) async fn respond(asked: Asked, view: LiveView, followed: &Followed) -
     let current = Validators {
         etag: &etag,
         modified: SystemTime::now(),
+        date_is_strong: false,
     };
     let (status, first, end) = match ranges::decide(
         asked.range.as_deref(),

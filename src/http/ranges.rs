@@ -36,6 +36,11 @@ pub(crate) struct Validators<'a> {
     pub(crate) etag: &'a str,
     /// The file's modification time (sent as `Last-Modified`, in seconds).
     pub(crate) modified: SystemTime,
+    /// Whether `Last-Modified` tells this representation from every other
+    /// answer to the same URL: not when a compressed form is served beside
+    /// the identity one (they are made within the same second, so a date an
+    /// `If-Range` holds from one would match the other).
+    pub(crate) date_is_strong: bool,
 }
 
 /// Decides the answer to `range` / `if_range` (header values, if present)
@@ -145,7 +150,8 @@ fn tag_list_matches(list: &str, etag: &str, weak: bool) -> bool {
 }
 
 /// RFC 9110 13.1.5: an entity tag matches only by strong comparison; a date
-/// only when it is exactly the file's `Last-Modified`.
+/// only when it is exactly the file's `Last-Modified` and a strong
+/// validator.
 fn if_range_matches(validator: &str, current: &Validators<'_>) -> bool {
     if validator.starts_with("W/") {
         return false;
@@ -154,7 +160,7 @@ fn if_range_matches(validator: &str, current: &Validators<'_>) -> bool {
         return validator == current.etag && !current.etag.starts_with("W/");
     }
     match httpdate::parse_http_date(validator) {
-        Ok(date) => secs(date) == secs(current.modified),
+        Ok(date) => current.date_is_strong && secs(date) == secs(current.modified),
         Err(_) => false,
     }
 }
@@ -242,6 +248,7 @@ mod tests {
         let v = Validators {
             etag: ETAG,
             modified: at(1_700_000_000, 500_000_000),
+            date_is_strong: true,
         };
         decide(Some(range), if_range, 100, &v)
     }
@@ -297,10 +304,25 @@ mod tests {
         let other = httpdate::fmt_http_date(at(1_700_000_001, 0));
         assert_eq!(d("bytes=0-9", Some(&other)), Decision::Full);
         assert_eq!(d("bytes=0-9", Some("yesterday")), Decision::Full);
+        // Beside another representation, a date tells neither apart.
+        let both = Validators {
+            etag: ETAG,
+            modified: at(1_700_000_000, 500_000_000),
+            date_is_strong: false,
+        };
+        assert_eq!(
+            decide(Some("bytes=0-9"), Some(&date), 100, &both),
+            Decision::Full
+        );
+        assert_eq!(
+            decide(Some("bytes=0-9"), Some(ETAG), 100, &both),
+            Decision::Partial(0, 9)
+        );
         // Without a Range, If-Range changes nothing.
         let v = Validators {
             etag: ETAG,
             modified: at(1, 0),
+            date_is_strong: true,
         };
         assert_eq!(decide(None, Some("\"x\""), 100, &v), Decision::Full);
     }
@@ -310,6 +332,7 @@ mod tests {
         let v = Validators {
             etag: ETAG,
             modified: at(1_700_000_000, 500_000_000),
+            date_is_strong: true,
         };
         let same = httpdate::fmt_http_date(at(1_700_000_000, 0));
         let before = httpdate::fmt_http_date(at(1_699_999_999, 0));
@@ -353,6 +376,7 @@ mod tests {
         let v = Validators {
             etag: ETAG,
             modified: at(1, 0),
+            date_is_strong: true,
         };
         assert_eq!(
             decide(Some("bytes=0-"), None, 0, &v),
