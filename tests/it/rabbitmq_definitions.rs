@@ -120,6 +120,13 @@ async fn least_privilege_user_on_a_vhost_of_its_own() {
         "rabbitmqctl",
         &["-q", "add_user", &user, "Pw-of-the-test-1"],
     );
+    let env = Env::new(&format!(
+        "[amqp]\nurl = \"amqp://{user}:Pw-of-the-test-1@127.0.0.1:5672/{}\"\n",
+        vhost.name
+    ));
+    // Its own queues only: neither the command exchange (a binding of its
+    // own would show it every conductor's commands) nor the deploy
+    // interface's reply queues.
     tool(
         "rabbitmqctl",
         &[
@@ -129,14 +136,10 @@ async fn least_privilege_user_on_a_vhost_of_its_own() {
             &vhost.name,
             &user,
             "^$",
-            "^(ironic-image-worker.*|amq\\.default)$",
-            "^ironic-image-worker.*$",
+            "^(ironic-image-worker\\.events|amq\\.default)$",
+            &format!("^ironic-image-worker\\.{}(\\.dead)?$", env.host),
         ],
     );
-    let env = Env::new(&format!(
-        "[amqp]\nurl = \"amqp://{user}:Pw-of-the-test-1@127.0.0.1:5672/{}\"\n",
-        vhost.name
-    ));
     let shipped = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/ops/rabbitmq/definitions.json"
