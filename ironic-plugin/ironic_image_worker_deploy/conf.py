@@ -17,6 +17,8 @@
 ``timeout``), registered by Ironic's own ``ironic.conf.json_rpc``, as Ironic
 registers ``[json_rpc]`` and ``[ironic_networking_json_rpc]``."""
 
+import copy
+
 from oslo_config import cfg
 
 from ironic.common.i18n import _
@@ -31,6 +33,11 @@ JSON_RPC_GROUP = 'image_worker_json_rpc'
 # The worker's JSON-RPC port by default: not Ironic's own 8089, so that
 # both can run on one host.
 JSON_RPC_PORT = 8099
+
+# Where [image_worker_json_rpc] differs from Ironic's [json_rpc]: the
+# worker's port, and where the worker is (a sidecar beside the conductor
+# by default), not where a server binds.
+JSON_RPC_DEFAULTS = {'port': JSON_RPC_PORT, 'host_ip': '127.0.0.1'}
 
 opts = [
     cfg.StrOpt('transport',
@@ -152,16 +159,21 @@ def register_opts(conf):
     options on ``conf``."""
     conf.register_opts(opts, group=GROUP)
     ironic_json_rpc.register_opts(conf, group=JSON_RPC_GROUP)
-    conf.set_default('port', JSON_RPC_PORT, group=JSON_RPC_GROUP)
-    # Where the worker is (a sidecar beside the conductor by default), not
-    # where a server binds.
-    conf.set_default('host_ip', '127.0.0.1', group=JSON_RPC_GROUP)
+    for name, default in JSON_RPC_DEFAULTS.items():
+        conf.set_default(name, default, group=JSON_RPC_GROUP)
 
 
 def list_opts():
-    """Options for oslo-config-generator (``oslo.config.opts``)."""
-    return [(GROUP, opts),
-            (JSON_RPC_GROUP, ironic_json_rpc.list_opts())]
+    """Options for oslo-config-generator (``oslo.config.opts``), with the
+    defaults in force (the generator reads an option's own default, which
+    ``set_default`` leaves alone)."""
+    json_rpc = []
+    for opt in ironic_json_rpc.list_opts():
+        if opt.dest in JSON_RPC_DEFAULTS:
+            opt = copy.copy(opt)
+            opt.default = JSON_RPC_DEFAULTS[opt.dest]
+        json_rpc.append(opt)
+    return [(GROUP, opts), (JSON_RPC_GROUP, json_rpc)]
 
 
 register_opts(CONF)

@@ -47,6 +47,10 @@ class OptionsTestCase(base.TestCase):
         self.assertTrue({'host_ip', 'port', 'auth_strategy', 'use_ssl',
                          'cafile', 'username', 'password'}
                         <= {o.name for o in rpc_opts})
+        # The defaults in force, as the sample configuration prints them.
+        defaults = {o.name: o.default for o in rpc_opts}
+        self.assertEqual(8099, defaults['port'])
+        self.assertEqual('127.0.0.1', defaults['host_ip'])
 
     def test_config_generator_entry_point(self):
         [entry_point] = importlib.metadata.entry_points(
