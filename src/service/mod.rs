@@ -251,9 +251,14 @@ fn announce(config: &Config, limits: http::Limits, security: &http::Security, fi
         tls = security.tls.is_some(),
         basic_auth = security.auth.is_some(),
         configuration = files,
-        next = "check `ironic-image-worker config show`; try `ironic-image-worker send prepare \
-                --node <uuid> --image-source <url> --wait`; /readyz on the metrics address says \
-                when the broker is connected",
+        next = match config.amqp.enabled {
+            true => "check `ironic-image-worker config show`; try `ironic-image-worker send \
+                     prepare --node <uuid> --image-source <url> --wait`; /readyz on the metrics \
+                     address says when the broker is connected",
+            false => "check `ironic-image-worker config show`; commands come through \
+                      [json_rpc]listen (no broker); /readyz on the metrics address says when \
+                      the worker is ready",
+        },
         "ironic-image-worker serving"
     );
 }
