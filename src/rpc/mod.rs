@@ -318,7 +318,17 @@ impl RpcState {
                 "status needs node_uuid, a node UUID",
             ));
         };
-        let request_id = params.get("request_id").and_then(Value::as_str);
+        let request_id = match params.get("request_id") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(id)) => Some(id.as_str()),
+            // Not "the node's latest request": another request's answer.
+            Some(_) => {
+                return Err(protocol::plain_error(
+                    code::INVALID_PARAMS,
+                    "status: request_id must be a string",
+                ));
+            }
+        };
         Ok(match self.server.work.answers().status(&node, request_id) {
             Lookup::Done(done) => protocol::completion_value(&done),
             Lookup::InProgress => json!({"status": "in_progress"}),

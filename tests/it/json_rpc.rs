@@ -217,6 +217,10 @@ async fn the_listener_refuses_what_is_not_a_bounded_json_rpc_call() {
     let (_, answer) = post(&url, &unknown).await;
     assert_eq!(answer["error"]["code"], -32601);
     assert_eq!(answer["id"], 7);
+    let numbered = json!({"jsonrpc": "2.0", "id": 8, "method": "status",
+                          "params": {"node_uuid": node(), "request_id": 5}});
+    let (_, answer) = post(&url, &numbered).await;
+    assert_eq!(answer["error"]["code"], -32602, "{answer}");
     let (status, body) = post(&url, &json!({"jsonrpc": "2.0", "method": "reboot"})).await;
     assert_eq!(
         (status, body),
