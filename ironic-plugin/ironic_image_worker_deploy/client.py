@@ -35,6 +35,7 @@ from oslo_messaging import opts as messaging_opts
 from oslo_utils import strutils
 from oslo_utils import uuidutils
 
+from ironic_image_worker_deploy import answer
 from ironic_image_worker_deploy import conf as worker_conf
 from ironic_image_worker_deploy import exception
 
@@ -156,13 +157,16 @@ class _Reply(object):
                               arguments=self.arguments)
         return channel
 
-    def attach(self, connection, correlation_id):
-        """Declare the queue (again, after a reconnection) and consume it."""
+    def attach(self, connection, accept):
+        """Declare the queue (again, after a reconnection) and consume it,
+        keeping the completions ``accept(message)`` returns (the answer;
+        None for any other message, which is dropped)."""
         channel = self.declare(connection)
 
         def _on_reply(message):
-            if message.properties.get('correlation_id') == correlation_id:
-                self.found.append(message.body)
+            done = accept(message)
+            if done is not None:
+                self.found.append(done)
             channel.basic_ack(message.delivery_tag)
 
         channel.basic_consume(queue=self.name, callback=_on_reply)
@@ -290,8 +294,9 @@ class WorkerClient(object):
             return False
         return not returned
 
-    def _wait(self, link, reply, correlation_id, deadline, node_uuid):
-        """Wait for the answer on ``reply`` (attached on ``link[0]``).
+    def _wait(self, link, reply, accept, deadline, node_uuid):
+        """Wait for the answer on ``reply`` (attached on ``link[0]``, taking
+        what ``accept`` takes).
 
         A failed connection is replaced (``link[0]``) and the reply queue
         re-attached, until ``deadline``: the worker's answer waits in the
@@ -311,7 +316,7 @@ class WorkerClient(object):
                 return None
             try:
                 if not attached:
-                    reply.attach(link[0], correlation_id)
+                    reply.attach(link[0], accept)
                     attached = True
                 try:
                     link[0].drain_events(timeout=min(_TICK, deadline - now))
@@ -333,7 +338,7 @@ class WorkerClient(object):
             except _BROKER_ERRORS as e:
                 link[0] = self._reconnect(link[0], node_uuid, deadline, e)
                 attached = False
-        return json.loads(reply.found[0])
+        return reply.found[0]
 
     def call(self, action, node_uuid, instance_info=None, options=None,
              timeout=None, expire=False, extra=None):
@@ -373,13 +378,17 @@ class WorkerClient(object):
         link = [self._connect(node_uuid)]
         reply = None
         sent = False
+
+        def accept(message):
+            return _answer_in(message, action, node_uuid, correlation_id)
+
         try:
             if expire and timeout is not None:
                 self._await_consumer(link[0], node_uuid, limit=timeout)
             if timeout is not None:
                 reply = _Reply(correlation_id, self.group.reply_queue_type,
                                timeout)
-                reply.attach(link[0], correlation_id)
+                reply.attach(link[0], accept)
                 properties['reply_to'] = reply.name
                 if expire:
                     properties['expiration'] = str(int(timeout * 1000))
@@ -396,7 +405,7 @@ class WorkerClient(object):
             sent = True
             if timeout is None:
                 return None
-            event = self._wait(link, reply, correlation_id,
+            event = self._wait(link, reply, accept,
                                time.monotonic() + timeout, node_uuid)
             if event is None:
                 raise exception.ImageWorkerTimeout(
@@ -463,9 +472,16 @@ class WorkerClient(object):
         finally:
             _release(connection)
 
-    def collect(self, request_id, node_uuid):
+    def collect(self, request_id, node_uuid, source_url=None,
+                action='prepare'):
         """The answer of a command ``send`` sent, once it is there.
 
+        Messages of the reply queue that are not the answer
+        (``answer.is_answer``) are taken off it and dropped.
+
+        :param source_url: the source, when the worker passes it through
+            (``deploy.passed_through``): then the only ``image_url`` a
+            successful prepare may answer.
         :returns: the completion (a dict), or None while there is none (the
             reply queue is empty, or gone after its expiry).
         :raises: ImageWorkerBrokerUnreachable
@@ -481,17 +497,40 @@ class WorkerClient(object):
                     return None
                 if message is None:
                     return None
-                if message.properties.get('correlation_id') == request_id:
+                done = _answer_in(message, action, node_uuid, request_id,
+                                  source_url)
+                if done is not None:
                     break
             _release(channel)
             _Reply(request_id, self.group.reply_queue_type, 0).delete(
                 connection)
-            return json.loads(message.body)
+            return done
         except _BROKER_ERRORS as e:
             raise exception.ImageWorkerBrokerUnreachable(
                 node=node_uuid, reason=str(e), sent=True)
         finally:
             _release(connection)
+
+
+def _answer_in(message, action, node_uuid, request_id, source_url=None):
+    """The completion ``message`` carries when it is the answer to request
+    ``request_id`` (its ``correlation_id``, then ``answer.is_answer``),
+    else None (logged)."""
+    correlation_id = message.properties.get('correlation_id')
+    if correlation_id != request_id:
+        LOG.warning('Ignoring a message on the reply queue of %(action)s '
+                    'request %(req)s of node %(node)s: its correlation_id '
+                    'is %(got)r; still waiting for the answer',
+                    {'action': action, 'req': request_id, 'node': node_uuid,
+                     'got': str(correlation_id)[:120]})
+        return None
+    try:
+        done = json.loads(message.body)
+    except ValueError:
+        done = None
+    if answer.is_answer(done, action, node_uuid, request_id, source_url):
+        return done
+    return None
 
 
 def _release(resource):

@@ -24,6 +24,7 @@ where Ironic removes its own.
 """
 
 import time
+from urllib import parse as urlparse
 
 from oslo_log import log
 
@@ -87,6 +88,18 @@ def apply_answer(instance_info, done):
         if field in done:
             instance_info[field] = done[field]
     return instance_info
+
+
+def passed_through(node):
+    """The source URL the worker answers the node's prepare with, when it
+    passes the source through (an http(s) source in ``image_download_source
+    = http`` mode, what ``_prepare_command`` sends); None when it publishes
+    the image itself. Only that answer is taken (``answer.is_answer``)."""
+    source = (node.instance_info.get('image_source') or '').strip()
+    if (deploy_utils.get_image_download_source(node) == 'http'
+            and urlparse.urlsplit(source).scheme in ('http', 'https')):
+        return source
+    return None
 
 
 def client_for(conf, context=None):
@@ -335,14 +348,16 @@ class DirectWorkerDeploy(agent.AgentDeploy):
 
     def _poll(self, task):
         """The worker's answer to the node's prepare, if there is one yet
-        (kept in driver_internal_info once collected). A worker that
-        cannot be reached now is asked again later."""
+        (kept in driver_internal_info once collected): only the answer to
+        this request is taken (``answer.is_answer``). A worker that cannot
+        be reached now is asked again later."""
         pending = task.node.driver_internal_info[PENDING]
         if pending.get('done'):
             return pending['done']
         try:
             return self._client(task).collect(pending['request_id'],
-                                              task.node.uuid)
+                                              task.node.uuid,
+                                              passed_through(task.node))
         except exception.ImageWorkerError as e:
             LOG.warning('Cannot ask the image worker about the prepare of '
                         'node %(node)s yet: %(error)s',

@@ -35,6 +35,7 @@ from ironic.common import exception as ironic_exc
 from ironic.common.json_rpc import client as json_rpc
 from ironic.objects import base as objects_base
 
+from ironic_image_worker_deploy import answer
 from ironic_image_worker_deploy import conf as worker_conf
 from ironic_image_worker_deploy import exception
 
@@ -73,11 +74,13 @@ class JsonRpcWorkerClient(object):
                                   self.group.port)
         return client.prepare(topic=topic, version='1.0')
 
-    def _invoke(self, cast, method, node_uuid, params, sent=False):
+    def _invoke(self, cast, method, node_uuid, params, sent=False,
+                action=None):
         """One request; the worker's failures as ImageWorker errors.
 
         A completion error comes back as the Ironic exception the client
-        raises, its message starting with the worker's error code.
+        raises, its message starting with the worker's error code: the
+        failed completion of ``action`` (default: ``method``).
         """
         cctxt = self._cctxt()
         send = cctxt.cast if cast else cctxt.call
@@ -95,7 +98,8 @@ class JsonRpcWorkerClient(object):
                 node=node_uuid, host=self.url, error_code='internal',
                 reason=str(e), sent=sent)
         except ironic_exc.IronicException as e:
-            return _failed_completion(e, method, node_uuid, params)
+            return _failed_completion(e, action or method, node_uuid,
+                                      params)
 
     def send(self, action, node_uuid, timeout=None, instance_info=None,
              options=None, extra=None, request_id=None):
@@ -108,21 +112,28 @@ class JsonRpcWorkerClient(object):
         self._invoke(True, action, node_uuid, params)
         return params['request_id']
 
-    def collect(self, request_id, node_uuid):
+    def collect(self, request_id, node_uuid, source_url=None,
+                action='prepare'):
         """The answer of ``request_id`` once the worker has it, else None.
 
         A worker that no longer knows the request (it restarted since)
-        answers it as an error (``no_worker``).
+        answers it as an error (``no_worker``). A result that is not the
+        answer to the request (``answer.is_answer``; ``source_url`` as for
+        the AMQP client's ``collect``) counts as none yet.
         """
         known = self._invoke(False, 'status', node_uuid,
                              {'node_uuid': node_uuid,
-                              'request_id': request_id}, sent=True)
+                              'request_id': request_id}, sent=True,
+                             action=action)
         if known.get('status') in ('success', 'error'):
-            return known
+            if answer.is_answer(known, action, node_uuid, request_id,
+                                source_url):
+                return known
+            return None
         if known.get('status') == 'unknown':
             # Queued before the cast returned, so the worker has lost it
             # (restarted): the deploy fails now, not at its deadline.
-            return {'action': 'prepare', 'status': 'error',
+            return {'action': action, 'status': 'error',
                     'node_uuid': node_uuid, 'request_id': request_id,
                     'error': {'code': 'no_worker', 'message': (
                         'the image worker at %s has no record of request '
@@ -141,14 +152,19 @@ class JsonRpcWorkerClient(object):
         params = self._params(action, node_uuid, instance_info, options,
                               extra, None)
         deadline = time.monotonic() + timeout
+        request_id = params['request_id']
         done = self._invoke(False, action, node_uuid, params)
-        while done.get('status') not in ('success', 'error'):
+        if (done.get('status') not in ('success', 'error')
+                or not answer.is_answer(done, action, node_uuid,
+                                        request_id)):
+            done = None
+        while done is None:
             if time.monotonic() >= deadline:
                 raise exception.ImageWorkerTimeout(
                     node=node_uuid, host=self.url, action=action,
                     timeout=timeout, sent=True)
             time.sleep(min(_STATUS_EVERY, max(0, deadline - time.monotonic())))
-            done = self.collect(params['request_id'], node_uuid) or {}
+            done = self.collect(request_id, node_uuid, action=action)
         return done
 
     @staticmethod

@@ -19,6 +19,7 @@ parameters in IIW_* environment variables; images made with qemu-img; the
 result downloaded with ironic-python-agent's own code.
 """
 
+import json
 import os
 import shutil
 import tempfile
@@ -27,6 +28,7 @@ import time
 from unittest import mock
 
 import fixtures as fx
+import kombu
 
 from ironic.common import states
 from ironic.conductor import task_manager
@@ -36,6 +38,7 @@ from ironic.drivers.modules import agent_client
 from ironic.tests.unit.objects import utils as obj_utils
 from oslo_utils import uuidutils
 
+from ironic_image_worker_deploy import client as worker_client
 from ironic_image_worker_deploy import conf
 from ironic_image_worker_deploy import deploy
 from ironic_image_worker_deploy import exception
@@ -348,6 +351,47 @@ class DirectWorkerTestCase(_DeployCase):
         self.assertEqual(['cleanup'], [a for a, _ in sent])
         self.assertEqual('success', sent[0][1]['status'])
         self.assertEqual([], self._node_files(node))
+
+    def test_forged_answers_on_the_reply_queue_are_skipped(self):
+        # Anyone on the broker may publish to a prepare's reply queue (it is
+        # named after the request): what is not the worker's answer to this
+        # very request is skipped, and the agent gets the worker's own.
+        img, ref = self._image('forged', size=4 << 20, qcow2=False, seed=9)
+        node = self._node(image_source=self.source.url('forged.raw'),
+                          image_checksum=parts.file_hash(img, 'md5'))
+        gate = self.source.gate('forged.raw')
+        self._send(node)
+        node.refresh()
+        request_id = node.driver_internal_info[deploy.PENDING]['request_id']
+        other = uuidutils.generate_uuid()
+        lure = {'action': 'prepare', 'status': 'success',
+                'request_id': request_id, 'node_uuid': node.uuid,
+                'conductor_host': WORKER_HOST,
+                'image_url': 'http://192.0.2.66/evil.raw',
+                'image_checksum': 'f' * 32, 'image_os_hash_algo': 'sha256',
+                'image_os_hash_value': 'f' * 64, 'image_size': 1,
+                'image_disk_format': 'raw', 'converted': False,
+                'cache': 'hit', 'duration_ms': 1}
+        of_node = '%s/agent_images/' % self.http_url
+        forged = [
+            lure,
+            dict(lure, node_uuid=other, image_url=of_node + other),
+            dict(lure, request_id=other, image_url=of_node + node.uuid),
+            dict(lure, action='warm', image_url=of_node + node.uuid),
+        ]
+        urls, _ = worker_client.broker_urls(CONF)
+        with kombu.Connection(urls[0]) as connection:
+            producer = connection.Producer()
+            for body in forged:
+                producer.publish(
+                    json.dumps(body), exchange='',
+                    routing_key='ironic-image-worker-deploy.reply.%s'
+                    % request_id, correlation_id=request_id,
+                    content_type='application/json')
+        # The worker answers only now, behind them.
+        gate.set()
+        info = self._collected(node)
+        self._assert_served(node, info, ref)
 
     def test_two_nodes_one_image_one_download(self):
         img, ref = self._image('shared', size=8 << 20, seed=5)
