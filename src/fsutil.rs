@@ -78,31 +78,6 @@ pub fn group_id(name: &str) -> Option<u32> {
     (rc == 0 && !found.is_null()).then_some(group.gr_gid)
 }
 
-/// The name of the user `uid` in the system's user database, if it has
-/// one: what `runuser -u` takes, in a hint that names the user to run as.
-pub fn user_name(uid: u32) -> Option<String> {
-    let mut buf = vec![0u8; 16 << 10];
-    let mut user: libc::passwd = unsafe { std::mem::zeroed() };
-    let mut found: *mut libc::passwd = std::ptr::null_mut();
-    // SAFETY: every pointer is valid for the call; `buf`, which `pw_name`
-    // points into, outlives the read of the name below.
-    let rc = unsafe {
-        libc::getpwuid_r(
-            uid,
-            &mut user,
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-            &mut found,
-        )
-    };
-    if rc != 0 || found.is_null() || user.pw_name.is_null() {
-        return None;
-    }
-    // SAFETY: a non-null `pw_name` is a NUL-terminated string inside `buf`.
-    let name = unsafe { std::ffi::CStr::from_ptr(user.pw_name) };
-    name.to_str().ok().map(String::from)
-}
-
 /// Creates `dir` and its missing parents with mode 0755 whatever the umask.
 pub fn ensure_dir(dir: &Path) -> Result<()> {
     ensure_dir_with(dir, DirMode::PRIVATE)

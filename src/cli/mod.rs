@@ -447,6 +447,31 @@ async fn run(
     Ok(print_completion(&done))
 }
 
+/// The name of the user `uid` in the system's user database, if it has
+/// one: what `runuser -u` takes, in a hint that names the user to run as.
+fn user_name(uid: u32) -> Option<String> {
+    let mut buf = vec![0u8; 16 << 10];
+    let mut user: libc::passwd = unsafe { std::mem::zeroed() };
+    let mut found: *mut libc::passwd = std::ptr::null_mut();
+    // SAFETY: every pointer is valid for the call; `buf`, which `pw_name`
+    // points into, outlives the read of the name below.
+    let rc = unsafe {
+        libc::getpwuid_r(
+            uid,
+            &mut user,
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            &mut found,
+        )
+    };
+    if rc != 0 || found.is_null() || user.pw_name.is_null() {
+        return None;
+    }
+    // SAFETY: a non-null `pw_name` is a NUL-terminated string inside `buf`.
+    let name = unsafe { std::ffi::CStr::from_ptr(user.pw_name) };
+    name.to_str().ok().map(String::from)
+}
+
 /// Refuses to work on a cache another user owns when run as root: every
 /// file root makes there (a lock, a temporary, a master) is one the
 /// service's user cannot remove, and its next clean-up fails on it. Run
@@ -463,7 +488,7 @@ fn refuse_foreign_cache(config: &Config) -> Result<()> {
         .map(|m| m.uid());
     match owner {
         Some(uid) if uid != 0 => {
-            let run_as = match crate::fsutil::user_name(uid) {
+            let run_as = match user_name(uid) {
                 Some(name) => format!("runuser -u {name} -- ironic-image-worker ..."),
                 None => format!("setpriv --reuid={uid} --regid=<its group> --clear-groups ..."),
             };

@@ -58,6 +58,11 @@ pub struct Limits {
     pub idle_timeout: Duration,
     /// Connections kept open at once.
     pub max_connections: usize,
+    /// Whether a request whose handler has not answered yet keeps its
+    /// connection from the idle timeout: for the JSON-RPC listener, whose
+    /// calls wait for their work (bounded by `request_timeout`); not for
+    /// servers whose handlers answer at once.
+    pub slow_handlers: bool,
 }
 
 /// Counters of what the limits did, for `/metrics`.
@@ -161,8 +166,8 @@ struct Shared {
     /// Requests being answered (0: waiting for a request).
     busy: AtomicUsize,
     /// Requests whose handler has not returned its response yet (a
-    /// JSON-RPC call waiting for its work): no byte moves meanwhile, and
-    /// the handler bounds its own time, so the idle timeout waits.
+    /// JSON-RPC call waiting for its work: no byte moves meanwhile; see
+    /// [`Limits::slow_handlers`]).
     handling: AtomicUsize,
     /// [`FRESH`], [`WAITING`] or [`REQUEST`].
     state: AtomicU8,
@@ -506,7 +511,9 @@ impl Connection {
                     _ => None,
                 },
                 _ = tokio::time::sleep_until(idle_until) => {
-                    if self.shared.handling.load(Ordering::Acquire) > 0 {
+                    if self.limits.slow_handlers
+                        && self.shared.handling.load(Ordering::Acquire) > 0
+                    {
                         clock.touch();
                     } else if Instant::now() >= clock.last() + self.limits.idle_timeout {
                         break Some("idle_timeout");

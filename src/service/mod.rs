@@ -222,6 +222,7 @@ fn spawn_json_rpc(
         .map(Arc::new);
     let limits = http::Limits {
         max_connections: c.max_connections,
+        slow_handlers: true,
         ..image_server_limits(config)
     };
     tracing::info!(json_rpc = %listen, auth = %c.auth_strategy, tls = tls.is_some(), "serving JSON-RPC");
@@ -398,6 +399,7 @@ fn image_server_limits(config: &Config) -> http::Limits {
             fd_limit,
             headroom,
         ),
+        slow_handlers: false,
     }
 }
 

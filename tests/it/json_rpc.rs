@@ -387,6 +387,20 @@ async fn trickle(port: u16, head: &str, body: &[u8], gap: Duration, within: Dura
     String::from_utf8_lossy(&got).into_owned()
 }
 
+/// An http source that accepts connections and never answers (a prepare
+/// of it goes on until its read timeout); abort the task to close them.
+async fn hanging_source() -> (String, tokio::task::JoinHandle<()>) {
+    let hang = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let source = format!("http://{}/disk.img", hang.local_addr().unwrap());
+    let held = tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((s, _)) = hang.accept().await {
+            open.push(s);
+        }
+    });
+    (source, held)
+}
+
 /// The listener's time bounds hold for the body and spare a waiting call:
 /// a body sent a byte at a time is cut at `[http]header_timeout` (`408`;
 /// before, it held its connection for ever), a `Content-Length` over
@@ -420,14 +434,7 @@ async fn request_bodies_are_bounded_in_time_and_waiting_calls_are_not_idle() {
     assert!(refused.starts_with("HTTP/1.1 413"), "{refused:?}");
 
     // A source that accepts and never answers: the prepare goes on.
-    let hang = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let source = format!("http://{}/disk.img", hang.local_addr().unwrap());
-    let held = tokio::spawn(async move {
-        let mut open = Vec::new();
-        while let Ok((s, _)) = hang.accept().await {
-            open.push(s);
-        }
-    });
+    let (source, held) = hanging_source().await;
     let prepare = json!({"jsonrpc": "2.0", "id": 1, "method": "prepare",
         "params": {"node_uuid": node(), "request_id": "waiting",
                    "instance_info": {"image_source": source}}});
@@ -447,14 +454,7 @@ async fn request_bodies_are_bounded_in_time_and_waiting_calls_are_not_idle() {
 async fn a_cast_with_no_room_is_refused_not_lost() {
     let (env, port) = env_without_broker("");
     let _worker = env.serve().await;
-    let hang = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let source = format!("http://{}/disk.img", hang.local_addr().unwrap());
-    let held = tokio::spawn(async move {
-        let mut open = Vec::new();
-        while let Ok((s, _)) = hang.accept().await {
-            open.push(s);
-        }
-    });
+    let (source, held) = hanging_source().await;
     let url = format!("http://127.0.0.1:{port}/");
     let node = node();
     let client = reqwest::Client::new();
