@@ -111,8 +111,7 @@ async fn handle(State(state): State<Arc<RpcState>>, req: HttpRequest) -> Respons
     let limit = state.server.max_body_bytes;
     let too_large = || {
         let message = format!("request body over {limit} bytes ([json_rpc]max_body_bytes)");
-        let error = protocol::error(None, protocol::plain_error(code::INVALID_REQUEST, &message));
-        status_json(StatusCode::PAYLOAD_TOO_LARGE, error)
+        unreadable(StatusCode::PAYLOAD_TOO_LARGE, &message)
     };
     let declared = req
         .headers()
@@ -133,9 +132,7 @@ async fn handle(State(state): State<Arc<RpcState>>, req: HttpRequest) -> Respons
                     "request body not received within {} s ([http]header_timeout)",
                     deadline.as_secs()
                 );
-                let error =
-                    protocol::error(None, protocol::plain_error(code::INVALID_REQUEST, &message));
-                let mut r = status_json(StatusCode::REQUEST_TIMEOUT, error);
+                let mut r = unreadable(StatusCode::REQUEST_TIMEOUT, &message);
                 r.headers_mut()
                     .insert(header::CONNECTION, HeaderValue::from_static("close"));
                 return r;
@@ -348,6 +345,13 @@ fn answer(known: Lookup) -> Result<Value, Value> {
         Lookup::InProgress => Ok(json!({"status": "in_progress"})),
         Lookup::Unknown => Ok(json!({"status": "unknown"})),
     }
+}
+
+/// The answer to a request whose body could not be read (`status`): an
+/// invalid-request error, as no `id` is known.
+fn unreadable(status: StatusCode, message: &str) -> Response {
+    let error = protocol::plain_error(code::INVALID_REQUEST, message);
+    status_json(status, protocol::error(None, error))
 }
 
 /// A JSON body with `status`.

@@ -460,7 +460,7 @@ async fn bodies_over_the_limit_are_refused_unread_and_dead_lettered() {
 /// long as that queue existed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_its_reply_queue_refuses_goes_to_the_events_exchange() {
-    use lapin::options::{BasicPublishOptions, QueueDeclareOptions};
+    use lapin::options::QueueDeclareOptions;
     use lapin::types::{AMQPValue, FieldTable};
     let env = Env::new("");
     let worker = env.serve().await;
@@ -483,23 +483,10 @@ async fn an_answer_its_reply_queue_refuses_goes_to_the_events_exchange() {
         .await
         .unwrap();
     let cleanup = json!({"action": "cleanup", "node_uuid": node(), "request_id": "refused-1"});
-    let props = lapin::BasicProperties::default()
-        .with_content_type("application/json".into())
-        .with_correlation_id("refused-1".into())
-        .with_reply_to(full.as_str().into());
+    let props = Broker::properties("refused-1", None, Some(&full));
     broker
-        .channel
-        .basic_publish(
-            "ironic-image-worker".into(),
-            format!("{}.node.cleanup", env.host).as_str().into(),
-            BasicPublishOptions::default(),
-            cleanup.to_string().as_bytes(),
-            props,
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+        .publish_props(&env.host, "cleanup", cleanup.to_string().as_bytes(), props)
+        .await;
     let (key, _, event) = tap
         .next(&env.host, Duration::from_secs(30))
         .await

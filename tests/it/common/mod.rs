@@ -792,7 +792,7 @@ impl Broker {
     }
 
     /// A persistent JSON command's properties.
-    fn properties(
+    pub fn properties(
         correlation_id: &str,
         headers: Option<lapin::types::FieldTable>,
         reply_to: Option<&str>,
@@ -812,7 +812,7 @@ impl Broker {
 
     /// Publishes `body` with `props` to `<host>.node.<action>`, mandatory and
     /// confirmed: the command must reach a queue.
-    async fn publish_props(
+    pub async fn publish_props(
         &self,
         host: &str,
         action: &str,
