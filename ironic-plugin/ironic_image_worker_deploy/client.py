@@ -133,6 +133,28 @@ _REPLY_QUEUE_SLACK = 60
 _REPLY_QUEUE_LENGTH = 16
 
 
+# The longest pause between two re-asks of one command.
+_REASK_MAX = 300
+
+
+class Reasks(object):
+    """When a command still without its answer is sent again: ``first``
+    seconds after ``start``, then after twice as long each time, at most
+    every ``_REASK_MAX`` seconds ([image_worker]reask_after; 0: never)."""
+
+    def __init__(self, first, start):
+        self.pause = first
+        self.due_at = start + first if first else None
+
+    def due(self, now):
+        """Whether to ask again at ``now``; if so, the next one is set."""
+        if self.due_at is None or now < self.due_at:
+            return False
+        self.pause = min(self.pause * 2, _REASK_MAX)
+        self.due_at = now + self.pause
+        return True
+
+
 class _Reply(object):
     """The reply queue of one command: named after the request, durable and
     not exclusive, so it outlives the connection (and, as a quorum queue,
@@ -294,9 +316,10 @@ class WorkerClient(object):
             return False
         return not returned
 
-    def _wait(self, link, reply, accept, deadline, node_uuid):
+    def _wait(self, link, reply, accept, deadline, node_uuid, reask=None):
         """Wait for the answer on ``reply`` (attached on ``link[0]``, taking
-        what ``accept`` takes).
+        what ``accept`` takes), calling ``reask()`` (the command sent again)
+        whenever ``Reasks`` says so.
 
         A failed connection is replaced (``link[0]``) and the reply queue
         re-attached, until ``deadline``: the worker's answer waits in the
@@ -309,6 +332,10 @@ class WorkerClient(object):
         grace = self.group.worker_restart_grace
         idle_since = None
         next_check = time.monotonic() + min(_CONSUMER_CHECK_EVERY, grace)
+        left = deadline - time.monotonic()
+        reasks = Reasks(min(self.group.reask_after, left / 2)
+                        if self.group.reask_after and reask else 0,
+                        time.monotonic())
         attached = True
         while not reply.found:
             now = time.monotonic()
@@ -318,6 +345,11 @@ class WorkerClient(object):
                 if not attached:
                     reply.attach(link[0], accept)
                     attached = True
+                if reasks.due(now):
+                    LOG.info('No answer of the image worker for node '
+                             '%(node)s yet: sending the command again',
+                             {'node': node_uuid})
+                    reask()
                 try:
                     link[0].drain_events(timeout=min(_TICK, deadline - now))
                 except socket.timeout:
@@ -405,8 +437,17 @@ class WorkerClient(object):
             sent = True
             if timeout is None:
                 return None
-            event = self._wait(link, reply, accept,
-                               time.monotonic() + timeout, node_uuid)
+            deadline = time.monotonic() + timeout
+
+            def reask():
+                again = dict(properties)
+                if expire:
+                    left = max(deadline - time.monotonic(), 1)
+                    again['expiration'] = str(int(left * 1000))
+                self._publish(link[0].channel(), body, again, routing_key)
+
+            event = self._wait(link, reply, accept, deadline, node_uuid,
+                               reask)
             if event is None:
                 raise exception.ImageWorkerTimeout(
                     node=node_uuid, host=self.host, action=action,
@@ -426,7 +467,7 @@ class WorkerClient(object):
             _release(link[0])
 
     def send(self, action, node_uuid, timeout, instance_info=None,
-             options=None, extra=None, request_id=None):
+             options=None, extra=None, request_id=None, issued_ms=None):
         """Send a command whose answer is collected later (``collect``).
 
         The answer waits in a reply queue named after the request, which
@@ -434,11 +475,14 @@ class WorkerClient(object):
         expires in the broker after ``timeout``. Nothing here waits for the
         worker's work.
 
+        :param request_id: the id of a command sent before, to ask for its
+            answer again (with ``issued_ms``, when it was first issued).
         :returns: the request id, to collect the answer with.
         :raises: ImageWorkerBrokerUnreachable, ImageWorkerNotListening,
             ImageWorkerNotConsuming (none of them sent).
         """
         request_id = request_id or uuidutils.generate_uuid()
+        issued_ms = issued_ms or int(time.time() * 1000)
         body = dict(extra or {}, action=action, node_uuid=node_uuid,
                     request_id=request_id)
         if instance_info is not None:
@@ -452,7 +496,7 @@ class WorkerClient(object):
                       'reply_to': reply.name,
                       'expiration': str(int(timeout * 1000)),
                       'application_headers': {
-                          'timestamp_in_ms': int(time.time() * 1000)}}
+                          'timestamp_in_ms': issued_ms}}
         routing_key = '%s.node.%s' % (self.host, action)
         connection = self._connect(node_uuid)
         try:

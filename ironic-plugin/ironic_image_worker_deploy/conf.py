@@ -108,6 +108,19 @@ opts = [
                       'deployed or cleanup command. A missing or failed '
                       'confirmation is logged and never fails the '
                       'operation; 0 sends without waiting.')),
+    cfg.IntOpt('reask_after',
+               default=30,
+               min=0,
+               help=_('Seconds without the worker\'s answer after which a '
+                      'command is sent again with the same request id, '
+                      'then again after twice as long each time (at most '
+                      'every 5 minutes), until its timeout: an answer lost '
+                      'with a broker node then costs seconds, not the '
+                      'deploy. The worker answers a command it already '
+                      'answered again, or works it again idempotently (a '
+                      'cache hit). A deployed or cleanup, waited for '
+                      '[image_worker]command_timeout, is asked again after '
+                      'half of it at the latest. 0 never asks again.')),
     cfg.IntOpt('worker_restart_grace',
                default=30,
                min=0,

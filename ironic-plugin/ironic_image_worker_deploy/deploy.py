@@ -67,6 +67,13 @@ _SERVED_FIELDS = ('image_os_hash_algo', 'image_os_hash_value',
 PENDING = 'image_worker_prepare'
 
 
+# The re-asks of the prepares this conductor waits for, by request id (in
+# memory: a conductor that restarts asks again from the first interval),
+# forgotten once answered; bounded.
+_REASKS = {}
+_MAX_REASKS = 10000
+
+
 def _waiting_for_the_worker(node):
     """The periodic's predicate: a node whose prepare is under way."""
     return PENDING in (node.driver_internal_info or {})
@@ -324,12 +331,15 @@ class DirectWorkerDeploy(agent.AgentDeploy):
         request, extra = self._prepare_command(node, instance_info,
                                                declared_format, oci)
         timeout = CONF.image_worker.prepare_timeout
+        issued_ms = int(time.time() * 1000)
         request_id = self._client(task).send(
             'prepare', node.uuid, timeout=timeout, instance_info=request,
-            options=self._options(node), extra=extra)
+            options=self._options(node), extra=extra, issued_ms=issued_ms)
         node.set_driver_internal_info(PENDING, {
             'request_id': request_id,
             'deadline': time.time() + timeout,
+            'issued_ms': issued_ms,
+            'format': declared_format,
             'oci': oci})
         LOG.info('Sent prepare %(req)s of %(image)s for node %(node)s to '
                  'the image worker; collected when the agent is ready',
@@ -353,16 +363,53 @@ class DirectWorkerDeploy(agent.AgentDeploy):
         be reached now is asked again later."""
         pending = task.node.driver_internal_info[PENDING]
         if pending.get('done'):
+            _REASKS.pop(pending['request_id'], None)
             return pending['done']
         try:
-            return self._client(task).collect(pending['request_id'],
+            done = self._client(task).collect(pending['request_id'],
                                               task.node.uuid,
                                               passed_through(task.node))
+            if done is None:
+                self._reask_if_due(task, pending)
+            else:
+                _REASKS.pop(pending['request_id'], None)
+            return done
         except exception.ImageWorkerError as e:
             LOG.warning('Cannot ask the image worker about the prepare of '
                         'node %(node)s yet: %(error)s',
                         {'node': task.node.uuid, 'error': e})
             return None
+
+    def _reask_if_due(self, task, pending):
+        """Send the node's prepare again (same request id and issue time)
+        when its answer is overdue ([image_worker]reask_after): an answer
+        lost with a broker node is then given again (or the prepare worked
+        again: a cache hit) within seconds. Over the broker only: the
+        JSON-RPC transport asks the worker itself (``status``)."""
+        client = self._client(task)
+        if not isinstance(client, worker_client.WorkerClient):
+            return
+        now, request_id = time.time(), pending['request_id']
+        if len(_REASKS) >= _MAX_REASKS and request_id not in _REASKS:
+            _REASKS.clear()
+        first = CONF.image_worker.reask_after
+        reasks = _REASKS.setdefault(
+            request_id,
+            worker_client.Reasks(first, pending.get('issued_ms', 0) / 1000.0))
+        if now >= pending['deadline'] or not reasks.due(now):
+            return
+        node = task.node
+        request, extra = self._prepare_command(
+            node, node.instance_info, pending.get('format'),
+            pending.get('oci'))
+        LOG.info('No answer of the image worker to prepare %(req)s of node '
+                 '%(node)s yet: sending it again',
+                 {'req': request_id, 'node': node.uuid})
+        client.send('prepare', node.uuid,
+                    timeout=max(int(pending['deadline'] - now), 1),
+                    instance_info=request, options=self._options(node),
+                    extra=extra, request_id=request_id,
+                    issued_ms=pending.get('issued_ms'))
 
     def _collect(self, task, done=None):
         """Fill instance_info with the worker's answer, once there.

@@ -102,8 +102,10 @@ class JsonRpcWorkerClient(object):
                                       params)
 
     def send(self, action, node_uuid, timeout=None, instance_info=None,
-             options=None, extra=None, request_id=None):
+             options=None, extra=None, request_id=None, issued_ms=None):
         """Queue a command on the worker (a cast); returns its request id.
+        (``issued_ms``, the broker's issue-time header, has no place in a
+        JSON-RPC call: the worker counts from the call.)
 
         :raises: ImageWorkerUnreachable, ImageWorkerUnauthorized (not sent).
         """

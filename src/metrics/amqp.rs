@@ -13,6 +13,14 @@ pub struct AmqpMetrics {
     /// Messages waiting in this host's dead-letter queue (read every few
     /// seconds while connected), for alerting.
     pub dead_letters: IntGauge,
+    /// Answers the broker refused for as long as their command could use
+    /// them (its deadline, or the answer patience when it set none),
+    /// given up on their `reply_to` (see `broker/dispatch/settle.rs`).
+    pub answers_given_up: IntCounter,
+    /// Refusals of an answer's publish by the broker (a nack: a reply
+    /// queue full with `reject-publish`, or without a leader during a
+    /// failover), each tried again with backoff.
+    pub answer_refusals: IntCounter,
 }
 
 impl AmqpMetrics {
@@ -30,6 +38,14 @@ impl AmqpMetrics {
             dead_letters: r.gauge(
                 "amqp_dead_letter_messages",
                 "Messages in this host's dead-letter queue.",
+            ),
+            answers_given_up: r.counter(
+                "amqp_answers_given_up_total",
+                "Answers the broker refused until their command's deadline passed: given up on their reply_to.",
+            ),
+            answer_refusals: r.counter(
+                "amqp_answer_refusals_total",
+                "Publishes of an answer the broker refused (tried again with backoff).",
             ),
         }
     }

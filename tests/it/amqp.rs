@@ -454,13 +454,13 @@ async fn bodies_over_the_limit_are_refused_unread_and_dead_lettered() {
 
 /// A command whose `reply_to` is a queue that refuses every message (full,
 /// with `reject-publish`: anyone on the broker can make one and name it)
-/// is answered on the events exchange after a few refusals, and the
-/// refusal is not taken for a broken connection: before, the worker
-/// renewed its connection and published again in a tight loop, for as
-/// long as that queue existed.
+/// is answered on the events exchange once its deadline (here the
+/// command's 3 s `expiration`) has passed, and the refusals are not taken
+/// for a broken connection: before, the worker renewed its connection and
+/// published again in a tight loop, for as long as that queue existed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_its_reply_queue_refuses_goes_to_the_events_exchange() {
-    use lapin::options::QueueDeclareOptions;
+    use lapin::options::{BasicPublishOptions, QueueDeclareOptions};
     use lapin::types::{AMQPValue, FieldTable};
     let env = Env::new("");
     let worker = env.serve().await;
@@ -483,10 +483,24 @@ async fn an_answer_its_reply_queue_refuses_goes_to_the_events_exchange() {
         .await
         .unwrap();
     let cleanup = json!({"action": "cleanup", "node_uuid": node(), "request_id": "refused-1"});
-    let props = Broker::properties("refused-1", None, Some(&full));
+    let props = lapin::BasicProperties::default()
+        .with_content_type("application/json".into())
+        .with_correlation_id("refused-1".into())
+        .with_expiration("3000".into())
+        .with_reply_to(full.as_str().into());
     broker
-        .publish_props(&env.host, "cleanup", cleanup.to_string().as_bytes(), props)
-        .await;
+        .channel
+        .basic_publish(
+            "ironic-image-worker".into(),
+            format!("{}.node.cleanup", env.host).as_str().into(),
+            BasicPublishOptions::default(),
+            cleanup.to_string().as_bytes(),
+            props,
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
     let (key, _, event) = tap
         .next(&env.host, Duration::from_secs(30))
         .await
@@ -499,6 +513,93 @@ async fn an_answer_its_reply_queue_refuses_goes_to_the_events_exchange() {
         Some(0.0),
         "{metrics}"
     );
+    assert_eq!(
+        metric(&metrics, "ironic_image_worker_amqp_answers_given_up_total"),
+        Some(1.0),
+        "{metrics}"
+    );
+    let refusals = metric(&metrics, "ironic_image_worker_amqp_answer_refusals_total");
+    // Backoff from 0.25 s, at most every 5 s, over 3 s: a handful, not a
+    // loop.
+    assert!(
+        refusals.is_some_and(|n| (2.0..=12.0).contains(&n)),
+        "{refusals:?}"
+    );
     let after = json!({"action": "cleanup", "node_uuid": node(), "request_id": "after"});
     assert_eq!(broker.call(&env.host, after).await["status"], "success");
+}
+
+/// A reply queue that refuses answers for a while (as a quorum queue does
+/// while a broker node fails over; here a policy makes it reject every
+/// publish, cleared after 4 s) gets its answer once it takes messages
+/// again: published again until the command's deadline, once, and not to
+/// the events exchange. Before, three refusals a second apart sent the
+/// answer to the events exchange, and its sender never heard it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_refused_for_a_while_reaches_its_reply_queue() {
+    use lapin::options::QueueDeclareOptions;
+    let env = Env::new("");
+    let worker = env.serve().await;
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    let queue = format!("refusing-for-a-while-{id}");
+    let policy = format!("iiw-test-refuse-{id}");
+    tool(
+        "rabbitmqctl",
+        &[
+            "-q",
+            "set_policy",
+            "--apply-to",
+            "queues",
+            &policy,
+            &format!("^{queue}$"),
+            r#"{"max-length":0,"overflow":"reject-publish"}"#,
+        ],
+    );
+    let declarer = Broker::connect().await;
+    let options = QueueDeclareOptions {
+        auto_delete: true,
+        ..Default::default()
+    };
+    declarer
+        .channel
+        .queue_declare(queue.as_str().into(), options, Default::default())
+        .await
+        .unwrap();
+    let client = Broker::connect_replying_to(AMQP_URL, &queue).await;
+    let tap = EventTap::new(&client).await;
+    let cleanup = json!({"action": "cleanup", "node_uuid": node(), "request_id": "later"});
+    let corr = client.send(&env.host, &cleanup, Some(60_000)).await;
+    let metric_now = |name: &'static str| {
+        let worker = &worker;
+        async move { metric(&worker.metrics_text().await, name).unwrap_or(0.0) }
+    };
+    let refusals = "ironic_image_worker_amqp_answer_refusals_total";
+    let started = std::time::Instant::now();
+    while metric_now(refusals).await < 2.0 {
+        assert!(started.elapsed() < Duration::from_secs(20), "refused twice");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    tool("rabbitmqctl", &["-q", "clear_policy", &policy]);
+    let answers = client
+        .answers(
+            std::slice::from_ref(&corr),
+            Duration::from_secs(30),
+            Duration::from_secs(2),
+        )
+        .await;
+    let got = answers.get(&corr).expect("answered on its reply queue");
+    assert_eq!(got.len(), 1, "{answers:?}");
+    assert_eq!(got[0]["status"], "success");
+    assert!(
+        tap.next(&env.host, Duration::from_millis(500))
+            .await
+            .is_none(),
+        "nothing on the events exchange"
+    );
+    assert_eq!(
+        metric_now("ironic_image_worker_amqp_answers_given_up_total").await,
+        0.0
+    );
+    assert!(metric_now(refusals).await >= 3.0);
 }

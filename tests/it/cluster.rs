@@ -335,6 +335,68 @@ async fn finish(
     tally(sent, seen)
 }
 
+/// Commands of the reply-queue scenario, and the pause between two.
+const STREAMED: usize = 240;
+const STREAM_PAUSE: Duration = Duration::from_millis(25);
+
+/// kill -9 of the node leading a deploy interface's reply queue (durable,
+/// quorum, as the interface declares it) while the worker publishes
+/// answers to it: the broker refuses them until a new leader is elected,
+/// and the worker publishes each again until it is taken, so every
+/// command is answered once. The worker and the client are connected to
+/// the other nodes, so that only the reply queue loses its leader.
+async fn reply_queue_leader_killed(cluster: &mut Cluster) -> (&'static str, Tally) {
+    use lapin::options::QueueDeclareOptions;
+    use lapin::types::{AMQPValue, FieldTable};
+    let name = "kill -9 the reply queue's leader";
+    let replies = format!("iiw-replies-{}", uuid::Uuid::new_v4().simple());
+    let declarer = Broker::connect_to(&url(0)).await;
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    declarer
+        .channel
+        .queue_declare(replies.as_str().into(), durable, args)
+        .await
+        .unwrap();
+    let leader = tokio::task::block_in_place(|| cluster.leader(&replies));
+    let (a, b) = ((leader + 1) % 3, (leader + 2) % 3);
+    let env = cluster_env([a, b, leader], "");
+    let worker = env.serve().await;
+    let client = Broker::connect_replying_to(&url(b), &replies).await;
+    let mut sent = Vec::new();
+    for i in 0..STREAMED {
+        let cmd = serde_json::json!({"action": "cleanup", "node_uuid": node(), "request_id": format!("r{i}")});
+        sent.push(client.send(&env.host, &cmd, None).await);
+        if i == STREAMED / 4 {
+            tokio::task::block_in_place(|| cluster.kill9(leader));
+        }
+        tokio::time::sleep(STREAM_PAUSE).await;
+    }
+    let t = collect(&client, &sent, 2 * MINUTE, Duration::from_secs(3)).await;
+    let metrics = worker.metrics_text().await;
+    let refusals = metric(&metrics, "ironic_image_worker_amqp_answer_refusals_total");
+    eprintln!("{name}: answers refused and published again: {refusals:?}");
+    assert_clean(name, &t);
+    assert!(
+        refusals.is_some_and(|n| n >= 1.0),
+        "the fault hit answers in flight (else this scenario proves nothing): {metrics}"
+    );
+    assert_eq!(
+        metric(&metrics, "ironic_image_worker_amqp_answers_given_up_total"),
+        Some(0.0)
+    );
+    drop((worker, declarer));
+    tokio::task::block_in_place(|| cluster.restart(leader));
+    (name, t)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_node_cluster_faults() {
     if !Path::new(rabbit::SERVER).exists() {
@@ -560,6 +622,10 @@ async fn three_node_cluster_faults() {
         );
         table.push(("prepare longer than consumer_timeout", t));
     }
+
+    // 7. kill -9 the node leading the reply queue while answers are
+    // published to it.
+    table.push(reply_queue_leader_killed(&mut cluster).await);
 
     eprintln!("| scenario | sent | answered | lost | duplicated | recovery |");
     for (name, t) in &table {

@@ -393,6 +393,31 @@ class DirectWorkerTestCase(_DeployCase):
         info = self._collected(node)
         self._assert_served(node, info, ref)
 
+    def test_an_answer_lost_on_the_broker_is_asked_for_again(self):
+        # The worker's answer is taken off the reply queue before the
+        # interface sees it (as with a broker node lost with it): the
+        # interface sends the prepare again once it is overdue, and the
+        # worker's answer to that (a cache hit) is collected, long before
+        # the prepare's timeout.
+        img, ref = self._image('lost', size=4 << 20, qcow2=False, seed=11)
+        node = self._node(image_source=self.source.url('lost.raw'),
+                          image_checksum=parts.file_hash(img, 'md5'))
+        self.config(reask_after=1, group='image_worker')
+        self._send(node)
+        node.refresh()
+        request_id = node.driver_internal_info[deploy.PENDING]['request_id']
+        queue = 'ironic-image-worker-deploy.reply.%s' % request_id
+        urls, _ = worker_client.broker_urls(CONF)
+        with kombu.Connection(urls[0]) as connection:
+            channel = connection.channel()
+            deadline = time.monotonic() + 60
+            while channel.basic_get(queue=queue, no_ack=True) is None:
+                self.assertLess(time.monotonic(), deadline)
+                time.sleep(0.05)
+        info = self._collected(node, within=20)
+        self._assert_served(node, info, ref)
+        self.assertEqual(1, self.source.count('GET', '/lost.raw'))
+
     def test_two_nodes_one_image_one_download(self):
         img, ref = self._image('shared', size=8 << 20, seed=5)
         sha = parts.file_hash(img, 'sha256')

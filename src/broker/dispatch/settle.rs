@@ -7,17 +7,29 @@
 
 use super::super::ack::Tracked;
 use super::super::publisher::PublishError;
+use super::super::stamp::now_ms;
 use super::{Delivered, Dispatcher};
 use crate::dispatch::Shelf;
 use crate::messages::Completion;
+use backon::BackoffBuilder;
 use lapin::Acker;
 use lapin::options::{BasicAckOptions, BasicRejectOptions};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// How often a completion the broker refuses is published again on one
-/// route (its `reply_to`, then the events exchange) before the next.
-const REFUSALS: u32 = 3;
+/// How long a refused answer is tried again when its command set no
+/// deadline (no `expiration`): as long as the deploy interface waits for a
+/// prepare by default (`[image_worker]prepare_timeout`). Documented in
+/// docs/contract.md ("Completion events").
+pub(crate) const ANSWER_PATIENCE: Duration = Duration::from_secs(1800);
+
+/// The first and the longest pause between two publishes of an answer the
+/// broker refused: a quorum reply queue refuses for a few seconds while
+/// its leader is elected again, so the first retries come quickly; a queue
+/// that refuses for longer is asked at most every few seconds, so that one
+/// message chosen by anyone on the broker cannot make the worker spin.
+const REFUSED_FIRST_PAUSE: Duration = Duration::from_millis(250);
+const REFUSED_MAX_PAUSE: Duration = Duration::from_secs(5);
 
 /// Settles a copy: acknowledged, or rejected without requeueing when it is
 /// to be dead-lettered; the error chain when the broker did not take it.
@@ -38,18 +50,23 @@ impl Dispatcher {
     /// the worker stops first (the copy is then redelivered after a
     /// restart).
     ///
-    /// A refusal of the message itself (a nack: the `reply_to` queue a
-    /// command named is full with `reject-publish`, or has lost its
-    /// majority) says nothing of the connection, and renewing it would
-    /// only loop: it is tried [`REFUSALS`] times a second apart, then the
-    /// answer goes to the events exchange instead, tried as often; a
-    /// completion refused there too is logged and given up, so that one
-    /// message chosen by anyone on the broker cannot hold a delivery slot,
-    /// nor the connection, for ever.
+    /// A refusal of the message itself (a nack: the `reply_to` queue is
+    /// without a leader during a broker node's failover, or full with
+    /// `reject-publish`) says nothing of the connection, and renewing it
+    /// would only loop: it is tried again with backoff (at most every
+    /// [`REFUSED_MAX_PAUSE`]) for as long as the command can use its
+    /// answer: until its deadline, or [`ANSWER_PATIENCE`] when it set
+    /// none. Only a queue that refuses for that whole window is given up
+    /// on: the answer then goes once to the events exchange (for the
+    /// record), logged and counted.
     pub(super) async fn answer(&self, done: &Completion, job: &Delivered) -> bool {
         let correlation_id = job.correlation_id.as_deref();
         let mut reply_to = job.reply_to.as_deref();
-        let mut refused = 0;
+        let patience = ANSWER_PATIENCE.as_millis() as u64;
+        let mut until = job.deadline.unwrap_or_else(|| now_ms() + patience);
+        let mut pauses = crate::retry::jittered(REFUSED_FIRST_PAUSE, REFUSED_MAX_PAUSE, None)
+            .build()
+            .map(|d| d.min(REFUSED_MAX_PAUSE));
         let mut links = self.link.subscribe();
         loop {
             let link = match links.wait_for(|l| l.is_some()).await {
@@ -60,17 +77,20 @@ impl Dispatcher {
             match link.publisher.publish(done, reply_to, correlation_id).await {
                 Ok(()) => return true,
                 Err(PublishError::Refused(e)) => {
-                    refused += 1;
-                    if refused < REFUSALS {
-                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    self.work.metrics().amqp.answer_refusals.inc();
+                    let pause = pauses.next().unwrap_or(REFUSED_MAX_PAUSE);
+                    if now_ms() + pause.as_millis() as u64 <= until {
+                        tracing::info!(error = %e, reply_to, ?pause, "the broker refused a completion; trying again until the command's deadline");
+                        tokio::time::sleep(pause).await;
                         continue;
                     }
                     let Some(queue) = reply_to.take() else {
-                        tracing::error!(error = %e, "the broker refused a completion {REFUSALS} times, to the events exchange too: given up");
+                        tracing::error!(error = %e, "the broker refused a completion until its command's deadline: given up");
                         return true;
                     };
-                    tracing::warn!(error = %e, reply_to = queue, "the broker refused a completion to its reply_to {REFUSALS} times: published to the events exchange instead");
-                    refused = 0;
+                    self.work.metrics().amqp.answers_given_up.inc();
+                    tracing::error!(error = %e, reply_to = queue, "the broker refused a completion to its reply_to until its command's deadline: given up there, published to the events exchange instead");
+                    until = now_ms();
                 }
                 Err(PublishError::Failed(e)) => {
                     tracing::warn!(error = %e, "could not publish a completion; reconnecting");

@@ -711,16 +711,11 @@ impl Broker {
 
     /// A client of the broker at `url` (a test's own RabbitMQ node).
     pub async fn connect_to(url: &str) -> Broker {
-        use futures_util::StreamExt;
         use lapin::options::*;
         let conn = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
             .await
             .unwrap_or_else(|e| panic!("RabbitMQ at {url}: {e}"));
         let channel = conn.create_channel().await.unwrap();
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .unwrap();
         let q = channel
             .queue_declare(
                 "".into(),
@@ -734,6 +729,33 @@ impl Broker {
             .await
             .unwrap();
         let reply_queue = q.name().as_str().to_string();
+        Broker::replying(conn, channel, reply_queue).await
+    }
+
+    /// A client of the broker at `url` whose answers come to `reply_queue`,
+    /// a queue declared elsewhere (a durable quorum queue, as a deploy
+    /// interface's).
+    pub async fn connect_replying_to(url: &str, reply_queue: &str) -> Broker {
+        let conn = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
+            .await
+            .unwrap_or_else(|e| panic!("RabbitMQ at {url}: {e}"));
+        let channel = conn.create_channel().await.unwrap();
+        Broker::replying(conn, channel, reply_queue.to_string()).await
+    }
+
+    /// The client of `conn` consuming `reply_queue`, publishing on `channel`
+    /// (put in confirm mode).
+    async fn replying(
+        conn: lapin::Connection,
+        channel: lapin::Channel,
+        reply_queue: String,
+    ) -> Broker {
+        use futures_util::StreamExt;
+        use lapin::options::*;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
         let consume = conn.create_channel().await.unwrap();
         let mut consumer = consume
             .basic_consume(

@@ -74,3 +74,25 @@ class TransportTestCase(base.TestCase):
             self.assertIsInstance(client,
                                   worker_json_rpc.JsonRpcWorkerClient)
             self.assertIs(task.context, client.context)
+
+
+class ReasksTestCase(base.TestCase):
+    """When a command still without its answer is sent again."""
+
+    def test_after_the_first_pause_then_doubling_up_to_the_cap(self):
+        reasks = worker_client.Reasks(30, 1000.0)
+        self.assertFalse(reasks.due(1029.9))
+        self.assertTrue(reasks.due(1030.0))
+        self.assertFalse(reasks.due(1030.0))
+        self.assertFalse(reasks.due(1089.9))
+        self.assertTrue(reasks.due(1090.0))
+        self.assertTrue(reasks.due(1210.0))
+        self.assertTrue(reasks.due(1450.0))
+        # At most every 5 minutes from then on.
+        self.assertFalse(reasks.due(1749.9))
+        self.assertTrue(reasks.due(1750.0))
+        self.assertTrue(reasks.due(2050.0))
+
+    def test_zero_never_asks_again(self):
+        reasks = worker_client.Reasks(0, 1000.0)
+        self.assertFalse(reasks.due(10 ** 9))
