@@ -1,0 +1,98 @@
+//! Real machines deployed by a real Ironic 39 through `direct-worker`: a
+//! QEMU VM boots a real ironic-python-agent 13 ramdisk (built once per
+//! recipe by tests/vm/build-ramdisk, cached under /var/tmp), Ironic
+//! (fake-hardware) deploys it with this worker binary, and the VM's disk is
+//! compared with `qemu-img convert -O raw` of the source (tests/vm/deploy.py
+//! runs each scenario and says what it checks). Stock `direct` runs beside
+//! the worker's scenarios, so a broken harness is told apart from a broken
+//! worker. Its own test binary: each VM keeps a core busy under TCG for a
+//! minute or more, which the many short tests of `it` should not share.
+//!
+//! Needs root (the ramdisk's build), qemu-system-x86, socat, mmdebstrap,
+//! cpio, zstd, RabbitMQ on 127.0.0.1:5672 and the Ironic virtualenv of the
+//! other tests; `.ci/run` installs them.
+
+#[path = "it/common/mod.rs"]
+#[allow(unused_imports)]
+mod common;
+
+use common::plugin::plugin_python;
+use common::*;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// The ramdisk's directory (`vmlinuz`, `initramfs`), built when its recipe
+/// changed; `IIW_VM_RAMDISK_CACHE` moves the cache.
+fn ramdisk() -> PathBuf {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/vm/build-ramdisk");
+    let mut cmd = std::process::Command::new(script);
+    if let Some(cache) = std::env::var_os("IIW_VM_RAMDISK_CACHE") {
+        cmd.arg(cache);
+    }
+    let started = Instant::now();
+    let out = cmd
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "tests/vm/build-ramdisk failed");
+    println!("ramdisk ready in {:.1?}", started.elapsed());
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
+/// Runs tests/vm/deploy.py for `scenario` (with `extra` arguments) and
+/// returns its output; fails with that output when the scenario fails.
+fn deploy(scenario: &str, extra: &[&str]) -> String {
+    let ramdisk = ramdisk();
+    let python = plugin_python();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/vm/deploy.py");
+    let mut child = std::process::Command::new(python)
+        .arg(script)
+        .args(["--worker", BIN, "--ramdisk"])
+        .arg(&ramdisk)
+        .args(extra)
+        .arg(scenario)
+        .env_remove("IRONIC_IMAGE_WORKER_CONFIG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The harness's own timeouts end it first; this is the last resort.
+    let deadline = Instant::now() + Duration::from_secs(900);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            child.kill().unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let out = child.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("{text}");
+    assert!(
+        out.status.success() && text.contains("1 passed, 0 failed"),
+        "the {scenario} VM deploy failed (the harness's output is above)"
+    );
+    text
+}
+
+#[test]
+fn amqp_deploy_of_a_real_vm() {
+    let text = deploy("amqp", &[]);
+    assert!(text.contains("only the worker fetched the source"));
+}
+
+#[test]
+fn json_rpc_deploy_of_a_real_vm_without_a_broker() {
+    let text = deploy("json-rpc", &[]);
+    assert!(text.contains("only the worker fetched the source"));
+}
+
+/// Stock Ironic `direct` on the same harness: the control.
+#[test]
+fn stock_direct_deploy_of_a_real_vm() {
+    let text = deploy("direct", &[]);
+    assert!(text.contains("direct: Ironic fetched the source"));
+}
