@@ -240,10 +240,14 @@ class Vm(object):
                    % (p, p) for p in ports]
         append = ' '.join([
             'console=ttyS0', 'quiet', 'panic=-1', 'net.ifnames=0',
+            # The TSC calibrates wrongly on a busy host under TCG; HPET
+            # keeps the guest's clock (its TLS certificate's dates) right.
+            'clocksource=hpet',
             'ipa-api-url=http://127.0.0.1:%d' % api_port,
             'ipa-advertise-host=127.0.0.1',
             'ipa-advertise-port=%d' % self.agent_port,
             'ipa-insecure=1', 'ipa-lookup-interval=2',
+            'ipa-http-request-timeout=120',
             'iiw.forward=%s' % ','.join(str(p) for p in ports)])
         self.accel = accelerator()
         cmd = ['qemu-system-x86_64', '-nodefaults', '-machine', 'pc',
@@ -296,7 +300,12 @@ def ironic_sections(kind, worker, own_http_root, json_rpc_port):
         'DEFAULT': {'enabled_deploy_interfaces': 'direct-worker,direct,fake',
                     'debug': 'true'},
         'deploy': {'default_boot_mode': 'bios'},
-        'agent': {'image_download_source': 'local'},
+        # A guest under emulation on a busy host answers slowly: Ironic
+        # retries its calls to the agent rather than failing the deploy.
+        'agent': {'image_download_source': 'local',
+                  'max_command_attempts': '10',
+                  'command_wait_interval': '3',
+                  'command_timeout': '120'},
         'pxe': {},
         'image_worker': {'prepare_timeout': '600', 'poll_interval': '0.5'},
     }
