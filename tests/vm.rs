@@ -30,13 +30,37 @@ fn ramdisk() -> PathBuf {
         cmd.arg(cache);
     }
     let started = Instant::now();
-    let out = cmd
-        .stderr(std::process::Stdio::inherit())
-        .output()
-        .unwrap();
+    let out = cmd.stderr(std::process::Stdio::inherit()).output().unwrap();
     assert!(out.status.success(), "tests/vm/build-ramdisk failed");
     println!("ramdisk ready in {:.1?}", started.elapsed());
-    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+    let dir = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
+    prune_other_recipes(&dir);
+    dir
+}
+
+/// Bounds the cache: ramdisks of other recipes (about 400 MB each) go once
+/// unused for a day (another checkout on the machine may still use one).
+fn prune_other_recipes(current: &Path) {
+    // Marks the current one as used (its modification time).
+    if let Ok(dir) = std::fs::File::open(current) {
+        let _ = dir.set_modified(std::time::SystemTime::now());
+    }
+    let Ok(entries) = std::fs::read_dir(current.parent().unwrap()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let stale = entry
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age > Duration::from_secs(86_400));
+        let name = entry.file_name();
+        if path != current && path.is_dir() && !name.to_string_lossy().starts_with('.') && stale {
+            let _ = std::fs::remove_dir_all(&path);
+        }
+    }
 }
 
 /// Runs tests/vm/deploy.py for `scenario` (with `extra` arguments) and
@@ -58,9 +82,16 @@ fn deploy(scenario: &str, extra: &[&str]) -> String {
         .unwrap();
     // The harness's own timeouts end it first; this is the last resort.
     let deadline = Instant::now() + Duration::from_secs(900);
+    let mut terminated = false;
     while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
+        if Instant::now() > deadline + Duration::from_secs(60) {
             child.kill().unwrap();
+        } else if Instant::now() > deadline && !terminated {
+            // SIGTERM first: the harness stops its Ironic, worker and VMs.
+            terminated = true;
+            let _ = std::process::Command::new("kill")
+                .arg(child.id().to_string())
+                .status();
         }
         std::thread::sleep(Duration::from_millis(200));
     }

@@ -36,6 +36,7 @@ import http.server
 import os
 import random
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -226,11 +227,14 @@ class Vm(object):
     its agent reports to Ironic's API on 127.0.0.1 and reaches ``ports``
     of the host."""
 
-    def __init__(self, workdir, ramdisk, mac, api_port, ports, memory=1536):
+    def __init__(self, workdir, ramdisk, mac, api_port, ports, memory=1536,
+                 disk=None):
+        """``disk``: the disk of an earlier boot of the same machine."""
         self.dir = tempfile.mkdtemp(prefix='vm-', dir=workdir)
-        self.disk = os.path.join(self.dir, 'disk.raw')
-        with open(self.disk, 'wb') as f:
-            f.truncate(DISK_SIZE)
+        self.disk = disk or os.path.join(self.dir, 'disk.raw')
+        if disk is None:
+            with open(self.disk, 'wb') as f:
+                f.truncate(DISK_SIZE)
         self.console = os.path.join(self.dir, 'console.log')
         self.agent_port = real_ironic.free_port()
         ports = sorted(set([api_port] + list(ports)))
@@ -248,6 +252,9 @@ class Vm(object):
             'ipa-advertise-port=%d' % self.agent_port,
             'ipa-insecure=1', 'ipa-lookup-interval=2',
             'ipa-http-request-timeout=120',
+            # A download that fails its checksum is tried again once, not
+            # nine times (minutes each under emulation).
+            'ipa-image-download-connection-retries=1',
             'iiw.forward=%s' % ','.join(str(p) for p in ports)])
         self.accel = accelerator()
         cmd = ['qemu-system-x86_64', '-nodefaults', '-machine', 'pc',
@@ -299,7 +306,11 @@ def ironic_sections(kind, worker, own_http_root, json_rpc_port):
     sections = {
         'DEFAULT': {'enabled_deploy_interfaces': 'direct-worker,direct,fake',
                     'debug': 'true'},
-        'deploy': {'default_boot_mode': 'bios'},
+        # Automated cleaning (--undeploy) erases only the disk's metadata
+        # (the whole disk would take the agent minutes under emulation).
+        'deploy': {'default_boot_mode': 'bios',
+                   'erase_devices_priority': '0',
+                   'erase_devices_metadata_priority': '10'},
         # A guest under emulation on a busy host answers slowly: Ironic
         # retries its calls to the agent rather than failing the deploy.
         'agent': {'image_download_source': 'local',
@@ -436,7 +447,41 @@ class Scenario(object):
             % (self.kind, active, off))
         self._check_disk(vm)
         self._check_fetchers(worker)
+        if self.opts.undeploy:
+            self._undeploy(ironic, worker, node, vm, served)
         return {'kind': self.kind, 'active': active, 'off': off}
+
+    def _undeploy(self, ironic, worker, node, vm, served):
+        """Undeploy with automated cleaning: the machine boots its agent
+        again (same disk), which erases the disk's metadata; the node is
+        ``available`` again and the worker has dropped the node's file."""
+        uuid_ = node['uuid']
+        ironic.call('PATCH', '/v1/nodes/%s' % uuid_, [
+            {'op': 'replace', 'path': '/automated_clean', 'value': True}])
+        started = time.monotonic()
+        ironic.provision(uuid_, 'deleted')
+        again = Vm(self.dir, self.opts.ramdisk, node['mac'], ironic.port,
+                   [served], disk=vm.disk)
+        self.cleanups.append(again.stop)
+        done = ironic.wait(uuid_, ('available', 'clean failed'),
+                           self.opts.timeout)
+        if done['provision_state'] != 'available':
+            raise AssertionError('%s: cleaning failed: %s\n--- VM console:\n%s'
+                                 % (self.kind, done['last_error'],
+                                    again.tail()))
+        again.stop()
+        with open(vm.disk, 'rb') as f:
+            head = f.read(MiB)
+        if head != bytes(MiB):
+            raise AssertionError("%s: cleaning left the disk's first MiB"
+                                 % self.kind)
+        if worker is not None and os.path.lexists(
+                os.path.join(worker.images_path, uuid_)):
+            raise AssertionError("%s: the worker kept the node's file after "
+                                 "the undeploy" % self.kind)
+        log('%s: undeployed and cleaned back to available in %.1fs (disk '
+            'metadata erased, node file gone)'
+            % (self.kind, time.monotonic() - started))
 
     def _swap_served(self, worker, uuid_):
         """--break wrong-file: once the worker publishes the node's file,
@@ -493,6 +538,8 @@ def main():
                         help='where the VMs disks and images are made')
     parser.add_argument('--break', dest='break_',
                         choices=('wrong-file', 'checksum'))
+    parser.add_argument('--undeploy', action='store_true',
+                        help='then undeploy with cleaning (a second boot)')
     parser.add_argument('--timeout', type=int, default=600,
                         help='seconds a deploy may take')
     parser.add_argument('--image-mib', type=int, default=32,
@@ -502,6 +549,9 @@ def main():
     parser.add_argument('scenarios', nargs='+',
                         choices=('amqp', 'json-rpc', 'direct'))
     opts = parser.parse_args()
+    # Stopped from outside (the test's last-resort timeout): the cleanups
+    # still stop Ironic, the worker and the VMs.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     workdir = tempfile.mkdtemp(prefix='iiw-vm-', dir=opts.workdir)
     os.makedirs(os.path.join(workdir, 'src'))
     source = Source(os.path.join(workdir, 'src'))
