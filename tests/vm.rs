@@ -109,10 +109,14 @@ fn deploy(scenario: &str, extra: &[&str]) -> String {
     text
 }
 
+/// Then undeployed with automated cleaning (the agent boots again and
+/// erases the disk's metadata) back to `available`: running beside the
+/// JSON-RPC and stock cases, it adds little to the wall time.
 #[test]
-fn amqp_deploy_of_a_real_vm() {
-    let text = deploy("amqp", &[]);
+fn amqp_deploy_of_a_real_vm_then_undeploy_with_cleaning() {
+    let text = deploy("amqp", &["--undeploy"]);
     assert!(text.contains("only the worker fetched the source"));
+    assert!(text.contains("undeployed and cleaned back to available"));
 }
 
 #[test]
