@@ -81,7 +81,7 @@ fn deploy(scenario: &str, extra: &[&str]) -> String {
         .spawn()
         .unwrap();
     // The harness's own timeouts end it first; this is the last resort.
-    let deadline = Instant::now() + Duration::from_secs(900);
+    let deadline = Instant::now() + Duration::from_secs(1200);
     let mut terminated = false;
     while child.try_wait().unwrap().is_none() {
         if Instant::now() > deadline + Duration::from_secs(60) {

@@ -433,8 +433,12 @@ class Scenario(object):
         if self.opts.break_ == 'wrong-file' and worker is not None:
             threading.Thread(target=self._swap_served, daemon=True,
                              args=(worker, uuid_)).start()
-        done = ironic.wait(uuid_, ('active', 'deploy failed'),
-                           self.opts.timeout)
+        try:
+            done = ironic.wait(uuid_, ('active', 'deploy failed'),
+                               self.opts.timeout)
+        except AssertionError as e:
+            raise AssertionError('%s: %s\n--- VM console:\n%s' % (
+                self.kind, str(e).splitlines()[0], vm.tail()))
         active = time.monotonic() - started
         if done['provision_state'] != 'active':
             raise AssertionError(
@@ -540,7 +544,7 @@ def main():
                         choices=('wrong-file', 'checksum'))
     parser.add_argument('--undeploy', action='store_true',
                         help='then undeploy with cleaning (a second boot)')
-    parser.add_argument('--timeout', type=int, default=600,
+    parser.add_argument('--timeout', type=int, default=780,
                         help='seconds a deploy may take')
     parser.add_argument('--image-mib', type=int, default=32,
                         help='MiB of data in the source image')
