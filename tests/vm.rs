@@ -1,0 +1,133 @@
+//! Real machines deployed by a real Ironic 39 through `direct-worker`: a
+//! QEMU VM boots a real ironic-python-agent 13 ramdisk (built once per
+//! recipe by tests/vm/build-ramdisk, cached under /var/tmp), Ironic
+//! (fake-hardware) deploys it with this worker binary, and the VM's disk is
+//! compared with `qemu-img convert -O raw` of the source (tests/vm/deploy.py
+//! runs each scenario and says what it checks). Stock `direct` runs beside
+//! the worker's scenarios, so a broken harness is told apart from a broken
+//! worker. Its own test binary: each VM keeps a core busy under TCG for a
+//! minute or more, which the many short tests of `it` should not share.
+//!
+//! Needs root (the ramdisk's build), qemu-system-x86, socat, mmdebstrap,
+//! cpio, zstd, RabbitMQ on 127.0.0.1:5672 and the Ironic virtualenv of the
+//! other tests; `.ci/run` installs them.
+
+#[path = "it/common/mod.rs"]
+#[allow(unused_imports)]
+mod common;
+
+use common::plugin::plugin_python;
+use common::*;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// The ramdisk's directory (`vmlinuz`, `initramfs`), built when its recipe
+/// changed; `IIW_VM_RAMDISK_CACHE` moves the cache.
+fn ramdisk() -> PathBuf {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/vm/build-ramdisk");
+    let mut cmd = std::process::Command::new(script);
+    if let Some(cache) = std::env::var_os("IIW_VM_RAMDISK_CACHE") {
+        cmd.arg(cache);
+    }
+    let started = Instant::now();
+    let out = cmd.stderr(std::process::Stdio::inherit()).output().unwrap();
+    assert!(out.status.success(), "tests/vm/build-ramdisk failed");
+    println!("ramdisk ready in {:.1?}", started.elapsed());
+    let dir = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
+    prune_other_recipes(&dir);
+    dir
+}
+
+/// Bounds the cache: ramdisks of other recipes (about 400 MB each) go once
+/// unused for a day (another checkout on the machine may still use one).
+fn prune_other_recipes(current: &Path) {
+    // Marks the current one as used (its modification time).
+    if let Ok(dir) = std::fs::File::open(current) {
+        let _ = dir.set_modified(std::time::SystemTime::now());
+    }
+    let Ok(entries) = std::fs::read_dir(current.parent().unwrap()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let stale = entry
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age > Duration::from_secs(86_400));
+        let name = entry.file_name();
+        if path != current && path.is_dir() && !name.to_string_lossy().starts_with('.') && stale {
+            let _ = std::fs::remove_dir_all(&path);
+        }
+    }
+}
+
+/// Runs tests/vm/deploy.py for `scenario` (with `extra` arguments) and
+/// returns its output; fails with that output when the scenario fails.
+fn deploy(scenario: &str, extra: &[&str]) -> String {
+    let ramdisk = ramdisk();
+    let python = plugin_python();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/vm/deploy.py");
+    let mut child = std::process::Command::new(python)
+        .arg(script)
+        .args(["--worker", BIN, "--ramdisk"])
+        .arg(&ramdisk)
+        .args(extra)
+        .arg(scenario)
+        .env_remove("IRONIC_IMAGE_WORKER_CONFIG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The harness's own timeouts end it first; this is the last resort.
+    let deadline = Instant::now() + Duration::from_secs(1200);
+    let mut terminated = false;
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline + Duration::from_secs(60) {
+            child.kill().unwrap();
+        } else if Instant::now() > deadline && !terminated {
+            // SIGTERM first: the harness stops its Ironic, worker and VMs.
+            terminated = true;
+            let _ = std::process::Command::new("kill")
+                .arg(child.id().to_string())
+                .status();
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let out = child.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("{text}");
+    assert!(
+        out.status.success() && text.contains("1 passed, 0 failed"),
+        "the {scenario} VM deploy failed (the harness's output is above)"
+    );
+    text
+}
+
+/// Then undeployed with automated cleaning (the agent boots again and
+/// erases the disk's metadata) back to `available`: running beside the
+/// JSON-RPC and stock cases, it adds little to the wall time.
+#[test]
+fn amqp_deploy_of_a_real_vm_then_undeploy_with_cleaning() {
+    let text = deploy("amqp", &["--undeploy"]);
+    assert!(text.contains("only the worker fetched the source"));
+    assert!(text.contains("undeployed and cleaned back to available"));
+}
+
+#[test]
+fn json_rpc_deploy_of_a_real_vm_without_a_broker() {
+    let text = deploy("json-rpc", &[]);
+    assert!(text.contains("only the worker fetched the source"));
+}
+
+/// Stock Ironic `direct` on the same harness: the control.
+#[test]
+fn stock_direct_deploy_of_a_real_vm() {
+    let text = deploy("direct", &[]);
+    assert!(text.contains("direct: Ironic fetched the source"));
+}

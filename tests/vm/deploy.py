@@ -1,0 +1,582 @@
+"""Real machine deploys: Ironic 39 (``ironic``, API and conductor in one
+process, fake-hardware) deploys a QEMU VM booted from a real
+ironic-python-agent 13 ramdisk (tests/vm/build-ramdisk) onto its blank
+virtual disk, through ``direct-worker`` and a real ironic-image-worker, or
+through Ironic's stock ``direct`` (the harness's own control: when it fails
+too, the harness is broken, not the worker).
+
+Run with the Python of the Ironic virtualenv that has the deploy interface
+installed (tests/vm.rs does, as ``cargo test --test vm``):
+
+    python tests/vm/deploy.py --worker BIN --ramdisk DIR SCENARIO...
+
+Scenarios: ``amqp`` (the worker over RabbitMQ on 127.0.0.1:5672),
+``json-rpc`` (the worker with ``[amqp]enabled = false``, no broker),
+``direct`` (stock Ironic, which downloads and converts the image itself).
+Each checks that the node became ``active``, that the VM powered itself
+off, that the first bytes of its disk equal ``qemu-img convert -O raw`` of
+the source qcow2, and who fetched the source: with the worker, only the
+worker (its User-Agent) and nothing in Ironic's master image cache; with
+``direct``, Ironic. ``--break wrong-file`` swaps the node's served file
+for another image once the worker has published it, ``--break checksum``
+gives Ironic a wrong checksum: each must fail the scenario.
+
+Networking: QEMU's user network with ``restrict=on`` (nothing leaves the
+machine); the agent is reached through a ``hostfwd`` on 127.0.0.1, and the
+guest reaches the host's ports only through ``guestfwd`` rules, one per
+port, which the ramdisk makes the guest's own 127.0.0.1:PORT (NAT), so the
+URLs Ironic and the worker hand out (all ``127.0.0.1:PORT``) work on both
+sides. KVM is used where it is ordinary KVM; TCG otherwise (the PVM flavour
+of /dev/kvm hangs Debian's kernel at boot).
+"""
+
+import argparse
+import hashlib
+import http.server
+import os
+import random
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+
+from ironic_image_worker_deploy.tests import real_ironic
+
+MiB = 1 << 20
+GiB = 1 << 30
+WORKER_AGENT = 'ironic-image-worker/'
+# IPA's smallest root device is 4 GiB.
+DISK_SIZE = 5 * GiB
+
+
+def log(msg):
+    print('[%7.1fs] %s' % (time.monotonic() - START, msg), flush=True)
+
+
+START = time.monotonic()
+
+
+def accelerator():
+    """``kvm`` where /dev/kvm is usable ordinary KVM, else ``tcg``."""
+    if os.path.exists('/sys/module/kvm_pvm'):
+        return 'tcg'
+    if os.access('/dev/kvm', os.R_OK | os.W_OK):
+        return 'kvm'
+    return 'tcg'
+
+
+def file_hash(path, limit=None):
+    """sha256 of the first ``limit`` bytes of ``path`` (all by default)."""
+    h = hashlib.sha256()
+    left = limit if limit is not None else float('inf')
+    with open(path, 'rb') as f:
+        while left > 0:
+            chunk = f.read(int(min(4 * MiB, left)))
+            if not chunk:
+                break
+            h.update(chunk)
+            left -= len(chunk)
+    return h.hexdigest()
+
+
+def make_image(workdir, name, virtual, data, seed):
+    """A qcow2 of ``virtual`` bytes: an MBR partition table (the agent
+    refuses a whole-disk image without one) and ``data`` bytes of random
+    data in four places of its partition; and its reference: ``qemu-img
+    convert -O raw``."""
+    raw = os.path.join(workdir, name + '.raw')
+    rnd = random.Random(seed)
+    with open(raw, 'wb') as f:
+        f.truncate(virtual)
+        piece = data // 4
+        for at in (MiB, virtual // 3, virtual // 2 + 4096, virtual - piece):
+            f.seek(at)
+            f.write(rnd.randbytes(piece))
+        # One Linux partition from sector 2048 to the end.
+        entry = struct.pack('<B3sB3sII', 0, b'\xfe\xff\xff', 0x83,
+                            b'\xfe\xff\xff', 2048, virtual // 512 - 2048)
+        f.seek(446)
+        f.write(entry + bytes(48) + b'\x55\xaa')
+    img = os.path.join(workdir, 'src', name + '.qcow2')
+    ref = os.path.join(workdir, name + '.ref')
+    run('qemu-img', 'convert', '-f', 'raw', '-O', 'qcow2', raw, img)
+    run('qemu-img', 'convert', '-f', 'qcow2', '-O', 'raw', img, ref)
+    os.unlink(raw)
+    return img, ref
+
+
+def run(*args):
+    subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
+
+
+class Source(object):
+    """The image source: serves a directory, logging each request's method,
+    path, User-Agent and client."""
+
+    def __init__(self, directory):
+        self.requests = []
+        outer = self
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            protocol_version = 'HTTP/1.1'
+
+            def __init__(self, *a, **kw):
+                super().__init__(*a, directory=directory, **kw)
+
+            def log_message(self, *args):
+                pass
+
+            def send_head(self):
+                outer.requests.append((self.command, self.path,
+                                       self.headers.get('User-Agent', '')))
+                return super().send_head()
+
+        self.httpd = http.server.ThreadingHTTPServer(('127.0.0.1', 0),
+                                                     Handler)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever,
+                         daemon=True).start()
+
+    def url(self, name):
+        return 'http://127.0.0.1:%d/%s' % (self.port, name)
+
+    def gets(self, name):
+        return [ua for (m, p, ua) in self.requests
+                if m == 'GET' and p == '/' + name]
+
+    def stop(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class Worker(object):
+    """A real ironic-image-worker (``serve``) with its own directories."""
+
+    def __init__(self, binary, workdir, extra=''):
+        self.binary = binary
+        self.root = tempfile.mkdtemp(prefix='worker-', dir=workdir)
+        self.host = 'vm-%s' % uuid.uuid4().hex[:12]
+        self.http_port = real_ironic.free_port()
+        self.metrics_port = real_ironic.free_port()
+        self.http_root = os.path.join(self.root, 'httpboot')
+        self.images_path = os.path.join(self.root, 'images')
+        self.config = os.path.join(self.root, 'worker.toml')
+        with open(self.config, 'w') as f:
+            f.write('[DEFAULT]\nhost = "%s"\n'
+                    '[deploy]\nhttp_root = "%s"\n'
+                    'http_url = "http://127.0.0.1:%d"\n'
+                    '[pxe]\ninstance_master_path = "%s/master_images"\n'
+                    'images_path = "%s"\n'
+                    '[http]\nlisten = "127.0.0.1:%d"\n'
+                    '[metrics]\nlisten = "127.0.0.1:%d"\n%s\n'
+                    % (self.host, self.http_root, self.http_port,
+                       self.root, self.images_path, self.http_port,
+                       self.metrics_port, extra))
+        self.proc = None
+        self.log_path = os.path.join(self.root, 'worker.log')
+
+    def start(self):
+        environ = dict(os.environ, RUST_LOG='info,lapin=warn')
+        environ.pop('IRONIC_IMAGE_WORKER_CONFIG', None)
+        self.log = open(self.log_path, 'ab')
+        self.proc = subprocess.Popen(
+            [self.binary, '--config', self.config, 'serve'],
+            stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log,
+            env=environ)
+        url = 'http://127.0.0.1:%d/readyz' % self.metrics_port
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError('the worker exited with %s:\n%s'
+                                     % (self.proc.returncode, self.tail()))
+            try:
+                with urllib.request.urlopen(url, timeout=1) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError('the worker did not become ready:\n%s'
+                             % self.tail())
+
+    def tail(self, n=30):
+        with open(self.log_path, 'rb') as f:
+            return b'\n'.join(f.read().splitlines()[-n:]).decode(
+                errors='replace')
+
+    def stop(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc is not None:
+            self.log.close()
+
+
+class Vm(object):
+    """A QEMU machine booted from the agent's ramdisk with a blank disk;
+    its agent reports to Ironic's API on 127.0.0.1 and reaches ``ports``
+    of the host."""
+
+    def __init__(self, workdir, ramdisk, mac, api_port, ports, memory=1536,
+                 disk=None):
+        """``disk``: the disk of an earlier boot of the same machine."""
+        self.dir = tempfile.mkdtemp(prefix='vm-', dir=workdir)
+        self.disk = disk or os.path.join(self.dir, 'disk.raw')
+        if disk is None:
+            with open(self.disk, 'wb') as f:
+                f.truncate(DISK_SIZE)
+        self.console = os.path.join(self.dir, 'console.log')
+        self.agent_port = real_ironic.free_port()
+        ports = sorted(set([api_port] + list(ports)))
+        netdev = ['user', 'id=n0', 'restrict=on',
+                  'hostfwd=tcp:127.0.0.1:%d-:9999' % self.agent_port]
+        netdev += ['guestfwd=tcp:10.0.2.100:%d-cmd:socat - TCP:127.0.0.1:%d'
+                   % (p, p) for p in ports]
+        append = ' '.join([
+            'console=ttyS0', 'quiet', 'panic=-1', 'net.ifnames=0',
+            # The TSC calibrates wrongly on a busy host under TCG; HPET
+            # keeps the guest's clock (its TLS certificate's dates) right.
+            'clocksource=hpet',
+            'ipa-api-url=http://127.0.0.1:%d' % api_port,
+            'ipa-advertise-host=127.0.0.1',
+            'ipa-advertise-port=%d' % self.agent_port,
+            'ipa-insecure=1', 'ipa-lookup-interval=2',
+            'ipa-http-request-timeout=120',
+            # A download that fails its checksum is tried again once, not
+            # nine times (minutes each under emulation).
+            'ipa-image-download-connection-retries=1',
+            'iiw.forward=%s' % ','.join(str(p) for p in ports)])
+        self.accel = accelerator()
+        cmd = ['qemu-system-x86_64', '-nodefaults', '-machine', 'pc',
+               '-accel', self.accel,
+               '-m', str(memory), '-smp', '1', '-no-reboot',
+               '-display', 'none', '-monitor', 'none',
+               '-serial', 'file:%s' % self.console,
+               '-kernel', os.path.join(ramdisk, 'vmlinuz'),
+               '-initrd', os.path.join(ramdisk, 'initramfs'),
+               '-append', append,
+               '-drive', 'file=%s,format=raw,if=virtio,cache=unsafe'
+               % self.disk,
+               '-netdev', ','.join(netdev),
+               '-device', 'virtio-net-pci,netdev=n0,mac=%s' % mac]
+        self.qemu_log = open(os.path.join(self.dir, 'qemu.log'), 'wb')
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
+                                     stdout=self.qemu_log,
+                                     stderr=subprocess.STDOUT)
+
+    def console_text(self):
+        try:
+            with open(self.console, 'rb') as f:
+                return f.read().decode(errors='replace')
+        except OSError:
+            return ''
+
+    def tail(self, n=40):
+        return '\n'.join(self.console_text().splitlines()[-n:])
+
+    def wait_off(self, within):
+        """Waits for the guest to power itself off (QEMU exits)."""
+        try:
+            self.proc.wait(timeout=within)
+        except subprocess.TimeoutExpired:
+            raise AssertionError('the VM did not power off within %ss:\n%s'
+                                 % (within, self.tail()))
+        return time.monotonic() - self.started
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.qemu_log.close()
+
+
+def ironic_sections(kind, worker, own_http_root, json_rpc_port):
+    """ironic.conf of a scenario (on top of real_ironic's own)."""
+    sections = {
+        'DEFAULT': {'enabled_deploy_interfaces': 'direct-worker,direct,fake',
+                    'debug': 'true'},
+        # Automated cleaning (--undeploy) erases only the disk's metadata
+        # (the whole disk would take the agent minutes under emulation).
+        'deploy': {'default_boot_mode': 'bios',
+                   'erase_devices_priority': '0',
+                   'erase_devices_metadata_priority': '10'},
+        # A guest under emulation on a busy host answers slowly: Ironic
+        # retries its calls to the agent rather than failing the deploy.
+        'agent': {'image_download_source': 'local',
+                  'max_command_attempts': '10',
+                  'command_wait_interval': '3',
+                  'command_timeout': '120'},
+        'pxe': {},
+        'image_worker': {'prepare_timeout': '600', 'poll_interval': '0.5'},
+    }
+    if worker is None:
+        sections['deploy'].update(
+            http_url='http://127.0.0.1:%d' % own_http_root.port,
+            http_root=own_http_root.directory)
+        return sections
+    sections['deploy'].update(http_url='http://127.0.0.1:%d'
+                              % worker.http_port, http_root=worker.http_root)
+    sections['pxe']['images_path'] = worker.images_path
+    if kind == 'amqp':
+        sections['DEFAULT'].update(
+            host=worker.host,
+            transport_url='rabbit://guest:guest@127.0.0.1:5672/')
+        sections['image_worker']['transport'] = 'amqp'
+    else:
+        sections['image_worker']['transport'] = 'json-rpc'
+        sections['image_worker_json_rpc'] = {
+            'host_ip': '127.0.0.1', 'port': str(json_rpc_port),
+            'auth_strategy': 'noauth', 'use_ssl': 'false'}
+    return sections
+
+
+class HttpRoot(object):
+    """Ironic's own HTTP server (stock ``direct`` serves its converted
+    images from ``[deploy]http_root``)."""
+
+    def __init__(self, workdir):
+        self.directory = tempfile.mkdtemp(prefix='httproot-', dir=workdir)
+        self.server = Source(self.directory)
+        self.port = self.server.port
+
+    def stop(self):
+        self.server.stop()
+
+
+class Scenario(object):
+    """One deploy of one VM, checked end to end."""
+
+    def __init__(self, kind, opts, workdir, source, image):
+        self.kind = kind
+        self.opts = opts
+        self.dir = tempfile.mkdtemp(prefix='%s-' % kind, dir=workdir)
+        self.source = source
+        self.img, self.ref = image
+        self.name = os.path.basename(self.img)
+        self.cleanups = []
+
+    def run(self):
+        try:
+            return self._run()
+        finally:
+            for stop in reversed(self.cleanups):
+                try:
+                    stop()
+                except Exception as e:  # noqa: the first failure is shown
+                    log('%s: cleanup: %r' % (self.kind, e))
+
+    def _services(self):
+        """The worker (or Ironic's own HTTP root) and Ironic."""
+        worker = own_root = None
+        rpc_port = real_ironic.free_port()
+        if self.kind == 'direct':
+            own_root = HttpRoot(self.dir)
+            self.cleanups.append(own_root.stop)
+        else:
+            extra = ''
+            if self.kind == 'json-rpc':
+                extra = ('[amqp]\nenabled = false\n[json_rpc]\n'
+                         'listen = "127.0.0.1:%d"\nauth_strategy = "noauth"\n'
+                         % rpc_port)
+            worker = Worker(self.opts.worker, self.dir, extra)
+            self.cleanups.append(worker.stop)
+            worker.start()
+        sections = ironic_sections(self.kind, worker, own_root, rpc_port)
+        self.master = os.path.join(self.dir, 'ironic-master')
+        sections['pxe']['instance_master_path'] = self.master
+        sections['pxe'].setdefault('images_path',
+                                   os.path.join(self.dir, 'ironic-images'))
+        ironic = real_ironic.Ironic(self.dir, sections)
+        self.cleanups.append(ironic.stop)
+        return worker, own_root, ironic
+
+    def _node(self, ironic):
+        node = ironic.node()
+        patch = [{'op': 'add', 'path': '/instance_info', 'value': {
+            'image_source': self.source.url(self.name),
+            'image_os_hash_algo': 'sha256',
+            'image_os_hash_value': ('0' * 64
+                                    if self.opts.break_ == 'checksum'
+                                    else file_hash(self.img)),
+            'image_disk_format': 'qcow2',
+            'image_download_source': 'local'}}]
+        if self.kind == 'direct':
+            patch.append({'op': 'replace', 'path': '/deploy_interface',
+                          'value': 'direct'})
+        ironic.call('PATCH', '/v1/nodes/%s' % node['uuid'], patch)
+        return node
+
+    def _run(self):
+        worker, own_root, ironic = self._services()
+        node = self._node(ironic)
+        uuid_ = node['uuid']
+        served = worker.http_port if worker else own_root.port
+        started = time.monotonic()
+        ironic.provision(uuid_, 'active')
+        # Powered on as the deploy starts, as a BMC would.
+        vm = Vm(self.dir, self.opts.ramdisk, node['mac'], ironic.port,
+                [served])
+        self.cleanups.append(vm.stop)
+        log('%s: node %s deploying, VM on %s (agent at 127.0.0.1:%d)'
+            % (self.kind, uuid_, vm.accel, vm.agent_port))
+        if self.opts.break_ == 'wrong-file' and worker is not None:
+            threading.Thread(target=self._swap_served, daemon=True,
+                             args=(worker, uuid_)).start()
+        try:
+            done = ironic.wait(uuid_, ('active', 'deploy failed'),
+                               self.opts.timeout)
+        except AssertionError as e:
+            raise AssertionError('%s: %s\n--- VM console:\n%s' % (
+                self.kind, str(e).splitlines()[0], vm.tail()))
+        active = time.monotonic() - started
+        if done['provision_state'] != 'active':
+            raise AssertionError(
+                '%s: deploy failed: %s\n--- VM console:\n%s\n--- worker:\n%s'
+                '\n--- ironic:\n%s' % (
+                    self.kind, done['last_error'], vm.tail(),
+                    worker.tail() if worker else '', ironic.tail(30)))
+        off = vm.wait_off(180)
+        log('%s: active after %.1fs, VM off after %.1fs'
+            % (self.kind, active, off))
+        self._check_disk(vm)
+        self._check_fetchers(worker)
+        if self.opts.undeploy:
+            self._undeploy(ironic, worker, node, vm, served)
+        return {'kind': self.kind, 'active': active, 'off': off}
+
+    def _undeploy(self, ironic, worker, node, vm, served):
+        """Undeploy with automated cleaning: the machine boots its agent
+        again (same disk), which erases the disk's metadata; the node is
+        ``available`` again and the worker has dropped the node's file."""
+        uuid_ = node['uuid']
+        ironic.call('PATCH', '/v1/nodes/%s' % uuid_, [
+            {'op': 'replace', 'path': '/automated_clean', 'value': True}])
+        started = time.monotonic()
+        ironic.provision(uuid_, 'deleted')
+        again = Vm(self.dir, self.opts.ramdisk, node['mac'], ironic.port,
+                   [served], disk=vm.disk)
+        self.cleanups.append(again.stop)
+        done = ironic.wait(uuid_, ('available', 'clean failed'),
+                           self.opts.timeout)
+        if done['provision_state'] != 'available':
+            raise AssertionError('%s: cleaning failed: %s\n--- VM console:\n%s'
+                                 % (self.kind, done['last_error'],
+                                    again.tail()))
+        again.stop()
+        with open(vm.disk, 'rb') as f:
+            head = f.read(MiB)
+        if head != bytes(MiB):
+            raise AssertionError("%s: cleaning left the disk's first MiB"
+                                 % self.kind)
+        if worker is not None and os.path.lexists(
+                os.path.join(worker.images_path, uuid_)):
+            raise AssertionError("%s: the worker kept the node's file after "
+                                 "the undeploy" % self.kind)
+        log('%s: undeployed and cleaned back to available in %.1fs (disk '
+            'metadata erased, node file gone)'
+            % (self.kind, time.monotonic() - started))
+
+    def _swap_served(self, worker, uuid_):
+        """--break wrong-file: once the worker publishes the node's file,
+        its bytes are replaced by others (same size) before the agent
+        fetches it."""
+        link = os.path.join(worker.http_root, 'agent_images', uuid_)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if os.path.exists(link):
+                with open(link, 'r+b') as f:
+                    f.write(b'\xa5' * MiB)
+                log('break: the served file of %s overwritten' % uuid_)
+                return
+            time.sleep(0.1)
+
+    def _check_disk(self, vm):
+        size = os.path.getsize(self.ref)
+        got, want = file_hash(vm.disk, size), file_hash(self.ref)
+        if got != want:
+            raise AssertionError(
+                "%s: the VM's disk (first %d bytes, sha256 %s) is not qemu-img"
+                "'s conversion of the source (%s)" % (self.kind, size, got,
+                                                      want))
+        log("%s: the VM's disk equals qemu-img convert -O raw (%d bytes)"
+            % (self.kind, size))
+
+    def _check_fetchers(self, worker):
+        agents = self.source.gets(self.name)
+        self.source.requests.clear()
+        master = os.listdir(self.master) if os.path.isdir(self.master) else []
+        if worker is None:
+            # The control: stock Ironic downloads the source itself.
+            if not agents or any(a.startswith(WORKER_AGENT) for a in agents):
+                raise AssertionError('direct: source GETs by %r' % agents)
+            log('direct: Ironic fetched the source (%s)' % agents)
+            return
+        if not agents or not all(a.startswith(WORKER_AGENT) for a in agents):
+            raise AssertionError('%s: the source was fetched by %r, not only '
+                                 'the worker' % (self.kind, agents))
+        if master:
+            raise AssertionError("%s: Ironic's master image cache holds %r"
+                                 % (self.kind, master))
+        log('%s: only the worker fetched the source (%s); Ironic cached '
+            'nothing' % (self.kind, agents))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--worker', required=True,
+                        help='the ironic-image-worker binary')
+    parser.add_argument('--ramdisk', required=True,
+                        help='directory with vmlinuz and initramfs')
+    parser.add_argument('--workdir', default='/var/tmp',
+                        help='where the VMs disks and images are made')
+    parser.add_argument('--break', dest='break_',
+                        choices=('wrong-file', 'checksum'))
+    parser.add_argument('--undeploy', action='store_true',
+                        help='then undeploy with cleaning (a second boot)')
+    parser.add_argument('--timeout', type=int, default=780,
+                        help='seconds a deploy may take')
+    parser.add_argument('--image-mib', type=int, default=32,
+                        help='MiB of data in the source image')
+    parser.add_argument('--virtual-mib', type=int, default=512,
+                        help='virtual size of the source image, MiB')
+    parser.add_argument('scenarios', nargs='+',
+                        choices=('amqp', 'json-rpc', 'direct'))
+    opts = parser.parse_args()
+    # Stopped from outside (the test's last-resort timeout): the cleanups
+    # still stop Ironic, the worker and the VMs.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    workdir = tempfile.mkdtemp(prefix='iiw-vm-', dir=opts.workdir)
+    os.makedirs(os.path.join(workdir, 'src'))
+    source = Source(os.path.join(workdir, 'src'))
+    passed = failed = 0
+    try:
+        image = make_image(workdir, 'image', opts.virtual_mib * MiB,
+                           opts.image_mib * MiB, 56)
+        for kind in opts.scenarios:
+            try:
+                Scenario(kind, opts, workdir, source, image).run()
+                passed += 1
+                log('%s: PASSED' % kind)
+            except Exception as e:  # noqa: each scenario is reported
+                failed += 1
+                log('%s: FAILED: %s' % (kind, e))
+    finally:
+        source.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    print('%d passed, %d failed' % (passed, failed), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
