@@ -5,13 +5,15 @@
 //! # This folder
 //!
 //! Holds argument parsing, the one-shot commands (which call the pipeline
-//! directly), `cache list/clean`, `inspect`, `send` (publish one command
-//! through the broker and wait for its completion) and `configuration`
+//! directly), `cache list/clean`, `inspect`, `send` (one command through
+//! the broker, `send_rpc` through the JSON-RPC listener, and wait for its
+//! completion) and `configuration`
 //! (which files a command reads; `config check` and `config show`). Must
 //! not know how the pipeline does its work.
 
 pub(crate) mod configuration;
 pub(crate) mod send;
+mod send_rpc;
 
 use crate::config::Config;
 use crate::error::Result;
@@ -33,9 +35,11 @@ use std::sync::Arc;
     name = "ironic-image-worker",
     version,
     about = "Caches, converts, checksums and serves Ironic instance images for Ironic's \
-             direct deploy, driven by RabbitMQ.",
+             direct deploy, driven by RabbitMQ or, without a broker, by Ironic's JSON-RPC \
+             client.",
     long_about = "Caches, converts, checksums and serves Ironic instance images for Ironic's \
-                  direct deploy, driven by RabbitMQ.\n\nStart with `config check` and \
+                  direct deploy, driven by RabbitMQ or, without a broker (Metal3, Bifrost), \
+                  by Ironic's JSON-RPC client.\n\nStart with `config check` and \
                   `config show` (the configuration in force and where each value came from), \
                   then `serve`. Every command reads the service's configuration: \
                   /etc/ironic-image-worker/worker.toml and /etc/ironic/ironic.conf when they \
@@ -98,7 +102,8 @@ impl LogFormat {
 /// Subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Run the worker: image server, metrics listener and the broker consumer.
+    /// Run the worker: image server, metrics listener, and the broker
+    /// consumer or (`[json_rpc]listen`) the JSON-RPC listener.
     Serve,
     /// Cache and publish an image for a node, without a broker.
     Prepare(PrepareArgs),
@@ -106,7 +111,9 @@ pub enum Command {
     Deployed(NodeArgs),
     /// Remove a node's image and URL, without a broker.
     Cleanup(NodeArgs),
-    /// Publish a command to a running worker through the broker.
+    /// Send a command to a running worker: through the broker, or its
+    /// JSON-RPC listener when `[amqp]enabled = false` (or `--transport
+    /// json-rpc`).
     Send(send::SendArgs),
     /// Delete the queues of a conductor taken out of service (its command
     /// queue and dead-letter queue), which would otherwise stay bound to
@@ -411,6 +418,8 @@ async fn run(
             return Ok(ExitCode::SUCCESS);
         }
         Command::Inspect { file } => return Ok(inspect(&loaded.config, &file)),
+        // A listing only reads: anyone who can read the cache may run it.
+        Command::Cache(CacheCommand::List { json }) => return cache_list(&loaded.config, json),
         Command::Cache(cmd) => {
             refuse_foreign_cache(&loaded.config)?;
             return cache_command(loaded.config, cmd);
@@ -506,6 +515,37 @@ fn refuse_foreign_cache(config: &Config) -> Result<()> {
     }
 }
 
+/// `cache list`: the masters as a table or JSON, read without opening
+/// (or making) anything.
+fn cache_list(config: &Config, json: bool) -> Result<ExitCode> {
+    let entries = Pipeline::list_cache(config)?;
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&entries).unwrap_or_default()
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "{:<48} {:>12} {:<20} {:>6} {:>9}",
+        "IMAGE", "SIZE", "LAST USED (UTC)", "NODES", "CONVERTED"
+    );
+    for e in entries {
+        let when =
+            std::time::UNIX_EPOCH + std::time::Duration::from_secs(e.last_used.max(0) as u64);
+        let when = httpdate::fmt_http_date(when);
+        println!(
+            "{:<48} {:>12} {:<20} {:>6} {:>9}",
+            e.name,
+            e.size,
+            &when[5..25],
+            e.linked_nodes,
+            e.converted
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 /// Draws the in-flight transfer gauges as a progress bar on a terminal.
 async fn progress_bar(metrics: Arc<Metrics>) {
     let bar = indicatif::ProgressBar::new(0).with_style(
@@ -534,49 +574,22 @@ async fn progress_bar(metrics: Arc<Metrics>) {
 
 /// `cache list` / `cache clean`.
 fn cache_command(config: Config, cmd: CacheCommand) -> Result<ExitCode> {
-    let pipeline = Pipeline::new(config, Arc::new(Metrics::new()))?;
-    match cmd {
-        CacheCommand::List { json } => {
-            let entries = pipeline.cache_entries()?;
-            if json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&entries).unwrap_or_default()
-                );
-            } else {
-                println!(
-                    "{:<48} {:>12} {:<20} {:>6} {:>9}",
-                    "IMAGE", "SIZE", "LAST USED (UTC)", "NODES", "CONVERTED"
-                );
-                for e in entries {
-                    let when = std::time::UNIX_EPOCH
-                        + std::time::Duration::from_secs(e.last_used.max(0) as u64);
-                    let when = httpdate::fmt_http_date(when);
-                    println!(
-                        "{:<48} {:>12} {:<20} {:>6} {:>9}",
-                        e.name,
-                        e.size,
-                        &when[5..25],
-                        e.linked_nodes,
-                        e.converted
-                    );
-                }
-            }
-        }
+    let (all_unused, dry_run) = match cmd {
+        CacheCommand::List { json } => return cache_list(&config, json),
         CacheCommand::Clean {
             all_unused,
             dry_run,
-        } => {
-            if !dry_run {
-                pipeline.recover()?;
-            }
-            let report = pipeline.clean_cache(0, all_unused, dry_run)?;
-            println!(
-                "{}",
-                serde_json::json!({"dry_run": dry_run, "evicted": report.evicted, "freed_bytes": report.freed})
-            );
-        }
+        } => (all_unused, dry_run),
+    };
+    let pipeline = Pipeline::new(config, Arc::new(Metrics::new()))?;
+    if !dry_run {
+        pipeline.recover()?;
     }
+    let report = pipeline.clean_cache(0, all_unused, dry_run)?;
+    println!(
+        "{}",
+        serde_json::json!({"dry_run": dry_run, "evicted": report.evicted, "freed_bytes": report.freed})
+    );
     Ok(ExitCode::SUCCESS)
 }
 

@@ -2,6 +2,7 @@
 //! a worker (or a warm to every worker) through the broker, with a
 //! temporary reply queue, and can wait for the completion events.
 
+use super::send_rpc::Transport;
 use super::{ImageArgs, content, print_completion, request};
 use crate::broker::{Brokers, Topology, WARM_ALL_KEY};
 use crate::config::Config;
@@ -416,6 +417,8 @@ pub struct SendArgs {
     /// Seconds to wait with `--wait` (or `--all-conductors`).
     #[arg(long, default_value_t = 3600)]
     timeout: u64,
+    #[command(flatten)]
+    rpc: super::send_rpc::RpcArgs,
 }
 
 /// Actions a command can carry.
@@ -474,6 +477,7 @@ pub(super) async fn send_command(config: &Config, args: SendArgs) -> Result<Exit
         .clone();
     let host = args
         .conductor
+        .clone()
         .unwrap_or_else(|| config.default.host.clone());
     let target = match args.all_conductors {
         true => Target::AllConductors,
@@ -483,7 +487,13 @@ pub(super) async fn send_command(config: &Config, args: SendArgs) -> Result<Exit
         limit: std::time::Duration::from_secs(args.timeout),
         expect: args.expect,
     });
-    let answers = send(&crate::broker::Settings::of(config), target, &req, wait).await?;
+    let answers = match args.rpc.transport(config) {
+        Transport::Amqp => send(&crate::broker::Settings::of(config), target, &req, wait).await?,
+        Transport::JsonRpc => {
+            let routed = args.all_conductors || args.conductor.is_some();
+            super::send_rpc::send(config, &args.rpc, routed, &req, wait.map(|w| w.limit)).await?
+        }
+    };
     if wait.is_none() {
         println!("{}", serde_json::json!({"request_id": request_id}));
         return Ok(ExitCode::SUCCESS);

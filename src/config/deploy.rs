@@ -142,6 +142,24 @@ impl DeploySection {
     }
 }
 
+impl DeploySection {
+    /// Whether `http_url` names this host's loopback (`localhost`,
+    /// `127.0.0.0/8`, `::1`), which no node can reach.
+    pub(super) fn http_url_is_loopback(&self) -> bool {
+        let host = self
+            .http_url
+            .split_once("://")
+            .and_then(|(_, rest)| url_host(rest));
+        match host.as_deref() {
+            Some("localhost") => true,
+            Some(host) => host
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback()),
+            None => false,
+        }
+    }
+}
+
 /// The host name of a URL's authority (`rest` is what follows `://`),
 /// lower-cased, without user info, port or IPv6 brackets.
 fn url_host(rest: &str) -> Option<String> {

@@ -394,6 +394,7 @@ pub const OSLO_ENV_PREFIX: &str = "OS_";
 /// path substitutions, Ironic's master directory).
 const OTHER_READ: &[(&str, &str)] = &[
     ("DEFAULT", "transport_url"),
+    ("DEFAULT", "rpc_transport"),
     ("DEFAULT", "state_path"),
     ("oslo_messaging_rabbit", "ssl"),
     ("oslo_messaging_notifications", "transport_url"),
@@ -409,6 +410,34 @@ pub fn oslo_env_name(group: &str, option: &str) -> String {
     )
 }
 
+/// Every option the worker takes from Ironic's configuration under the
+/// same or another name: (ironic.conf section, option, worker section,
+/// worker option, kind). `[DEFAULT]transport_url` is read apart
+/// ([`map_transport`]: one value becomes a list of URLs).
+fn shared_options()
+-> impl Iterator<Item = (&'static str, &'static str, &'static str, &'static str, Kind)> {
+    let same = SAME.iter().flat_map(|(sec, opts)| {
+        opts.iter()
+            .map(move |&(key, kind)| (*sec, key, *sec, key, kind))
+    });
+    same.chain(RENAMED.iter().copied())
+}
+
+/// An option's section and name, as written in its file.
+#[cfg(test)]
+pub(super) type OptionName = (&'static str, &'static str);
+
+/// Every option the worker shares with Ironic, as ((ironic.conf section,
+/// option), (worker section, option)): the options whose precedence the
+/// configuration's tests check layer by layer, so a new one cannot slip.
+#[cfg(test)]
+pub(super) fn shared_names() -> Vec<(OptionName, OptionName)> {
+    shared_options()
+        .map(|(isec, ikey, wsec, wkey, _)| ((isec, ikey), (wsec, wkey)))
+        .chain([(("DEFAULT", "transport_url"), ("amqp", "url"))])
+        .collect()
+}
+
 impl IniFile {
     /// Sets over the file's values those of oslo.config's environment
     /// source, for every option the worker reads of ironic.conf: as in
@@ -416,12 +445,9 @@ impl IniFile {
     /// variables (an OpenStack client's `OS_AUTH_URL`...) are not read.
     /// Returns how many were taken.
     pub fn overlay_env(&mut self, env: &[(String, String)]) -> usize {
-        let shared = SAME
-            .iter()
-            .flat_map(|(sec, opts)| opts.iter().map(move |(key, _)| (*sec, *key)));
-        let renamed = RENAMED.iter().map(|(sec, key, ..)| (*sec, *key));
+        let shared = shared_options().map(|(sec, key, ..)| (sec, key));
         let mut taken = 0;
-        for (sec, key) in shared.chain(renamed).chain(OTHER_READ.iter().copied()) {
+        for (sec, key) in shared.chain(OTHER_READ.iter().copied()) {
             let name = oslo_env_name(sec, key);
             if let Some((_, value)) = env.iter().rev().find(|(n, _)| *n == name) {
                 *self.values_mut(sec, key) = vec![value.clone()];
@@ -487,6 +513,10 @@ pub fn load(path: Option<&Path>, env: &[(String, String)]) -> Result<Layers, Pro
         None => None,
     };
     layers.ironic_master_path = master_path.map(std::path::PathBuf::from);
+    if let Some(transport) = ini.get("DEFAULT", "rpc_transport").map_err(whole)? {
+        let source = ini.source(path, "DEFAULT", "rpc_transport");
+        layers.ironic_rpc_transport = Some((transport.trim().to_string(), source));
+    }
     map_options(&ini, path, &mut layers).map_err(whole)?;
     Ok(layers)
 }
@@ -519,11 +549,7 @@ fn map_options(ini: &IniFile, file: Option<&Path>, layers: &mut Layers) -> Resul
             }
         }
     }
-    let same = SAME.iter().flat_map(|(sec, opts)| {
-        opts.iter()
-            .map(move |&(key, kind)| (*sec, key, *sec, key, kind))
-    });
-    for (isec, ikey, wsec, wkey, kind) in same.chain(RENAMED.iter().copied()) {
+    for (isec, ikey, wsec, wkey, kind) in shared_options() {
         let Some(v) = ini.get(isec, ikey)? else {
             continue;
         };

@@ -136,4 +136,44 @@ mod tests {
         let half_tls = load(&[listen, "json_rpc.tls_cert_file=/etc/hostname"]);
         assert!(half_tls.unwrap_err().contains("[json_rpc]tls_cert_file"));
     }
+
+    /// An Ironic without a broker (`rpc_transport = json-rpc`, no
+    /// `transport_url`) and a worker left with its default broker: refused,
+    /// naming both; a broker chosen, or none, is accepted.
+    #[test]
+    fn a_default_broker_beside_an_ironic_without_one_is_refused() {
+        let env = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        let load = |env: &[(String, String)], set: &[&str]| {
+            let set: Vec<String> = set.iter().map(|s| s.to_string()).collect();
+            Config::load_from(&Files::default(), env, &set).map_err(|e| e.message)
+        };
+        let ironic = env(&[("OS_DEFAULT__RPC_TRANSPORT", "json-rpc")]);
+        let refused = load(&ironic, &[]).unwrap_err();
+        assert!(
+            refused.contains("[amqp]enabled")
+                && refused.contains(
+                    "rpc_transport = json-rpc from environment OS_DEFAULT__RPC_TRANSPORT"
+                ),
+            "{refused}"
+        );
+        let none = env(&[("OS_DEFAULT__RPC_TRANSPORT", "none")]);
+        assert!(load(&none, &[]).is_err());
+        load(
+            &ironic,
+            &["amqp.enabled=false", "json_rpc.listen=127.0.0.1:8099"],
+        )
+        .unwrap();
+        load(&ironic, &["amqp.url=amqp://u:p@rabbit:5672/%2F"]).unwrap();
+        let with_broker = env(&[
+            ("OS_DEFAULT__RPC_TRANSPORT", "json-rpc"),
+            ("OS_DEFAULT__TRANSPORT_URL", "rabbit://u:p@rabbit:5672/"),
+        ]);
+        load(&with_broker, &[]).unwrap();
+        load(&env(&[("OS_DEFAULT__RPC_TRANSPORT", "oslo")]), &[]).unwrap();
+    }
 }

@@ -52,6 +52,22 @@ pub enum Source {
 }
 
 impl Source {
+    /// The layer's precedence, the one order of the documented layers:
+    /// defaults < ironic.conf (with the defaults a read file implies) <
+    /// `OS_<GROUP>__<OPTION>` < the worker's TOML file <
+    /// `IRONIC_IMAGE_WORKER__*` < `--set`.
+    fn rank(&self) -> u8 {
+        match self {
+            Source::Default => 0,
+            Source::FileDefault(_) => 1,
+            Source::IronicConf { .. } => 2,
+            Source::OsloEnv(_) => 3,
+            Source::Toml(_) => 4,
+            Source::Env(_) => 5,
+            Source::Flag(_) => 6,
+        }
+    }
+
     /// Whether the value comes from Ironic's configuration (ironic.conf or
     /// oslo.config's variables) rather than the worker's own settings.
     pub fn is_ironics(&self) -> bool {
@@ -126,6 +142,10 @@ pub struct Layers {
     /// Ironic's `[pxe]instance_master_path` when an ironic.conf (or
     /// oslo.config's variables) names it, which the worker must not share.
     pub ironic_master_path: Option<PathBuf>,
+    /// Ironic's `[DEFAULT]rpc_transport` when an ironic.conf (or
+    /// `OS_DEFAULT__RPC_TRANSPORT`) sets it, with where: `json-rpc` or
+    /// `none` means Ironic has no broker the worker could share.
+    pub ironic_rpc_transport: Option<(String, Source)>,
     /// Notes of the layers themselves (an ironic.conf option the worker
     /// reads differently).
     pub warnings: Vec<Problem>,
@@ -185,7 +205,7 @@ impl Layers {
                 Some(((section, key), value)) => layers.set(
                     section,
                     key,
-                    Raw::Text(value.to_string()),
+                    Raw::Text(flag_text(value)),
                     Source::Flag(format!("{section}.{key}")),
                 ),
                 None => problems.push(Problem::of_source(
@@ -240,12 +260,17 @@ impl Layers {
         Ok(())
     }
 
-    /// Gives `[section] key` a value over the ones it had.
+    /// Gives `[section] key` a value over the ones it had from layers of
+    /// the same or a lower precedence, and under those of a higher one:
+    /// the stack stays in precedence order ([`Source::rank`]) whatever
+    /// order the layers are read in.
     pub fn set(&mut self, section: &str, key: &str, value: Raw, source: Source) {
-        self.options
+        let stack = self
+            .options
             .entry((section.to_string(), key.to_string()))
-            .or_default()
-            .push(Setting { value, source });
+            .or_default();
+        let at = stack.partition_point(|s| s.source.rank() <= source.rank());
+        stack.insert(at, Setting { value, source });
     }
 
     /// The effective value of every option a layer set: the last one.
@@ -288,6 +313,22 @@ impl Layers {
             }
         }
         out
+    }
+}
+
+/// The text of a `--set` value: as typed, or, when typed as a TOML string
+/// (`amqp.url="amqp://..."`, as in the worker's file), the string it
+/// quotes; the quotes would otherwise be part of the value.
+fn flag_text(value: &str) -> String {
+    let quoted = value.len() >= 2
+        && ((value.starts_with('"') && value.ends_with('"'))
+            || (value.starts_with('\'') && value.ends_with('\'')));
+    let parsed = quoted
+        .then(|| format!("v = {value}").parse::<toml::Table>().ok())
+        .flatten();
+    match parsed.as_ref().and_then(|t| t.get("v")) {
+        Some(toml::Value::String(text)) => text.clone(),
+        _ => value.to_string(),
     }
 }
 
@@ -338,6 +379,26 @@ mod tests {
             Source::Flag("pxe.image_cache_size".into())
         );
         assert_eq!(layers.source_of("pxe", "image_cache_ttl"), Source::Default);
+    }
+
+    #[test]
+    fn a_flag_typed_as_a_toml_string_is_the_string_it_quotes() {
+        let layers = Layers::read(
+            &Files::default(),
+            &[],
+            &[
+                r#"amqp.url="amqp://admin:pw@rabbit:5672/ironic""#.into(),
+                "DEFAULT.host='cond-1'".into(),
+                r#"deploy.http_url="unclosed"#.into(),
+                "conductor.permitted_image_formats=raw,qcow2".into(),
+            ],
+        )
+        .unwrap();
+        let text = |s: &str, k: &str| layers.stack(s, k)[0].value.text();
+        assert_eq!(text("amqp", "url"), "amqp://admin:pw@rabbit:5672/ironic");
+        assert_eq!(text("DEFAULT", "host"), "cond-1");
+        assert_eq!(text("deploy", "http_url"), "\"unclosed");
+        assert_eq!(text("conductor", "permitted_image_formats"), "raw,qcow2");
     }
 
     #[test]

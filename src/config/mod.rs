@@ -51,6 +51,8 @@ mod metrics;
 mod notifications;
 mod oci;
 mod peers;
+#[cfg(test)]
+mod precedence;
 mod pxe;
 mod show;
 mod source;
@@ -153,6 +155,7 @@ pub fn read(
     if let Some(path) = &layers.ironic_master_path {
         config.check_master_not_ironics(path, &mut report);
     }
+    config.check_broker_is_ironics(&layers, &mut report);
     let report = report.with_sources(&layers);
     if !report.errors.is_empty() {
         return Err(report.errors);
@@ -306,8 +309,9 @@ impl Config {
     }
 
     /// An image server that speaks only HTTPS is not published as http://,
-    /// and a URL derived from a wildcard or loopback listen address, which
-    /// no node can reach, is worth a warning.
+    /// and a URL on this host's loopback (given, or derived from a wildcard
+    /// or loopback listen address), which no node can reach, is worth a
+    /// warning.
     fn check_published_url(&self, report: &mut Report) {
         if self.http.tls_enabled() && self.deploy.http_url.starts_with("http://") {
             report.error(
@@ -315,6 +319,17 @@ impl Config {
                 "http_url",
                 "is http:// but the image server speaks only HTTPS ([http]tls_cert_file is \
                  set); use https://",
+            );
+        }
+        if self.deploy.http_url_is_loopback() {
+            report.warn(
+                "deploy",
+                "http_url",
+                format!(
+                    "{} is this host's loopback, which no node can reach; set it to this \
+                     host's address on the provisioning network",
+                    self.deploy.http_url
+                ),
             );
         }
         let ip = self.http.listen.ip();
@@ -348,6 +363,30 @@ impl Config {
                 ),
             );
         }
+    }
+
+    /// Refuses a broker nobody configured where Ironic has none
+    /// (`rpc_transport = json-rpc` or `none`, no `transport_url`): the
+    /// worker would retry guest@127.0.0.1 for ever while Ironic calls its
+    /// JSON-RPC listener. An `[amqp]url` set anywhere is the operator's
+    /// choice and stands.
+    fn check_broker_is_ironics(&self, layers: &Layers, report: &mut Report) {
+        let Some((transport, source)) = &layers.ironic_rpc_transport else {
+            return;
+        };
+        let brokerless = matches!(transport.as_str(), "json-rpc" | "none");
+        if !brokerless || !self.amqp.enabled || !layers.stack("amqp", "url").is_empty() {
+            return;
+        }
+        report.error(
+            "amqp",
+            "enabled",
+            format!(
+                "true, but Ironic has no broker (rpc_transport = {transport} from {source}, \
+                 no transport_url): set [amqp]enabled = false and [json_rpc]listen (see \
+                 \"Without RabbitMQ\" in the operator guide), or [amqp]url"
+            ),
+        );
     }
 
     /// With `[amqp]enabled = false` nothing may need the broker: peers
@@ -520,6 +559,38 @@ mod tests {
             toml: None,
         };
         (dir, files)
+    }
+
+    /// An `http_url` on this host's loopback, given explicitly, is warned
+    /// about as the derived one is; an address of the network is not.
+    #[test]
+    fn a_loopback_http_url_is_warned_about() {
+        let warnings = |url: &str| -> Vec<String> {
+            let set = [
+                format!("deploy.http_url={url}"),
+                "http.listen=0.0.0.0:8080".into(),
+            ];
+            super::read(&Files::default(), &[], &set)
+                .unwrap()
+                .warnings
+                .iter()
+                .map(ToString::to_string)
+                .filter(|w| w.contains("[deploy]http_url"))
+                .collect()
+        };
+        for url in [
+            "http://127.0.0.1:8080",
+            "http://localhost:8080/",
+            "https://[::1]:8080",
+            "http://127.1.2.3",
+        ] {
+            let w = warnings(url);
+            assert!(
+                w.len() == 1 && w[0].contains("loopback, which no node can reach"),
+                "{url}: {w:?}"
+            );
+        }
+        assert!(warnings("http://192.0.2.10:8080").is_empty());
     }
 
     /// oslo.config's environment source: `OS_<GROUP>__<OPTION>`, over the

@@ -471,9 +471,66 @@ fn request_span(node: &str, request_id: Option<&str>, action: Action) -> tracing
     )
 }
 
+/// Whether a request's span ([`request_span`]) is the current one.
+fn in_request_span() -> bool {
+    tracing::Span::current()
+        .metadata()
+        .is_some_and(|m| m.name() == "request" && m.target() == module_path!())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A line logged by the pipeline inside the dispatcher's span of the
+    /// same request names the request once; alone (a one-shot command),
+    /// it still names it.
+    #[test]
+    fn a_request_span_is_not_entered_twice() {
+        #[derive(Clone, Default)]
+        struct Lines(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+        impl std::io::Write for Lines {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        let req = Request {
+            action: Action::Cleanup,
+            node: crate::node::NodeUuid::parse("1be26c0b-03f2-4d2e-ae87-c02d7f33c123").ok(),
+            request_id: Some("r-1".into()),
+            instance_info: InstanceInfo::default(),
+            options: Options::default(),
+            node_info: NodeInfo::default(),
+            only_if_prepared: false,
+            slow: SlowSignal::default(),
+            issued_ms: None,
+            notified: false,
+        };
+        tracing::subscriber::with_default(subscriber, || {
+            req.span().in_scope(|| {
+                req.span_once()
+                    .in_scope(|| tracing::info!("inside the dispatcher"))
+            });
+            req.span_once().in_scope(|| tracing::info!("alone"));
+        });
+        let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 2, "{text}");
+        for line in lines {
+            assert_eq!(line.matches("request{").count(), 1, "{line}");
+            assert!(line.contains("request_id=\"r-1\""), "{line}");
+        }
+    }
 
     /// The `reason` labels are a contract (dashboards, alerts, the
     /// integration tests read them): each reason keeps its label.

@@ -53,6 +53,17 @@ impl Request {
     pub fn span(&self) -> tracing::Span {
         super::request_span(self.node_str(), self.request_id.as_deref(), self.action)
     }
+
+    /// [`Request::span`] for work that may already run inside it (the
+    /// pipeline, called by the dispatcher that entered it): no span when a
+    /// request's span is current, so that every line carries the
+    /// request's fields once, not once per layer.
+    pub fn span_once(&self) -> tracing::Span {
+        match super::in_request_span() {
+            true => tracing::Span::none(),
+            false => self.span(),
+        }
+    }
 }
 
 /// How a slow download tells whoever runs its request that it no longer

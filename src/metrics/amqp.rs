@@ -6,6 +6,9 @@ use prometheus::{IntCounter, IntGauge};
 
 /// The broker connection's figures.
 pub struct AmqpMetrics {
+    /// 1 when the worker has a broker (`[amqp]enabled`), 0 without one: the
+    /// broker alerts look at `connected` only where this is not 0.
+    pub enabled: IntGauge,
     /// 1 while connected to the broker.
     pub connected: IntGauge,
     /// Reconnection attempts to the broker.
@@ -27,6 +30,10 @@ impl AmqpMetrics {
     /// Creates and registers the broker connection's metrics.
     pub(super) fn register(r: &Registrar<'_>) -> AmqpMetrics {
         AmqpMetrics {
+            enabled: r.gauge(
+                "amqp_enabled",
+                "1 when a broker is configured ([amqp]enabled), 0 without one.",
+            ),
             connected: r.gauge(
                 "amqp_connected",
                 "1 while the worker is connected to the broker.",

@@ -140,9 +140,12 @@ impl Pipeline {
         self.nodes.refresh_gauge();
     }
 
-    /// The masters in the cache, oldest-used first.
-    pub fn cache_entries(&self) -> Result<Vec<crate::store::eviction::Entry>> {
-        self.masters.entries()
+    /// The masters in the cache of `config`, oldest-used first, read
+    /// without opening the pipeline (which makes its directories): a
+    /// listing changes nothing, so anyone who can read may run it, root
+    /// included.
+    pub fn list_cache(config: &Config) -> Result<Vec<crate::store::eviction::Entry>> {
+        crate::store::eviction::list_dir(&config.pxe.instance_master_path)
     }
 
     /// Handles one request and always answers with a completion event. Every
@@ -163,7 +166,7 @@ impl Pipeline {
     /// in progress in any process sharing the directories is waited for
     /// and then cleaned up, never missed.
     pub async fn handle_unless_stray(&self, req: &Request) -> Option<Completion> {
-        let span = req.span();
+        let span = req.span_once();
         let gauge = self
             .metrics
             .in_flight

@@ -66,6 +66,7 @@ impl Running {
 /// starts everything `serve` runs, each stopping when `stop` is raised.
 async fn start(config: Config, files: &str, stop: watch::Receiver<bool>) -> Result<Running> {
     let metrics = Arc::new(Metrics::new());
+    metrics.amqp.enabled.set(i64::from(config.amqp.enabled));
     let limits = image_server_limits(&config);
     let security = image_server_security(&config, &metrics)?;
     let settings = crate::broker::Settings::of(&config);

@@ -90,19 +90,20 @@ pub enum Outcome {
     Gone,
 }
 
+/// Bytes allocated to the compressed form (or marker) of the master with
+/// inode `ino` of the cache directory `dir`: read only, for a listing that
+/// opens no cache.
+pub fn encoded_size_in(dir: &std::path::Path, ino: u64) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(dir.join(gzip::DIR).join(gzip::file_name(ino)))
+        .map(|m| m.blocks() * 512)
+        .unwrap_or(0)
+}
+
 impl Cache {
     /// The directory of the compressed files.
     pub fn gzip_dir(&self) -> PathBuf {
         self.dir().join(gzip::DIR)
-    }
-
-    /// Bytes allocated to the compressed form (or marker) of the master
-    /// with inode `ino`.
-    pub fn encoded_size(&self, ino: u64) -> u64 {
-        use std::os::unix::fs::MetadataExt;
-        std::fs::metadata(self.gzip_dir().join(gzip::file_name(ino)))
-            .map(|m| m.blocks() * 512)
-            .unwrap_or(0)
     }
 
     /// Removes the compressed form and marker of the master with inode

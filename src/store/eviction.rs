@@ -37,9 +37,14 @@ pub struct Policy {
 /// Lists the masters: the plain files at the top of the cache directory
 /// (sidecars, locks and temporaries live in hidden subdirectories).
 pub fn list(cache: &Cache) -> Result<Vec<Entry>> {
+    list_dir(cache.dir())
+}
+
+/// [`list`] of the cache directory `cache_dir`, reading only (no cache
+/// opened, nothing created): what `cache list` shows, whoever runs it.
+pub fn list_dir(cache_dir: &std::path::Path) -> Result<Vec<Entry>> {
     let mut out = Vec::new();
-    let dir =
-        std::fs::read_dir(cache.dir()).map_err(|e| crate::error::Error::io("list cache", e))?;
+    let dir = std::fs::read_dir(cache_dir).map_err(|e| crate::error::Error::io("list cache", e))?;
     for entry in dir.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
         if name.starts_with('.') || name.ends_with(OLD_META_SUFFIX) {
@@ -52,7 +57,8 @@ pub fn list(cache: &Cache) -> Result<Vec<Entry>> {
         out.push(Entry {
             converted: name.ends_with(crate::store::cache::CONVERTED_SUFFIX),
             name,
-            size: meta.blocks() * 512 + cache.encoded_size(meta.ino()),
+            size: meta.blocks() * 512
+                + crate::store::compress::encoded_size_in(cache_dir, meta.ino()),
             last_used: meta.mtime().max(meta.atime()).max(meta.ctime()),
             linked_nodes: meta.nlink().saturating_sub(1),
         });

@@ -487,3 +487,129 @@ async fn a_cast_with_no_room_is_refused_not_lost() {
     assert_eq!(last["error"]["code"], -32000, "{last}");
     held.abort();
 }
+
+/// Runs `ironic-image-worker send ARGS` against `env`'s configuration (no
+/// ironic.conf), with the listener's password in `password` (the
+/// environment variable `send` reads it from); (exit code, stdout, stderr).
+async fn send(env: &Env, password: Option<&str>, args: &[&str]) -> (i32, String, String) {
+    let mut cmd = tokio::process::Command::new(BIN);
+    cmd.arg("--config")
+        .arg(&env.config)
+        .args(["--ironic-config", "", "send"])
+        .args(args)
+        .env_remove("IRONIC_IMAGE_WORKER_RPC_PASSWORD")
+        .env_remove("IRONIC_IMAGE_WORKER_RPC_USER");
+    if let Some(p) = password {
+        cmd.env("IRONIC_IMAGE_WORKER_RPC_PASSWORD", p);
+    }
+    let out = tokio::time::timeout(WAIT, cmd.output())
+        .await
+        .expect("send finished")
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `send` on a worker configured without a broker takes its JSON-RPC
+/// listener, with the listener's HTTP Basic credentials and CA: a prepare
+/// with `--wait` prints the completion (served bytes are qemu-img's); a
+/// cleanup without `--wait` is a cast that the worker then runs; missing
+/// credentials are refused before anything is sent, a wrong password gets
+/// the listener's 401, and the broker's routing is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn send_speaks_json_rpc_to_a_worker_without_a_broker() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = ca::TestCa::new(dir.path(), "rpc-ca");
+    let (cert, key) = ca.issue(
+        "rpc-server",
+        "localhost",
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
+    );
+    let htpasswd = dir.path().join("htpasswd");
+    tool(
+        "htpasswd",
+        &["-Bbc", htpasswd.to_str().unwrap(), "ironic", "s3cret"],
+    );
+    let (env, _port) = env_without_broker(&format!(
+        "auth_strategy = \"http_basic\"\nhttp_basic_auth_user_file = \"{}\"\n\
+         tls_cert_file = \"{}\"\ntls_key_file = \"{}\"",
+        htpasswd.display(),
+        cert.display(),
+        key.display()
+    ));
+    let (img, reference) = image(&env.root().join("src"), "disk");
+    let source = SourceServer::start(&env.root().join("src")).await;
+    let _worker = env.serve().await;
+    // No broker configured: the broker alerts' gauge says so.
+    let (_, metrics) = get(&format!("http://127.0.0.1:{}/metrics", env.metrics_port)).await;
+    let metrics = String::from_utf8_lossy(&metrics);
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == "ironic_image_worker_amqp_enabled 0"),
+        "{metrics}"
+    );
+    let n = node();
+    let url = source.url("disk.qcow2");
+    let sha = sha256sum(&img);
+    let cafile = ca.pem.to_str().unwrap();
+    let auth = ["--user", "ironic", "--cafile", cafile];
+    let prepare = [
+        "prepare",
+        "--node",
+        &n,
+        "--image-source",
+        &url,
+        "--os-hash-algo",
+        "sha256",
+        "--os-hash-value",
+        &sha,
+        "--wait",
+    ];
+    let (code, out, err) = send(&env, Some("s3cret"), &[&prepare[..], &auth[..]].concat()).await;
+    assert_eq!(code, 0, "{out}{err}");
+    let done: Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(done["status"], "success", "{done}");
+    let image_url = done["image_url"].as_str().unwrap().to_string();
+    let (status, body) = get(&image_url).await;
+    assert_eq!(status, 200);
+    assert_eq!(body, std::fs::read(&reference).unwrap());
+
+    let (code, _, err) = send(&env, None, &[&prepare[..], &["--cafile", cafile]].concat()).await;
+    assert!(
+        code != 0 && err.contains("auth_strategy is http_basic"),
+        "{err}"
+    );
+    let (code, _, err) = send(&env, None, &[&prepare[..], &auth[..]].concat()).await;
+    assert!(code != 0 && err.contains("needs a password"), "{err}");
+    let (code, _, err) = send(&env, Some("guess"), &[&prepare[..], &auth[..]].concat()).await;
+    assert!(code != 0 && err.contains("401"), "{err}");
+    let routed = [&prepare[..], &auth[..], &["--conductor", "other"]].concat();
+    let (code, _, err) = send(&env, Some("s3cret"), &routed).await;
+    assert!(
+        code != 0 && err.contains("route through the broker"),
+        "{err}"
+    );
+
+    let password_file = dir.path().join("password");
+    std::fs::write(&password_file, "s3cret\n").unwrap();
+    let cast = [
+        "cleanup",
+        "--node",
+        &n,
+        "--password-file",
+        password_file.to_str().unwrap(),
+    ];
+    let (code, out, err) = send(&env, None, &[&cast[..], &auth[..]].concat()).await;
+    assert_eq!(code, 0, "{out}{err}");
+    let sent: Value = serde_json::from_str(out.trim()).unwrap();
+    assert!(sent["request_id"].is_string(), "{sent}");
+    let deadline = std::time::Instant::now() + WAIT;
+    while get(&image_url).await.0 != 404 {
+        assert!(std::time::Instant::now() < deadline, "the cast was not run");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

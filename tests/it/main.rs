@@ -25,6 +25,7 @@ mod ironic_options;
 mod ironic_plugin;
 mod json_rpc;
 mod ledger;
+mod metal3;
 mod metrics;
 mod node_files;
 mod notifications;

@@ -159,6 +159,7 @@ async fn metrics_appear_and_move() {
     exactly("operations_in_flight", &[], 0.0);
     exactly("in_flight_done_bytes", &[("stage", "download")], 0.0);
     exactly("in_flight_expected_bytes", &[("stage", "convert")], 0.0);
+    exactly("amqp_enabled", &[], 1.0);
     exactly("amqp_connected", &[], 1.0);
     exactly("amqp_reconnects_total", &[], 0.0);
     assert!(

@@ -603,6 +603,22 @@ fn root_leaves_no_files_the_service_cannot_remove() {
     );
     let left: Vec<_> = std::fs::read_dir(root.join("master")).unwrap().collect();
     assert!(left.is_empty(), "root left {left:?}");
+    // A listing only reads: root may run it, and it leaves nothing.
+    std::fs::write(root.join("master/abc"), b"master").unwrap();
+    let list = run(
+        &[
+            args[0], args[1], args[2], args[3], "cache", "list", "--json",
+        ],
+        &[],
+    );
+    assert!(list.status.success(), "{}", stderr(&list));
+    let listed: serde_json::Value = serde_json::from_slice(&list.stdout).unwrap();
+    assert_eq!(listed[0]["name"], "abc", "{listed}");
+    let left: Vec<_> = std::fs::read_dir(root.join("master"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left, ["abc"], "the listing made files");
     let as_owner = Command::new("setpriv")
         .args(["--reuid=65534", "--regid=65534", "--clear-groups", BIN])
         .args(args)

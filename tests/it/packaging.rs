@@ -131,6 +131,13 @@ async fn debian_package_installs_upgrades_and_purges() {
     let _installed = Installed;
     let out = env.root().join("deb");
     let first = build_deb(&out, "0.1.0~test1");
+    let control = sh(Command::new("dpkg-deb").arg("--field").arg(&first));
+    assert!(
+        control.contains("Depends: qemu-utils, adduser, libc6 (>= 2.34)")
+            && !control.contains("Homepage:")
+            && control.contains("JSON-RPC"),
+        "{control}"
+    );
     sh(Command::new("dpkg").arg("-i").arg(&first));
     for file in [
         "/usr/bin/ironic-image-worker",
@@ -202,8 +209,15 @@ async fn debian_package_installs_upgrades_and_purges() {
         .unwrap()
         .count();
 
+    // Enabled by an operator where systemd is not the init system (here):
+    // systemctl makes its link all the same, and the purge must take it.
+    let wants =
+        Path::new("/etc/systemd/system/multi-user.target.wants/ironic-image-worker.service");
+    sh(Command::new("systemctl").args(["enable", PACKAGE]));
+    assert!(wants.is_symlink(), "systemctl enable made no link");
     let files = package_files();
     sh(Command::new("dpkg").args(["--purge", PACKAGE]));
+    assert!(!wants.is_symlink(), "the purge left {}", wants.display());
     let left: Vec<&PathBuf> = files.iter().filter(|f| f.exists()).collect();
     assert!(left.is_empty(), "left by the purge: {left:?}");
     assert!(!Path::new("/etc/ironic-image-worker").exists());
@@ -366,4 +380,117 @@ fn plugin_builds_as_a_wheel() {
         "{entry_points}"
     );
     assert!(site.join("ironic_image_worker_deploy/deploy.py").is_file());
+}
+
+/// The binary under test (the one CI packages) needs at most glibc 2.34,
+/// the floor the packages declare and the guide promises (Debian 12, Ubuntu
+/// 22.04 and 24.04, Rocky/RHEL 9): read from its symbol versions by
+/// `packaging/check-glibc`, which the package builds run too. The check
+/// refuses a program that needs glibc 2.36 (`arc4random`).
+#[test]
+fn the_binary_needs_at_most_glibc_2_34() {
+    let check = format!("{ROOT}/packaging/check-glibc");
+    let needed = sh(Command::new(&check).arg(BIN));
+    let version: Vec<u32> = needed
+        .trim()
+        .split('.')
+        .map(|n| n.parse().unwrap())
+        .collect();
+    assert!(version <= vec![2, 34], "needs glibc {needed}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("newer.c");
+    std::fs::write(
+        &src,
+        "#include <stdlib.h>\nint main(void) { return (int)(arc4random() & 1); }\n",
+    )
+    .unwrap();
+    let newer = dir.path().join("newer");
+    sh(Command::new("cc").arg("-o").arg(&newer).arg(&src));
+    let out = Command::new(&check).arg(&newer).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a glibc 2.36 program passed: {err}");
+    assert!(
+        err.contains("needs glibc 2.36, above the floor 2.34") && err.contains("arc4random"),
+        "{err}"
+    );
+}
+
+/// `rpm -qp` with `args` on `package`.
+fn rpm_query(package: &Path, args: &[&str]) -> String {
+    sh(Command::new("rpm").arg("-qp").args(args).arg(package))
+}
+
+/// The RPM for Rocky/CentOS Stream 9, built from the binary under test by
+/// `packaging/rpm/build` (Debian's rpmbuild), read back with rpm's own
+/// queries: its files and their owners, the configuration file kept on
+/// upgrade, the scriptlets (the service user, the directories, a restart
+/// on upgrade only, a stop on erase only) and its dependencies (qemu-img,
+/// and no glibc above 2.34).
+#[test]
+fn rpm_package_files_scriptlets_and_dependencies() {
+    let dir = tempfile::tempdir().unwrap();
+    let printed = sh(Command::new(format!("{ROOT}/packaging/rpm/build"))
+        .args(["--binary", BIN, "--version", "0.1.0", "--out"])
+        .arg(dir.path()));
+    let rpm = PathBuf::from(printed.trim());
+    assert!(rpm.is_file(), "{}", rpm.display());
+
+    let files = rpm_query(
+        &rpm,
+        &[
+            "--queryformat",
+            "[%{FILENAMES} %{FILEUSERNAME}:%{FILEGROUPNAME} %{FILEMODES:perms}\n]",
+        ],
+    );
+    for want in [
+        "/usr/bin/ironic-image-worker root:root -rwxr-xr-x",
+        "/usr/lib/systemd/system/ironic-image-worker.service root:root -rw-r--r--",
+        "/etc/ironic-image-worker/worker.toml root:ironic-image-worker -rw-r-----",
+        "/usr/share/doc/ironic-image-worker/operations.md root:root -rw-r--r--",
+        "/usr/share/ironic-image-worker/rabbitmq/definitions.json root:root -rw-r--r--",
+        "/usr/share/ironic-image-worker/prometheus/alerts.yml root:root -rw-r--r--",
+    ] {
+        assert!(files.lines().any(|l| l == want), "{want} in:\n{files}");
+    }
+    let listed = rpm_query(&rpm, &["-l"]);
+    assert!(
+        listed
+            .lines()
+            .all(|f| f.starts_with("/usr/") || f.starts_with("/etc/ironic-image-worker")),
+        "a file outside /usr and the configuration:\n{listed}"
+    );
+    assert_eq!(
+        rpm_query(&rpm, &["-c"]).trim(),
+        "/etc/ironic-image-worker/worker.toml"
+    );
+
+    let scripts = rpm_query(&rpm, &["--scripts"]);
+    for want in [
+        "preinstall scriptlet",
+        "useradd --system --gid ironic-image-worker",
+        "install -d -m 0755 -o ironic-image-worker -g ironic-image-worker",
+        "if [ \"$1\" -ge 2 ] && systemctl is-active --quiet ironic-image-worker; then",
+        "if [ \"$1\" -eq 0 ] && [ -d /run/systemd/system ]; then",
+        "systemctl stop ironic-image-worker",
+    ] {
+        assert!(scripts.contains(want), "{want:?} in:\n{scripts}");
+    }
+
+    let requires = rpm_query(&rpm, &["-R"]);
+    let names: Vec<&str> = requires.lines().map(str::trim).collect();
+    for want in ["qemu-img", "shadow-utils", "libc.so.6()(64bit)"] {
+        assert!(names.contains(&want), "{want} in:\n{requires}");
+    }
+    let glibc: Vec<Vec<u32>> = names
+        .iter()
+        .filter_map(|r| r.strip_prefix("libc.so.6(GLIBC_"))
+        .filter_map(|r| r.strip_suffix(")(64bit)"))
+        .map(|v| v.split('.').map(|n| n.parse().unwrap()).collect())
+        .collect();
+    assert!(!glibc.is_empty(), "no glibc version required:\n{requires}");
+    assert!(
+        glibc.iter().all(|v| v <= &vec![2, 34]),
+        "a glibc above 2.34:\n{requires}"
+    );
 }

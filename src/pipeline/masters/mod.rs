@@ -82,9 +82,4 @@ impl Masters {
     pub(super) fn cache(&self) -> &Cache {
         &self.cache
     }
-
-    /// The masters in the cache, oldest-used first.
-    pub(super) fn entries(&self) -> Result<Vec<crate::store::eviction::Entry>> {
-        crate::store::eviction::list(&self.cache)
-    }
 }
