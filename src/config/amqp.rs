@@ -187,7 +187,11 @@ impl AmqpSection {
                 report.error(
                     "amqp",
                     "url",
-                    format!("#{} {}: {e}", i + 1, redact_url_list(url)),
+                    format!(
+                        "#{} {}: {e}",
+                        i + 1,
+                        crate::secrets::redact_unreadable_url(url)
+                    ),
                 );
             } else if !(url.starts_with("amqp://") || url.starts_with("amqps://")) {
                 report.error(

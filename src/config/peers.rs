@@ -125,7 +125,7 @@ impl PeersSection {
                 "url",
                 format!(
                     "must be http(s)://<host>[:<port>] (no user, path or query), not {:?}",
-                    self.url
+                    crate::secrets::redact_url(&self.url)
                 ),
             );
         }

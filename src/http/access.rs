@@ -36,8 +36,9 @@ pub struct Entry {
     method: String,
     path: String,
     version: &'static str,
-    range: String,
-    user_agent: String,
+    /// Header values as sent (not always UTF-8).
+    range: Vec<u8>,
+    user_agent: Vec<u8>,
     status: u16,
     /// Body bytes handed to the connection.
     pub bytes: u64,
@@ -54,9 +55,7 @@ impl Entry {
         let header = |name| {
             req.headers()
                 .get(name)
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or("-")
-                .to_string()
+                .map_or_else(|| b"-".to_vec(), |v| v.as_bytes().to_vec())
         };
         Some(Entry {
             format,
@@ -81,7 +80,8 @@ impl Entry {
     }
 
     /// The line in the combined log format, with the duration (seconds)
-    /// and the range asked for at the end.
+    /// and the range asked for at the end; what the client chose is
+    /// escaped ([`escaped`]).
     fn combined(&self) -> String {
         let client = self
             .client
@@ -90,14 +90,14 @@ impl Entry {
         format!(
             "{client} - - [{}] \"{} {} {}\" {} {} \"-\" \"{}\" {:.3} range=\"{}\"",
             clf_time(std::time::SystemTime::now()),
-            self.method,
-            self.path,
+            escaped(self.method.as_bytes()),
+            escaped(self.path.as_bytes()),
             self.version,
             self.status,
             self.bytes,
-            self.user_agent.replace('"', "'"),
+            escaped(&self.user_agent),
             self.started.elapsed().as_secs_f64(),
-            self.range,
+            escaped(&self.range),
         )
     }
 }
@@ -115,12 +115,28 @@ impl Drop for Entry {
                 status = self.status,
                 bytes = self.bytes,
                 duration_ms = self.started.elapsed().as_millis() as u64,
-                range = %self.range,
-                user_agent = %self.user_agent,
+                range = %String::from_utf8_lossy(&self.range),
+                user_agent = %String::from_utf8_lossy(&self.user_agent),
                 "access"
             ),
         }
     }
+}
+
+/// `bytes` as a field between quotes of a text line can hold it, as nginx
+/// writes its access log: `"`, `\\`, control bytes and bytes beyond ASCII
+/// as `\xHH`, so no client can end a field early, forge the fields after
+/// it or break the line.
+fn escaped(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len());
+    for &b in bytes {
+        if b == b'"' || b == b'\\' || !(0x20..0x7f).contains(&b) {
+            out.push_str(&format!("\\x{b:02X}"));
+        } else {
+            out.push(char::from(b));
+        }
+    }
+    out
 }
 
 /// `10/Oct/2000:13:55:36 +0000`, the combined log format's time, in UTC.
@@ -161,6 +177,39 @@ mod tests {
         );
         assert!(line.ends_with(" range=\"bytes=0-99\""), "{line}");
         assert!(Entry::start(AccessLog::Off, &req).is_none());
+        std::mem::forget(entry);
+    }
+
+    /// A client's quote cannot end a field of the text line: `"`, `\\`,
+    /// control bytes and bytes beyond ASCII are written `\xHH`, as nginx
+    /// writes them.
+    #[test]
+    fn what_the_client_chose_is_escaped_as_nginx_escapes_it() {
+        let mut req = Request::builder()
+            .method("GET")
+            .uri("/agent_images/a\"b")
+            .header(header::RANGE, "bytes=0-1\" 200 5 \"-\" \"forged")
+            .header(
+                header::USER_AGENT,
+                axum::http::HeaderValue::from_bytes(b"ua\\\t\xff").unwrap(),
+            )
+            .body(axum::body::Body::empty())
+            .unwrap();
+        req.extensions_mut()
+            .insert(ClientAddr("192.0.2.5:4242".parse().unwrap()));
+        let entry = Entry::start(AccessLog::Combined, &req).unwrap();
+        let line = entry.combined();
+        assert!(
+            line.contains(
+                "\"GET /agent_images/a\\x22b HTTP/1.1\" 0 0 \"-\" \"ua\\x5C\\x09\\xFF\" "
+            ),
+            "{line}"
+        );
+        assert!(
+            line.ends_with(" range=\"bytes=0-1\\x22 200 5 \\x22-\\x22 \\x22forged\""),
+            "{line}"
+        );
+        assert_eq!(line.matches('"').count(), 8, "{line}");
         std::mem::forget(entry);
     }
 

@@ -8,24 +8,42 @@
 //! bcrypt once; the outcome is remembered under a keyed digest of user,
 //! password and entry (HMAC-SHA-256 with a key drawn at start, so the
 //! memory holds nothing a reader could test guesses against), so neither
-//! a right nor a wrong password costs a second bcrypt. At most
-//! [`CONCURRENT_BCRYPT`] verifications run at once, on blocking threads;
-//! others wait their turn. The file is read again when its identity
-//! (device, inode, size, times) changes, which forgets every outcome.
+//! a right nor a wrong password costs a second bcrypt. Right and wrong
+//! outcomes are remembered apart ([`REMEMBERED_RIGHT`],
+//! [`REMEMBERED_WRONG`]): however many wrong passwords are tried, a right
+//! one is never forgotten for them. At most [`CONCURRENT_BCRYPT`]
+//! verifications run at once, on blocking threads, in turn. Fairness
+//! between clients: one client address (an IPv6 client's /64) may have at
+//! most [`PENDING_PER_CLIENT`] verifications waiting or running; beyond
+//! them it is refused at once ([`Refusal::Busy`], `429`), so a client
+//! trying many wrong passwords delays another's first call by at most
+//! that many verifications. Requests with the same credentials share one
+//! verification (and count once). The file is read again when its
+//! identity (device, inode, size, times) changes, which forgets every
+//! outcome.
 
 use crate::fsutil::FileStamp;
 use base64::Engine;
 use hmac::{Hmac, KeyInit, Mac};
 use sha2::Sha256;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+use tokio::sync::OnceCell;
 
 /// bcrypt verifications running at once.
 const CONCURRENT_BCRYPT: usize = 2;
 
-/// Outcomes remembered (right and wrong passwords together).
-const REMEMBERED: usize = 1024;
+/// bcrypt verifications one client address may have waiting or running.
+pub(crate) const PENDING_PER_CLIENT: usize = 2;
+
+/// Right passwords remembered (only someone who knows one adds one).
+pub(crate) const REMEMBERED_RIGHT: usize = 64;
+
+/// Wrong passwords remembered (anyone adds them: they never push out a
+/// right one).
+pub(crate) const REMEMBERED_WRONG: usize = 1024;
 
 /// Why a request is not let in.
 #[derive(Debug, PartialEq, Eq)]
@@ -34,9 +52,19 @@ pub(crate) enum Refusal {
     Unauthorized(&'static str),
     /// An `Authorization` header that is not readable Basic (`400`).
     BadRequest(&'static str),
+    /// Its client already has [`PENDING_PER_CLIENT`] passwords being
+    /// verified (`429`, to be tried again a moment later).
+    Busy,
     /// The htpasswd file cannot be read (`500`).
     Unreadable(String),
 }
+
+/// A keyed digest of `(user, password, hash)`.
+type Digest = [u8; 32];
+
+/// One verification under way, shared by every request with the same
+/// credentials.
+type Flight = Arc<OnceCell<bool>>;
 
 /// The users of an htpasswd file, and the outcomes of passwords checked.
 pub(crate) struct Htpasswd {
@@ -54,9 +82,102 @@ struct State {
     seen: Option<FileStamp>,
     /// User to bcrypt hash.
     users: HashMap<String, String>,
-    /// Keyed digests of `(user, password, hash)` checked, and the outcome.
-    outcomes: HashMap<[u8; 32], bool>,
-    order: VecDeque<[u8; 32]>,
+    /// Digests of right passwords, and of wrong ones.
+    right: Remembered,
+    wrong: Remembered,
+    /// Verifications under way, by digest.
+    flights: HashMap<Digest, Flight>,
+    /// Verifications under way per client (see [`Client`]).
+    pending: HashMap<Client, usize>,
+}
+
+/// Digests remembered, the oldest forgotten first beyond a bound.
+#[derive(Default)]
+struct Remembered {
+    known: HashSet<Digest>,
+    order: VecDeque<Digest>,
+}
+
+impl Remembered {
+    fn contains(&self, digest: &Digest) -> bool {
+        self.known.contains(digest)
+    }
+
+    fn insert(&mut self, digest: Digest, bound: usize) {
+        if self.known.insert(digest) {
+            self.order.push_back(digest);
+        }
+        while self.order.len() > bound {
+            if let Some(old) = self.order.pop_front() {
+                self.known.remove(&old);
+            }
+        }
+    }
+
+    fn clear(&mut self) {
+        self.known.clear();
+        self.order.clear();
+    }
+}
+
+/// Who the per-client bound counts a verification against: an IPv4
+/// address, or an IPv6 client's /64 (one host commonly has a whole /64);
+/// `None` when the connection's address is unknown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Client(Option<IpAddr>);
+
+impl Client {
+    fn of(addr: Option<IpAddr>) -> Client {
+        Client(addr.map(|a| match a.to_canonical() {
+            IpAddr::V6(v6) => {
+                let prefix = u128::from(v6) & !((1u128 << 64) - 1);
+                IpAddr::V6(prefix.into())
+            }
+            v4 => v4,
+        }))
+    }
+}
+
+/// A verification this request started: counted against its client until
+/// dropped (answered or abandoned), and no longer shared once over.
+struct Started<'a> {
+    auth: &'a Htpasswd,
+    client: Client,
+    digest: Digest,
+    flight: Flight,
+}
+
+impl Drop for Started<'_> {
+    fn drop(&mut self) {
+        let mut state = self.auth.lock();
+        if let Some(n) = state.pending.get_mut(&self.client) {
+            *n -= 1;
+            if *n == 0 {
+                state.pending.remove(&self.client);
+            }
+        }
+        if state
+            .flights
+            .get(&self.digest)
+            .is_some_and(|f| Arc::ptr_eq(f, &self.flight))
+        {
+            state.flights.remove(&self.digest);
+        }
+    }
+}
+
+/// What is known of a password before any bcrypt.
+enum Known<'a> {
+    /// Remembered right, or wrong.
+    Outcome(bool),
+    /// To be verified (or being verified for another request): by this
+    /// request when `started` holds its count.
+    Verify {
+        hash: String,
+        digest: Digest,
+        flight: Flight,
+        started: Option<Started<'a>>,
+    },
 }
 
 impl Htpasswd {
@@ -77,13 +198,17 @@ impl Htpasswd {
         Ok(auth)
     }
 
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Reads the file again if it changed; keeps the last good users when
     /// the new file does not read (logged).
     fn refresh(&self) -> Result<(), String> {
         let stamp = std::fs::metadata(&self.path)
             .map(|m| FileStamp::of(&m))
             .map_err(|e| format!("{}: {e}", self.path.display()))?;
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = self.lock();
         if state.seen.as_ref() == Some(&stamp) {
             return Ok(());
         }
@@ -92,8 +217,8 @@ impl Htpasswd {
         match read_users(&self.path) {
             Ok(users) => {
                 state.users = users;
-                state.outcomes.clear();
-                state.order.clear();
+                state.right.clear();
+                state.wrong.clear();
                 if !first {
                     tracing::info!(file = %self.path.display(), "JSON-RPC htpasswd file read again");
                 }
@@ -107,32 +232,86 @@ impl Htpasswd {
         }
     }
 
-    /// Whether the `Authorization` header value lets the request in; the
-    /// user when it does.
-    pub(crate) async fn check(&self, header: Option<&[u8]>) -> Result<String, Refusal> {
+    /// Whether the `Authorization` header value of a request from `client`
+    /// lets the request in; the user when it does.
+    pub(crate) async fn check(
+        &self,
+        header: Option<&[u8]>,
+        client: Option<IpAddr>,
+    ) -> Result<String, Refusal> {
         let header = header.ok_or(Refusal::Unauthorized("Authorization required"))?;
         let (user, password) = credentials(header)?;
         self.refresh().map_err(Refusal::Unreadable)?;
-        let (hash, digest) = {
-            let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-            let Some(hash) = state.users.get(&user).cloned() else {
-                return Err(Refusal::Unauthorized("Incorrect username or password"));
-            };
-            let digest = self.digest(&user, &password, &hash);
-            match state.outcomes.get(&digest) {
-                Some(true) => return Ok(user),
-                Some(false) => return Err(Refusal::Unauthorized("Incorrect username or password")),
-                None => (hash, digest),
+        let right = match self.look_up(&user, &password, Client::of(client))? {
+            Known::Outcome(right) => right,
+            Known::Verify {
+                hash,
+                digest,
+                flight,
+                started,
+            } => {
+                let right = *flight.get_or_init(|| self.verify(password, hash)).await;
+                self.remember(digest, right);
+                // Logged once per password, by the request that started
+                // its verification.
+                if !right && started.is_some() {
+                    tracing::info!(%user, "JSON-RPC password does not match");
+                }
+                drop(started);
+                right
             }
         };
-        let right = self.verify(password, hash.clone()).await;
-        self.remember(digest, right);
         if right {
             Ok(user)
         } else {
-            tracing::info!(%user, "JSON-RPC password does not match");
             Err(Refusal::Unauthorized("Incorrect username or password"))
         }
+    }
+
+    /// The remembered outcome of `password`, else the verification to wait
+    /// for: joined when one is under way, else started and counted against
+    /// `client` ([`Refusal::Busy`] when it has its share under way).
+    fn look_up(&self, user: &str, password: &[u8], client: Client) -> Result<Known<'_>, Refusal> {
+        let mut state = self.lock();
+        let Some(hash) = state.users.get(user).cloned() else {
+            return Err(Refusal::Unauthorized("Incorrect username or password"));
+        };
+        let digest = self.digest(user, password, &hash);
+        if state.right.contains(&digest) {
+            return Ok(Known::Outcome(true));
+        }
+        if state.wrong.contains(&digest) {
+            return Ok(Known::Outcome(false));
+        }
+        if let Some(flight) = state.flights.get(&digest) {
+            let flight = flight.clone();
+            return Ok(Known::Verify {
+                hash,
+                digest,
+                flight,
+                started: None,
+            });
+        }
+        let pending = state.pending.entry(client).or_default();
+        if *pending >= PENDING_PER_CLIENT {
+            tracing::debug!(client = ?client.0, "JSON-RPC password checks of this client at their bound: refused");
+            return Err(Refusal::Busy);
+        }
+        *pending += 1;
+        let flight = Flight::default();
+        state.flights.insert(digest, flight.clone());
+        let started = Started {
+            auth: self,
+            client,
+            digest,
+            flight: flight.clone(),
+        };
+        Ok(Known::Verify {
+            hash,
+            digest,
+            flight,
+            started: Some(started),
+        })
     }
 
     /// One bcrypt verification, in turn with the others.
@@ -147,19 +326,16 @@ impl Htpasswd {
             .unwrap_or(false)
     }
 
-    fn remember(&self, digest: [u8; 32], right: bool) {
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if state.outcomes.insert(digest, right).is_none() {
-            state.order.push_back(digest);
-        }
-        while state.order.len() > REMEMBERED {
-            if let Some(old) = state.order.pop_front() {
-                state.outcomes.remove(&old);
-            }
+    fn remember(&self, digest: Digest, right: bool) {
+        let mut state = self.lock();
+        if right {
+            state.right.insert(digest, REMEMBERED_RIGHT);
+        } else {
+            state.wrong.insert(digest, REMEMBERED_WRONG);
         }
     }
 
-    fn digest(&self, user: &str, password: &[u8], hash: &str) -> [u8; 32] {
+    fn digest(&self, user: &str, password: &[u8], hash: &str) -> Digest {
         let mut mac = <Hmac<Sha256> as KeyInit>::new_from_slice(&self.key)
             .expect("HMAC takes a key of any length");
         for part in [user.as_bytes(), password, hash.as_bytes()] {
@@ -228,28 +404,36 @@ mod tests {
         std::fs::write(&file, format!("ironic:{hash}\n")).unwrap();
         let auth = Htpasswd::open(file.clone()).unwrap();
         assert_eq!(
-            auth.check(Some(&basic("ironic", "s3cret"))).await,
+            auth.check(Some(&basic("ironic", "s3cret")), None).await,
             Ok("ironic".into())
         );
         assert!(matches!(
-            auth.check(Some(&basic("ironic", "wrong"))).await,
+            auth.check(Some(&basic("ironic", "wrong")), None).await,
             Err(Refusal::Unauthorized(_))
         ));
         // Again, right and wrong: no further bcrypt; nor for requests
         // without credentials or of an unknown user.
         for _ in 0..3 {
-            assert!(auth.check(Some(&basic("ironic", "s3cret"))).await.is_ok());
-            assert!(auth.check(Some(&basic("ironic", "wrong"))).await.is_err());
-            assert!(auth.check(Some(&basic("nobody", "x"))).await.is_err());
-            assert!(auth.check(None).await.is_err());
+            assert!(
+                auth.check(Some(&basic("ironic", "s3cret")), None)
+                    .await
+                    .is_ok()
+            );
+            assert!(
+                auth.check(Some(&basic("ironic", "wrong")), None)
+                    .await
+                    .is_err()
+            );
+            assert!(auth.check(Some(&basic("nobody", "x")), None).await.is_err());
+            assert!(auth.check(None, None).await.is_err());
         }
         assert_eq!(auth.verified.load(std::sync::atomic::Ordering::Relaxed), 2);
         assert!(matches!(
-            auth.check(None).await,
+            auth.check(None, None).await,
             Err(Refusal::Unauthorized(_))
         ));
         assert!(matches!(
-            auth.check(Some(b"Bearer x")).await,
+            auth.check(Some(b"Bearer x"), None).await,
             Err(Refusal::BadRequest(_))
         ));
         // A new password in the file: the old one no longer lets in.
@@ -262,13 +446,128 @@ mod tests {
             .unwrap()
             .set_modified(t)
             .unwrap();
-        assert!(auth.check(Some(&basic("ironic", "s3cret"))).await.is_err());
+        assert!(
+            auth.check(Some(&basic("ironic", "s3cret")), None)
+                .await
+                .is_err()
+        );
         assert_eq!(
-            auth.check(Some(&basic("other", "n3w"))).await,
+            auth.check(Some(&basic("other", "n3w")), None).await,
             Ok("other".into())
         );
         std::fs::write(&file, "ironic:{SHA}abc\n").unwrap();
         let refused = Htpasswd::open(file).err().unwrap();
         assert!(refused.contains("only bcrypt"), "{refused}");
+    }
+
+    fn verified(auth: &Htpasswd) -> usize {
+        auth.verified.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn auth_of(dir: &tempfile::TempDir, password: &str) -> Arc<Htpasswd> {
+        let file = dir.path().join("htpasswd");
+        let hash = bcrypt::hash(password, 4).unwrap();
+        std::fs::write(&file, format!("ironic:{hash}\n")).unwrap();
+        Arc::new(Htpasswd::open(file).unwrap())
+    }
+
+    /// Forty requests of one address with a wrong password each, then a
+    /// genuine one of another address: the excess of the first is refused
+    /// at once, and the genuine one waits for no more verifications than
+    /// the first address may have under way (counted, not timed: every
+    /// request is polled once, in order, before any verification ends).
+    #[tokio::test]
+    async fn wrong_passwords_of_one_client_do_not_delay_another() {
+        let dir = tempfile::tempdir().unwrap();
+        let auth = auth_of(&dir, "s3cret");
+        let attacker: IpAddr = "192.0.2.66".parse().unwrap();
+        let mut refused_at_once = 0;
+        let mut pending = Vec::new();
+        for i in 0..40 {
+            let a = auth.clone();
+            let mut guess = Box::pin(async move {
+                a.check(Some(&basic("ironic", &format!("guess{i}"))), Some(attacker))
+                    .await
+            });
+            match futures_util::poll!(guess.as_mut()) {
+                std::task::Poll::Ready(Err(Refusal::Busy)) => refused_at_once += 1,
+                std::task::Poll::Ready(other) => panic!("answered at once: {other:?}"),
+                std::task::Poll::Pending => pending.push(tokio::spawn(guess)),
+            }
+        }
+        let genuine = basic("ironic", "s3cret");
+        let genuine = auth.check(Some(&genuine), Some("192.0.2.1".parse().unwrap()));
+        assert_eq!(genuine.await, Ok("ironic".into()));
+        let before_genuine = verified(&auth);
+        assert!(
+            before_genuine <= PENDING_PER_CLIENT + 1,
+            "{before_genuine} verifications ran before the genuine one was answered"
+        );
+        assert_eq!(refused_at_once, 40 - PENDING_PER_CLIENT);
+        for guess in pending {
+            assert!(matches!(
+                guess.await.unwrap(),
+                Err(Refusal::Unauthorized(_))
+            ));
+        }
+        // Under way no more: the address may try again.
+        assert!(matches!(
+            auth.check(Some(&basic("ironic", "guess0")), Some(attacker))
+                .await,
+            Err(Refusal::Unauthorized(_))
+        ));
+    }
+
+    /// A right password stays remembered however many wrong ones follow it.
+    #[tokio::test]
+    async fn a_right_password_is_not_forgotten_for_wrong_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let auth = auth_of(&dir, "s3cret");
+        assert!(
+            auth.check(Some(&basic("ironic", "s3cret")), None)
+                .await
+                .is_ok()
+        );
+        for i in 0..REMEMBERED_WRONG + 8 {
+            let wrong = basic("ironic", &format!("guess{i}"));
+            assert!(auth.check(Some(&wrong), None).await.is_err());
+        }
+        let before = verified(&auth);
+        assert!(
+            auth.check(Some(&basic("ironic", "s3cret")), None)
+                .await
+                .is_ok()
+        );
+        assert_eq!(
+            verified(&auth),
+            before,
+            "the right password was verified again"
+        );
+    }
+
+    /// Requests with the same credentials at once share one verification,
+    /// and do not count against their client's bound one by one.
+    #[tokio::test]
+    async fn the_same_credentials_at_once_share_one_verification() {
+        let dir = tempfile::tempdir().unwrap();
+        let auth = auth_of(&dir, "s3cret");
+        let client = Some("192.0.2.1".parse().unwrap());
+        let header = basic("ironic", "s3cret");
+        let calls = (0..10).map(|_| auth.check(Some(&header), client));
+        for answer in futures_util::future::join_all(calls).await {
+            assert_eq!(answer, Ok("ironic".into()));
+        }
+        assert_eq!(verified(&auth), 1);
+    }
+
+    #[test]
+    fn an_ipv6_client_is_its_64() {
+        let a = Client::of(Some("2001:db8:1:2:3:4:5:6".parse().unwrap()));
+        let b = Client::of(Some("2001:db8:1:2:ffff::1".parse().unwrap()));
+        let c = Client::of(Some("2001:db8:1:3::1".parse().unwrap()));
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        let mapped = Client::of(Some("::ffff:192.0.2.1".parse().unwrap()));
+        assert_eq!(mapped, Client::of(Some("192.0.2.1".parse().unwrap())));
     }
 }

@@ -98,7 +98,11 @@ async fn handle(State(state): State<Arc<RpcState>>, req: HttpRequest) -> Respons
             .headers()
             .get(header::AUTHORIZATION)
             .map(|v| v.as_bytes());
-        if let Err(refusal) = auth.check(header).await {
+        let client = req
+            .extensions()
+            .get::<crate::http::access::ClientAddr>()
+            .map(|c| c.0.ip());
+        if let Err(refusal) = auth.check(header, client).await {
             return refused(refusal);
         }
     }
@@ -370,6 +374,10 @@ fn refused(refusal: Refusal) -> Response {
     let (status, message) = match &refusal {
         Refusal::Unauthorized(m) => (StatusCode::UNAUTHORIZED, m.to_string()),
         Refusal::BadRequest(m) => (StatusCode::BAD_REQUEST, m.to_string()),
+        Refusal::Busy => (
+            StatusCode::TOO_MANY_REQUESTS,
+            "Too many password checks pending from this address; try again".to_string(),
+        ),
         Refusal::Unreadable(e) => {
             tracing::error!(error = %e, "cannot read [json_rpc]http_basic_auth_user_file");
             (
@@ -387,6 +395,10 @@ fn refused(refusal: Refusal) -> Response {
             header::WWW_AUTHENTICATE,
             HeaderValue::from_static("Basic realm=\"ironic-image-worker\""),
         );
+    }
+    if status == StatusCode::TOO_MANY_REQUESTS {
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
     }
     r
 }

@@ -138,7 +138,7 @@ impl PeerFetcher {
                 Err(Short::Again(why, cause)) => {
                     tracing::warn!(
                         holder = %holder.host,
-                        url = %holder.url,
+                        url = %crate::secrets::redact_url(&holder.url),
                         master = name,
                         reason = why,
                         cause = cause.as_deref().unwrap_or(why),

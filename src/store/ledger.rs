@@ -287,7 +287,8 @@ impl Ledger {
         }
         self.owner.register()?;
         let dir = self.dir.join(&shelf.0);
-        fsutil::ensure_dir(&dir)?;
+        // It may hold a source's credentials: only the worker reads it.
+        fsutil::ensure_private_dir(&dir)?;
         let path = dir.join(format!("{key}.{}", self.owner.token()));
         fsutil::write_file_atomically(&path, &fsutil::temp_path(&path), bytes, 0o600)
     }

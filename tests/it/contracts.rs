@@ -395,12 +395,41 @@ fn urls_are_redacted_of_their_user_info() {
     use ironic_image_worker::secrets::redact_url;
     assert_eq!(
         redact_url("http://user:pw@host:8080/a@b?c=d@e"),
-        "http://***@host:8080/a@b?c=d@e"
+        "http://***@host:8080/a@b?c=***"
     );
     assert_eq!(redact_url("https://TOKEN@host/x"), "https://***@host/x");
     assert_eq!(redact_url("http://host/x"), "http://host/x");
     assert_eq!(redact_url("not a url at all"), "not a url at all");
     assert_eq!(redact_url("http://us er:p w@h/"), "http://***@h/");
+}
+
+/// A `[peers]url` or an `[amqp]url` that is refused is named with its
+/// credentials masked.
+#[test]
+fn a_refused_peers_url_shows_no_credentials() {
+    let err = Config::load_from(
+        &Files::default(),
+        &[],
+        &[
+            "peers.listen=127.0.0.1:0".to_string(),
+            "peers.secret=0123456789abcdef0123456789abcdef".to_string(),
+            "peers.url=http://peer:s3cret@10.0.0.1:8089/x?jwt=t0ken".to_string(),
+        ],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("[peers]url"), "{err}");
+    assert!(!err.contains("s3cret") && !err.contains("t0ken"), "{err}");
+    // A raw `,` in a broker password: no part of it shown either.
+    let err = Config::load_from(
+        &Files::default(),
+        &[],
+        &["amqp.url=amqp://u:pa,ss@h1:5672/vh".to_string()],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("[amqp]url"), "{err}");
+    assert!(!err.contains("pa,") && !err.contains(":pa"), "{err}");
 }
 
 /// `[amqp]url`: a TOML array, a comma-separated list of URLs, or
@@ -440,6 +469,7 @@ fn broker_url_lists() {
         "http://u:s3cret@h1/",
         "amqp://u:s3cret@h1:notaport/%2f",
         "amqp://u:s3cret@h1/x,v:s3cret@h2",
+        "amqp://u:s3,cret@h1:5672/vh",
     ] {
         let err = load(bad).unwrap_err().to_string();
         assert!(!err.contains("s3cret"), "password masked: {err}");

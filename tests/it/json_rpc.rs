@@ -294,6 +294,91 @@ async fn http_basic_from_htpasswd_over_tls() {
     assert_eq!(after[0]["result"]["status"], "unknown");
 }
 
+/// Forty wrong passwords from one address (127.0.0.2), then the genuine
+/// client's first call from another (127.0.0.1): the excess of the first
+/// address is answered `429` at once, and no more of its passwords are
+/// checked before the genuine call is answered than its bound (two).
+/// Counted, not timed: the attackers' `401`s that arrived before the
+/// genuine answer (every check takes ~0.1-1 s at cost 12, so a check
+/// that ran ahead of the genuine one answers before it). The only wait is
+/// for the attackers' requests to reach the worker first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_passwords_of_one_address_do_not_delay_another() {
+    let dir = tempfile::tempdir().unwrap();
+    let htpasswd = dir.path().join("htpasswd");
+    tool(
+        "htpasswd",
+        &[
+            "-Bbc",
+            "-C",
+            "12",
+            htpasswd.to_str().unwrap(),
+            "ironic",
+            "s3cret",
+        ],
+    );
+    let (env, port) = env_without_broker(&format!(
+        "auth_strategy = \"http_basic\"\nhttp_basic_auth_user_file = \"{}\"",
+        htpasswd.display()
+    ));
+    let _worker = env.serve().await;
+    let url = format!("http://127.0.0.1:{port}/");
+    let body = json!({"jsonrpc": "2.0", "id": 1, "method": "status",
+                      "params": {"node_uuid": node()}});
+    let checked_before = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let attacker = reqwest::Client::builder()
+        .local_address(Some("127.0.0.2".parse().unwrap()))
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap();
+    let guesses: Vec<_> = (0..40)
+        .map(|i| {
+            let (client, url, body) = (attacker.clone(), url.clone(), body.clone());
+            let checked_before = checked_before.clone();
+            tokio::spawn(async move {
+                let r = client
+                    .post(&url)
+                    .basic_auth("ironic", Some(format!("guess{i}")))
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap();
+                if r.status() == 401 {
+                    checked_before.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                }
+                let retry = r.headers().get("retry-after").cloned();
+                (r.status().as_u16(), retry)
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let genuine = reqwest::Client::new()
+        .post(&url)
+        .basic_auth("ironic", Some("s3cret"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let ahead = checked_before.load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(genuine.status(), 200);
+    assert!(
+        ahead <= 2,
+        "{ahead} wrong passwords were checked before the genuine one"
+    );
+    let mut busy = 0;
+    for guess in guesses {
+        match guess.await.unwrap() {
+            (429, Some(retry)) => {
+                assert_eq!(retry, "1");
+                busy += 1;
+            }
+            (401, _) => {}
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(busy >= 30, "only {busy} of 40 refused at once");
+}
+
 /// A cast (Ironic's `send` of a prepare) accepted by a worker that is then
 /// killed mid-download is run again by the worker that next listens on
 /// that port: `status` there gives its answer, and its record goes once

@@ -315,6 +315,82 @@ async fn a_slow_lane_prepare_is_answered_after_its_worker_is_killed() {
     }
 }
 
+/// The files under `root` (not under `skip`) whose bytes hold `secret`,
+/// as it is or hex-encoded (as a parked delivery keeps its body).
+fn files_holding(
+    root: &std::path::Path,
+    secret: &[u8],
+    skip: &std::path::Path,
+) -> Vec<std::path::PathBuf> {
+    let hex: String = secret.iter().map(|b| format!("{b:02x}")).collect();
+    let holds = |bytes: &[u8], s: &[u8]| bytes.windows(s.len()).any(|w| w == s);
+    let mut found = Vec::new();
+    let mut dirs = vec![root.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let (path, kind) = (entry.path(), entry.file_type().unwrap());
+            if path.starts_with(skip) || kind.is_symlink() {
+                continue;
+            }
+            if kind.is_dir() {
+                dirs.push(path);
+            } else if std::fs::read(&path)
+                .is_ok_and(|bytes| holds(&bytes, secret) || holds(&bytes, hex.as_bytes()))
+            {
+                found.push(path);
+            }
+        }
+    }
+    found
+}
+
+/// A prepare moved to the slow lane is recorded whole, its source's
+/// credentials included: it must run again after a crash, and the broker
+/// holds it no more. That record is the only file of the worker holding
+/// them, 0600 in a 0700 directory, one the contract names among the files
+/// that hold credentials; it goes once the prepare is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_lane_record_is_the_one_file_holding_its_credentials() {
+    use std::os::unix::fs::PermissionsExt;
+    let env = Env::new("slow_after = 1\n");
+    let src = env.root().join("src");
+    random_file(&src.join("slow.img"), 2 << 20, 68);
+    let faults = FaultServer::start(&src, 256 << 10).await;
+    let worker = env.serve().await;
+    let broker = Broker::connect().await;
+    let url = faults
+        .url("slow", "slow.img")
+        .replacen("http://", "http://ironic:S3cretPw@", 1);
+    let corr = broker.command(&env.host, prepare_cmd(&node(), &url)).await;
+    wait_metric(&worker, "ironic_image_worker_slow_downloads_total", 1.0).await;
+    let holding = files_holding(env.root(), b"S3cretPw", &src);
+    let parked = env.images_dir().join(".ledger/accepted");
+    assert_eq!(holding.len(), 1, "{holding:?}");
+    assert_eq!(holding[0].parent(), Some(parked.as_path()), "{holding:?}");
+    let contract =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/contract.md")).unwrap();
+    let paragraph = contract
+        .split("\n\n")
+        .find(|p| p.contains("No file the worker writes holds a credential"))
+        .unwrap();
+    assert!(
+        paragraph.contains("`<images_path>/.ledger/accepted/`"),
+        "the contract does not name the slow lane's records: {paragraph}"
+    );
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&holding[0]), 0o600);
+    assert_eq!(mode(&parked), 0o700);
+    let answers = broker
+        .answers(std::slice::from_ref(&corr), WAIT, Duration::from_secs(1))
+        .await;
+    assert_eq!(answers[&corr][0]["status"], "success", "{answers:?}");
+    let started = std::time::Instant::now();
+    while !files_holding(env.root(), b"S3cretPw", &src).is_empty() {
+        assert!(started.elapsed() < WAIT, "answered: its record goes");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// `rabbitmqctl` for the shared broker: the packaged wrapper, which runs
 /// as the broker's user (with its Erlang cookie).
 const SHARED_CTL: &str = "/usr/sbin/rabbitmqctl";

@@ -32,6 +32,10 @@ fn build_deb(out: &Path, version: &str) -> PathBuf {
     PathBuf::from(printed.trim())
 }
 
+/// Held by a test that installs the package: one at a time on this
+/// machine's dpkg.
+static DPKG: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Purges the package and what the test itself left (its cache file, the
 /// service user), whatever happened.
 struct Installed;
@@ -127,6 +131,7 @@ fn own(env: &Env) -> Vec<String> {
 /// file of the package is left, and the caches are untouched.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn debian_package_installs_upgrades_and_purges() {
+    let _turn = DPKG.lock().await;
     let env = Env::new("");
     let _installed = Installed;
     let out = env.root().join("deb");
@@ -228,6 +233,36 @@ async fn debian_package_installs_upgrades_and_purges() {
         after_upgrade,
         "the purge touched the cache"
     );
+}
+
+/// The admin deleted the configuration file (a conffile): dpkg keeps it
+/// deleted through an upgrade, and the package's scripts go on without it
+/// (the package ends configured, the file still absent).
+#[test]
+fn an_upgrade_after_the_configuration_was_deleted() {
+    let _turn = DPKG.blocking_lock();
+    let dir = tempfile::tempdir().unwrap();
+    let _installed = Installed;
+    let conf = Path::new("/etc/ironic-image-worker/worker.toml");
+    sh(Command::new("dpkg")
+        .arg("-i")
+        .arg(build_deb(dir.path(), "0.1.0~test1")));
+    std::fs::remove_file(conf).unwrap();
+    let second = build_deb(dir.path(), "0.1.0~test2");
+    let out = Command::new("dpkg")
+        .arg("-i")
+        .arg(&second)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "the upgrade failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let status = sh(Command::new("dpkg-query").args(["-W", "-f=${Status} ${Version}", PACKAGE]));
+    assert_eq!(status, "install ok installed 0.1.0~test2");
+    assert!(!conf.exists(), "dpkg keeps the admin's deletion");
 }
 
 /// A registry of the test's own (Debian's docker-registry, plain HTTP).

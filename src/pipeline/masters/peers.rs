@@ -217,7 +217,7 @@ impl Masters {
                         .refused_offers
                         .with_label_values(&["url"])
                         .inc();
-                    tracing::warn!(peer = %o.host, url = %o.url, "an offer names no usable peer listener URL: not used");
+                    tracing::warn!(peer = %o.host, url = %crate::secrets::redact_url(&o.url), "an offer names no usable peer listener URL: not used");
                 }
                 ok
             })

@@ -178,7 +178,7 @@ impl Masters {
             .resolve_oci(r, credential, mode == Ok(ImageDownloadSource::Local), arch)
             .await?;
         let digest = &resolved.blob.digest;
-        tracing::info!(source = %r.display(), manifest = %resolved.manifest_url, blob = %digest, "OCI reference resolved");
+        tracing::info!(source = %r.display(), manifest = %crate::secrets::redact_url(&resolved.manifest_url), blob = %digest, "OCI reference resolved");
         info.image_checksum = None;
         info.image_os_hash_algo = Some(digest.algo.into());
         info.image_os_hash_value = Some(digest.hex.clone());
