@@ -126,6 +126,9 @@ pub struct Layers {
     /// Ironic's `[pxe]instance_master_path` when an ironic.conf (or
     /// oslo.config's variables) names it, which the worker must not share.
     pub ironic_master_path: Option<PathBuf>,
+    /// What the ironic.conf read says of the deploy interface's seal
+    /// (`[image_worker]`), to compare with the worker's.
+    pub interface_seal: Option<super::ironic_conf::InterfaceSeal>,
     /// Notes of the layers themselves (an ironic.conf option the worker
     /// reads differently).
     pub warnings: Vec<Problem>,

@@ -57,7 +57,7 @@ mod source;
 mod value;
 
 pub use agent::{AgentSection, ImageDownloadSource};
-pub use amqp::{AmqpSection, QueueType, SslVersion, split_broker_urls};
+pub use amqp::{AmqpSection, QueueType, SealMode, SslVersion, split_broker_urls};
 pub use cache::CacheSection;
 pub use check::{Problem, Report, refusal};
 pub use choice::{AuthStrategy, TlsMinVersion};
@@ -152,6 +152,9 @@ pub fn read(
     config.check(&mut report);
     if let Some(path) = &layers.ironic_master_path {
         config.check_master_not_ironics(path, &mut report);
+    }
+    if let Some(interface) = &layers.interface_seal {
+        config.amqp.check_seal_matches(interface, &mut report);
     }
     let report = report.with_sources(&layers);
     if !report.errors.is_empty() {

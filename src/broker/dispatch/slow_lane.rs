@@ -89,6 +89,8 @@ impl Dispatcher {
                 properties: lapin::BasicProperties::default(),
                 redelivered: true,
                 received_ms: parked.received_ms,
+                // Checked when it was received; never deferred again.
+                sealed_until: None,
             };
             span.in_scope(|| {
                 tracing::info!(
