@@ -284,6 +284,10 @@ pub(crate) enum Refusal {
     BadSeal,
     /// A command's seal outside its window ([`SKEW_MS`], [`MAX_VALID_MS`]).
     ExpiredSeal,
+    /// A command's seal seen before within its window: the same message
+    /// published again by someone who saw it (the broker's own redelivery
+    /// is not one).
+    ReplayedSeal,
 }
 
 /// The MAC of `body` in `env`, sealed with `key` at `at` for `valid_ms`.
@@ -310,13 +314,33 @@ pub(crate) struct Sealed {
     pub sealed_at: u64,
     /// Until when a command may be acted on ([`MAX_VALID_MS`] at most).
     pub until: u64,
+    /// The MAC: what a replay of the message repeats.
+    pub mac: [u8; 32],
+    /// Which of the keys sealed it (0: the current one), so its answer
+    /// is sealed with the same key: a sender still on the previous key
+    /// during a rotation takes the answer.
+    pub key: usize,
 }
 
 impl Keys {
     /// Seals `body` in `env` with the current key at `now`, valid
     /// `valid_ms` (a command) or 0 (an answer).
     pub(crate) fn seal(&self, env: &Envelope<'_>, body: &[u8], now: u64, valid_ms: u64) -> Seal {
-        let key = self.current();
+        self.seal_with(0, env, body, now, valid_ms)
+    }
+
+    /// [`Keys::seal`] with key `index` (0: the current one; the current
+    /// one when there is no such key): an answer goes out under the key
+    /// its command came with.
+    pub(crate) fn seal_with(
+        &self,
+        index: usize,
+        env: &Envelope<'_>,
+        body: &[u8],
+        now: u64,
+        valid_ms: u64,
+    ) -> Seal {
+        let key = self.keys.get(index).unwrap_or(self.current());
         Seal {
             key_id: key.id.clone(),
             sealed_at: now,
@@ -340,7 +364,10 @@ impl Keys {
     ) -> Result<Sealed, Refusal> {
         let header = header.ok_or(Refusal::Unsealed)?;
         let seal = Seal::parse(header).ok_or(Refusal::BadSeal)?;
-        let key = self.find(&seal.key_id).ok_or(Refusal::BadSeal)?;
+        let index = (self.keys.iter())
+            .position(|k| k.id == seal.key_id)
+            .ok_or(Refusal::BadSeal)?;
+        let key = &self.keys[index];
         mac_of(key, env, seal.sealed_at, seal.valid_ms, body)
             .verify_slice(&seal.mac)
             .map_err(|_| Refusal::BadSeal)?;
@@ -355,7 +382,42 @@ impl Keys {
         Ok(Sealed {
             sealed_at: seal.sealed_at,
             until,
+            mac: seal.mac,
+            key: index,
         })
+    }
+}
+
+/// The seals of the commands taken within their window, so a message
+/// published again by anyone who saw it is taken once. Bounded: beyond
+/// [`Replays::LIMIT`] live seals, the oldest-ending are forgotten first
+/// (only genuine seals are remembered, so only the senders' own traffic
+/// fills it).
+#[derive(Debug, Default)]
+pub(crate) struct Replays {
+    seen: std::collections::HashMap<[u8; 32], u64>,
+}
+
+impl Replays {
+    /// Seals remembered at most.
+    const LIMIT: usize = 65_536;
+
+    /// Records `sealed` at `now`; false when its seal was taken before and
+    /// its window is not over.
+    pub(crate) fn first_time(&mut self, sealed: &Sealed, now: u64) -> bool {
+        if self.seen.contains_key(&sealed.mac) {
+            return false;
+        }
+        if self.seen.len() >= Self::LIMIT {
+            self.seen.retain(|_, until| *until + SKEW_MS >= now);
+        }
+        if self.seen.len() >= Self::LIMIT
+            && let Some(oldest) = self.seen.iter().min_by_key(|(_, u)| **u).map(|(m, _)| *m)
+        {
+            self.seen.remove(&oldest);
+        }
+        self.seen.insert(sealed.mac, sealed.until);
+        true
     }
 }
 
@@ -525,7 +587,21 @@ mod tests {
         let (env, body) = (env_of(&v), v.body.as_bytes());
         let new = "cd".repeat(32);
         let both = Keys::parse(&format!("{new}\n# previous\n{}\n", v.key)).unwrap();
-        assert!(both.check(Some(&v.header), &env, body, v.sealed_at).is_ok());
+        let taken = both
+            .check(Some(&v.header), &env, body, v.sealed_at)
+            .unwrap();
+        assert_eq!(taken.key, 1, "sealed with the previous key");
+        let answer = Envelope {
+            kind: Kind::Answer,
+            ..env
+        };
+        let back = both
+            .seal_with(taken.key, &answer, body, v.sealed_at, 0)
+            .header();
+        assert!(
+            old.check(Some(&back), &answer, body, v.sealed_at).is_ok(),
+            "answered under the key the command came with"
+        );
         assert!(both.shares_a_key_with(&old));
         let only_new = Keys::parse(&new).unwrap();
         assert!(!only_new.shares_a_key_with(&old));
@@ -552,6 +628,22 @@ mod tests {
             require.admit(None, &env, body, v.sealed_at),
             Err(Refusal::Unsealed)
         );
+    }
+
+    #[test]
+    fn a_seal_is_taken_once() {
+        let (v, keys) = vector();
+        let sealed = keys
+            .check(Some(&v.header), &env_of(&v), v.body.as_bytes(), v.sealed_at)
+            .unwrap();
+        let mut replays = Replays::default();
+        assert!(replays.first_time(&sealed, v.sealed_at));
+        assert!(!replays.first_time(&sealed, v.sealed_at + 1));
+        let other = Sealed {
+            mac: [0; 32],
+            ..sealed
+        };
+        assert!(replays.first_time(&other, v.sealed_at + 1));
     }
 
     #[test]

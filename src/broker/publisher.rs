@@ -54,13 +54,15 @@ impl Publisher {
 
     /// Publishes `done` to `reply_to` (default exchange) with `correlation_id`,
     /// or to the events exchange as `node.<action>.<status>` (`image.warm.<status>`
-    /// for a warm, which names no node), persistent, and
+    /// for a warm, which names no node), persistent, sealed with key
+    /// `seal_key` (the one its command came with), and
     /// waits for the broker's confirmation.
     pub async fn publish(
         &self,
         done: &Completion,
         reply_to: Option<&str>,
         correlation_id: Option<&str>,
+        seal_key: usize,
     ) -> std::result::Result<(), PublishError> {
         let body = done
             .to_json()
@@ -78,7 +80,7 @@ impl Publisher {
             Some(queue) => (String::new(), queue.to_string()),
             None => (self.events_exchange.clone(), kind),
         };
-        let props = super::sealed::seal_answer(self.seal.as_deref(), props, &key, &body);
+        let props = super::sealed::seal_answer(self.seal.as_deref(), seal_key, props, &key, &body);
         self.confirmed(&exchange, &key, false, &body, props).await
     }
 

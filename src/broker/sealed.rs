@@ -8,11 +8,11 @@
 use super::stamp;
 use super::topology::WARM_ALL_KEY;
 use crate::messages::IgnoreReason;
-use crate::seal::{self, Envelope, Kind, Refusal, Sealed, Sealer};
+use crate::seal::{self, Envelope, Kind, Refusal, Replays, Sealed, Sealer};
 use lapin::BasicProperties;
 use lapin::message::Delivery;
 use lapin::types::AMQPValue;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// The seal header of `properties`, if there is one that is text.
 fn header(properties: &BasicProperties) -> Option<String> {
@@ -40,6 +40,7 @@ pub(super) fn reason(why: Refusal) -> IgnoreReason {
         Refusal::Unsealed => IgnoreReason::Unsealed,
         Refusal::BadSeal => IgnoreReason::BadSeal,
         Refusal::ExpiredSeal => IgnoreReason::ExpiredSeal,
+        Refusal::ReplayedSeal => IgnoreReason::ReplayedSeal,
     }
 }
 
@@ -54,6 +55,8 @@ pub(super) struct Gate {
     host: String,
     /// This worker's queue: a deferred copy comes back to it directly.
     queue: String,
+    /// The seals taken within their window.
+    replays: Mutex<Replays>,
 }
 
 impl Gate {
@@ -63,12 +66,14 @@ impl Gate {
             sealer,
             host: host.to_string(),
             queue: queue.to_string(),
+            replays: Mutex::new(Replays::default()),
         }
     }
 
     /// Whether a command may be worked: `Ok(Some)` sealed with a known key
-    /// over this very delivery, within its window and aimed at this worker;
-    /// `Ok(None)` unsealed, taken in `send` mode; else why it is refused.
+    /// over this very delivery, within its window, aimed at this worker and
+    /// not taken before (unless the broker redelivers it); `Ok(None)`
+    /// unsealed, taken in `send` mode; else why it is refused.
     pub(super) fn admit(&self, delivery: &Delivery) -> Result<Option<Sealed>, Refusal> {
         let p = &delivery.properties;
         let routing_key = delivery.routing_key.as_str();
@@ -79,14 +84,22 @@ impl Gate {
             correlation_id: p.correlation_id().as_ref().map(|s| s.as_str()),
         };
         let header = header(p);
+        let now = stamp::now_ms();
         let sealed = self
             .sealer
-            .admit(header.as_deref(), &env, &delivery.data, stamp::now_ms())?;
-        if sealed.is_some() && !self.aimed_here(delivery.exchange.as_str(), routing_key) {
+            .admit(header.as_deref(), &env, &delivery.data, now)?;
+        let Some(sealed) = sealed else {
+            return Ok(None);
+        };
+        if !self.aimed_here(delivery.exchange.as_str(), routing_key) {
             // A genuine command re-published to reach another worker.
             return Err(Refusal::BadSeal);
         }
-        Ok(sealed)
+        let mut replays = self.replays.lock().unwrap_or_else(|e| e.into_inner());
+        if !replays.first_time(&sealed, now) && !delivery.redelivered {
+            return Err(Refusal::ReplayedSeal);
+        }
+        Ok(Some(sealed))
     }
 
     /// Whether a routing key addresses this worker: its node commands and
@@ -106,13 +119,14 @@ impl Gate {
 
     /// The properties of a deferred copy of a command, put back on this
     /// worker's queue: sealed again by this worker for the queue it goes
-    /// to, valid until the original seal was (`until`), or for
-    /// [`UNSEALED_COPY_VALID_MS`] when it came unsealed.
+    /// to, with the key the original came with (`key`), valid until the
+    /// original seal was (`until`), or for [`UNSEALED_COPY_VALID_MS`] when
+    /// it came unsealed.
     pub(super) fn reseal(
         &self,
         properties: BasicProperties,
         body: &[u8],
-        until: Option<u64>,
+        (key, until): (usize, Option<u64>),
     ) -> BasicProperties {
         let now = stamp::now_ms();
         let valid_ms = until.map_or(UNSEALED_COPY_VALID_MS, |u| u.saturating_sub(now));
@@ -122,16 +136,20 @@ impl Gate {
             reply_to: properties.reply_to().as_ref().map(|s| s.as_str()),
             correlation_id: properties.correlation_id().as_ref().map(|s| s.as_str()),
         };
-        let sealed = self.sealer.keys.seal(&env, body, now, valid_ms).header();
+        let sealed = (self.sealer.keys)
+            .seal_with(key, &env, body, now, valid_ms)
+            .header();
         with_header(properties, sealed)
     }
 }
 
 /// The properties of an answer published with `routing_key` (its
-/// `reply_to` queue, or the events exchange's key), sealed with the
-/// current key when there is a seal policy.
+/// `reply_to` queue, or the events exchange's key), sealed when there is
+/// a seal policy: with key `key` (the one its command came with; 0, the
+/// current one, for anything else).
 pub(super) fn seal_answer(
     sealer: Option<&Sealer>,
+    key: usize,
     properties: BasicProperties,
     routing_key: &str,
     body: &[u8],
@@ -145,7 +163,9 @@ pub(super) fn seal_answer(
         reply_to: None,
         correlation_id: properties.correlation_id().as_ref().map(|s| s.as_str()),
     };
-    let sealed = sealer.keys.seal(&env, body, stamp::now_ms(), 0).header();
+    let sealed = (sealer.keys)
+        .seal_with(key, &env, body, stamp::now_ms(), 0)
+        .header();
     with_header(properties, sealed)
 }
 
@@ -244,7 +264,7 @@ mod tests {
         let g = gate();
         let now = stamp::now_ms();
         let props = BasicProperties::default().with_correlation_id("c".into());
-        let copy = g.reseal(props, b"{}", Some(now + 60_000));
+        let copy = g.reseal(props, b"{}", (0, Some(now + 60_000)));
         let text = header(&copy).unwrap();
         let valid: u64 = text.split(':').nth(3).unwrap().parse().unwrap();
         assert!((50_000..=60_000).contains(&valid), "{text}");

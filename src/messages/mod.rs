@@ -82,6 +82,10 @@ pub enum IgnoreReason {
     /// A command sealed outside its window (a replay, or a clock far off):
     /// dead-lettered.
     ExpiredSeal,
+    /// A command whose seal was taken before within its window (published
+    /// again by someone who saw it; not the broker's redelivery):
+    /// dead-lettered.
+    ReplayedSeal,
     /// A notification's deployed, cleanup or transition while commands
     /// are sealed: a notification cannot be, so it changes no node's files
     /// (its prepare only warms the image).
@@ -104,6 +108,7 @@ impl IgnoreReason {
             IgnoreReason::Unsealed => "unsealed",
             IgnoreReason::BadSeal => "bad_seal",
             IgnoreReason::ExpiredSeal => "expired_seal",
+            IgnoreReason::ReplayedSeal => "replayed_seal",
             IgnoreReason::UnsealedNotification => "unsealed_notification",
         }
     }
@@ -509,6 +514,7 @@ mod tests {
             (Unsealed, "unsealed"),
             (BadSeal, "bad_seal"),
             (ExpiredSeal, "expired_seal"),
+            (ReplayedSeal, "replayed_seal"),
             (UnsealedNotification, "unsealed_notification"),
         ];
         for (reason, label) in labels {

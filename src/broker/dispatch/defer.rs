@@ -33,7 +33,7 @@ impl Dispatcher {
         let issued = stamp::with_issue_time(job.properties.clone(), job.received_ms);
         let mut copy = deadline::carried(&issued, job.deadline);
         if let Some(gate) = &self.gate {
-            copy = gate.reseal(copy, &job.body, job.sealed_until);
+            copy = gate.reseal(copy, &job.body, (job.seal_key, job.sealed_until));
         }
         let put_back = match link
             .publisher

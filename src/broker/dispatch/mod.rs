@@ -130,6 +130,9 @@ struct Delivered {
     /// Until when its seal lets it be acted on (a deferred copy is sealed
     /// again until then); `None`: it came unsealed.
     sealed_until: Option<u64>,
+    /// Which key sealed it (0: the current one, or none): its answer is
+    /// sealed with the same key.
+    seal_key: usize,
 }
 
 impl Dispatcher {
@@ -284,6 +287,7 @@ impl Dispatcher {
             redelivered: delivery.redelivered,
             received_ms,
             sealed_until: sealed.map(|s| s.until),
+            seal_key: sealed.map_or(0, |s| s.key),
         };
         (inbound, job)
     }

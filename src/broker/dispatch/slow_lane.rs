@@ -91,6 +91,7 @@ impl Dispatcher {
                 received_ms: parked.received_ms,
                 // Checked when it was received; never deferred again.
                 sealed_until: None,
+                seal_key: 0,
             };
             span.in_scope(|| {
                 tracing::info!(
