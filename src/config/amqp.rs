@@ -399,6 +399,90 @@ mod tests {
     use super::super::choice::refusal;
     use super::{QueueType, SslVersion};
 
+    /// The problems of a worker with `flags` beside an ironic.conf of
+    /// `ironic_conf`: (errors, warnings), as `config check` prints them.
+    fn seal_check(ironic_conf: &str, flags: &[String]) -> (Vec<String>, Vec<String>) {
+        let dir = tempfile::tempdir().unwrap();
+        let conf = dir.path().join("ironic.conf");
+        std::fs::write(&conf, ironic_conf).unwrap();
+        let files = super::super::Files {
+            ironic_conf: Some(conf),
+            toml: None,
+        };
+        let shown = |p: &Vec<super::super::Problem>| p.iter().map(|p| p.to_string()).collect();
+        match super::super::read(&files, &[], flags) {
+            Ok(loaded) => (Vec::new(), shown(&loaded.warnings)),
+            Err(errors) => (shown(&errors), Vec::new()),
+        }
+    }
+
+    /// `config check` names a deployment where the worker and the deploy
+    /// interface disagree on the seal.
+    #[test]
+    fn one_side_sealed_and_the_other_not_is_named() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let key = |name: &str, byte: &str| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, byte.repeat(32)).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+            path.display().to_string()
+        };
+        let (ours, theirs) = (key("ours.key", "ab"), key("theirs.key", "cd"));
+        let worker = |extra: &[&str]| {
+            let mut flags = vec![format!("amqp.seal_secret_file={ours}")];
+            flags.extend(extra.iter().map(|s| s.to_string()));
+            flags
+        };
+        let (errors, _) = seal_check("[image_worker]\n", &worker(&[]));
+        assert!(
+            errors
+                .iter()
+                .any(|e| e.contains("[amqp]seal_secret_file") && e.contains("seals no command")),
+            "{errors:?}"
+        );
+        let (errors, warnings) = seal_check("[image_worker]\n", &worker(&["amqp.seal=send"]));
+        assert!(errors.is_empty(), "{errors:?}");
+        assert!(
+            warnings.iter().any(|w| w.contains("[amqp]seal")),
+            "{warnings:?}"
+        );
+        let interface = format!("[image_worker]\nseal_secret_file = {theirs}\n");
+        let (errors, _) = seal_check(&interface, &[]);
+        assert!(
+            errors.iter().any(|e| e.contains("requires sealed answers")),
+            "{errors:?}"
+        );
+        let (errors, _) = seal_check(&interface, &worker(&[]));
+        assert!(
+            errors.iter().any(|e| e.contains("shares no key")),
+            "{errors:?}"
+        );
+        let same = format!("[image_worker]\nseal_secret_file = {ours}\n");
+        assert_eq!(seal_check(&same, &worker(&[])).0, Vec::<String>::new());
+        let rpc = "[image_worker]\ntransport = json-rpc\n";
+        assert_eq!(seal_check(rpc, &worker(&[])).0, Vec::<String>::new());
+    }
+
+    #[test]
+    fn an_unsafe_or_missing_key_file_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("seal.key");
+        std::fs::write(&path, "ab".repeat(32)).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let error = refusal(&[&format!("amqp.seal_secret_file={}", path.display())]).unwrap();
+        assert!(
+            error.contains("[amqp]seal_secret_file") && error.contains("mode 0644"),
+            "{error}"
+        );
+        let error = refusal(&["amqp.seal=require"]).unwrap();
+        assert!(
+            error.contains("require needs [amqp]seal_secret_file"),
+            "{error}"
+        );
+    }
+
     #[test]
     fn ssl_version_takes_oslo_messagings_names() {
         for (word, version) in [
