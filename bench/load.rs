@@ -9,10 +9,15 @@
 //!   throughput and errors (wrong status or short body).
 //!
 //! Each prints one human line and one `RESULT key=value ...` line.
+//!
+//! With `SEAL_KEY_FILE` (a key file as `[amqp]seal_secret_file` reads it),
+//! `hits` seals every command with its first key, as the deploy interface
+//! does (docs/contract.md, "Sealed commands and answers"), and checks the
+//! seal of every answer.
 
 use futures_util::StreamExt;
 use lapin::options::*;
-use lapin::types::FieldTable;
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -60,6 +65,73 @@ struct Client {
     ch: Channel,
     reply_to: String,
     replies: lapin::Consumer,
+    /// The key commands are sealed with (`SEAL_KEY_FILE`).
+    seal_key: Option<Vec<u8>>,
+}
+
+/// The first key of the key file `SEAL_KEY_FILE`, when set.
+fn seal_key() -> Res<Option<Vec<u8>>> {
+    let Some(path) = std::env::var_os("SEAL_KEY_FILE") else {
+        return Ok(None);
+    };
+    let text = std::fs::read_to_string(path)?;
+    let line = text
+        .lines()
+        .find(|l| !l.trim().is_empty())
+        .ok_or("no key")?;
+    Ok(Some(hex::decode(line.trim())?))
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_millis() as u64
+}
+
+/// The `x-iiw-seal` header of `body` (docs/contract.md: HMAC-SHA256 over
+/// the length-prefixed fields) sealed at `at`; `aim` is the routing key,
+/// `reply_to` and `correlation_id`.
+fn seal(
+    key: &[u8],
+    kind: &str,
+    aim: [Option<&str>; 3],
+    body: &[u8],
+    at: u64,
+    valid: u64,
+) -> String {
+    use hmac::{KeyInit, Mac};
+    use sha2::Digest;
+    let tagged = [b"ironic-image-worker seal key v1\n".as_slice(), key].concat();
+    let id = hex::encode(&sha2::Sha256::digest(tagged)[..8]);
+    let mut mac = <hmac::Hmac<sha2::Sha256> as KeyInit>::new_from_slice(key).expect("any key");
+    mac.update(b"ironic-image-worker seal v1\n");
+    let (at_text, valid_text) = (at.to_string(), valid.to_string());
+    let [routing_key, reply_to, correlation_id] = aim;
+    for field in [
+        Some(kind),
+        Some(id.as_str()),
+        routing_key,
+        reply_to,
+        correlation_id,
+        Some(at_text.as_str()),
+        Some(valid_text.as_str()),
+    ]
+    .map(|f| f.map(str::as_bytes))
+    .into_iter()
+    .chain([Some(body)])
+    {
+        match field {
+            None => mac.update(&[0]),
+            Some(v) => {
+                mac.update(&[1]);
+                mac.update(&(v.len() as u64).to_be_bytes());
+                mac.update(v);
+            }
+        }
+    }
+    let mac = hex::encode(mac.finalize().into_bytes());
+    format!("1:{id}:{at}:{valid}:{mac}")
 }
 
 impl Client {
@@ -95,6 +167,7 @@ impl Client {
             ch,
             reply_to: q.name().to_string(),
             replies,
+            seal_key: seal_key()?,
         })
     }
 
@@ -103,16 +176,25 @@ impl Client {
             "action": "prepare", "node_uuid": uuid::Uuid::new_v4().to_string(),
             "request_id": id, "instance_info": info,
         });
-        let props = BasicProperties::default()
+        let mut props = BasicProperties::default()
             .with_reply_to(self.reply_to.as_str().into())
             .with_correlation_id(id.into())
             .with_delivery_mode(2);
+        let key = format!("{host}.node.prepare");
+        let body = body.to_string();
+        if let Some(k) = &self.seal_key {
+            let aim = [Some(key.as_str()), Some(&self.reply_to), Some(id)];
+            let sealed = seal(k, "command", aim, body.as_bytes(), now_ms(), 1_800_000);
+            let mut headers = FieldTable::default();
+            headers.insert("x-iiw-seal".into(), AMQPValue::LongString(sealed.into()));
+            props = props.with_headers(headers);
+        }
         self.ch
             .basic_publish(
                 "ironic-image-worker".into(),
-                format!("{host}.node.prepare").as_str().into(),
+                key.as_str().into(),
                 BasicPublishOptions::default(),
-                body.to_string().as_bytes(),
+                body.as_bytes(),
                 props,
             )
             .await?;
@@ -130,6 +212,29 @@ impl Client {
             .as_ref()
             .map(|c| c.as_str().to_string())
             .unwrap_or_default();
+        if let Some(k) = &self.seal_key {
+            let got =
+                d.properties
+                    .headers()
+                    .as_ref()
+                    .and_then(|h| match h.inner().get("x-iiw-seal") {
+                        Some(AMQPValue::LongString(s)) => Some(s.to_string()),
+                        _ => None,
+                    });
+            let got = got.ok_or("an unsealed answer")?;
+            // Checked as the deploy interface checks it: the same seal
+            // made again at the answer's own time.
+            let at = got
+                .split(':')
+                .nth(2)
+                .and_then(|t| t.parse().ok())
+                .unwrap_or(0);
+            let aim = [Some(self.reply_to.as_str()), None, Some(id.as_str())];
+            let want = seal(k, "answer", aim, &d.data, at, 0);
+            if want != got {
+                return Err(format!("an answer whose seal does not hold: {got}").into());
+            }
+        }
         Ok((id, serde_json::from_slice(&d.data)?))
     }
 }

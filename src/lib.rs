@@ -26,6 +26,7 @@
 //! | `gzip` | a master's compressed form: where it lives, the identity its header records (written by `store`, served by `http`) |
 //! | `fsutil` | file-system helpers every layer may use (permissions, atomic replacement, the O_NOFOLLOW walk) |
 //! | [`secrets`] | masking secrets (URL credentials and signatures, secret options) for every layer's logs, errors and files |
+//! | `seal` | the seal (HMAC-SHA256, current and previous key) on commands and answers crossing the broker, and the canonical length-prefixed encoding every keyed or hashed record is built with |
 //! | `retry` | the jittered exponential backoff of reconnects and download retries |
 //! | [`error`] | the one error type and its closed list of codes |
 //!
@@ -61,6 +62,7 @@ pub(crate) mod peers;
 pub(crate) mod pipeline;
 pub(crate) mod retry;
 pub(crate) mod rpc;
+pub(crate) mod seal;
 pub mod secrets;
 pub(crate) mod service;
 pub(crate) mod sources;

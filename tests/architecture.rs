@@ -24,7 +24,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
         "cli",
         &[
             "service", "broker", "pipeline", "messages", "config", "image", "metrics", "node",
-            "error",
+            "seal", "error",
         ],
     ),
     (
@@ -38,7 +38,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
         "broker",
         &[
             "dispatch", "pipeline", "messages", "metrics", "config", "retry", "peers", "secrets",
-            "error",
+            "seal", "error",
         ],
     ),
     (
@@ -97,6 +97,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "node",
             "fsutil",
             "secrets",
+            "seal",
             "error",
         ],
     ),
@@ -104,7 +105,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("gzip", &[]),
     ("secrets", &[]),
     ("node", &["error"]),
-    ("peers", &["image_format", "optional_digest"]),
+    ("peers", &["image_format", "optional_digest", "seal"]),
+    ("seal", &[]),
     ("image_format", &[]),
     ("optional_digest", &[]),
     ("retry", &[]),

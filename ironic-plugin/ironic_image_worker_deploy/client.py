@@ -38,6 +38,7 @@ from oslo_utils import uuidutils
 from ironic_image_worker_deploy import answer
 from ironic_image_worker_deploy import conf as worker_conf
 from ironic_image_worker_deploy import exception
+from ironic_image_worker_deploy import seal
 
 LOG = log.getLogger(__name__)
 
@@ -210,6 +211,18 @@ class WorkerClient(object):
         self.conf = conf
         self.group = conf[worker_conf.GROUP]
 
+    def _seal_policy(self, node_uuid):
+        """The seal policy of ``[image_worker]``, its key file read now
+        (so a rotated key is used at once).
+
+        :raises: ImageWorkerSealKeyError
+        """
+        try:
+            return seal.Policy.from_conf(self.group)
+        except seal.KeyFileError as e:
+            raise exception.ImageWorkerSealKeyError(node=node_uuid,
+                                                    reason=str(e))
+
     @property
     def host(self):
         """The worker's [DEFAULT]host: the routing key's first word."""
@@ -302,14 +315,29 @@ class WorkerClient(object):
             connection.heartbeat_check()
             time.sleep(min(_TICK, grace))
 
-    def _publish(self, channel, body, properties, routing_key):
-        """Publish with confirms; False when no queue could take it."""
+    def _publish(self, channel, body, properties, routing_key, policy=None,
+                 valid=None):
+        """Publish with confirms, sealed under ``policy``; False when no
+        queue could take it.
+
+        A sealed command stays valid for ``valid`` seconds (its wait), and
+        never less than [image_worker]prepare_timeout: a deployed or a
+        cleanup may wait in the queue behind prepares, and the worker
+        still acts on it when it comes to it.
+        """
         returned = []
         channel.events['basic_return'].add(
             lambda exc, exch, key, message: returned.append(exc))
+        data = json.dumps(body).encode('utf-8')
+        if policy is not None and policy.sealing:
+            properties['application_headers'][seal.HEADER] = seal.seal(
+                policy.keys, 'command', routing_key,
+                properties.get('reply_to'), properties['correlation_id'],
+                data, int(time.time() * 1000),
+                int(max(valid or 0, self.group.prepare_timeout) * 1000))
         try:
             channel.basic_publish(
-                amqp.Message(json.dumps(body), **properties),
+                amqp.Message(data, **properties),
                 exchange=self.group.exchange, routing_key=routing_key,
                 mandatory=True)
         except amqp.exceptions.NotFound:
@@ -407,12 +435,14 @@ class WorkerClient(object):
                       'correlation_id': correlation_id,
                       'application_headers': {
                           'timestamp_in_ms': int(time.time() * 1000)}}
+        policy = self._seal_policy(node_uuid)
         link = [self._connect(node_uuid)]
         reply = None
         sent = False
 
         def accept(message):
-            return _answer_in(message, action, node_uuid, correlation_id)
+            return _answer_in(message, action, node_uuid, correlation_id,
+                              policy=policy)
 
         try:
             if expire and timeout is not None:
@@ -430,7 +460,7 @@ class WorkerClient(object):
                        'exchange': self.group.exchange, 'key': routing_key,
                        'req': correlation_id})
             if not self._publish(link[0].channel(), body, properties,
-                                 routing_key):
+                                 routing_key, policy, timeout):
                 raise exception.ImageWorkerNotListening(
                     node=node_uuid, host=self.host,
                     exchange=self.group.exchange, routing_key=routing_key)
@@ -498,12 +528,13 @@ class WorkerClient(object):
                       'application_headers': {
                           'timestamp_in_ms': issued_ms}}
         routing_key = '%s.node.%s' % (self.host, action)
+        policy = self._seal_policy(node_uuid)
         connection = self._connect(node_uuid)
         try:
             self._await_consumer(connection, node_uuid, limit=timeout)
             reply.declare(connection)
             if not self._publish(connection.channel(), body, properties,
-                                 routing_key):
+                                 routing_key, policy, timeout):
                 raise exception.ImageWorkerNotListening(
                     node=node_uuid, host=self.host,
                     exchange=self.group.exchange, routing_key=routing_key)
@@ -531,6 +562,7 @@ class WorkerClient(object):
         :raises: ImageWorkerBrokerUnreachable
         """
         name = _Reply(request_id, self.group.reply_queue_type, 0).name
+        policy = self._seal_policy(node_uuid)
         connection = self._connect(node_uuid)
         try:
             channel = connection.channel()
@@ -542,7 +574,7 @@ class WorkerClient(object):
                 if message is None:
                     return None
                 done = _answer_in(message, action, node_uuid, request_id,
-                                  source_url)
+                                  source_url, policy=policy)
                 if done is not None:
                     break
             _release(channel)
@@ -556,10 +588,12 @@ class WorkerClient(object):
             _release(connection)
 
 
-def _answer_in(message, action, node_uuid, request_id, source_url=None):
+def _answer_in(message, action, node_uuid, request_id, source_url=None,
+               policy=None):
     """The completion ``message`` carries when it is the answer to request
-    ``request_id`` (its ``correlation_id``, then ``answer.is_answer``),
-    else None (logged)."""
+    ``request_id`` (its ``correlation_id``, its seal under ``policy``: made
+    for this request's reply queue and correlation id with a known key,
+    then ``answer.is_answer``), else None (logged)."""
     correlation_id = message.properties.get('correlation_id')
     if correlation_id != request_id:
         LOG.warning('Ignoring a message on the reply queue of %(action)s '
@@ -568,6 +602,23 @@ def _answer_in(message, action, node_uuid, request_id, source_url=None):
                     {'action': action, 'req': request_id, 'node': node_uuid,
                      'got': str(correlation_id)[:120]})
         return None
+    if policy is not None:
+        headers = message.properties.get('application_headers') or {}
+        body = message.body
+        if isinstance(body, str):
+            body = body.encode('utf-8')
+        why = policy.refusal(headers.get(seal.HEADER),
+                             _Reply(request_id, None, 0).name,
+                             request_id, body)
+        if why is not None:
+            LOG.warning('Ignoring a message on the reply queue of '
+                        '%(action)s request %(req)s of node %(node)s: '
+                        '%(why)s (not sealed by the worker for this '
+                        'request with a key of [image_worker]'
+                        'seal_secret_file); still waiting for the answer',
+                        {'action': action, 'req': request_id,
+                         'node': node_uuid, 'why': why})
+            return None
     try:
         done = json.loads(message.body)
     except ValueError:

@@ -159,6 +159,30 @@ opts = [
                        'manual-management-worker), which leave Ironic\'s '
                        'own types as they are. A name that is not a '
                        'hardware type fails the interface\'s loading.')),
+    cfg.StrOpt('seal_secret_file',
+               help=_('File of the keys that seal the commands sent to the '
+                      'worker over the broker and the worker\'s answers '
+                      '(the same file as the worker\'s '
+                      '[amqp]seal_secret_file): one hex key a line, at '
+                      'least 32 random bytes (64 hex digits), the current '
+                      'key first and an optional previous one second while '
+                      'a new key goes round. Mode 0600 or 0640. Read for '
+                      'every command, so a new key takes effect without a '
+                      'restart. Unset: nothing is sealed.')),
+    cfg.StrOpt('seal',
+               choices=[('off', _('nothing sealed, no seal checked')),
+                        ('send', _('commands sealed; unsealed answers '
+                                   'taken (a rolling upgrade: the worker '
+                                   'does not seal yet)')),
+                        ('require', _('commands sealed; only answers '
+                                      'sealed for the very request with '
+                                      'a known key are taken'))],
+               help=_('Whether commands are sealed and answers must be. '
+                      'Unset: require with seal_secret_file, off without. '
+                      'An answer that is not taken is logged and skipped; '
+                      'the interface keeps waiting for the worker\'s own. '
+                      'Not used by the json-rpc transport (its own HTTP '
+                      'Basic and TLS protect it).')),
     cfg.FloatOpt('connect_timeout',
                  default=10.0,
                  min=0.1,

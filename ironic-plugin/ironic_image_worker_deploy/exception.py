@@ -121,3 +121,15 @@ class ImageWorkerUnauthorized(ImageWorkerError):
     def __init__(self, message=None, **kwargs):
         kwargs.setdefault('error_code', 'unauthorized')
         super().__init__(message, **kwargs)
+
+
+class ImageWorkerSealKeyError(ImageWorkerError):
+    """[image_worker]seal_secret_file cannot be used: nothing was sent."""
+
+    _msg_fmt = _("Cannot seal the command to the image worker for node "
+                 "%(node)s (error_code %(error_code)s): %(reason)s. Fix "
+                 "[image_worker]seal_secret_file and seal.")
+
+    def __init__(self, message=None, **kwargs):
+        kwargs.setdefault('error_code', 'seal_key')
+        super().__init__(message, **kwargs)

@@ -21,6 +21,7 @@
 //! still looked up ([`legacy`]) while they can be in a ledger (24 hours
 //! after the upgrade); they are never written.
 
+use crate::seal::Fields;
 use lapin::message::Delivery;
 use sha2::{Digest, Sha256};
 
@@ -51,33 +52,22 @@ impl<'a> Parts<'a> {
     }
 }
 
-/// The canonical encoding (version 1) of `parts`, see the module's text.
-fn canonical(parts: &Parts<'_>) -> Vec<u8> {
-    let fields = [
+/// The ledger key of a delivery: SHA-256 of its canonical encoding
+/// (version 1, see the module's text; written by `crate::seal::Fields`),
+/// hex.
+pub(super) fn key(parts: &Parts<'_>) -> String {
+    let mut fields = Fields::new(Sha256::new());
+    fields.raw(TAG);
+    for field in [
         Some(parts.exchange),
         Some(parts.routing_key),
         Some(parts.body),
         parts.reply_to,
         parts.correlation_id,
-    ];
-    let mut out = Vec::with_capacity(TAG.len() + 5 * 9 + parts.body.len() + 64);
-    out.extend_from_slice(TAG);
-    for field in fields {
-        match field {
-            None => out.push(0),
-            Some(bytes) => {
-                out.push(1);
-                out.extend_from_slice(&(bytes.len() as u64).to_be_bytes());
-                out.extend_from_slice(bytes);
-            }
-        }
+    ] {
+        fields.optional(field);
     }
-    out
-}
-
-/// The ledger key of a delivery: SHA-256 of its canonical encoding, hex.
-pub(super) fn key(parts: &Parts<'_>) -> String {
-    hex::encode(Sha256::digest(canonical(parts)))
+    hex::encode(fields.finish().finalize())
 }
 
 /// The key earlier versions wrote (`DefaultHasher`, 16 hex digits): looked

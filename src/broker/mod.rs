@@ -20,6 +20,9 @@
 //! * `parked`: a delivery acknowledged before its answer (slow lane), kept
 //!   whole in the node ledger so that it is run again after a crash;
 //! * `stamp`: when a command was issued, from its AMQP message;
+//! * `sealed`: the seal (`crate::seal`) on commands and answers: a
+//!   delivered command checked and aimed at this worker, an answer sealed,
+//!   a deferred copy sealed again;
 //! * `peers`: queries and offers between the workers of several
 //!   conductors, and the cloud-wide claim on a master's download.
 //!
@@ -41,15 +44,19 @@ mod identity;
 mod parked;
 pub mod peers;
 mod publisher;
+mod sealed;
 mod session;
 mod stamp;
 pub mod topology;
 
 pub use connect::Brokers;
+pub(crate) use sealed::{admit_answer, seal_command};
 pub use session::run;
 pub use topology::{Topology, WARM_ALL_KEY};
 
 use crate::config::{AmqpSection, Config, NotificationsSection, PeersSection};
+use crate::seal::Sealer;
+use std::sync::Arc;
 
 /// What the broker layer is configured with: its own sections, handed to it
 /// by the service (or the CLI's `send`), never read through the pipeline.
@@ -67,18 +74,23 @@ pub struct Settings {
     /// `[source]slow_downloads`: the width of the slow lane that slow
     /// prepares move to, freeing their prepare slot.
     pub slow_downloads: usize,
+    /// `[amqp]seal` with its keys read: what commands must carry and what
+    /// seals every answer; `None` when off.
+    pub seal: Option<Arc<Sealer>>,
 }
 
 impl Settings {
-    /// The broker layer's sections of `config`.
-    pub fn of(config: &Config) -> Settings {
-        Settings {
+    /// The broker layer's sections of `config`, the seal's key file read
+    /// (an unreadable or unsafe one fails here, before anything starts).
+    pub fn of(config: &Config) -> crate::error::Result<Settings> {
+        Ok(Settings {
             host: config.default.host.clone(),
             amqp: config.amqp.clone(),
             notifications: config.notifications.clone(),
             peers: config.peers.clone(),
             slow_downloads: config.source.slow_downloads as usize,
-        }
+            seal: config.amqp.sealer()?.map(Arc::new),
+        })
     }
 }
 

@@ -2,8 +2,10 @@
 
 use crate::error::{Error, ErrorCode, Result};
 use crate::messages::Completion;
+use crate::seal::Sealer;
 use lapin::options::*;
 use lapin::{BasicProperties, Channel, Confirmation};
+use std::sync::Arc;
 
 /// Why a publish failed: the broker refused this one message (a nack, or
 /// no queue took a mandatory one), which says nothing of the connection, or
@@ -29,29 +31,38 @@ impl std::fmt::Display for PublishError {
 pub struct Publisher {
     channel: Channel,
     events_exchange: String,
+    /// Seals every completion when set (`[amqp]seal` is not `off`).
+    seal: Option<Arc<Sealer>>,
 }
 
 impl Publisher {
-    /// Puts `channel` in confirm mode.
-    pub async fn new(channel: Channel, events_exchange: &str) -> lapin::Result<Publisher> {
+    /// Puts `channel` in confirm mode; completions are sealed with `seal`.
+    pub(crate) async fn new(
+        channel: Channel,
+        events_exchange: &str,
+        seal: Option<Arc<Sealer>>,
+    ) -> lapin::Result<Publisher> {
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await?;
         Ok(Publisher {
             channel,
             events_exchange: events_exchange.to_string(),
+            seal,
         })
     }
 
     /// Publishes `done` to `reply_to` (default exchange) with `correlation_id`,
     /// or to the events exchange as `node.<action>.<status>` (`image.warm.<status>`
-    /// for a warm, which names no node), persistent, and
+    /// for a warm, which names no node), persistent, sealed with key
+    /// `seal_key` (the one its command came with), and
     /// waits for the broker's confirmation.
     pub async fn publish(
         &self,
         done: &Completion,
         reply_to: Option<&str>,
         correlation_id: Option<&str>,
+        seal_key: usize,
     ) -> std::result::Result<(), PublishError> {
         let body = done
             .to_json()
@@ -69,6 +80,7 @@ impl Publisher {
             Some(queue) => (String::new(), queue.to_string()),
             None => (self.events_exchange.clone(), kind),
         };
+        let props = super::sealed::seal_answer(self.seal.as_deref(), seal_key, props, &key, &body);
         self.confirmed(&exchange, &key, false, &body, props).await
     }
 

@@ -243,7 +243,12 @@ async fn open(
     consume_channel
         .basic_qos(settings.amqp.prefetch, BasicQosOptions::default())
         .await?;
-    let publisher = Publisher::new(publish_channel, &topology.events_exchange).await?;
+    let publisher = Publisher::new(
+        publish_channel,
+        &topology.events_exchange,
+        settings.seal.clone(),
+    )
+    .await?;
     step.store(3, Ordering::Relaxed);
     let consumer = consume_channel
         .basic_consume(

@@ -430,7 +430,7 @@ async fn run(
         Command::Cleanup(args) => one_shot(Action::Cleanup, args, None, &host),
         Command::Send(args) => return send::send_command(&loaded.config, args).await,
         Command::Retire { conductor } => {
-            let settings = crate::broker::Settings::of(&loaded.config);
+            let settings = crate::broker::Settings::of(&loaded.config)?;
             let deleted = crate::cli::send::retire(&settings, &conductor).await?;
             println!("{}", serde_json::json!({"deleted_queues": deleted}));
             return Ok(ExitCode::SUCCESS);

@@ -10,6 +10,7 @@ use crate::error::{Error, ErrorCode, Result};
 use crate::messages::Request;
 use crate::messages::{Action, Completion};
 use crate::node::NodeUuid;
+use crate::seal::Sealer;
 use clap::{Args, ValueEnum};
 use futures_util::StreamExt;
 use lapin::options::*;
@@ -95,7 +96,19 @@ pub async fn send(
     let correlation = req.request_id.clone().unwrap_or_default();
     let key = target.routing_key(req.action);
     let body = serde_json::to_vec(&command_body(req)).unwrap_or_default();
-    let props = command_properties(reply, &correlation);
+    let valid = wait.map_or(Duration::from_secs(3600), |w| w.limit);
+    let props = crate::broker::seal_command(
+        settings.seal.as_deref(),
+        command_properties(reply.clone(), &correlation),
+        &key,
+        &body,
+        valid.as_millis() as u64,
+    );
+    let taken = Taken {
+        correlation: &correlation,
+        seal: settings.seal.as_deref(),
+        queue: reply.as_str(),
+    };
     let confirm = channel
         .basic_publish(
             topology.command_exchange.as_str().into(),
@@ -115,9 +128,9 @@ pub async fn send(
     let answers = match (wait, target) {
         (None, _) => Vec::new(),
         (Some(w), Target::Host(_)) => {
-            vec![await_answer(replies, &correlation, w.limit, broker).await?]
+            vec![await_answer(replies, &taken, w.limit, broker).await?]
         }
-        (Some(w), Target::AllConductors) => await_answers(replies, &correlation, w, broker).await?,
+        (Some(w), Target::AllConductors) => await_answers(replies, &taken, w, broker).await?,
     };
     let _ = conn.close(200, "bye".into()).await;
     Ok(answers)
@@ -312,23 +325,50 @@ fn refused(confirm: Confirmation, key: &str, target: Target<'_>) -> Result<()> {
     }
 }
 
-/// The completion on the reply queue whose correlation id is `correlation`,
+/// What makes a message on the reply queue an answer to the command sent:
+/// its correlation id and, with a seal policy, a seal made for it.
+struct Taken<'a> {
+    correlation: &'a str,
+    seal: Option<&'a Sealer>,
+    queue: &'a str,
+}
+
+impl Taken<'_> {
+    /// Whether `delivery` answers the command (one that is not is said on
+    /// stderr when its seal is the reason, and skipped).
+    fn answers(&self, delivery: &lapin::message::Delivery) -> bool {
+        let ours = delivery
+            .properties
+            .correlation_id()
+            .as_ref()
+            .is_some_and(|c| c.as_str() == self.correlation);
+        if !ours {
+            return false;
+        }
+        match crate::broker::admit_answer(self.seal, delivery, self.queue) {
+            Ok(()) => true,
+            Err(why) => {
+                eprintln!(
+                    "ironic-image-worker: skipped an answer whose seal does not hold ({why:?})"
+                );
+                false
+            }
+        }
+    }
+}
+
+/// The completion on the reply queue that answers the command (`taken`),
 /// waited for at most `limit`.
 async fn await_answer(
     mut replies: lapin::Consumer,
-    correlation: &str,
+    taken: &Taken<'_>,
     limit: Duration,
     broker: impl Fn(lapin::Error) -> Error,
 ) -> Result<Completion> {
     tokio::time::timeout(limit, async {
         while let Some(delivery) = replies.next().await {
             let delivery = delivery.map_err(&broker)?;
-            let matches = delivery
-                .properties
-                .correlation_id()
-                .as_ref()
-                .is_some_and(|c| c.as_str() == correlation);
-            if matches {
+            if taken.answers(&delivery) {
                 return serde_json::from_slice::<Completion>(&delivery.data).map_err(|e| {
                     Error::new(ErrorCode::Internal, format!("unreadable completion: {e}"))
                 });
@@ -343,12 +383,12 @@ async fn await_answer(
     .map_err(|_| Error::new(ErrorCode::Internal, format!("no answer within {limit:?}")))?
 }
 
-/// The completions on the reply queue whose correlation id is
-/// `correlation`, one per conductor, until `wait.expect` of them came or
-/// `wait.limit` passed (not an error: the caller says how many came).
+/// The completions on the reply queue that answer the command (`taken`),
+/// one per conductor, until `wait.expect` of them came or `wait.limit`
+/// passed (not an error: the caller says how many came).
 async fn await_answers(
     mut replies: lapin::Consumer,
-    correlation: &str,
+    taken: &Taken<'_>,
     wait: Wait,
     broker: impl Fn(lapin::Error) -> Error,
 ) -> Result<Vec<Completion>> {
@@ -365,12 +405,7 @@ async fn await_answers(
             }
             Ok(Some(delivery)) => delivery.map_err(&broker)?,
         };
-        let matches = next
-            .properties
-            .correlation_id()
-            .as_ref()
-            .is_some_and(|c| c.as_str() == correlation);
-        if !matches {
+        if !taken.answers(&next) {
             continue;
         }
         let done = serde_json::from_slice::<Completion>(&next.data)
@@ -488,7 +523,7 @@ pub(super) async fn send_command(config: &Config, args: SendArgs) -> Result<Exit
         expect: args.expect,
     });
     let answers = match args.rpc.transport(config) {
-        Transport::Amqp => send(&crate::broker::Settings::of(config), target, &req, wait).await?,
+        Transport::Amqp => send(&crate::broker::Settings::of(config)?, target, &req, wait).await?,
         Transport::JsonRpc => {
             let routed = args.all_conductors || args.conductor.is_some();
             super::send_rpc::send(config, &args.rpc, routed, &req, wait.map(|w| w.limit)).await?

@@ -3,6 +3,8 @@
 
 use super::check::Report;
 use super::choice::choice;
+use super::ironic_conf::InterfaceSeal;
+use crate::seal::{Keys, Sealer};
 use crate::secrets::redact_url_list;
 use serde::{Deserialize, Serialize};
 
@@ -80,6 +82,28 @@ pub struct AmqpSection {
     /// Ironic's notifications carry the node's `instance_info`, a
     /// configdrive included during a deploy.
     pub max_message_bytes: usize,
+    /// The seal keys shared with the deploy interface (its
+    /// `[image_worker]seal_secret_file`): one hex key a line, at least 32
+    /// bytes, the current one first, an optional previous one second; mode
+    /// 0600 or 0640. Empty: commands and answers are not sealed.
+    pub seal_secret_file: String,
+    /// `off`, `send` (seal answers, take unsealed commands: a rolling
+    /// upgrade) or `require` (refuse commands not sealed with a known
+    /// key). Unset: `require` with `seal_secret_file`, else `off`.
+    pub seal: Option<SealMode>,
+}
+
+choice! {
+    /// `[amqp]seal`: whether answers are sealed and unsealed commands
+    /// refused.
+    pub enum SealMode refused as "{value:?}: off, send or require" {
+        /// Nothing sealed, no seal checked.
+        Off = "off",
+        /// Answers sealed; unsealed commands taken, wrongly sealed ones refused.
+        Send = "send",
+        /// Answers sealed; only commands sealed with a known key taken.
+        Require = "require",
+    }
 }
 
 choice! {
@@ -133,6 +157,8 @@ impl Default for AmqpSection {
             notification_exchange_durable: false,
             shutdown_grace: 30,
             max_message_bytes: 4 << 20,
+            seal_secret_file: String::new(),
+            seal: None,
         }
     }
 }
@@ -142,6 +168,38 @@ impl AmqpSection {
     /// `bind_notifications` says, and by default whenever there is a broker.
     pub fn binds_notifications(&self) -> bool {
         self.enabled && self.bind_notifications.unwrap_or(true)
+    }
+
+    /// The seal mode in force: `seal`, else `require` with a key file and
+    /// `off` without.
+    pub fn seal_mode(&self) -> SealMode {
+        match (self.seal, self.seal_secret_file.is_empty()) {
+            (Some(mode), _) => mode,
+            (None, false) => SealMode::Require,
+            (None, true) => SealMode::Off,
+        }
+    }
+
+    /// The seal policy in force, its keys read (`None`: `off`).
+    pub(crate) fn sealer(&self) -> crate::error::Result<Option<Sealer>> {
+        self.read_sealer()
+            .map_err(|(option, why)| super::check::config_error(format!("[amqp]{option}: {why}")))
+    }
+
+    /// [`AmqpSection::sealer`], or the option at fault and why.
+    fn read_sealer(&self) -> Result<Option<Sealer>, (&'static str, String)> {
+        let require = match self.seal_mode() {
+            SealMode::Off => return Ok(None),
+            SealMode::Send => false,
+            SealMode::Require => true,
+        };
+        if self.seal_secret_file.is_empty() {
+            let mode = self.seal_mode();
+            return Err(("seal", format!("{mode} needs [amqp]seal_secret_file")));
+        }
+        let keys = Keys::read(std::path::Path::new(&self.seal_secret_file))
+            .map_err(|why| ("seal_secret_file", why))?;
+        Ok(Some(Sealer { keys, require }))
     }
 
     /// The broker URLs with their passwords masked, for logs.
@@ -158,6 +216,9 @@ impl AmqpSection {
     pub(super) fn check(&self, report: &mut Report) {
         self.check_urls(report);
         self.check_tls(report);
+        if let Err((option, why)) = self.read_sealer() {
+            report.error("amqp", option, why);
+        }
         if self.prefetch == 0 {
             report.error(
                 "amqp",
@@ -173,6 +234,71 @@ impl AmqpSection {
                     "{} is too large (at most {})",
                     self.delivery_limit,
                     i32::MAX
+                ),
+            );
+        }
+    }
+
+    /// Names a deployment where the worker and its deploy interface
+    /// (`interface`, from the ironic.conf read) disagree on the seal: an
+    /// error when every command (the worker requires seals the interface
+    /// does not make) or every answer (the reverse) would be refused, or
+    /// when both hold keys and none is common; a warning while one side
+    /// only sends seals (a rolling upgrade).
+    pub(super) fn check_seal_matches(&self, interface: &InterfaceSeal, report: &mut Report) {
+        if !interface.over_broker {
+            return;
+        }
+        let (ours, theirs) = (self.seal_mode(), interface.mode());
+        let at = &interface.source;
+        let problem = match (ours, theirs) {
+            (SealMode::Require, "off") => Some((
+                true,
+                format!(
+                    "the deploy interface seals no command ({at} is not set): every command would be \
+                 refused; set it to the same key file, or [amqp]seal = send during an upgrade"
+                ),
+            )),
+            (SealMode::Off, "require") => Some((
+                true,
+                format!(
+                    "not set, but the deploy interface requires sealed answers ({at}): every answer \
+                 would be refused; set it to the same key file"
+                ),
+            )),
+            (SealMode::Send, "off") | (SealMode::Off, "send") => Some((
+                false,
+                format!(
+                    "one side seals and the other does not ([amqp]seal = {ours}, the deploy \
+                 interface's {theirs}, {at}): fine during an upgrade, require on both sides after"
+                ),
+            )),
+            _ => None,
+        };
+        match problem {
+            Some((true, why)) => report.error("amqp", "seal_secret_file", why),
+            Some((false, why)) => report.warn("amqp", "seal", why),
+            None => self.check_common_key(interface, report),
+        }
+    }
+
+    /// Both sides hold keys: when the worker may read the interface's key
+    /// file, they must share a key.
+    fn check_common_key(&self, interface: &InterfaceSeal, report: &mut Report) {
+        let Some(path) = &interface.secret_file else {
+            return;
+        };
+        let (Ok(Some(ours)), Ok(theirs)) = (self.read_sealer(), Keys::read(path.as_ref())) else {
+            return;
+        };
+        if !ours.keys.shares_a_key_with(&theirs) {
+            report.error(
+                "amqp",
+                "seal_secret_file",
+                format!(
+                    "shares no key with the deploy interface's {path} ({}): every command and \
+                     answer would be refused",
+                    interface.source
                 ),
             );
         }
@@ -276,6 +402,90 @@ pub fn split_broker_urls(value: &str) -> std::result::Result<Vec<String>, String
 mod tests {
     use super::super::choice::refusal;
     use super::{QueueType, SslVersion};
+
+    /// The problems of a worker with `flags` beside an ironic.conf of
+    /// `ironic_conf`: (errors, warnings), as `config check` prints them.
+    fn seal_check(ironic_conf: &str, flags: &[String]) -> (Vec<String>, Vec<String>) {
+        let dir = tempfile::tempdir().unwrap();
+        let conf = dir.path().join("ironic.conf");
+        std::fs::write(&conf, ironic_conf).unwrap();
+        let files = super::super::Files {
+            ironic_conf: Some(conf),
+            toml: None,
+        };
+        let shown = |p: &Vec<super::super::Problem>| p.iter().map(|p| p.to_string()).collect();
+        match super::super::read(&files, &[], flags) {
+            Ok(loaded) => (Vec::new(), shown(&loaded.warnings)),
+            Err(errors) => (shown(&errors), Vec::new()),
+        }
+    }
+
+    /// `config check` names a deployment where the worker and the deploy
+    /// interface disagree on the seal.
+    #[test]
+    fn one_side_sealed_and_the_other_not_is_named() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let key = |name: &str, byte: &str| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, byte.repeat(32)).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+            path.display().to_string()
+        };
+        let (ours, theirs) = (key("ours.key", "ab"), key("theirs.key", "cd"));
+        let worker = |extra: &[&str]| {
+            let mut flags = vec![format!("amqp.seal_secret_file={ours}")];
+            flags.extend(extra.iter().map(|s| s.to_string()));
+            flags
+        };
+        let (errors, _) = seal_check("[image_worker]\n", &worker(&[]));
+        assert!(
+            errors
+                .iter()
+                .any(|e| e.contains("[amqp]seal_secret_file") && e.contains("seals no command")),
+            "{errors:?}"
+        );
+        let (errors, warnings) = seal_check("[image_worker]\n", &worker(&["amqp.seal=send"]));
+        assert!(errors.is_empty(), "{errors:?}");
+        assert!(
+            warnings.iter().any(|w| w.contains("[amqp]seal")),
+            "{warnings:?}"
+        );
+        let interface = format!("[image_worker]\nseal_secret_file = {theirs}\n");
+        let (errors, _) = seal_check(&interface, &[]);
+        assert!(
+            errors.iter().any(|e| e.contains("requires sealed answers")),
+            "{errors:?}"
+        );
+        let (errors, _) = seal_check(&interface, &worker(&[]));
+        assert!(
+            errors.iter().any(|e| e.contains("shares no key")),
+            "{errors:?}"
+        );
+        let same = format!("[image_worker]\nseal_secret_file = {ours}\n");
+        assert_eq!(seal_check(&same, &worker(&[])).0, Vec::<String>::new());
+        let rpc = "[image_worker]\ntransport = json-rpc\n";
+        assert_eq!(seal_check(rpc, &worker(&[])).0, Vec::<String>::new());
+    }
+
+    #[test]
+    fn an_unsafe_or_missing_key_file_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("seal.key");
+        std::fs::write(&path, "ab".repeat(32)).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let error = refusal(&[&format!("amqp.seal_secret_file={}", path.display())]).unwrap();
+        assert!(
+            error.contains("[amqp]seal_secret_file") && error.contains("mode 0644"),
+            "{error}"
+        );
+        let error = refusal(&["amqp.seal=require"]).unwrap();
+        assert!(
+            error.contains("require needs [amqp]seal_secret_file"),
+            "{error}"
+        );
+    }
 
     #[test]
     fn ssl_version_takes_oslo_messagings_names() {

@@ -399,7 +399,53 @@ const OTHER_READ: &[(&str, &str)] = &[
     ("oslo_messaging_rabbit", "ssl"),
     ("oslo_messaging_notifications", "transport_url"),
     ("pxe", "instance_master_path"),
+    ("image_worker", "seal_secret_file"),
+    ("image_worker", "seal"),
+    ("image_worker", "transport"),
 ];
+
+/// What an ironic.conf says of the deploy interface's seal: so that
+/// `config check` names a deployment where one side seals and the other
+/// does not (every command or every answer would then be refused).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InterfaceSeal {
+    /// `[image_worker]seal_secret_file`, when set.
+    pub secret_file: Option<String>,
+    /// `[image_worker]seal`, when set.
+    pub mode: Option<String>,
+    /// Whether the interface talks to the worker over the broker at all
+    /// (`[image_worker]transport` is not `json-rpc`).
+    pub over_broker: bool,
+    /// Where `seal_secret_file` was read (or would be).
+    pub source: Source,
+}
+
+impl InterfaceSeal {
+    /// The seal mode the interface runs with: `seal`, else `require` with
+    /// a key file and `off` without (as the interface's own default).
+    pub fn mode(&self) -> &str {
+        match (&self.mode, &self.secret_file) {
+            (Some(mode), _) => mode.as_str(),
+            (None, Some(_)) => "require",
+            (None, None) => "off",
+        }
+    }
+}
+
+/// The deploy interface's seal settings in `ini`.
+fn interface_seal(ini: &IniFile, file: Option<&Path>) -> Result<InterfaceSeal> {
+    let set = |key| -> Result<Option<String>> {
+        Ok(ini
+            .get("image_worker", key)?
+            .filter(|v| !v.trim().is_empty()))
+    };
+    Ok(InterfaceSeal {
+        secret_file: set("seal_secret_file")?,
+        mode: set("seal")?,
+        over_broker: set("transport")?.is_none_or(|t| t.trim() != "json-rpc"),
+        source: ini.source(file, "image_worker", "seal_secret_file"),
+    })
+}
 
 /// The environment variable oslo.config reads for `[group]option`.
 pub fn oslo_env_name(group: &str, option: &str) -> String {
@@ -516,6 +562,12 @@ pub fn load(path: Option<&Path>, env: &[(String, String)]) -> Result<Layers, Pro
     if let Some(transport) = ini.get("DEFAULT", "rpc_transport").map_err(whole)? {
         let source = ini.source(path, "DEFAULT", "rpc_transport");
         layers.ironic_rpc_transport = Some((transport.trim().to_string(), source));
+    }
+    let names_seal = ["seal_secret_file", "seal"]
+        .iter()
+        .any(|key| ini.raw("image_worker", key).is_some());
+    if path.is_some() || names_seal {
+        layers.interface_seal = Some(interface_seal(&ini, path).map_err(whole)?);
     }
     map_options(&ini, path, &mut layers).map_err(whole)?;
     Ok(layers)

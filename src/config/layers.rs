@@ -146,6 +146,9 @@ pub struct Layers {
     /// `OS_DEFAULT__RPC_TRANSPORT`) sets it, with where: `json-rpc` or
     /// `none` means Ironic has no broker the worker could share.
     pub ironic_rpc_transport: Option<(String, Source)>,
+    /// What the ironic.conf read says of the deploy interface's seal
+    /// (`[image_worker]`), to compare with the worker's.
+    pub interface_seal: Option<super::ironic_conf::InterfaceSeal>,
     /// Notes of the layers themselves (an ironic.conf option the worker
     /// reads differently).
     pub warnings: Vec<Problem>,

@@ -59,7 +59,7 @@ mod source;
 mod value;
 
 pub use agent::{AgentSection, ImageDownloadSource};
-pub use amqp::{AmqpSection, QueueType, SslVersion, split_broker_urls};
+pub use amqp::{AmqpSection, QueueType, SealMode, SslVersion, split_broker_urls};
 pub use cache::CacheSection;
 pub use check::{Problem, Report, refusal};
 pub use choice::{AuthStrategy, TlsMinVersion};
@@ -156,6 +156,9 @@ pub fn read(
         config.check_master_not_ironics(path, &mut report);
     }
     config.check_broker_is_ironics(&layers, &mut report);
+    if let Some(interface) = &layers.interface_seal {
+        config.amqp.check_seal_matches(interface, &mut report);
+    }
     let report = report.with_sources(&layers);
     if !report.errors.is_empty() {
         return Err(report.errors);

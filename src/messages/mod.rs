@@ -73,6 +73,23 @@ pub enum IgnoreReason {
     /// A prepare put back at the tail of the queue: every prepare slot was
     /// busy.
     DeferredPrepare,
+    /// A command without a seal, with a seal required: dead-lettered.
+    Unsealed,
+    /// A command whose seal does not hold (forged, made with a key not
+    /// held, or re-published to another routing key, `reply_to` or
+    /// `correlation_id`, or to another worker): dead-lettered.
+    BadSeal,
+    /// A command sealed outside its window (a replay, or a clock far off):
+    /// dead-lettered.
+    ExpiredSeal,
+    /// A command whose seal was taken before within its window (published
+    /// again by someone who saw it; not the broker's redelivery):
+    /// dead-lettered.
+    ReplayedSeal,
+    /// A notification's deployed, cleanup or transition while commands
+    /// are sealed: a notification cannot be, so it changes no node's files
+    /// (its prepare only warms the image).
+    UnsealedNotification,
 }
 
 impl IgnoreReason {
@@ -88,6 +105,11 @@ impl IgnoreReason {
             IgnoreReason::NotPreparedHere => "not_prepared_here",
             IgnoreReason::RedeliveredInProgress => "redelivered_in_progress",
             IgnoreReason::DeferredPrepare => "deferred_prepare",
+            IgnoreReason::Unsealed => "unsealed",
+            IgnoreReason::BadSeal => "bad_seal",
+            IgnoreReason::ExpiredSeal => "expired_seal",
+            IgnoreReason::ReplayedSeal => "replayed_seal",
+            IgnoreReason::UnsealedNotification => "unsealed_notification",
         }
     }
 }
@@ -546,6 +568,11 @@ mod tests {
             (NotPreparedHere, "not_prepared_here"),
             (RedeliveredInProgress, "redelivered_in_progress"),
             (DeferredPrepare, "deferred_prepare"),
+            (Unsealed, "unsealed"),
+            (BadSeal, "bad_seal"),
+            (ExpiredSeal, "expired_seal"),
+            (ReplayedSeal, "replayed_seal"),
+            (UnsealedNotification, "unsealed_notification"),
         ];
         for (reason, label) in labels {
             assert_eq!(reason.as_str(), label);

@@ -12,6 +12,7 @@
 //! ([`claim_queue`]): a name nobody without the secret can compute, so
 //! nobody else can take the claim first and make every worker wait.
 
+use crate::seal::Fields;
 use hmac::{KeyInit, Mac};
 use std::collections::HashMap;
 
@@ -96,10 +97,11 @@ fn keyed(secret: &[u8]) -> HmacSha256 {
     HmacSha256::new_from_slice(secret).expect("HMAC takes any key length")
 }
 
-/// Each field with its length first, so no two envelopes read the same.
+/// Each field with its length first (`crate::seal::Fields`, without the
+/// presence byte of later records), so no two envelopes read the same.
 fn mac_of(secret: &[u8], env: &Envelope<'_>, body: &[u8]) -> HmacSha256 {
-    let mut mac = keyed(secret);
     let time = env.time_ms.to_string();
+    let mut fields = Fields::new(keyed(secret));
     for field in [
         b"iiw-peers-v1".as_slice(),
         env.kind.tag().as_bytes(),
@@ -108,10 +110,9 @@ fn mac_of(secret: &[u8], env: &Envelope<'_>, body: &[u8]) -> HmacSha256 {
         time.as_bytes(),
         body,
     ] {
-        mac.update(&(field.len() as u64).to_be_bytes());
-        mac.update(field);
+        fields.field(field);
     }
-    mac
+    fields.finish()
 }
 
 /// The seal of `body` in `env`, as the [`MAC_HEADER`] carries it.

@@ -69,7 +69,7 @@ async fn start(config: Config, files: &str, stop: watch::Receiver<bool>) -> Resu
     metrics.amqp.enabled.set(i64::from(config.amqp.enabled));
     let limits = image_server_limits(&config);
     let security = image_server_security(&config, &metrics)?;
-    let settings = crate::broker::Settings::of(&config);
+    let settings = crate::broker::Settings::of(&config)?;
     let brokers = (config.amqp.enabled)
         .then(|| crate::broker::Brokers::new(&settings.amqp))
         .transpose()?;

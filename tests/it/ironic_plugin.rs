@@ -69,6 +69,8 @@ async fn direct_worker_deploy_interface_in_ironic() {
         "-W",
         "ignore::DeprecationWarning",
         "--ignore=ironic_image_worker_deploy/tests/unit",
+        // Run by tests/it/sealed.rs against a worker of its own.
+        "--ignore=ironic_image_worker_deploy/tests/test_sealed.py",
         "ironic_image_worker_deploy/tests",
     ])
     .current_dir(plugin_dir())

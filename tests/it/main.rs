@@ -37,6 +37,7 @@ mod peer_trust;
 mod peers;
 mod pipeline;
 mod rabbitmq_definitions;
+mod sealed;
 mod served_digests;
 mod source_auth;
 mod systemd;

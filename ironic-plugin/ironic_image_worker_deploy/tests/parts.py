@@ -255,14 +255,17 @@ class SpareWorker(object):
     """A second worker (its own host and directories), started and stopped
     by a test."""
 
-    def __init__(self, binary, config, metrics_port):
+    def __init__(self, binary, config, metrics_port, environ=None):
         self.binary = binary
         self.config = config
         self.metrics_port = metrics_port
+        # Further variables of its environment (options set by a test).
+        self.environ = environ or {}
         self.proc = None
 
     def start(self):
-        environ = dict(os.environ, RUST_LOG='warn,lapin=error')
+        environ = dict(os.environ, RUST_LOG='warn,lapin=error',
+                       **self.environ)
         environ.pop('IRONIC_IMAGE_WORKER_CONFIG', None)
         self.proc = subprocess.Popen(
             [self.binary, '--config', self.config, 'serve'],

@@ -1,6 +1,8 @@
 //! A deferred prepare: every prepare slot is busy, so the prepare goes
 //! back to the tail of this host's queue, carrying its deadline and issue
-//! time, and the delivery slot serves other actions meanwhile.
+//! time (and, with a seal policy, sealed again by this worker for its own
+//! queue, valid as long as the original seal), and the delivery slot
+//! serves other actions meanwhile.
 //!
 //! Knows nothing of routing, the ledger, nor of answers.
 
@@ -29,7 +31,10 @@ impl Dispatcher {
             return;
         }
         let issued = stamp::with_issue_time(job.properties.clone(), job.received_ms);
-        let copy = deadline::carried(&issued, job.deadline);
+        let mut copy = deadline::carried(&issued, job.deadline);
+        if let Some(gate) = &self.gate {
+            copy = gate.reseal(copy, &job.body, (job.seal_key, job.sealed_until));
+        }
         let put_back = match link
             .publisher
             .requeue_copy(&self.queue, &job.body, copy)

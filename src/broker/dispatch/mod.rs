@@ -25,6 +25,7 @@
 //! * `early_ack`: a copy acknowledged before the broker's consumer timeout;
 //! * `slow_lane`: a slow download's delivery parked in the ledger and
 //!   acknowledged early, and parked deliveries run again after a restart;
+//! * `refuse`: a command whose seal does not hold, dead-lettered unworked;
 //! * `defer`: a prepare put back at the tail of the queue;
 //! * `settle`: the answer published, then the copy acknowledged or
 //!   dead-lettered.
@@ -35,6 +36,7 @@ mod adopt;
 mod defer;
 mod early_ack;
 mod intake;
+mod refuse;
 mod settle;
 mod slow_lane;
 
@@ -42,9 +44,11 @@ use super::ack::Tracked;
 use super::deadline;
 use super::identity;
 use super::publisher::Publisher;
+use super::sealed::Gate;
 use crate::dispatch::{Carrier, Deferral, DeliveryKey, Dispatch, Job, Transport};
 use crate::messages::inbound::{self, Inbound};
 use crate::messages::{Completion, IgnoreReason};
+use crate::seal::Sealed;
 use futures_util::future::BoxFuture;
 use intake::Intake;
 use lapin::Acker;
@@ -91,6 +95,8 @@ pub(super) struct Dispatcher {
     queue: String,
     /// Deliveries being dispatched, and when the last one was.
     intake: Mutex<Intake>,
+    /// The seal commands must carry (`[amqp]seal`); `None`: off.
+    gate: Option<Gate>,
 }
 
 /// A delivery: the broker's side of its job (the shared dispatch's
@@ -121,6 +127,12 @@ struct Delivered {
     redelivered: bool,
     /// When this process received it (ms since the epoch).
     received_ms: u64,
+    /// Until when its seal lets it be acted on (a deferred copy is sealed
+    /// again until then); `None`: it came unsealed.
+    sealed_until: Option<u64>,
+    /// Which key sealed it (0: the current one, or none): its answer is
+    /// sealed with the same key.
+    seal_key: usize,
 }
 
 impl Dispatcher {
@@ -130,6 +142,7 @@ impl Dispatcher {
         let amqp = &settings.amqp;
         let timeout = amqp.consumer_timeout;
         let queue = super::Topology::new(&settings.host, amqp).queue;
+        let gate = (settings.seal.clone()).map(|s| Gate::new(s, &settings.host, &queue));
         Dispatcher {
             host: settings.host.clone(),
             notification_exchange: amqp.notification_exchange.clone(),
@@ -142,6 +155,7 @@ impl Dispatcher {
             next_session: AtomicU64::new(1),
             queue,
             intake: Mutex::new(Intake::new()),
+            gate,
         }
     }
 
@@ -193,7 +207,11 @@ impl Dispatcher {
         if delivery.redelivered && self.adopt(session, &identity, &delivery.acker, received) {
             return;
         }
-        let (inbound, job) = self.job(session, identity, delivery);
+        let sealed = match self.admit(&delivery) {
+            Ok(sealed) => sealed,
+            Err(why) => return self.refuse(delivery, why),
+        };
+        let (inbound, job) = self.job(session, identity, delivery, sealed);
         match inbound {
             Inbound::Work(request) => {
                 self.remember(&job);
@@ -233,11 +251,15 @@ impl Dispatcher {
         session: u64,
         identity: String,
         delivery: Delivery,
+        sealed: Option<Sealed>,
     ) -> (Inbound, Delivered) {
         let legacy_identity = Some(identity::legacy(&identity::Parts::of(&delivery)));
         let received_ms = super::stamp::now_ms();
         let (mut inbound, source) = self.read(&delivery.data, delivery.exchange.as_str());
-        let issued_ms = super::stamp::issued_ms(&delivery.properties, received_ms);
+        // A sealed command was issued no later than it was sealed: an issue
+        // time header set later is not taken.
+        let issued_ms = super::stamp::issued_ms(&delivery.properties, received_ms)
+            .min(sealed.map_or(u64::MAX, |s| s.sealed_at));
         if let Inbound::Work(req) = &mut inbound {
             req.issued_ms.get_or_insert(issued_ms);
         }
@@ -264,6 +286,8 @@ impl Dispatcher {
             properties: delivery.properties,
             redelivered: delivery.redelivered,
             received_ms,
+            sealed_until: sealed.map(|s| s.until),
+            seal_key: sealed.map_or(0, |s| s.key),
         };
         (inbound, job)
     }
@@ -273,13 +297,16 @@ impl Dispatcher {
     /// which it was. The same for a delivery and for one parked earlier.
     fn read(&self, body: &[u8], exchange: &str) -> (Inbound, &'static str) {
         let from_ironic = exchange == self.notification_exchange;
-        let inbound = inbound::parse(
+        let mut inbound = inbound::parse(
             body,
             from_ironic,
             &self.host,
             &self.deploy_interfaces,
             self.max_message_bytes,
         );
+        if self.gate.is_some() {
+            inbound = inbound::unsealed_notification(inbound);
+        }
         (
             inbound,
             if from_ironic {

@@ -74,7 +74,11 @@ impl Dispatcher {
                 Err(_) => return false,
             };
             let Some(link) = link else { continue };
-            match link.publisher.publish(done, reply_to, correlation_id).await {
+            let sealed_with = job.seal_key;
+            match (link.publisher)
+                .publish(done, reply_to, correlation_id, sealed_with)
+                .await
+            {
                 Ok(()) => return true,
                 Err(PublishError::Refused(e)) => {
                     self.work.metrics().amqp.answer_refusals.inc();

@@ -89,6 +89,9 @@ impl Dispatcher {
                 properties: lapin::BasicProperties::default(),
                 redelivered: true,
                 received_ms: parked.received_ms,
+                // Checked when it was received; never deferred again.
+                sealed_until: None,
+                seal_key: 0,
             };
             span.in_scope(|| {
                 tracing::info!(

@@ -20,6 +20,7 @@ mod notification;
 
 pub use command::parse_command;
 use notification::parse_notification;
+pub use notification::unsealed as unsealed_notification;
 
 /// The meaning of one inbound message.
 #[derive(Debug)]

@@ -238,6 +238,28 @@ fn node_notification(
     }))
 }
 
+/// What a notification may still do when commands and answers are sealed:
+/// Ironic emits notifications, nobody seals them, so anyone on the broker
+/// could publish one. Its prepare only warms the image (the master is
+/// cached, no node's file is linked or replaced); its `deployed`,
+/// `cleanup` and transitions are ignored (no node's file is withdrawn, no
+/// node's order changed). Anything else (a command, an ignored or
+/// unusable message) is as it was.
+pub fn unsealed(inbound: Inbound) -> Inbound {
+    match inbound {
+        Inbound::Work(mut req) if req.notified => {
+            if req.action != Action::Prepare {
+                return Inbound::Ignore(IgnoreReason::UnsealedNotification);
+            }
+            req.action = Action::Warm;
+            req.node = None;
+            Inbound::Work(req)
+        }
+        Inbound::Moved { .. } => Inbound::Ignore(IgnoreReason::UnsealedNotification),
+        other => other,
+    }
+}
+
 /// A transition that asks for no work: the node moved on when it is a
 /// delegating node's and the notification says when; otherwise nothing.
 fn moved_or_ignored(node: Option<NodeUuid>, at_ms: Option<u64>, delegating: bool) -> Inbound {
@@ -479,5 +501,37 @@ mod tests {
             action_for(&t("available", "cleaning", "done")),
             Some((Action::Cleanup, true))
         );
+    }
+
+    /// With sealed commands, a notification warms at most: its prepare
+    /// names no node any more, the rest is ignored.
+    #[test]
+    fn unsealed_notifications_only_warm() {
+        let start = with_interface(START, "direct-worker");
+        let prepare = inbound::parse(start.as_bytes(), true, "testhost", &ours(), 1 << 20);
+        assert!(matches!(&prepare, Inbound::Work(r) if r.action == Action::Prepare));
+        match unsealed(prepare) {
+            Inbound::Work(r) => {
+                assert_eq!(r.action, Action::Warm);
+                assert!(r.node.is_none());
+                assert!(r.instance_info.image_source.is_some());
+            }
+            other => panic!("{other:?}"),
+        }
+        let end = with_interface(END, "direct-worker");
+        let deployed = inbound::parse(end.as_bytes(), true, "testhost", &ours(), 1 << 20);
+        assert!(matches!(&deployed, Inbound::Work(r) if r.action == Action::Deployed));
+        assert!(matches!(
+            unsealed(deployed),
+            Inbound::Ignore(IgnoreReason::UnsealedNotification)
+        ));
+        let node = NodeUuid::parse("1be26c0b-03f2-4d2e-ae87-c02d7f33c123").unwrap();
+        assert!(matches!(
+            unsealed(Inbound::Moved { node, at_ms: 1 }),
+            Inbound::Ignore(IgnoreReason::UnsealedNotification)
+        ));
+        let command = br#"{"action":"cleanup","node_uuid":"1be26c0b-03f2-4d2e-ae87-c02d7f33c123","request_id":"r"}"#;
+        let cleanup = inbound::parse(command, false, "testhost", &ours(), 1 << 20);
+        assert!(matches!(unsealed(cleanup), Inbound::Work(r) if r.action == Action::Cleanup));
     }
 }

@@ -28,7 +28,8 @@ WORKER_OPTIONS = {'exchange', 'queue_prefix', 'conductor_host',
                   'transport_url', 'prepare_timeout', 'command_timeout',
                   'worker_restart_grace', 'reply_queue_type',
                   'connect_timeout', 'transport', 'poll_interval',
-                  'image_server_auth', 'extend_hardware_types'}
+                  'image_server_auth', 'extend_hardware_types',
+                  'seal_secret_file', 'seal'}
 
 
 class OptionsTestCase(base.TestCase):

@@ -1,0 +1,47 @@
+//! A command refused for its seal (`[amqp]seal`): checked before it is
+//! parsed, dead-lettered without an answer (an answer would be published
+//! to a `reply_to` the sender chose, sealed by this worker) and counted
+//! under its reason; never worked.
+//!
+//! Knows nothing of routing work, the ledger or answers.
+
+use super::super::sealed;
+use super::Dispatcher;
+use super::settle::settle;
+use crate::seal::{Refusal, Sealed};
+use lapin::message::Delivery;
+use std::sync::Arc;
+
+impl Dispatcher {
+    /// Whether `delivery` may be worked under the seal policy: notifications
+    /// (from Ironic's exchange: nobody seals them) and every message when
+    /// the seal is off pass as unsealed.
+    pub(super) fn admit(&self, delivery: &Delivery) -> Result<Option<Sealed>, Refusal> {
+        match &self.gate {
+            Some(gate) if delivery.exchange.as_str() != self.notification_exchange => {
+                gate.admit(delivery)
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Dead-letters `delivery`, refused for `why`, and counts it.
+    pub(super) fn refuse(self: &Arc<Self>, delivery: Delivery, why: Refusal) {
+        let reason = sealed::reason(why);
+        let correlation_id = delivery.properties.correlation_id().clone();
+        tracing::warn!(
+            reason = reason.as_str(),
+            exchange = %delivery.exchange,
+            routing_key = %delivery.routing_key,
+            correlation_id = correlation_id.as_ref().map_or("", |c| c.as_str()),
+            "refused a command whose seal does not hold: dead-lettered, not worked"
+        );
+        self.work.metrics().ignored(reason);
+        self.work.metrics().consumed("command", "none", "refused");
+        self.work.tracker.spawn(async move {
+            if let Err(e) = settle(delivery.acker, true).await {
+                tracing::warn!(error = %e, "could not dead-letter a refused command; it comes back and is refused again");
+            }
+        });
+    }
+}
