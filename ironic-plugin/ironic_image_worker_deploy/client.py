@@ -470,11 +470,14 @@ class WorkerClient(object):
             deadline = time.monotonic() + timeout
 
             def reask():
-                again = dict(properties)
+                # Sealed anew: the worker refuses a seal it took before.
+                left = max(deadline - time.monotonic(), 1)
+                again = dict(properties, application_headers=dict(
+                    properties['application_headers']))
                 if expire:
-                    left = max(deadline - time.monotonic(), 1)
                     again['expiration'] = str(int(left * 1000))
-                self._publish(link[0].channel(), body, again, routing_key)
+                self._publish(link[0].channel(), body, again, routing_key,
+                              policy, left)
 
             event = self._wait(link, reply, accept, deadline, node_uuid,
                                reask)

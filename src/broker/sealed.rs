@@ -34,13 +34,13 @@ fn with_header(properties: BasicProperties, seal_header: String) -> BasicPropert
     properties.with_headers(headers)
 }
 
-/// The metric's reason for a refused command.
+/// The metric's reason for a refused command: `unsealed`, or `bad_seal`
+/// for every seal that does not hold (the operator's two cases; which
+/// check failed is logged beside it).
 pub(super) fn reason(why: Refusal) -> IgnoreReason {
     match why {
         Refusal::Unsealed => IgnoreReason::Unsealed,
-        Refusal::BadSeal => IgnoreReason::BadSeal,
-        Refusal::ExpiredSeal => IgnoreReason::ExpiredSeal,
-        Refusal::ReplayedSeal => IgnoreReason::ReplayedSeal,
+        Refusal::BadSeal | Refusal::ExpiredSeal | Refusal::ReplayedSeal => IgnoreReason::BadSeal,
     }
 }
 

@@ -79,13 +79,6 @@ pub enum IgnoreReason {
     /// held, or re-published to another routing key, `reply_to` or
     /// `correlation_id`, or to another worker): dead-lettered.
     BadSeal,
-    /// A command sealed outside its window (a replay, or a clock far off):
-    /// dead-lettered.
-    ExpiredSeal,
-    /// A command whose seal was taken before within its window (published
-    /// again by someone who saw it; not the broker's redelivery):
-    /// dead-lettered.
-    ReplayedSeal,
     /// A notification's deployed, cleanup or transition while commands
     /// are sealed: a notification cannot be, so it changes no node's files
     /// (its prepare only warms the image).
@@ -107,8 +100,6 @@ impl IgnoreReason {
             IgnoreReason::DeferredPrepare => "deferred_prepare",
             IgnoreReason::Unsealed => "unsealed",
             IgnoreReason::BadSeal => "bad_seal",
-            IgnoreReason::ExpiredSeal => "expired_seal",
-            IgnoreReason::ReplayedSeal => "replayed_seal",
             IgnoreReason::UnsealedNotification => "unsealed_notification",
         }
     }
@@ -570,8 +561,6 @@ mod tests {
             (DeferredPrepare, "deferred_prepare"),
             (Unsealed, "unsealed"),
             (BadSeal, "bad_seal"),
-            (ExpiredSeal, "expired_seal"),
-            (ReplayedSeal, "replayed_seal"),
             (UnsealedNotification, "unsealed_notification"),
         ];
         for (reason, label) in labels {

@@ -356,12 +356,12 @@ async fn commands_without_a_good_seal_are_dead_lettered_unworked() {
         (
             "a genuine command after its window (a late replay)",
             sealed(aim, body, now - 40 * 60_000, 30 * 60_000),
-            "expired_seal",
+            "bad_seal",
         ),
         (
             "sealed an hour ahead",
             sealed(aim, body, now + 3_600_000, 60_000),
-            "expired_seal",
+            "bad_seal",
         ),
     ];
     let mut expected = std::collections::HashMap::new();

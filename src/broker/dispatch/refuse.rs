@@ -31,6 +31,7 @@ impl Dispatcher {
         let correlation_id = delivery.properties.correlation_id().clone();
         tracing::warn!(
             reason = reason.as_str(),
+            check = ?why,
             exchange = %delivery.exchange,
             routing_key = %delivery.routing_key,
             correlation_id = correlation_id.as_ref().map_or("", |c| c.as_str()),

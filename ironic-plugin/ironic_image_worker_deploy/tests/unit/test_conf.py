@@ -29,7 +29,7 @@ WORKER_OPTIONS = {'exchange', 'queue_prefix', 'conductor_host',
                   'worker_restart_grace', 'reply_queue_type',
                   'connect_timeout', 'transport', 'poll_interval',
                   'image_server_auth', 'extend_hardware_types',
-                  'seal_secret_file', 'seal'}
+                  'seal_secret_file', 'seal', 'reask_after'}
 
 
 class OptionsTestCase(base.TestCase):
