@@ -405,8 +405,9 @@ class DirectWorkerDeploy(agent.AgentDeploy):
         LOG.info('No answer of the image worker to prepare %(req)s of node '
                  '%(node)s yet: sending it again',
                  {'req': request_id, 'node': node.uuid})
+        # The reply queue's arguments (its expiry) must be the first send's.
         client.send('prepare', node.uuid,
-                    timeout=max(int(pending['deadline'] - now), 1),
+                    timeout=CONF.image_worker.prepare_timeout,
                     instance_info=request, options=self._options(node),
                     extra=extra, request_id=request_id,
                     issued_ms=pending.get('issued_ms'))

@@ -201,9 +201,12 @@ async fn serves_what_the_worker_prepared(
     std::fs::set_permissions(env.root(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let http_root = env.root().join("httpboot");
     // The worker makes its directories (under umask 077) before the web
-    // server starts (Apache checks its DocumentRoot).
-    let out = env.run_with_umask(Some("077"), &["cache", "list"]).await;
-    assert!(out.status.success());
+    // server starts (Apache checks its DocumentRoot): a one-shot cleanup
+    // opens the pipeline, which makes them (`cache list` only reads).
+    let out = env
+        .run_with_umask(Some("077"), &["cleanup", "--node", &node()])
+        .await;
+    assert!(out.status.success(), "{out:?}");
     let server_dir = tempfile::tempdir().unwrap();
     let web = start(server_dir.path(), &http_root);
 
