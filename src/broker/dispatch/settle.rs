@@ -21,7 +21,7 @@ use std::time::Duration;
 /// deadline (no `expiration`): as long as the deploy interface waits for a
 /// prepare by default (`[image_worker]prepare_timeout`). Documented in
 /// docs/contract.md ("Completion events").
-pub(crate) const ANSWER_PATIENCE: Duration = Duration::from_secs(1800);
+const ANSWER_PATIENCE: Duration = Duration::from_secs(1800);
 
 /// The first and the longest pause between two publishes of an answer the
 /// broker refused: a quorum reply queue refuses for a few seconds while
