@@ -1,8 +1,7 @@
 //! Keeps docs/architecture.md's layer table true: reads every file under
 //! `src/`, collects the `crate::<module>` paths it names and fails on one its
 //! folder's row does not allow, fails on any function longer than the
-//! project's limit, and fails when the modules of the pipeline's folders or
-//! of the broker's dispatch import each other in a circle. Plain text scanning (comments and string literals are
+//! project's limit, and fails when the modules of any folder import each other in a circle. Plain text scanning (comments and string literals are
 //! skipped), no compiler involved, so it runs in milliseconds.
 
 use std::collections::BTreeSet;
@@ -397,54 +396,112 @@ fn the_scanner_sees_through_comments_and_strings() {
     assert_eq!(function_lengths(&two), vec![(1, "g".to_string(), 3)]);
 }
 
-/// The modules of the folder `dir` (`src/<dir>/<name>.rs` or
-/// `src/<dir>/<name>/`) each file names with `super::<name>`, as a graph
-/// from module to the siblings it uses (`mod.rs`, the folder's root that
-/// declares them all, left out).
-fn sibling_uses(dir: &Path) -> std::collections::BTreeMap<String, BTreeSet<String>> {
+/// The names a `{...}` use list right after `at` holds, at its top level
+/// (`a`, `b` of `{a, b::{C, D}}`).
+fn listed(code: &str, at: usize) -> Vec<String> {
+    let mut names = Vec::new();
+    let (mut depth, mut item) = (0usize, String::new());
+    for c in code[at..].chars() {
+        match c {
+            '{' => depth += 1,
+            '}' | ',' if depth == 1 => {
+                names.push(std::mem::take(&mut item));
+                if c == '}' {
+                    break;
+                }
+                continue;
+            }
+            '}' => depth -= 1,
+            _ => {}
+        }
+        if depth == 1 && c != '{' {
+            item.push(c);
+        }
+    }
+    names
+        .iter()
+        .map(|i| i.trim().split("::").next().unwrap_or("").trim().to_string())
+        .collect()
+}
+
+/// The names following each `prefix` in `code` (`x` of `prefix x::...`
+/// and each top-level name of `prefix {x, y::Z}`), not counting a prefix
+/// that is the tail of a longer path.
+fn named_after(code: &str, prefix: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for (at, _) in code.match_indices(prefix) {
+        let before = &code[..at];
+        if ident(code.as_bytes(), at) || before.ends_with("::") {
+            continue;
+        }
+        let rest = &code[at + prefix.len()..];
+        if rest.starts_with('{') {
+            out.extend(listed(code, at + prefix.len()));
+        } else {
+            out.push(
+                rest.chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect(),
+            );
+        }
+    }
+    out
+}
+
+/// The paths serde attributes name in strings (`deserialize_with =
+/// "super::value::list"`): the compiler resolves them like code, the text
+/// scanner would blank them out with every string.
+fn serde_paths(src: &str) -> String {
+    src.lines()
+        .filter(|l| l.trim_start().starts_with("#[serde("))
+        .map(|l| l.replace('"', " "))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The modules of the folder `dir` under `src` (`dir/<name>.rs` or
+/// `dir/<name>/`), as a graph from each module to the siblings its files
+/// name: with `super::<name>` (`super::super::<name>` from a subfolder's
+/// file) or by the folder's own path, `crate::<dir>::<name>` (`crate::<name>`
+/// for `src` itself). The folder's root (`mod.rs`; `lib.rs` and `main.rs`
+/// for `src`), which declares them all, is left out.
+fn sibling_uses(src: &Path, dir: &Path) -> std::collections::BTreeMap<String, BTreeSet<String>> {
     let mut files = Vec::new();
     rust_files(dir, &mut files);
     let module = |f: &Path| module_of(dir, f);
-    let names: BTreeSet<String> = files.iter().map(|f| module(f)).collect();
+    let roots = ["mod", "lib", "main"];
+    let names: BTreeSet<String> = files
+        .iter()
+        .map(|f| module(f))
+        .filter(|m| !roots.contains(&m.as_str()))
+        .collect();
+    let own_path: String = dir
+        .strip_prefix(src)
+        .unwrap()
+        .components()
+        .map(|c| format!("{}::", c.as_os_str().to_str().unwrap()))
+        .collect();
     let mut graph = std::collections::BTreeMap::new();
     for file in &files {
         let from = module(file);
-        if from == "mod" {
+        if roots.contains(&from.as_str()) {
             continue;
         }
-        let code = code_only(&std::fs::read_to_string(file).unwrap());
+        let raw = std::fs::read_to_string(file).unwrap();
+        let code = code_only(&raw) + "\n" + &serde_paths(&raw);
+        // How many `super::` lead from this file's module to `dir`.
+        let rel = file.strip_prefix(dir).unwrap();
+        let depth = rel.components().count() - usize::from(rel.ends_with("mod.rs"));
+        let mut found = named_after(&code, &format!("crate::{own_path}"));
+        if depth > 0 {
+            found.extend(named_after(&code, &"super::".repeat(depth)));
+        }
         let uses: &mut BTreeSet<String> = graph.entry(from.clone()).or_default();
-        // `super::x` from a file of the folder, `super::super::x` from a
-        // file of a subfolder; a subfolder's own files name each other
-        // through `super::` too, which stays inside the module.
-        let depth = file.strip_prefix(dir).unwrap().components().count();
-        let prefix = "super::".repeat(depth.max(1));
-        for (at, _) in code.match_indices(&prefix) {
-            if ident(code.as_bytes(), at) || code[..at].ends_with("super::") {
-                continue;
-            }
-            let name: String = code[at + prefix.len()..]
-                .chars()
-                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                .collect();
-            if name != from && names.contains(&name) {
-                uses.insert(name);
-            }
-        }
-        // `use super::{a, b::C}` lists.
-        for (at, _) in code.match_indices(&format!("{prefix}{{")) {
-            if code[..at].ends_with("super::") {
-                continue;
-            }
-            let list = &code[at + prefix.len() + 1..];
-            let list = &list[..list.find('}').unwrap_or(list.len())];
-            for item in list.split(',') {
-                let name = item.trim().split("::").next().unwrap_or("").trim();
-                if name != from && names.contains(name) {
-                    uses.insert(name.to_string());
-                }
-            }
-        }
+        uses.extend(
+            found
+                .into_iter()
+                .filter(|n| *n != from && names.contains(n)),
+        );
     }
     graph
 }
@@ -481,26 +538,74 @@ fn find_cycle(graph: &std::collections::BTreeMap<String, BTreeSet<String>>) -> O
         .find_map(|n| visit(n, graph, &mut Vec::new(), &mut done))
 }
 
-#[test]
-fn each_folders_modules_use_each_other_in_one_direction() {
-    for folder in [
-        "src/pipeline",
-        "src/pipeline/masters",
-        "src/broker/dispatch",
-    ] {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join(folder);
-        let graph = sibling_uses(&dir);
-        assert!(
-            graph.values().any(|uses| !uses.is_empty()),
-            "the scanner found no use between the modules of {folder}: {graph:?}"
-        );
-        if let Some(cycle) = find_cycle(&graph) {
-            panic!(
-                "the modules of {folder} use each other in a circle: {}",
-                cycle.join(" -> ")
-            );
+/// Every folder under `dir`, `dir` included.
+fn folders(dir: &Path, out: &mut Vec<PathBuf>) {
+    out.push(dir.to_path_buf());
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            folders(&path, out);
         }
     }
+}
+
+#[test]
+fn each_folders_modules_use_each_other_in_one_direction() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut all = Vec::new();
+    folders(&src, &mut all);
+    all.sort();
+    let mut circles = Vec::new();
+    for dir in &all {
+        let graph = sibling_uses(&src, dir);
+        if let Some(cycle) = find_cycle(&graph) {
+            let folder = dir.strip_prefix(&src).unwrap().display().to_string();
+            circles.push(format!("src/{folder}: {}", cycle.join(" -> ")));
+        }
+    }
+    assert!(
+        circles.is_empty(),
+        "modules that use each other in a circle:\n{}",
+        circles.join("\n")
+    );
+}
+
+#[test]
+fn the_scanner_sees_every_way_a_sibling_is_named() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().join("pipeline");
+    std::fs::create_dir_all(folder.join("masters")).unwrap();
+    for (name, text) in [
+        ("mod.rs", "mod a; mod b; mod c; mod d; mod masters;"),
+        ("a.rs", "use super::{b::X, c};"),
+        ("b.rs", "fn f() { crate::pipeline::d::g() }"),
+        (
+            "c.rs",
+            "#[serde(deserialize_with = \"super::d::list\")]\nstruct S;",
+        ),
+        (
+            "d.rs",
+            "// super::a in a comment\nconst S: &str = \"super::a\";",
+        ),
+        ("masters/mod.rs", "use super::a;"),
+        ("masters/e.rs", "use super::super::b;"),
+    ] {
+        std::fs::write(folder.join(name), text).unwrap();
+    }
+    let graph = sibling_uses(dir.path(), &folder);
+    let uses = |m: &str| graph[m].iter().cloned().collect::<Vec<_>>();
+    assert_eq!(uses("a"), ["b", "c"]);
+    assert_eq!(uses("b"), ["d"]);
+    assert_eq!(uses("c"), ["d"]);
+    assert!(uses("d").is_empty());
+    assert_eq!(uses("masters"), ["a", "b"]);
+    // The real tree is scanned the same way: its folders are not empty.
+    assert!(
+        !sibling_uses(&src, &src.join("config"))
+            .values()
+            .all(BTreeSet::is_empty)
+    );
 }
 
 #[test]

@@ -19,23 +19,6 @@ use lapin::{BasicProperties, Confirmation, ConnectionProperties, ExchangeKind};
 use std::process::ExitCode;
 use std::time::Duration;
 
-/// The JSON body of a command (`schemas/command.v1.json`) for `req`; a
-/// warm names no node.
-pub fn command_body(req: &Request) -> serde_json::Value {
-    let mut body = serde_json::json!({"action": req.action.as_str()});
-    if let Some(node) = &req.node {
-        body["node_uuid"] = node.as_str().into();
-    }
-    if let Some(id) = &req.request_id {
-        body["request_id"] = id.clone().into();
-    }
-    if matches!(req.action, Action::Prepare | Action::Warm) {
-        body["instance_info"] = serde_json::to_value(&req.instance_info).unwrap_or_default();
-        body["options"] = serde_json::to_value(req.options).unwrap_or_default();
-    }
-    body
-}
-
 /// Whose worker gets a command.
 #[derive(Debug, Clone, Copy)]
 pub enum Target<'a> {
@@ -95,7 +78,7 @@ pub async fn send(
     let (reply, replies) = reply_queue(&channel, &topology).await.map_err(broker)?;
     let correlation = req.request_id.clone().unwrap_or_default();
     let key = target.routing_key(req.action);
-    let body = serde_json::to_vec(&command_body(req)).unwrap_or_default();
+    let body = serde_json::to_vec(&req.command_body()).unwrap_or_default();
     let valid = wait.map_or(Duration::from_secs(3600), |w| w.limit);
     let props = crate::broker::seal_command(
         settings.seal.as_deref(),

@@ -83,7 +83,7 @@ pub async fn send(
         ));
     }
     let listener = Listener::of(config, args)?;
-    let mut params = super::send::command_body(req);
+    let mut params = req.command_body();
     if let Some(body) = params.as_object_mut() {
         body.remove("action");
     }

@@ -3,10 +3,11 @@
 
 use super::check::Report;
 use super::choice::choice;
-use super::ironic_conf::InterfaceSeal;
+use super::layers::InterfaceSeal;
+use super::value::OneOrMany;
 use crate::seal::{Keys, Sealer};
 use crate::secrets::redact_url_list;
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize, de};
 
 /// `[amqp]`: the worker's broker settings.
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -20,7 +21,7 @@ pub struct AmqpSection {
     /// each reconnect tries the next one. A TOML array, or one string with
     /// comma-separated URLs or hosts as in oslo.messaging's `transport_url`
     /// (`amqp://u:p@h1:5672,u:p@h2:5672/vhost`). Never logged with a password.
-    #[serde(deserialize_with = "super::value::url_list")]
+    #[serde(deserialize_with = "url_list")]
     pub url: Vec<String>,
     /// Heartbeat interval asked of the broker, seconds (0 = the broker's
     /// choice). A connection silent for two intervals is declared dead, so a
@@ -396,6 +397,20 @@ pub fn split_broker_urls(value: &str) -> std::result::Result<Vec<String>, String
             }
         })
         .collect()
+}
+
+/// `[amqp]url`: a TOML array of URLs, or one string holding a
+/// comma-separated list (see [`split_broker_urls`]).
+fn url_list<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    let items = match OneOrMany::deserialize(d)? {
+        OneOrMany::One(s) => vec![s],
+        OneOrMany::Many(v) => v,
+    };
+    let mut out = Vec::new();
+    for item in items {
+        out.extend(split_broker_urls(&item).map_err(de::Error::custom)?);
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

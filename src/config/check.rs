@@ -3,7 +3,7 @@
 //! refused start and a warning all point at the line to change.
 
 use super::choice::AuthStrategy;
-use super::layers::{Layers, Source};
+use super::origin::Source;
 use crate::error::{Error, ErrorCode};
 use std::fmt;
 
@@ -30,7 +30,7 @@ impl Problem {
     }
 
     /// A problem of option `[section] option`, its source looked up later
-    /// ([`Report::with_sources`]).
+    /// ([`super::Layers::blame`]).
     pub fn of_option(section: &str, option: &str, message: String) -> Problem {
         Problem {
             option: Some((section.to_string(), option.to_string())),
@@ -131,16 +131,6 @@ impl Report {
                 format!("{value} is too large (at most {})", u64::MAX / unit),
             );
         }
-    }
-
-    /// Fills in where each blamed option's value came from.
-    pub fn with_sources(mut self, layers: &Layers) -> Report {
-        for problem in self.errors.iter_mut().chain(self.warnings.iter_mut()) {
-            if let Some((section, option)) = &problem.option {
-                problem.source = layers.source_of(section, option);
-            }
-        }
-        self
     }
 }
 

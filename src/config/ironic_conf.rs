@@ -10,7 +10,8 @@
 //! (see docs/contract.md, "Which images are cached").
 
 use super::check::Problem;
-use super::layers::{Layers, Raw, Source};
+use super::layers::{InterfaceSeal, Layers, Raw};
+use super::origin::Source;
 use crate::error::{Error, ErrorCode, Result};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -403,34 +404,6 @@ const OTHER_READ: &[(&str, &str)] = &[
     ("image_worker", "seal"),
     ("image_worker", "transport"),
 ];
-
-/// What an ironic.conf says of the deploy interface's seal: so that
-/// `config check` names a deployment where one side seals and the other
-/// does not (every command or every answer would then be refused).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InterfaceSeal {
-    /// `[image_worker]seal_secret_file`, when set.
-    pub secret_file: Option<String>,
-    /// `[image_worker]seal`, when set.
-    pub mode: Option<String>,
-    /// Whether the interface talks to the worker over the broker at all
-    /// (`[image_worker]transport` is not `json-rpc`).
-    pub over_broker: bool,
-    /// Where `seal_secret_file` was read (or would be).
-    pub source: Source,
-}
-
-impl InterfaceSeal {
-    /// The seal mode the interface runs with: `seal`, else `require` with
-    /// a key file and `off` without (as the interface's own default).
-    pub fn mode(&self) -> &str {
-        match (&self.mode, &self.secret_file) {
-            (Some(mode), _) => mode.as_str(),
-            (None, Some(_)) => "require",
-            (None, None) => "off",
-        }
-    }
-}
 
 /// The deploy interface's seal settings in `ini`.
 fn interface_seal(ini: &IniFile, file: Option<&Path>) -> Result<InterfaceSeal> {

@@ -41,6 +41,7 @@ mod convert;
 mod default;
 mod deploy;
 mod dirs;
+mod gather;
 mod glance;
 mod http;
 pub(crate) mod ironic_conf;
@@ -50,6 +51,7 @@ mod log;
 mod metrics;
 mod notifications;
 mod oci;
+mod origin;
 mod peers;
 #[cfg(test)]
 mod precedence;
@@ -67,14 +69,16 @@ pub use conductor::{BLOCKED_FILE_URL_PATHS, ConductorSection, blocked_dir};
 pub use convert::ConvertSection;
 pub use default::{DefaultSection, system_hostname};
 pub use deploy::DeploySection;
+pub use gather::{ENV_PREFIX, Files};
 pub use glance::{GlanceAuthType, GlanceSection};
 pub use http::{GzipMode, HttpSection};
 pub use json_rpc::JsonRpcSection;
-pub use layers::{ENV_PREFIX, Files, Layers, Raw, Setting, Source};
+pub use layers::{Layers, Raw, Setting};
 pub use log::{LogFormat, LogSection};
 pub use metrics::MetricsSection;
 pub use notifications::NotificationsSection;
 pub use oci::OciSection;
+pub use origin::Source;
 pub use peers::{PeersSection, listener_url};
 pub use pxe::{PxeSection, SYSTEM_MASTER_PATH};
 pub use source::SourceSection;
@@ -145,7 +149,7 @@ pub fn read(
     env: &[(String, String)],
     flags: &[String],
 ) -> Result<Loaded, Vec<Problem>> {
-    let mut layers = Layers::read(files, env, flags)?;
+    let mut layers = gather::layers(files, env, flags)?;
     let (config, unfit) = value::typed::<Config>(&layers)?;
     let mut report = Report {
         errors: unfit,
@@ -159,7 +163,7 @@ pub fn read(
     if let Some(interface) = &layers.interface_seal {
         config.amqp.check_seal_matches(interface, &mut report);
     }
-    let report = report.with_sources(&layers);
+    let report = layers.blame(report);
     if !report.errors.is_empty() {
         return Err(report.errors);
     }
@@ -208,7 +212,7 @@ impl Loaded {
     pub fn check_dirs(&mut self) -> Vec<Problem> {
         let mut report = Report::default();
         dirs::check_dirs(&self.config, &mut report);
-        let report = report.with_sources(&self.layers);
+        let report = self.layers.blame(report);
         self.warnings.extend(report.warnings);
         report.errors
     }

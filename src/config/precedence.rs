@@ -3,8 +3,9 @@
 //! table over the code's own list of shared options
 //! (`ironic_conf::shared_names`), so an option added there is checked too.
 
+use super::gather::{self, Files};
 use super::ironic_conf::{oslo_env_name, shared_names};
-use super::layers::{Files, Layers, Source};
+use super::origin::Source;
 use super::{Config, read};
 use std::path::Path;
 
@@ -103,7 +104,7 @@ fn case(
         ironic_conf: conf.then_some(conf_path),
         toml: toml.then_some(toml_path),
     };
-    let layers = match Layers::read(&files, &env, &flags) {
+    let layers = match gather::layers(&files, &env, &flags) {
         Ok(l) => l,
         Err(problems) => return Some(format!("unreadable: {problems:?}")),
     };

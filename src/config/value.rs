@@ -61,7 +61,7 @@ pub fn typed<T: DeserializeOwned>(layers: &Layers) -> Result<(T, Vec<Problem>), 
             // Options that fit alone but not together: name the first source.
             let source = fitting.first().map(|(_, s)| s.source.clone());
             problems.push(Problem::of_source(
-                source.unwrap_or(super::layers::Source::Default),
+                source.unwrap_or(super::origin::Source::Default),
                 e.0,
             ));
             Err(problems)
@@ -338,8 +338,10 @@ impl<'de> Deserializer<'de> for RawValue {
 /// One string or a list of them.
 #[derive(Deserialize)]
 #[serde(untagged)]
-enum OneOrMany {
+pub(super) enum OneOrMany {
+    /// One string (a comma-separated list, for some options).
     One(String),
+    /// A TOML array.
     Many(Vec<String>),
 }
 
@@ -386,23 +388,10 @@ pub fn bool_or_string<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>,
     }))
 }
 
-/// `[amqp]url`: a TOML array of URLs, or one string holding a
-/// comma-separated list (see [`super::amqp::split_broker_urls`]).
-pub fn url_list<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
-    let items = match OneOrMany::deserialize(d)? {
-        OneOrMany::One(s) => vec![s],
-        OneOrMany::Many(v) => v,
-    };
-    let mut out = Vec::new();
-    for item in items {
-        out.extend(super::amqp::split_broker_urls(&item).map_err(de::Error::custom)?);
-    }
-    Ok(out)
-}
-
 #[cfg(test)]
 mod tests {
-    use super::super::layers::{Layers, Raw, Source};
+    use super::super::layers::{Layers, Raw};
+    use super::super::origin::Source;
     use super::typed;
     use serde::Deserialize;
 

@@ -126,7 +126,7 @@ enum Opened {
 async fn open(view: &LiveView) -> Opened {
     let started = Instant::now();
     loop {
-        match crate::http::peers::open_regular(&view.path) {
+        match crate::http::open::open_regular(&view.path) {
             Ok(Some(file)) => return Opened::File(Arc::new(file)),
             Ok(None) => return Opened::Missing,
             Err(rustix::io::Errno::NOENT) => match *view.state.borrow() {

@@ -181,6 +181,14 @@ fn open_beneath(
     }
 }
 
+/// Opens `path` for reading, never through a symlink: `None` when it is
+/// not a regular file.
+pub(super) fn open_regular(path: &std::path::Path) -> rustix::io::Result<Option<std::fs::File>> {
+    let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK;
+    let file = std::fs::File::from(rustix::fs::open(path, flags, Mode::empty())?);
+    Ok(file.metadata().ok().filter(|m| m.is_file()).map(|_| file))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -159,19 +159,10 @@ fn open_master(
     masters: &std::path::Path,
     name: &str,
 ) -> Result<(std::fs::File, std::fs::Metadata), StatusCode> {
-    let file = open_regular(&masters.join(name))
+    let file = super::open::open_regular(&masters.join(name))
         .ok()
         .flatten()
         .ok_or(StatusCode::NOT_FOUND)?;
     let meta = file.metadata().map_err(|_| StatusCode::NOT_FOUND)?;
     Ok((file, meta))
-}
-
-/// Opens `path` for reading, never through a symlink: `None` when it is
-/// not a regular file.
-pub(super) fn open_regular(path: &std::path::Path) -> rustix::io::Result<Option<std::fs::File>> {
-    use rustix::fs::{Mode, OFlags};
-    let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK;
-    let file = std::fs::File::from(rustix::fs::open(path, flags, Mode::empty())?);
-    Ok(file.metadata().ok().filter(|m| m.is_file()).map(|_| file))
 }

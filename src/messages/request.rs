@@ -42,6 +42,23 @@ pub struct Request {
 }
 
 impl Request {
+    /// The request as a command's JSON body (`schemas/command.v1.json`),
+    /// as the CLI sends it on either transport; a warm names no node.
+    pub fn command_body(&self) -> serde_json::Value {
+        let mut body = serde_json::json!({"action": self.action.as_str()});
+        if let Some(node) = &self.node {
+            body["node_uuid"] = node.as_str().into();
+        }
+        if let Some(id) = &self.request_id {
+            body["request_id"] = id.clone().into();
+        }
+        if matches!(self.action, Action::Prepare | Action::Warm) {
+            body["instance_info"] = serde_json::to_value(&self.instance_info).unwrap_or_default();
+            body["options"] = serde_json::to_value(self.options).unwrap_or_default();
+        }
+        body
+    }
+
     /// The node as every log line about the request names it (its `node`
     /// field): the canonical UUID, empty for a warm.
     pub fn node_str(&self) -> &str {

@@ -12,7 +12,6 @@ use crate::common;
 use common::plugin::{plugin_dir, plugin_python};
 use common::*;
 use std::path::PathBuf;
-use std::time::Duration;
 
 /// The plug-in's own unit tests (Ironic's code and test fixtures, no
 /// worker, broker or network), run as its developers run them in its
@@ -59,56 +58,47 @@ async fn direct_worker_deploy_interface_in_ironic() {
     // client over TLS (a CA of the test's own) with HTTP Basic.
     let rpc = RpcWorker::start().await;
 
-    let mut cmd = tokio::process::Command::new(python);
-    cmd.args([
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-W",
-        "ignore::DeprecationWarning",
-        "--ignore=ironic_image_worker_deploy/tests/unit",
-        // Run by tests/it/sealed.rs against a worker of its own.
-        "--ignore=ironic_image_worker_deploy/tests/test_sealed.py",
-        "ironic_image_worker_deploy/tests",
-    ])
-    .current_dir(plugin_dir())
-    .env("IIW_WORKER_BIN", BIN)
-    .env("IIW_WORKER_HOST", &env.host)
-    .env("IIW_WORKER_HTTP_PORT", env.http_port.to_string())
-    .env("IIW_WORKER_HTTP_ROOT", env.link_dir().parent().unwrap())
-    .env("IIW_WORKER_IMAGES_PATH", env.images_dir())
-    .env("IIW_GLANCE_PORT", glance_port.to_string())
-    .env("IIW_SPARE_CONFIG", &spare.config)
-    .env("IIW_SPARE_HOST", &spare.host)
-    .env("IIW_SPARE_METRICS_PORT", spare.metrics_port.to_string())
-    .env(
-        "IIW_TRANSPORT_URL",
-        AMQP_URL
-            .replacen("amqp://", "rabbit://", 1)
-            .replace("%2f", ""),
+    let transport_url = AMQP_URL
+        .replacen("amqp://", "rabbit://", 1)
+        .replace("%2f", "");
+    let dir = |p: &std::path::Path| p.display().to_string();
+    let (passed, text) = common::plugin::pytest(
+        &python,
+        &[
+            "--ignore=ironic_image_worker_deploy/tests/unit",
+            // Run by tests/it/sealed.rs against a worker of its own.
+            "--ignore=ironic_image_worker_deploy/tests/test_sealed.py",
+            "ironic_image_worker_deploy/tests",
+        ],
+        &[
+            ("IIW_WORKER_BIN", BIN.to_string()),
+            ("IIW_WORKER_HOST", env.host.clone()),
+            ("IIW_WORKER_HTTP_PORT", env.http_port.to_string()),
+            (
+                "IIW_WORKER_HTTP_ROOT",
+                dir(env.link_dir().parent().unwrap()),
+            ),
+            ("IIW_WORKER_IMAGES_PATH", dir(&env.images_dir())),
+            ("IIW_GLANCE_PORT", glance_port.to_string()),
+            ("IIW_SPARE_CONFIG", dir(&spare.config)),
+            ("IIW_SPARE_HOST", spare.host.clone()),
+            ("IIW_SPARE_METRICS_PORT", spare.metrics_port.to_string()),
+            ("IIW_TRANSPORT_URL", transport_url),
+            ("IIW_RPC_PORT", rpc.port.to_string()),
+            ("IIW_RPC_CA", dir(&rpc.ca)),
+            ("IIW_RPC_USER", "ironic".to_string()),
+            ("IIW_RPC_PASSWORD", RpcWorker::PASSWORD.to_string()),
+            ("IIW_RPC_HTTP_PORT", rpc.env.http_port.to_string()),
+            (
+                "IIW_RPC_HTTP_ROOT",
+                dir(rpc.env.link_dir().parent().unwrap()),
+            ),
+            ("IIW_RPC_IMAGES_PATH", dir(&rpc.env.images_dir())),
+        ],
     )
-    .env("IIW_RPC_PORT", rpc.port.to_string())
-    .env("IIW_RPC_CA", &rpc.ca)
-    .env("IIW_RPC_USER", "ironic")
-    .env("IIW_RPC_PASSWORD", RpcWorker::PASSWORD)
-    .env("IIW_RPC_HTTP_PORT", rpc.env.http_port.to_string())
-    .env("IIW_RPC_HTTP_ROOT", rpc.env.link_dir().parent().unwrap())
-    .env("IIW_RPC_IMAGES_PATH", rpc.env.images_dir())
-    .env_remove("IRONIC_IMAGE_WORKER_CONFIG")
-    .kill_on_drop(true);
-    let out = tokio::time::timeout(Duration::from_secs(300), cmd.output())
-        .await
-        .expect("pytest finished in time")
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    .await;
     println!("{text}");
-    assert!(out.status.success(), "pytest failed (its output is above)");
+    assert!(passed, "pytest failed (its output is above)");
     assert!(
         !text.contains(" skipped"),
         "no case may be skipped:\n{text}"

@@ -355,7 +355,8 @@ async fn a_slow_lane_record_is_the_one_file_holding_its_credentials() {
     let env = Env::new("slow_after = 1\n");
     let src = env.root().join("src");
     random_file(&src.join("slow.img"), 2 << 20, 68);
-    let faults = FaultServer::start(&src, 256 << 10).await;
+    // 32 s of download at 64 KiB/s: its record certainly outlives the checks below.
+    let faults = FaultServer::start(&src, 64 << 10).await;
     let worker = env.serve().await;
     let broker = Broker::connect().await;
     let url = faults

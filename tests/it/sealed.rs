@@ -580,46 +580,32 @@ async fn unsealed_notifications_only_warm() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sealed_deploy_interface_in_ironic() {
     let python = tokio::task::spawn_blocking(ironic_python).await.unwrap();
-    let plugin = Path::new(env!("CARGO_MANIFEST_DIR")).join("ironic-plugin");
+    let plugin = crate::common::plugin::plugin_dir();
     let env = Env::new("");
-    let mut cmd = tokio::process::Command::new(python);
-    cmd.args([
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-W",
-        "ignore::DeprecationWarning",
-        "ironic_image_worker_deploy/tests/test_sealed.py",
-    ])
-    .current_dir(&plugin)
-    .env("PYTHONPATH", &plugin)
-    .env("IIW_WORKER_BIN", BIN)
-    .env("IIW_WORKER_HOST", &env.host)
-    .env("IIW_WORKER_HTTP_PORT", env.http_port.to_string())
-    .env("IIW_WORKER_HTTP_ROOT", env.link_dir().parent().unwrap())
-    .env("IIW_WORKER_IMAGES_PATH", env.images_dir())
-    .env("IIW_GLANCE_PORT", free_port().to_string())
-    .env("IIW_SEALED_CONFIG", &env.config)
-    .env("IIW_SEALED_METRICS_PORT", env.metrics_port.to_string())
-    .env(
-        "IIW_TRANSPORT_URL",
-        AMQP_URL
-            .replacen("amqp://", "rabbit://", 1)
-            .replace("%2f", ""),
+    let dir = |p: &Path| p.display().to_string();
+    let transport_url = AMQP_URL
+        .replacen("amqp://", "rabbit://", 1)
+        .replace("%2f", "");
+    let (passed, text) = crate::common::plugin::pytest(
+        &python,
+        &["ironic_image_worker_deploy/tests/test_sealed.py"],
+        &[
+            ("PYTHONPATH", dir(&plugin)),
+            ("IIW_WORKER_BIN", BIN.to_string()),
+            ("IIW_WORKER_HOST", env.host.clone()),
+            ("IIW_WORKER_HTTP_PORT", env.http_port.to_string()),
+            (
+                "IIW_WORKER_HTTP_ROOT",
+                dir(env.link_dir().parent().unwrap()),
+            ),
+            ("IIW_WORKER_IMAGES_PATH", dir(&env.images_dir())),
+            ("IIW_GLANCE_PORT", free_port().to_string()),
+            ("IIW_SEALED_CONFIG", dir(&env.config)),
+            ("IIW_SEALED_METRICS_PORT", env.metrics_port.to_string()),
+            ("IIW_TRANSPORT_URL", transport_url),
+        ],
     )
-    .env_remove("IRONIC_IMAGE_WORKER_CONFIG")
-    .kill_on_drop(true);
-    let out = tokio::time::timeout(Duration::from_secs(300), cmd.output())
-        .await
-        .expect("pytest finished in time")
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "pytest failed:\n{text}");
+    .await;
+    assert!(passed, "pytest failed:\n{text}");
     assert!(text.contains("3 passed"), "every case ran:\n{text}");
 }

@@ -3,7 +3,9 @@
 //! (tests/it/ironic_plugin.rs, tests/vm.rs).
 
 use super::{ironic_python, tool};
+use rustix::process::{Pid, Signal, kill_process_group, test_kill_process_group};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 /// The plugin's source directory in this checkout.
 pub fn plugin_dir() -> PathBuf {
@@ -48,4 +50,64 @@ pub fn plugin_python() -> PathBuf {
         );
     }
     python
+}
+
+/// How long one pytest run of the plug-in's integration cases may take
+/// (they start Ironic, workers and a Glance of their own; a loaded 2-vCPU
+/// machine has needed more than 300 s).
+pub const PYTEST_TIMEOUT: Duration = Duration::from_secs(900);
+
+/// A pytest run's process group, interrupted and then killed when dropped
+/// before it ended: what the cases started (an Ironic conductor, a worker)
+/// goes with it, even when the test fails or times out.
+struct Group(Option<Pid>);
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        if let Some(pid) = self.0.take() {
+            // SIGINT first: pytest runs the cases' clean-ups on it.
+            if kill_process_group(pid, Signal::INT).is_err() {
+                return; // nothing left in the group
+            }
+            for _ in 0..100 {
+                if test_kill_process_group(pid).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let _ = kill_process_group(pid, Signal::KILL);
+        }
+    }
+}
+
+/// Runs `python -m pytest -q <args>` in the plug-in's folder with `env`,
+/// in a process group of its own (see [`Group`]); returns whether it
+/// passed and its output. Panics after [`PYTEST_TIMEOUT`].
+pub async fn pytest(python: &Path, args: &[&str], env: &[(&str, String)]) -> (bool, String) {
+    let mut cmd = tokio::process::Command::new(python);
+    cmd.args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
+        .args(["-W", "ignore::DeprecationWarning"])
+        .args(args)
+        .current_dir(plugin_dir())
+        .env_remove("IRONIC_IMAGE_WORKER_CONFIG")
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .process_group(0);
+    let child = cmd.spawn().expect("pytest starts");
+    let group = Group(child.id().and_then(|id| Pid::from_raw(id as i32)));
+    let out = tokio::time::timeout(PYTEST_TIMEOUT, child.wait_with_output()).await;
+    let Ok(out) = out else {
+        drop(group);
+        panic!("pytest did not finish in {PYTEST_TIMEOUT:?}: interrupted, then killed");
+    };
+    let out = out.expect("pytest's output");
+    // Ended: whatever it left running in its group goes now.
+    drop(group);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
 }
