@@ -26,6 +26,7 @@ mod ironic_plugin;
 mod json_rpc;
 mod ledger;
 mod metal3;
+mod metal3_pod;
 mod metrics;
 mod node_files;
 mod notifications;

@@ -311,18 +311,18 @@ impl Drop for Registry {
     }
 }
 
-/// The container image: built without a daemon, pushed to a registry,
-/// pulled back with skopeo and unpacked; the worker in it runs as its
-/// non-root user: `--version`, `config check`, and a prepare served from it.
+/// The container image (tests/it/common/oci_image.rs): built without a
+/// daemon, pushed to a registry, pulled back with skopeo (its ports
+/// declared) and unpacked; the worker in it runs as its non-root user:
+/// `--version`, `config check`, and a prepare served from it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn container_image_is_pushed_pulled_and_serves() {
     let env = Env::new("");
     let dir = env.root().join("oci");
     std::fs::create_dir_all(&dir).unwrap();
-    let built = sh(Command::new(format!("{ROOT}/packaging/oci/build"))
-        .args(["--binary", BIN, "--tag", "test", "--layout"])
-        .arg(dir.join("layout")));
-    assert!(built.trim().ends_with(":test"), "{built}");
+    let layout = tokio::task::spawn_blocking(oci_image::worker_image_layout)
+        .await
+        .unwrap();
     let registry = Registry::start(&dir).await;
     let remote = format!(
         "docker://127.0.0.1:{}/ironic-image-worker:test",
@@ -330,11 +330,20 @@ async fn container_image_is_pushed_pulled_and_serves() {
     );
     sh(Command::new("skopeo")
         .args(["copy", "--dest-tls-verify=false"])
-        .arg(format!("oci:{}:test", dir.join("layout").display()))
+        .arg(format!("oci:{}:{}", layout.display(), oci_image::TAG))
         .arg(&remote));
     sh(Command::new("skopeo")
         .args(["copy", "--src-tls-verify=false", &remote])
         .arg(format!("oci:{}:test", dir.join("pulled").display())));
+    // Its ports, as pulled: images, metrics and probes, JSON-RPC.
+    let image: Value = serde_json::from_str(&sh(Command::new("skopeo")
+        .args(["inspect", "--config"])
+        .arg(format!("oci:{}:test", dir.join("pulled").display()))))
+    .unwrap();
+    let ports = &image["config"]["ExposedPorts"];
+    for port in ["8080/tcp", "9102/tcp", "8099/tcp"] {
+        assert!(ports.get(port).is_some(), "{port} in {ports}");
+    }
     let bundle = dir.join("bundle");
     sh(Command::new("umoci")
         .args(["unpack", "--image"])

@@ -6,6 +6,7 @@
 pub mod agent;
 pub mod ca;
 pub mod netns;
+pub mod oci_image;
 pub mod plugin;
 pub mod rabbit;
 pub mod served;
