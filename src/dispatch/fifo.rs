@@ -43,7 +43,7 @@ impl NodeQueue {
     }
 
     /// Puts `job` at the tail; gives it back when the queue's task ended.
-    pub(super) fn put(&self, job: Job) -> Result<(), Job> {
+    pub(super) fn put(&self, job: Job) -> Result<(), Box<Job>> {
         let counted = releases(&job);
         if counted {
             self.fifo.releases.fetch_add(1, Ordering::AcqRel);
@@ -52,7 +52,7 @@ impl NodeQueue {
             if counted {
                 self.fifo.releases.fetch_sub(1, Ordering::AcqRel);
             }
-            job
+            Box::new(job)
         })
     }
 }

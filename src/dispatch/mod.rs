@@ -253,7 +253,7 @@ impl Dispatch {
         let job = match nodes.get(&node) {
             Some(queue) => match queue.put(job) {
                 Ok(()) => return,
-                Err(job) => job,
+                Err(job) => *job,
             },
             None => job,
         };

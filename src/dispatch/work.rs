@@ -36,7 +36,7 @@ const RELEASE_POLL: Duration = Duration::from_millis(200);
 /// How a job's run ended.
 enum Ran {
     /// With its answer.
-    Answered(Completion),
+    Answered(Box<Completion>),
     /// A stray cleanup: nothing to answer.
     Stray,
     /// Taken back by its transport, or given back as the worker stops.
@@ -110,7 +110,7 @@ impl Dispatch {
                 .await;
         }
         let done = match self.outcome(&mut request, carrier).await {
-            Ran::Answered(done) => done,
+            Ran::Answered(done) => *done,
             ended => {
                 if let Some((d, node)) = claimed {
                     self.pipeline.order().release_delivery(node, &d.key).await;
@@ -145,7 +145,7 @@ impl Dispatch {
         if deadline.is_some_and(|at| now_ms() >= at) {
             let done = expired_answer(request, &self.host);
             self.metrics.record(&done);
-            return Ran::Answered(done);
+            return Ran::Answered(Box::new(done));
         }
         // The node's later messages already at hand count first: a prepare
         // issued before its node moved on is then refused (`stale_request`).
@@ -239,7 +239,8 @@ impl Dispatch {
         carrier: &dyn Carrier,
         download: Option<(Arc<turn::Turn>, Arc<Notify>)>,
     ) -> Ran {
-        let ran = |done: Option<Completion>| done.map_or(Ran::Stray, Ran::Answered);
+        let ran =
+            |done: Option<Completion>| done.map_or(Ran::Stray, |d| Ran::Answered(Box::new(d)));
         let Some((turn, slow)) = download else {
             return ran(self.handle_retrying(request).await);
         };
