@@ -115,14 +115,16 @@ impl Dispatch {
                 if let Some((d, node)) = claimed {
                     self.pipeline.order().release_delivery(node, &d.key).await;
                 }
-                self.answers.end(key.as_ref(), None);
                 if let Ran::Yielded = ended {
-                    // Behind its node's cleanup or `deployed` now.
+                    // Behind its node's cleanup or `deployed` now; queued
+                    // again before this run ends, so that it is never seen
+                    // as unknown meanwhile (a JSON-RPC call waits on it).
                     self.submit(Job {
                         request,
                         carrier: boxed,
                     });
                 }
+                self.answers.end(key.as_ref(), None);
                 return;
             }
         };
