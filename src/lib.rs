@@ -10,7 +10,7 @@
 //! | `service` | the long-running `serve` process and systemd readiness |
 //! | `broker` | AMQP: topology, session and reconnection, deliveries and their acknowledgement, publishing completions |
 //! | `rpc` | the JSON-RPC listener: the commands for an Ironic without a broker |
-//! | `dispatch` | what both transports share: per-node order, prepare slots, deadlines, the answers given |
+//! | `dispatch` | what both transports share: per-node order, download slots, deadlines, the answers given |
 //! | `messages` | request and completion types; parsing commands and Ironic notifications |
 //! | `pipeline` | one request end to end: prepare, warm, deployed, cleanup; whether a cached or offered master fits a request; making a new master |
 //! | `sources` | where bytes come from: http(s), `file://`, Glance, OCI registries, peers |

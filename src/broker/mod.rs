@@ -72,7 +72,7 @@ pub struct Settings {
     /// `[peers]`: the peers' exchange, query timeout and advertised URL.
     pub peers: PeersSection,
     /// `[source]slow_downloads`: the width of the slow lane that slow
-    /// prepares move to, freeing their prepare slot.
+    /// prepares move to, freeing their download slot.
     pub slow_downloads: usize,
     /// `[amqp]seal` with its keys read: what commands must carry and what
     /// seals every answer; `None` when off.

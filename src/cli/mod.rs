@@ -300,6 +300,7 @@ fn request(
         node_info: Default::default(),
         only_if_prepared: false,
         slow: Default::default(),
+        turn: Default::default(),
         issued_ms: None,
         notified: false,
     }

@@ -26,14 +26,14 @@ pub struct SourceSection {
     /// (0 = no limit).
     pub download_deadline: u64,
     /// A download averaging fewer bytes per second than this after
-    /// `slow_after` seconds gives back its prepare slot (the slow lane), so
+    /// `slow_after` seconds gives back its download slot (the slow lane), so
     /// slow sources never starve the others (0 = never).
     pub slow_rate: u64,
     /// Seconds a download runs before its rate is judged for the slow lane.
     pub slow_after: u64,
     /// Downloads in the slow lane at once (each still holds its
     /// connection, a few MiB of buffers and its node's files); when it is
-    /// full, a slow download keeps its prepare slot.
+    /// full, a slow download keeps its download slot.
     pub slow_downloads: u32,
     /// Redirects followed per request.
     pub max_redirects: u32,

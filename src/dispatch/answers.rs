@@ -160,6 +160,8 @@ impl Answers {
             entry.notify.notify_waiters();
         }
         if entry.running == 0 && entry.done.is_none() {
+            // A caller waiting for it learns it ended unanswered.
+            entry.notify.notify_waiters();
             inner.entries.remove(key);
         }
     }

@@ -4,8 +4,12 @@
 //!
 //! * one FIFO queue per node (a warm's per image source), so a node's
 //!   requests run in order, whichever transport brought them;
-//! * the prepare slots and the slow lane that bound downloads at once;
-//! * a request's deadline, checked before its work starts;
+//! * the download slots (`turn`: taken by a download, not by a request
+//!   that downloads nothing) and the slow lane that bound downloads at
+//!   once; a download job that waits sets its delivery aside;
+//! * a request's deadline, checked before its work starts and while it
+//!   waits for a download slot;
+//! * on stop, work not started given back to its transport;
 //! * running it through the pipeline (`work`), retrying a release on a
 //!   transient file-system error;
 //! * the answers given lately, by node and `request_id` (`answers`), so a
@@ -24,6 +28,8 @@
 //! Must not know AMQP or HTTP: a transport is a `Carrier`.
 
 pub(crate) mod answers;
+mod fifo;
+mod turn;
 mod work;
 
 /// Where a transport keeps the work it accepted before answering it.
@@ -33,10 +39,10 @@ pub(crate) use answers::{AnswerKey, Answers, Lookup};
 use crate::messages::{Completion, IgnoreReason, Request};
 use crate::metrics::Metrics;
 use crate::pipeline::Pipeline;
+use fifo::NodeQueue;
 use futures_util::future::BoxFuture;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use tokio::sync::mpsc;
 use tokio_util::task::TaskTracker;
 
 /// The transports requests come by.
@@ -48,7 +54,8 @@ pub(crate) enum Transport {
     JsonRpc,
 }
 
-/// What a prepare that found every prepare slot busy became.
+/// What a download job waiting for a download slot, whose carrier could
+/// not set it aside (`hold`), became.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Deferral {
     /// The transport took it back (the broker queue holds a copy): this
@@ -87,9 +94,20 @@ pub(crate) trait Carrier: Send + Sync {
     fn deadline(&self) -> Option<u64>;
     /// The ledger key of this delivery, if the transport redelivers.
     fn delivery_key(&self) -> Option<DeliveryKey>;
-    /// Every prepare slot stayed busy: take the prepare back, or let it
-    /// wait.
+    /// The job waits for a download slot and could not be set aside
+    /// (`hold`): take it back, or let it wait.
     fn defer(&self) -> BoxFuture<'_, Deferral>;
+    /// The job waits (for a download slot, for a master another job
+    /// makes) and needs its delivery no more: the transport keeps it
+    /// another way (the broker: recorded in the ledger, then acknowledged)
+    /// so that the delivery serves other work; true when the job holds no
+    /// delivery now.
+    fn hold(&self) -> BoxFuture<'_, bool>;
+    /// The worker stops before the job started (nothing downloaded): give
+    /// it back (the broker: a copy back on the queue, for another worker;
+    /// JSON-RPC: a cast kept for the next process, a call told). The job
+    /// ends with no answer.
+    fn give_back(&self) -> BoxFuture<'_, ()>;
     /// Resolves once the transport has taken in the messages it already
     /// holds that came after this one (the broker: every delivery received
     /// is dispatched, a node's move recorded), so that a node's later
@@ -97,7 +115,7 @@ pub(crate) trait Carrier: Send + Sync {
     fn caught_up(&self) -> BoxFuture<'_, ()> {
         Box::pin(async {})
     }
-    /// The request's download is slow and left the prepare slots for the
+    /// The request's download is slow and left the download slots for the
     /// slow lane (the broker acknowledges it early).
     fn slowed(&self) -> BoxFuture<'_, ()>;
     /// Delivers the answer; false when it could not (the worker stops):
@@ -122,8 +140,8 @@ pub(crate) struct Job {
 pub(crate) struct Bounds {
     /// `[DEFAULT]host`: the conductor the answers name.
     pub(crate) host: String,
-    /// `[amqp]prefetch`: requests taken at once; a quarter of them (at
-    /// least one) stays free of prepares.
+    /// `[amqp]prefetch`: requests taken at once; downloads get three
+    /// quarters of it (at least one stays free of them) as download slots.
     pub(crate) prefetch: u16,
     /// `[source]slow_downloads`: the width of the slow lane.
     pub(crate) slow_downloads: usize,
@@ -136,23 +154,25 @@ pub(crate) struct Dispatch {
     pipeline: Arc<Pipeline>,
     metrics: Arc<Metrics>,
     /// Per-node FIFO queues (see [`order_key`]).
-    nodes: Mutex<HashMap<String, mpsc::UnboundedSender<Job>>>,
-    /// Prepares (and warms) running at once: fewer than the broker's
-    /// prefetch, so cleanups and `deployed` always find a delivery slot
-    /// free of downloads.
-    prepare_slots: Arc<tokio::sync::Semaphore>,
+    nodes: Mutex<HashMap<String, NodeQueue>>,
+    /// Downloads (of prepares and warms) running at once: fewer than the
+    /// broker's prefetch, so cleanups, `deployed` and cache hits always
+    /// find a delivery slot free of downloads (see `turn`).
+    download_slots: Arc<tokio::sync::Semaphore>,
     /// Places in the slow lane: prepares whose download is slow give back
-    /// their prepare slot (see `work`).
+    /// their download slot (see `work`).
     slow_lane: Arc<tokio::sync::Semaphore>,
+    /// Raised when the worker stops: no job starts from then on.
+    stopping: tokio_util::sync::CancellationToken,
     /// The answers given lately, and the requests under way.
     answers: Answers,
     /// Every job's task, so a stop can wait for them.
     pub(crate) tracker: TaskTracker,
 }
 
-/// Prepare slots for a prefetch: a quarter of the deliveries (at least one)
-/// stays free for other actions.
-fn prepare_slots(prefetch: u16) -> usize {
+/// Download slots for a prefetch: a quarter of the deliveries (at least
+/// one) stays free of downloads.
+fn download_slots(prefetch: u16) -> usize {
     let prefetch = usize::from(prefetch.max(1));
     prefetch.saturating_sub((prefetch / 4).max(1)).max(1)
 }
@@ -161,17 +181,45 @@ impl Dispatch {
     /// The dispatch of `pipeline`'s requests for conductor `bounds.host`,
     /// bounded as `bounds` says.
     pub(crate) fn new(pipeline: Arc<Pipeline>, metrics: Arc<Metrics>, bounds: Bounds) -> Dispatch {
-        let slots = prepare_slots(bounds.prefetch);
+        let slots = download_slots(bounds.prefetch);
         Dispatch {
             host: bounds.host,
             pipeline,
             metrics,
             nodes: Mutex::new(HashMap::new()),
-            prepare_slots: Arc::new(tokio::sync::Semaphore::new(slots)),
+            download_slots: Arc::new(tokio::sync::Semaphore::new(slots)),
             slow_lane: Arc::new(tokio::sync::Semaphore::new(bounds.slow_downloads)),
+            stopping: tokio_util::sync::CancellationToken::new(),
             answers: Answers::default(),
             tracker: TaskTracker::new(),
         }
+    }
+
+    /// The worker stops (SIGTERM): from now on no job starts; those queued,
+    /// or waiting for a download slot, are given back to their transport.
+    /// Jobs running go on (the transports drain them within
+    /// `[amqp]shutdown_grace`).
+    pub(crate) fn stop_taking(self: &Arc<Self>) {
+        self.stopping.cancel();
+        // The jobs queued behind a running one of their node are given back
+        // now, in their order, not once that one ends.
+        let queues: Vec<_> = {
+            let nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner());
+            nodes.values().map(|q| q.fifo.clone()).collect()
+        };
+        for fifo in queues {
+            let d = self.clone();
+            self.tracker.spawn(async move {
+                while let Some(job) = fifo.next() {
+                    d.work(job).await;
+                }
+            });
+        }
+    }
+
+    /// Whether the worker stops (see [`Dispatch::stop_taking`]).
+    pub(crate) fn stopping(&self) -> bool {
+        self.stopping.is_cancelled()
     }
 
     /// The conductor host the answers name.
@@ -203,28 +251,35 @@ impl Dispatch {
         }
         let mut nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner());
         let job = match nodes.get(&node) {
-            Some(tx) => match tx.send(job) {
+            Some(queue) => match queue.put(job) {
                 Ok(()) => return,
-                Err(mpsc::error::SendError(job)) => job,
+                Err(job) => *job,
             },
             None => job,
         };
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        let _ = tx.send(job);
-        nodes.insert(node.clone(), tx);
+        let queue = NodeQueue::with(job);
+        let fifo = queue.fifo.clone();
+        nodes.insert(node.clone(), queue);
         let d = self.clone();
         self.tracker.spawn(async move {
             loop {
-                while let Ok(job) = rx.try_recv() {
+                while let Some(job) = fifo.next() {
                     d.work(job).await;
                 }
                 let mut nodes = d.nodes.lock().unwrap_or_else(|p| p.into_inner());
-                if rx.is_empty() {
+                if fifo.is_empty() {
                     nodes.remove(&node);
                     return;
                 }
             }
         });
+    }
+
+    /// Whether a cleanup or `deployed` waits in the FIFO queue `key`
+    /// (see [`order_key`]).
+    fn release_waits(&self, key: &str) -> bool {
+        let nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner());
+        nodes.get(key).is_some_and(|q| q.fifo.release_waits())
     }
 
     /// Counts a request that needs no answer and lets its carrier settle it.

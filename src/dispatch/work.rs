@@ -1,15 +1,17 @@
 //! One job, from its turn in its node's queue to its answer: the checks
-//! before any work (answered already, past its deadline), a prepare slot,
-//! the pipeline, the answer and its record.
+//! before any work (the worker stopping, answered already, past its
+//! deadline), the pipeline with, beside a download, the slow lane and the
+//! watch on its download turn, the answer and its record.
 
+use super::turn::{self, Stand};
 use super::{AnswerKey, Carrier, Deferral, DeliveryKey, Dispatch, Job};
 use crate::error::{Error, ErrorCode};
-use crate::messages::{Action, Completion, IgnoreReason, Request, SlowSignal};
+use crate::messages::{Action, Completion, DownloadTurn, IgnoreReason, Request, SlowSignal};
 use crate::node::NodeUuid;
 use crate::pipeline::Turn;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::{Notify, OwnedSemaphorePermit};
+use tokio::sync::Notify;
 use tracing::Instrument;
 
 /// How long a cleanup or `deployed` failing on a transient file-system
@@ -17,37 +19,58 @@ use tracing::Instrument;
 /// the error.
 const RELEASE_RETRY_FOR: Duration = Duration::from_secs(600);
 
-/// How long a prepare waits for a free prepare slot before its transport
-/// is asked to take it back (so that other actions get the delivery slots).
-const DEFER_AFTER: Duration = Duration::from_secs(2);
+/// How long a download job that is not downloading, nor waiting for a
+/// download slot (set aside at once), may hold its transport's delivery
+/// before it is set aside (recorded, the delivery acknowledged), so that
+/// other work gets the delivery slots; and how long one that could not be
+/// set aside waits for a slot before it is taken back.
+const HOLD_AFTER: Duration = Duration::from_secs(2);
 
 /// How often a copy of work another process runs looks for its answer.
 const CLAIM_POLL: Duration = Duration::from_millis(500);
 
+/// How often a job waiting for a download slot looks for a cleanup or
+/// `deployed` of its node queued behind it.
+const RELEASE_POLL: Duration = Duration::from_millis(200);
+
+/// How a job's run ended.
+enum Ran {
+    /// With its answer.
+    Answered(Box<Completion>),
+    /// A stray cleanup: nothing to answer.
+    Stray,
+    /// Taken back by its transport, or given back as the worker stops.
+    Returned,
+    /// Waiting for a download slot, it goes behind its node's cleanup or
+    /// `deployed`: to be run again.
+    Yielded,
+}
+
 /// Milliseconds since the Unix epoch, now.
-fn now_ms() -> u64 {
+pub(super) fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
 }
 
 impl Dispatch {
-    /// Runs a job to its end: answered before (by a process of this host,
-    /// or here on either transport), or waits for a prepare slot (or is
-    /// taken back), is refused past its deadline, runs, is answered and
-    /// recorded.
-    pub(super) async fn work(&self, job: Job) {
+    /// Runs a job to its end: given back when the worker stops before it
+    /// starts, answered before (by a process of this host, or here on
+    /// either transport), refused past its deadline, or run (waiting for a
+    /// download slot only to download, set aside or taken back meanwhile),
+    /// answered and recorded.
+    pub(super) async fn work(self: &Arc<Self>, job: Job) {
         let span = job.request.span();
         self.work_in_span(job).instrument(span).await
     }
 
     /// [`Dispatch::work`], inside the request's span.
-    async fn work_in_span(&self, job: Job) {
+    async fn work_in_span(self: &Arc<Self>, job: Job) {
         let Job {
             mut request,
-            carrier,
+            carrier: boxed,
         } = job;
-        let carrier = &*carrier;
+        let carrier = &*boxed;
         let key = AnswerKey::of(&request);
         let delivery = carrier.delivery_key();
         // The node whose ledger records the delivery (none for a warm).
@@ -86,12 +109,24 @@ impl Dispatch {
                 .unanswered(carrier, IgnoreReason::AnsweredElsewhere)
                 .await;
         }
-        let Some(done) = self.outcome(&mut request, carrier).await else {
-            if let Some((d, node)) = claimed {
-                self.pipeline.order().release_delivery(node, &d.key).await;
+        let done = match self.outcome(&mut request, carrier).await {
+            Ran::Answered(done) => *done,
+            ended => {
+                if let Some((d, node)) = claimed {
+                    self.pipeline.order().release_delivery(node, &d.key).await;
+                }
+                if let Ran::Yielded = ended {
+                    // Behind its node's cleanup or `deployed` now; queued
+                    // again before this run ends, so that it is never seen
+                    // as unknown meanwhile (a JSON-RPC call waits on it).
+                    self.submit(Job {
+                        request,
+                        carrier: boxed,
+                    });
+                }
+                self.answers.end(key.as_ref(), None);
+                return;
             }
-            self.answers.end(key.as_ref(), None);
-            return;
         };
         self.answers.end(key.as_ref(), Some((&done, transport)));
         self.metrics
@@ -99,48 +134,43 @@ impl Dispatch {
         self.deliver(&done, carrier, node.as_ref(), delivery).await
     }
 
-    /// The answer to `request`, or `None` when the job ended without one
-    /// (taken back by its transport, a stray cleanup).
-    async fn outcome(&self, request: &mut Request, carrier: &dyn Carrier) -> Option<Completion> {
+    /// How `request`'s run ended: its answer, or none (a stray cleanup,
+    /// taken back by its transport, given back as the worker stops), or
+    /// yielded to its node's cleanup or `deployed`.
+    async fn outcome(&self, request: &mut Request, carrier: &dyn Carrier) -> Ran {
+        if self.stopping.is_cancelled() {
+            tracing::info!("the worker stops: not started, given back");
+            carrier.give_back().await;
+            return Ran::Returned;
+        }
         let deadline = carrier.deadline();
-        let expired = || deadline.is_some_and(|at| now_ms() >= at);
-        // A warm downloads like a prepare: it shares the prepare slots.
-        let slot = if matches!(request.action, Action::Prepare | Action::Warm) {
-            match self.prepare_slot(DEFER_AFTER).await {
-                Some(slot) => Some(slot),
-                None if expired() => None,
-                None => match carrier.defer().await {
-                    Deferral::TakenBack => return None,
-                    Deferral::Wait => self.slot_until(deadline).await,
-                },
-            }
-        } else {
-            None
-        };
-        if expired() {
-            drop(slot);
+        if deadline.is_some_and(|at| now_ms() >= at) {
             let done = expired_answer(request, &self.host);
             self.metrics.record(&done);
-            return Some(done);
+            return Ran::Answered(Box::new(done));
         }
         // The node's later messages already at hand count first: a prepare
         // issued before its node moved on is then refused (`stale_request`).
         if request.action == Action::Prepare {
             carrier.caught_up().await;
         }
-        // A stray cleanup (node not prepared here) is decided under the
-        // node lock, inside the pipeline.
-        let slow = slot.as_ref().map(|_| {
+        // A warm downloads like a prepare: both take a download turn, when
+        // they download.
+        let download = matches!(request.action, Action::Prepare | Action::Warm).then(|| {
+            let turn = turn::Turn::new(self.download_slots.clone(), deadline);
+            request.turn = DownloadTurn::new(turn.clone());
             let (signal, slow) = SlowSignal::new();
             request.slow = signal;
-            slow
+            (turn, slow)
         });
-        let done = self.run(request, carrier, slot, slow).await;
-        if done.is_none() {
+        // A stray cleanup (node not prepared here) is decided under the
+        // node lock, inside the pipeline.
+        let ran = self.run(request, carrier, download).await;
+        if let Ran::Stray = ran {
             self.unanswered(carrier, IgnoreReason::NotPreparedHere)
                 .await;
         }
-        done
+        ran
     }
 
     /// Gives the answer through the carrier, then records it in the node's
@@ -202,56 +232,95 @@ impl Dispatch {
         false
     }
 
-    /// A prepare slot, waiting up to `wait` for one.
-    async fn prepare_slot(&self, wait: Duration) -> Option<OwnedSemaphorePermit> {
-        let slots = self.prepare_slots.clone();
-        tokio::time::timeout(wait, slots.acquire_owned())
-            .await
-            .ok()
-            .and_then(|p| p.ok())
-    }
-
-    /// A prepare slot, waiting for one until `deadline` (ms since the
-    /// epoch; forever without one); `None` when the deadline passed first.
-    async fn slot_until(&self, deadline: Option<u64>) -> Option<OwnedSemaphorePermit> {
-        let Some(at) = deadline else {
-            return self.prepare_slots.clone().acquire_owned().await.ok();
-        };
-        let wait = Duration::from_millis(at.saturating_sub(now_ms()));
-        self.prepare_slot(wait).await
-    }
-
-    /// Runs the work of a request, holding `slot` (a prepare's) while it
-    /// runs. Beside it, a prepare whose download is slow (`slow` notified)
-    /// moves to the slow lane when it has room: it gives back its prepare
-    /// slot and its carrier is told (the broker acknowledges it early), so
-    /// that neither prepare slots nor the prefetch fill with slow sources.
+    /// Runs the work of a request. Beside a download job's work (`download`:
+    /// its turn and its slow signal), the slow lane (`slow_lane`) and the
+    /// watch on its turn (`watch`), which may end the job here.
     async fn run(
         &self,
         request: &Request,
         carrier: &dyn Carrier,
-        slot: Option<OwnedSemaphorePermit>,
-        slow: Option<Arc<Notify>>,
-    ) -> Option<Completion> {
-        let slowed = async move {
-            let Some(slow) = slow else {
-                return std::future::pending().await;
-            };
-            slow.notified().await;
-            let _held = match self.slow_lane.clone().try_acquire_owned() {
-                Ok(lane) => {
-                    drop(slot);
-                    self.metrics.slow_lane.inc();
-                    carrier.slowed().await;
-                    Some(lane)
-                }
-                Err(_) => slot,
-            };
-            std::future::pending::<()>().await
+        download: Option<(Arc<turn::Turn>, Arc<Notify>)>,
+    ) -> Ran {
+        let ran =
+            |done: Option<Completion>| done.map_or(Ran::Stray, |d| Ran::Answered(Box::new(d)));
+        let Some((turn, slow)) = download else {
+            return ran(self.handle_retrying(request).await);
         };
+        let fifo = super::order_key(request);
         tokio::select! {
-            done = self.handle_retrying(request) => done,
-            () = slowed => None,
+            done = self.handle_retrying(request) => ran(done),
+            () = self.slow_lane(carrier, &turn, slow) => Ran::Returned,
+            ended = self.watch(carrier, &turn, &fifo) => ended,
+        }
+    }
+
+    /// A download that turns out slow (`slow` notified) moves to the slow
+    /// lane when it has room: it gives back its download slot and its
+    /// carrier is told (the broker acknowledges it early), so that neither
+    /// download slots nor the prefetch fill with slow sources. Never ends.
+    async fn slow_lane(&self, carrier: &dyn Carrier, turn: &turn::Turn, slow: Arc<Notify>) {
+        slow.notified().await;
+        let _lane = match self.slow_lane.clone().try_acquire_owned() {
+            Ok(lane) => {
+                turn.to_slow_lane();
+                self.metrics.slow_lane.inc();
+                carrier.slowed().await;
+                Some(lane)
+            }
+            Err(_) => None,
+        };
+        std::future::pending::<()>().await
+    }
+
+    /// Watches a download job's turn. A job waiting for a download slot,
+    /// or one not downloading [`HOLD_AFTER`] after it began (it waits for
+    /// a master another job is making, for its source's metadata), holds
+    /// its transport's delivery no longer (`hold`: the broker records it in
+    /// the ledger and acknowledges it), so that waiting jobs never fill the
+    /// broker's prefetch; when its carrier cannot, a job waiting for a
+    /// slot is taken back (`defer`) once it began [`HOLD_AFTER`] ago. Once the worker stops, a job waiting
+    /// for a slot (nothing downloaded) is given back. A job waiting for a
+    /// slot while a cleanup or `deployed` of its node waits behind it in
+    /// its FIFO queue (`fifo`) yields to it: it goes behind it, so that the
+    /// node is released at once (the prepare is then refused as stale, as
+    /// a deferred one would be). Ends only when the job ends here.
+    async fn watch(&self, carrier: &dyn Carrier, turn: &turn::Turn, fifo: &str) -> Ran {
+        let mut stand = turn.watch();
+        let hold_at = tokio::time::Instant::now() + HOLD_AFTER;
+        let (mut held, mut may_defer) = (false, false);
+        loop {
+            let now = *stand.borrow_and_update();
+            if now == Stand::Waiting && self.stopping.is_cancelled() {
+                tracing::info!("the worker stops: waiting for a download slot, given back");
+                carrier.give_back().await;
+                return Ran::Returned;
+            }
+            if now == Stand::Waiting && self.release_waits(fifo) {
+                tracing::info!("waiting for a download slot: behind its node's release now");
+                return Ran::Yielded;
+            }
+            // Waiting for a slot: set aside at once; not downloading yet
+            // (maybe a cache hit under way): after a while.
+            let due = tokio::time::Instant::now() >= hold_at;
+            if !held && (now == Stand::Waiting || (due && now == Stand::NotAsked)) {
+                held = true;
+                may_defer = !carrier.hold().await;
+            }
+            if due && may_defer && now == Stand::Waiting {
+                match carrier.defer().await {
+                    Deferral::TakenBack => return Ran::Returned,
+                    Deferral::Wait => may_defer = false,
+                }
+            }
+            let (stopping, timer) = (self.stopping.is_cancelled(), !due && (!held || may_defer));
+            tokio::select! {
+                changed = stand.changed() => if changed.is_err() {
+                    return std::future::pending().await;
+                },
+                () = self.stopping.cancelled(), if !stopping => {}
+                () = tokio::time::sleep_until(hold_at), if timer => {}
+                () = tokio::time::sleep(RELEASE_POLL), if now == Stand::Waiting => {}
+            }
         }
     }
 

@@ -12,7 +12,7 @@
 pub(crate) mod inbound;
 mod request;
 
-pub use request::{Request, SlowSignal};
+pub use request::{DownloadTurn, Request, SlowSignal, Turns};
 
 use crate::error::{Error, ErrorCode};
 use serde::{Deserialize, Serialize};
@@ -70,7 +70,7 @@ pub enum IgnoreReason {
     /// A redelivered copy of work still running here (adopted) or answered
     /// here already (settled).
     RedeliveredInProgress,
-    /// A prepare put back at the tail of the queue: every prepare slot was
+    /// A prepare put back at the tail of the queue: every download slot was
     /// busy.
     DeferredPrepare,
     /// A command without a seal, with a seal required: dead-lettered.
@@ -526,6 +526,7 @@ mod tests {
             node_info: NodeInfo::default(),
             only_if_prepared: false,
             slow: SlowSignal::default(),
+            turn: Default::default(),
             issued_ms: None,
             notified: false,
         };

@@ -31,6 +31,9 @@ pub struct Request {
     /// Raised when the request's download turns out slow (see
     /// [`SlowSignal`]).
     pub slow: SlowSignal,
+    /// Its turn among the worker's download slots, taken only when it
+    /// downloads (see [`DownloadTurn`]).
+    pub turn: DownloadTurn,
     /// When the request was issued, in ms since the epoch: the sender's
     /// stamp on a command, a notification's `timestamp`, else when it
     /// arrived; `None` is now (one-shot commands). Orders it against the
@@ -84,7 +87,7 @@ impl Request {
 }
 
 /// How a slow download tells whoever runs its request that it no longer
-/// needs its share of the worker's prepare slots: the broker layer then
+/// needs its share of the worker's download slots: the broker layer then
 /// moves it to its slow lane, so a few slow sources never hold every slot.
 /// Requests run without a listener (one-shot commands) ignore it.
 #[derive(Debug, Clone, Default)]
@@ -102,5 +105,44 @@ impl SlowSignal {
         if let Some(n) = &self.0 {
             n.notify_one();
         }
+    }
+}
+
+/// A request's turn among the worker's download slots: the pipeline takes
+/// it right before it downloads, so that only downloads wait for one (a
+/// cache hit, a pass-through, a cleanup never do). Requests run without a
+/// runner that bounds downloads (one-shot commands) have it at once.
+#[derive(Clone, Default)]
+pub struct DownloadTurn(Option<Arc<dyn Turns>>);
+
+/// What hands out download turns (the worker's dispatch), so that the
+/// pipeline knows none of how they are bounded.
+pub trait Turns: Send + Sync {
+    /// Resolves once the request may download; an error (its deadline
+    /// passed while it waited) is the request's answer.
+    fn take(&self) -> futures_util::future::BoxFuture<'_, crate::error::Result<()>>;
+}
+
+impl DownloadTurn {
+    /// A turn handed out by `turns`.
+    pub fn new(turns: Arc<dyn Turns>) -> DownloadTurn {
+        DownloadTurn(Some(turns))
+    }
+
+    /// Waits for the turn to download (at once without a runner).
+    pub(crate) async fn take(&self) -> crate::error::Result<()> {
+        match &self.0 {
+            Some(turns) => turns.take().await,
+            None => Ok(()),
+        }
+    }
+}
+
+impl std::fmt::Debug for DownloadTurn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self.0 {
+            Some(_) => "DownloadTurn(bounded)",
+            None => "DownloadTurn(free)",
+        })
     }
 }

@@ -16,6 +16,8 @@ pub struct CacheMetrics {
     pub linked: IntGauge,
     /// Masters evicted.
     pub evictions: IntCounter,
+    /// Bytes evicted to make room for files of unannounced length.
+    pub unannounced_evicted: IntCounter,
     /// Nodes whose files expired (`[cache]node_files_ttl`).
     pub node_files_expired: IntCounter,
     /// Published node symlinks.
@@ -42,6 +44,11 @@ impl CacheMetrics {
                 "Masters linked by at least one node (never evicted).",
             ),
             evictions: r.counter("cache_evictions_total", "Masters evicted from the cache."),
+            unannounced_evicted: r.counter(
+                "cache_unannounced_evicted_bytes_total",
+                "Bytes evicted to make room for downloads and decompressions of unannounced \
+                 length (each at most [convert]max_virtual_size_gib).",
+            ),
             node_files_expired: r.counter(
                 "node_files_expired_total",
                 "Nodes whose files no command asked for within [cache]node_files_ttl, removed.",

@@ -35,7 +35,7 @@ pub struct Metrics {
     /// Messages acknowledged without an answer, by reason (counted through
     /// [`Metrics::ignored`], so only an [`IgnoreReason`] labels it).
     ignored: IntCounterVec,
-    /// Prepares whose slow download gave back its prepare slot.
+    /// Prepares whose slow download gave back its download slot.
     pub slow_lane: IntCounter,
     /// Messages consumed, by source (command/notification), action, outcome.
     pub messages: IntCounterVec,

@@ -3,7 +3,7 @@
 //! (`store/ledger.rs`).
 //!
 //! Why: a prepare can be handled long after it was issued (deferred while
-//! every prepare slot was busy, queued while the worker was stopped) and
+//! every download slot was busy, queued while the worker was stopped) and
 //! after its node moved on: Ironic timed the deploy out and cleaned up, or
 //! the node reached `deploy failed`. Linking and publishing its image then
 //! would answer nobody and pin the master against eviction. So a prepare

@@ -198,6 +198,9 @@ impl RpcState {
         };
         let (known, _) = self.server.work.answers().lookup(&key);
         if matches!(known, Lookup::Unknown) {
+            if self.server.work.stopping() {
+                return Err(stopping());
+            }
             let Ok(slot) = self.in_flight.clone().try_acquire_owned() else {
                 return Err(protocol::plain_error(
                     code::SERVER_BUSY,
@@ -221,7 +224,11 @@ impl RpcState {
         if !is_call {
             return Ok(Value::Null);
         }
-        answer(self.wait(&key).await)
+        match self.wait(&key).await {
+            // Ended unanswered: not started, as the worker stops.
+            Lookup::Unknown if self.server.work.stopping() => Err(stopping()),
+            known => answer(known),
+        }
     }
 
     /// Keeps a cast accepted (its command `body`) on this port's shelf until
@@ -338,6 +345,16 @@ impl RpcState {
     }
 }
 
+/// The error of a request the worker did not start because it stops
+/// (SIGTERM): the worker's "busy" error, so that Ironic's client raises
+/// (and a cast is answered `503`); the request may be sent again.
+fn stopping() -> Value {
+    protocol::plain_error(
+        code::SERVER_BUSY,
+        "the worker is stopping: the request was not started; send it again",
+    )
+}
+
 /// A call's answer: the completion when it succeeded, an error carrying
 /// its code when it failed, `in_progress` when the work goes on.
 fn answer(known: Lookup) -> Result<Value, Value> {
@@ -448,8 +465,9 @@ fn read_command(body: &[u8], host: &str, issued_ms: u64) -> Result<Request, Box<
 
 /// A JSON-RPC request's side of its job: the answer is what the shared
 /// dispatch records (the caller reads it there); nothing to settle, no
-/// copy to put back, no deadline of its own. Holds its place among the
-/// requests in flight until the job ends, and a cast's record until then.
+/// copy to put back or set aside, no deadline of its own. Holds its place
+/// among the requests in flight until the job ends, and a cast's record
+/// until then.
 struct Caller {
     _slot: tokio::sync::OwnedSemaphorePermit,
     parked: Option<Parked>,
@@ -494,6 +512,17 @@ impl Carrier for Caller {
 
     fn defer(&self) -> BoxFuture<'_, Deferral> {
         Box::pin(async { Deferral::Wait })
+    }
+
+    /// A call or a cast holds no delivery: nothing to set aside.
+    fn hold(&self) -> BoxFuture<'_, bool> {
+        Box::pin(async { true })
+    }
+
+    /// A cast keeps its record (the next process on this port runs it); a
+    /// call is told by [`stopping`], its job having ended unanswered.
+    fn give_back(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async {})
     }
 
     fn slowed(&self) -> BoxFuture<'_, ()> {

@@ -28,7 +28,8 @@ pub async fn serve(config: Config, files: &str) -> Result<()> {
     crate::service::sd_notify::notify("READY=1\nSTATUS=serving images; broker state on /readyz");
     shutdown_signal().await;
     crate::service::sd_notify::notify("STOPPING=1");
-    tracing::info!("shutting down: finishing in-flight work");
+    tracing::info!("shutting down: finishing in-flight work, giving back work not started");
+    running.work.stop_taking();
     let _ = stop_tx.send(true);
     running.stop().await;
     tracing::info!("stopped");

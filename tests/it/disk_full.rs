@@ -329,3 +329,64 @@ async fn zstd_bomb_stops_at_the_room_made_like_gzip() {
     assert!(st.f_bavail * st.f_frsize > 380 << 20, "the space is back");
     drop(worker);
 }
+
+/// A source of unknown length (no `Content-Length`) that never ends may
+/// make room, by eviction, for no more than the largest image the
+/// configuration admits (`[convert]max_virtual_size_gib`, here 1 GiB): on a
+/// file system holding 2 GiB of unused masters it is refused with
+/// `insufficient_disk_space` with most of them still cached, and what it
+/// evicted is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_download_of_unknown_length_evicts_no_more_than_the_largest_image() {
+    let env = Env::new("[convert]\nmax_virtual_size_gib = 1\n");
+    let small = env.root().join("small");
+    let _mount = Tmpfs::mount(&small, "2600m");
+    let faults = FaultServer::start(&env.root().join("src"), 1 << 30).await;
+    let sets: Vec<String> = [
+        format!("pxe.instance_master_path={}/master", small.display()),
+        format!("pxe.images_path={}/images", small.display()),
+        format!("deploy.http_root={}/httpboot", small.display()),
+    ]
+    .to_vec();
+    let mut args: Vec<&str> = Vec::new();
+    for s in &sets {
+        args.extend(["--set", s.as_str()]);
+    }
+    let worker = env.serve_with(&args, &[]).await;
+    // Eight unused masters of 256 MiB (allocated, as written ones are).
+    let master_dir = small.join("master");
+    let old: Vec<String> = (0..8).map(|i| format!("old{i}")).collect();
+    for name in &old {
+        tool(
+            "fallocate",
+            &["-l", "256MiB", master_dir.join(name).to_str().unwrap()],
+        );
+    }
+    let broker = Broker::connect().await;
+    let done = broker
+        .call(
+            &env.host,
+            prepare_cmd(&node(), &faults.url("endless", "image")),
+        )
+        .await;
+    assert_eq!(done["error"]["code"], "insufficient_disk_space", "{done}");
+    let kept = old.iter().filter(|n| master_dir.join(n).exists()).count();
+    let metrics = worker.metrics_text().await;
+    let evicted = metric(
+        &metrics,
+        "ironic_image_worker_cache_unannounced_evicted_bytes_total",
+    );
+    eprintln!("kept {kept} of 8 masters; evicted for it: {evicted:?}");
+    // At most 1 GiB and one step of room (256 MiB) more: at least 3 kept.
+    assert!(kept >= 3, "the cache was emptied: {kept} of 8 masters kept");
+    let evicted = evicted.expect("the bytes evicted for it are counted");
+    assert_eq!(evicted as u64, (8 - kept as u64) * (256 << 20), "{metrics}");
+    let temporaries = std::fs::read_dir(master_dir.join(".tmp"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(".tmp-"))
+        .count();
+    assert_eq!(temporaries, 0, "no partial file");
+    drop(worker);
+}

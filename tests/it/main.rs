@@ -9,6 +9,7 @@ mod common;
 
 mod acks;
 mod amqp;
+mod backlog;
 mod cache;
 mod cluster;
 mod compressed;

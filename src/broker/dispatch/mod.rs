@@ -1,6 +1,6 @@
 //! Deliveries in, answers out: parsing each delivery, handing its work to
 //! the transport-neutral dispatch (`crate::dispatch`: per-node order,
-//! prepare slots, deadlines, the answer's record), answering through the
+//! download slots, deadlines, the answer's record), answering through the
 //! broker, then acknowledging (or dead-lettering an unusable message).
 //!
 //! Work outlives the connection it arrived on. When the connection drops,
@@ -23,10 +23,12 @@
 //! * `adopt`: the jobs awaiting acknowledgement, and a redelivered copy
 //!   adopted by the job of its identity;
 //! * `early_ack`: a copy acknowledged before the broker's consumer timeout;
-//! * `slow_lane`: a slow download's delivery parked in the ledger and
-//!   acknowledged early, and parked deliveries run again after a restart;
+//! * `slow_lane`: a slow download's delivery, or one of a download job
+//!   that waits, parked in the ledger and acknowledged early, and parked
+//!   deliveries run again after a restart;
 //! * `refuse`: a command whose seal does not hold, dead-lettered unworked;
-//! * `defer`: a prepare put back at the tail of the queue;
+//! * `defer`: a prepare put back at the tail of the queue, and work not
+//!   started given back that way when the worker stops;
 //! * `settle`: the answer published, then the copy acknowledged or
 //!   dead-lettered.
 //!
@@ -356,6 +358,14 @@ impl Carrier for Delivered {
             self.dispatcher.defer(self).await;
             Deferral::TakenBack
         })
+    }
+
+    fn hold(&self) -> BoxFuture<'_, bool> {
+        Box::pin(self.dispatcher.hold(self))
+    }
+
+    fn give_back(&self) -> BoxFuture<'_, ()> {
+        Box::pin(self.dispatcher.give_back(self))
     }
 
     fn caught_up(&self) -> BoxFuture<'_, ()> {

@@ -1,7 +1,9 @@
-//! The slow lane's side of the broker: a prepare whose download is slow is
-//! recorded whole in its node's ledger (`parked`), then acknowledged early
-//! so the broker does not take it back; after a crash, the parked
-//! deliveries of this host are run again.
+//! The slow lane's side of the broker: a prepare whose download is slow,
+//! or a download job that waits (for a download slot, for a master another
+//! job makes), is recorded whole in the ledger (`parked`), then
+//! acknowledged early so its delivery slot serves other work and the
+//! broker does not take it back; after a crash, the parked deliveries of
+//! this host are run again.
 //!
 //! Knows nothing of routing, adoption or the consumer timeout.
 
@@ -13,17 +15,55 @@ use crate::dispatch::{Job, Shelf};
 use crate::messages::inbound::Inbound;
 use std::sync::Arc;
 
+/// The most jobs acknowledged before their answer at once: past it, a
+/// download job that waits keeps its delivery (and is deferred, as before
+/// there was a ledger to keep it in), so one process never takes in a
+/// whole backlog that other processes of the host could share.
+const SET_ASIDE_AT_MOST: usize = 1024;
+
 impl Dispatcher {
     /// `job`'s download is slow: its delivery is recorded, then
     /// acknowledged early (kept unacknowledged when it could not be
     /// recorded, or when it holds no copy).
     pub(super) async fn slowed(&self, job: &Delivered) {
-        if job.tracked.session().is_none() || !self.park(job).await {
-            return;
-        }
-        if let Some((_, acker)) = job.tracked.ack_early(None) {
+        if self.set_aside(job).await {
             tracing::info!("slow download moved to the slow lane: recorded, acknowledged early");
-            let _ = settle(acker, false).await;
+        }
+    }
+
+    /// `job` waits (for a download slot, for a master another job makes):
+    /// its delivery is recorded, then acknowledged early, so that waiting
+    /// jobs never fill the prefetch. True when it holds no delivery now;
+    /// false when it could not be recorded or [`SET_ASIDE_AT_MOST`] jobs
+    /// are set aside already.
+    pub(super) async fn hold(&self, job: &Delivered) -> bool {
+        if job.tracked.session().is_none() {
+            return true;
+        }
+        if self.accepted_unanswered() >= SET_ASIDE_AT_MOST {
+            return false;
+        }
+        let set_aside = self.set_aside(job).await;
+        if set_aside {
+            tracing::info!(
+                "waiting: recorded, acknowledged early (its delivery slot serves others)"
+            );
+        }
+        set_aside
+    }
+
+    /// Records `job`'s delivery, then acknowledges it early; true when
+    /// done (false: it could not be recorded, or it holds no copy).
+    async fn set_aside(&self, job: &Delivered) -> bool {
+        if job.tracked.session().is_none() || !self.park(job).await {
+            return false;
+        }
+        match job.tracked.ack_early(None) {
+            Some((_, acker)) => {
+                let _ = settle(acker, false).await;
+                true
+            }
+            None => false,
         }
     }
 

@@ -122,6 +122,7 @@ fn command_request(cmd: CommandBody, host: &str) -> Result<Request, Inbound> {
         node_info,
         only_if_prepared: false,
         slow: Default::default(),
+        turn: Default::default(),
         issued_ms: None,
         notified: false,
     })

@@ -233,6 +233,7 @@ fn node_notification(
         node_info,
         only_if_prepared,
         slow: Default::default(),
+        turn: Default::default(),
         issued_ms: at_ms,
         notified: true,
     }))

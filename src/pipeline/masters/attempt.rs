@@ -157,7 +157,7 @@ impl Masters {
                         if pace.is_slow(bytes.len()) {
                             tracing::info!(
                                 source = %job.source.display(),
-                                "slow download: giving back its prepare slot"
+                                "slow download: giving back its download slot"
                             );
                             job.slow.raise();
                         }
@@ -196,8 +196,12 @@ impl Masters {
         id: u64,
         converting: bool,
     ) -> Result<Current> {
-        let room = stat.size.unwrap_or(GROWTH_STEP);
-        self.off_thread(move |k| k.make_room(room)).await?;
+        let announced = stat.size;
+        self.off_thread(move |k| match announced {
+            Some(len) => k.make_room(len),
+            None => k.make_room_unannounced(0, GROWTH_STEP),
+        })
+        .await?;
         let file = TempGuard::new(self.cache.temp_path(job.name)?);
         let pace = Arc::new(Pace::default());
         let plan = attempt_plan(job, converting.then(|| pace.clone()));

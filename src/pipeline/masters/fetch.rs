@@ -36,6 +36,9 @@ impl Masters {
     /// with a hold: a hard link that keeps the file until the caller linked
     /// it to the node, so no eviction can take it in between.
     pub(super) async fn fetch_master(&self, job: &MasterFetch<'_>) -> Result<(Master, TempGuard)> {
+        // A download (from a peer or the source) waits for its turn among
+        // the worker's download slots; nothing before it does.
+        job.turn.take().await?;
         // With peers on: a peer's master, or the cloud-wide claim on the
         // download, held until this master is committed (when this returns).
         let _claim = match self.through_peers(job).await? {

@@ -37,4 +37,6 @@ pub(in crate::pipeline) struct MasterFetch<'a> {
     pub(super) info: &'a InstanceInfo,
     /// Raised when the download turns out slow.
     pub(super) slow: &'a crate::messages::SlowSignal,
+    /// Its turn among the download slots, taken before downloading.
+    pub(super) turn: &'a crate::messages::DownloadTurn,
 }

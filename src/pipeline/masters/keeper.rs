@@ -38,6 +38,7 @@ impl Masters {
             cache: self.cache.clone(),
             policy: self.config.pxe.eviction_policy(),
             metrics: self.metrics.clone(),
+            unannounced_cap: self.config.convert.qcow2_limits().max_virtual_size,
         }
     }
 
@@ -76,6 +77,10 @@ pub(super) struct Keeper {
     pub(super) cache: Cache,
     pub(super) policy: crate::store::eviction::Policy,
     pub(super) metrics: Arc<Metrics>,
+    /// The largest image the configuration admits
+    /// (`[convert]max_virtual_size_gib`, whatever the format): the most a
+    /// file of unannounced length may have room made for by eviction.
+    pub(super) unannounced_cap: u64,
 }
 
 impl Keeper {
@@ -115,6 +120,44 @@ impl Keeper {
         fsutil::check_space(dir, needed)
     }
 
+    /// Makes sure the next `step` bytes of a file of unannounced length
+    /// are free, the file having had room made for its first `covered`
+    /// bytes. Eviction makes room only while `covered` is under
+    /// [`Keeper::unannounced_cap`]: a source that never ends (or a
+    /// decompression bomb) cannot empty the cache before it is refused;
+    /// past the cap, the file only goes on in space already free. What it
+    /// evicted is counted and logged.
+    pub(super) fn make_room_unannounced(&self, covered: u64, step: u64) -> Result<()> {
+        let dir = self.cache.dir();
+        let free = fsutil::free_space(dir)?;
+        if step > free && covered < self.unannounced_cap {
+            let amount = (step - free).min(self.unannounced_cap - covered);
+            let report = self.clean(amount, false, false)?;
+            if !report.evicted.is_empty() {
+                self.metrics.cache.unannounced_evicted.inc_by(report.freed);
+                tracing::warn!(
+                    evicted = ?report.evicted,
+                    freed = report.freed,
+                    covered,
+                    cap = self.unannounced_cap,
+                    "evicted to make room for a file of unannounced length"
+                );
+            }
+        }
+        fsutil::check_space(dir, step).map_err(|e| match covered >= self.unannounced_cap {
+            true => Error::new(
+                ErrorCode::InsufficientDiskSpace,
+                format!(
+                    "{e}; a file of unannounced length past {} MiB \
+                     ([convert]max_virtual_size_gib, the largest image admitted) \
+                     evicts nothing more",
+                    self.unannounced_cap >> 20
+                ),
+            ),
+            false => e,
+        })
+    }
+
     /// Refreshes the cache gauges from the directory.
     pub(super) fn refresh_cache_gauges(&self) {
         self.metrics
@@ -138,7 +181,9 @@ impl Keeper {
 /// writer goes on meanwhile), and the writer waits for it only when it
 /// reaches the end of the room made sure of, so it never writes past room
 /// that was not made: it fails with `insufficient_disk_space` while the
-/// file system still has space, never by filling it.
+/// file system still has space, never by filling it. Eviction makes room
+/// for at most the largest image admitted (see
+/// [`Keeper::make_room_unannounced`]).
 pub(super) struct Room {
     keeper: Keeper,
     /// Bytes covered by the free space made sure of so far.
@@ -162,8 +207,10 @@ impl Room {
     /// waits for it once the file reaches the end of the room made.
     pub(super) async fn grow_to(&mut self, size: u64) -> Result<()> {
         if self.ahead.is_none() && size.saturating_add(GROWTH_STEP / 2) > self.until {
-            let keeper = self.keeper.clone();
-            let task = tokio::task::spawn_blocking(move || keeper.make_room(GROWTH_STEP));
+            let (keeper, covered) = (self.keeper.clone(), self.until);
+            let task = tokio::task::spawn_blocking(move || {
+                keeper.make_room_unannounced(covered, GROWTH_STEP)
+            });
             self.ahead = Some((size.saturating_add(GROWTH_STEP), task));
         }
         if size > self.until

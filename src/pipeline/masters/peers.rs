@@ -142,7 +142,7 @@ impl Masters {
     /// Before a download from the source: the peers' offers; a verified
     /// one is fetched. While another worker is downloading it, this one
     /// follows that download as it is written when its listener streams it,
-    /// else waits for its master (giving back its prepare slot as a slow
+    /// else waits for its master (giving back its download slot as a slow
     /// download does); when none is, it takes the cloud-wide claim and goes
     /// to the source (or, its holder gone or silent, goes there anyway).
     pub(super) async fn through_peers(&self, job: &MasterFetch<'_>) -> Result<PeerTurn> {
@@ -401,7 +401,7 @@ impl Masters {
 
 /// A wait for another worker's download: bounded in all by `limit`, and
 /// given up when the claim's holder stays silent for [`CLAIM_SILENCE`];
-/// after `[source]slow_after` it gives back the prepare slot, as a slow
+/// after `[source]slow_after` it gives back the download slot, as a slow
 /// download does (it moves no bytes at all).
 struct Waiting {
     started: Instant,
@@ -432,7 +432,7 @@ impl Waiting {
         self.heard.elapsed() > CLAIM_SILENCE
     }
 
-    /// One more round of waiting: logged the first time, the prepare slot
+    /// One more round of waiting: logged the first time, the download slot
     /// given back once it lasted `slow_after`, an error past `limit`.
     fn step(&mut self, job: &MasterFetch<'_>) -> Result<()> {
         if !self.told {
@@ -448,7 +448,7 @@ impl Waiting {
         {
             tracing::info!(
                 master = job.name,
-                "waiting for another worker's download: giving back the prepare slot"
+                "waiting for another worker's download: giving back the download slot"
             );
             job.slow.raise();
             self.slow_after = None;

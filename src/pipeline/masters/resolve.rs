@@ -296,6 +296,7 @@ impl ImagePlan {
             force_raw,
             info: &self.info,
             slow: &req.slow,
+            turn: &req.turn,
         }
     }
 }

@@ -93,6 +93,7 @@ impl Masters {
             force_raw: false,
             info,
             slow: &req.slow,
+            turn: &req.turn,
         };
         // Only the source's own bytes will do: the agent downloads them.
         let obtained = self.obtain_master(&job, true, &|_| false);
