@@ -46,6 +46,7 @@
 
 pub(crate) mod broker;
 pub mod cli;
+pub(crate) mod clock;
 pub mod config;
 pub(crate) mod dispatch;
 pub mod error;

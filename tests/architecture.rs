@@ -37,16 +37,18 @@ const ALLOWED: &[(&str, &[&str])] = &[
         "broker",
         &[
             "dispatch", "pipeline", "messages", "metrics", "config", "retry", "peers", "secrets",
-            "seal", "error",
+            "seal", "clock", "error",
         ],
     ),
     (
         "dispatch",
-        &["pipeline", "messages", "metrics", "node", "error"],
+        &["pipeline", "messages", "metrics", "node", "clock", "error"],
     ),
     (
         "rpc",
-        &["dispatch", "http", "messages", "node", "fsutil", "error"],
+        &[
+            "dispatch", "http", "messages", "node", "fsutil", "clock", "error",
+        ],
     ),
     (
         "pipeline",
@@ -104,7 +106,11 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("gzip", &[]),
     ("secrets", &[]),
     ("node", &["error"]),
-    ("peers", &["image_format", "optional_digest", "seal"]),
+    (
+        "peers",
+        &["image_format", "optional_digest", "seal", "clock"],
+    ),
+    ("clock", &[]),
     ("seal", &[]),
     ("image_format", &[]),
     ("optional_digest", &[]),

@@ -305,7 +305,7 @@ impl PeerLink {
             time_ms: super::stamp::header_ms(props, seal::TIME_HEADER).unwrap_or(0),
         };
         let mac = mac_of(props);
-        let now = seal::now_ms();
+        let now = crate::clock::now_ms();
         let refused = |r| (kind, r);
         let mac = seal::check(&self.secret, &env, &delivery.data, mac.as_deref(), now)
             .map_err(refused)?;
@@ -400,7 +400,7 @@ impl PeerLink {
             kind: Kind::Offer,
             correlation,
             reply_to: "",
-            time_ms: seal::now_ms(),
+            time_ms: crate::clock::now_ms(),
         };
         let props = BasicProperties::default()
             .with_content_type("application/json".into())
@@ -443,7 +443,7 @@ impl PeerLink {
             kind: Kind::Query,
             correlation: &correlation,
             reply_to: &live.queue,
-            time_ms: seal::now_ms(),
+            time_ms: crate::clock::now_ms(),
         };
         let props = BasicProperties::default()
             .with_content_type("application/json".into())

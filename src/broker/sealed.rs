@@ -5,7 +5,6 @@
 //!
 //! Knows nothing of routing work, the ledger or what a command asks.
 
-use super::stamp;
 use super::topology::WARM_ALL_KEY;
 use crate::messages::IgnoreReason;
 use crate::seal::{self, Envelope, Kind, Refusal, Replays, Sealed, Sealer};
@@ -84,7 +83,7 @@ impl Gate {
             correlation_id: p.correlation_id().as_ref().map(|s| s.as_str()),
         };
         let header = header(p);
-        let now = stamp::now_ms();
+        let now = crate::clock::now_ms();
         let sealed = self
             .sealer
             .admit(header.as_deref(), &env, &delivery.data, now)?;
@@ -128,7 +127,7 @@ impl Gate {
         body: &[u8],
         (key, until): (usize, Option<u64>),
     ) -> BasicProperties {
-        let now = stamp::now_ms();
+        let now = crate::clock::now_ms();
         let valid_ms = until.map_or(UNSEALED_COPY_VALID_MS, |u| u.saturating_sub(now));
         let env = Envelope {
             kind: Kind::Command,
@@ -164,7 +163,7 @@ pub(super) fn seal_answer(
         correlation_id: properties.correlation_id().as_ref().map(|s| s.as_str()),
     };
     let sealed = (sealer.keys)
-        .seal_with(key, &env, body, stamp::now_ms(), 0)
+        .seal_with(key, &env, body, crate::clock::now_ms(), 0)
         .header();
     with_header(properties, sealed)
 }
@@ -190,7 +189,7 @@ pub(crate) fn seal_command(
     };
     let sealed = sealer
         .keys
-        .seal(&env, body, stamp::now_ms(), valid_ms)
+        .seal(&env, body, crate::clock::now_ms(), valid_ms)
         .header();
     with_header(properties, sealed)
 }
@@ -217,7 +216,12 @@ pub(crate) fn admit_answer(
     };
     let header = header(&delivery.properties);
     sealer
-        .admit(header.as_deref(), &env, &delivery.data, stamp::now_ms())
+        .admit(
+            header.as_deref(),
+            &env,
+            &delivery.data,
+            crate::clock::now_ms(),
+        )
         .map(|_| ())
 }
 
@@ -262,7 +266,7 @@ mod tests {
     #[test]
     fn a_resealed_copy_keeps_the_original_end() {
         let g = gate();
-        let now = stamp::now_ms();
+        let now = crate::clock::now_ms();
         let props = BasicProperties::default().with_correlation_id("c".into());
         let copy = g.reseal(props, b"{}", (0, Some(now + 60_000)));
         let text = header(&copy).unwrap();

@@ -7,17 +7,9 @@
 
 use lapin::BasicProperties;
 use lapin::types::AMQPValue;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 /// The header carrying a command's issue time, in ms since the epoch.
 pub const HEADER: &str = "timestamp_in_ms";
-
-/// Milliseconds since the Unix epoch, now.
-pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
 
 /// A header of `properties` holding milliseconds since the epoch (an AMQP
 /// integer of any width, or a timestamp), if it is there.

@@ -36,8 +36,10 @@ mod work;
 pub(crate) use crate::pipeline::Shelf;
 pub(crate) use answers::{AnswerKey, Answers, Lookup};
 
+use crate::error::Result;
 use crate::messages::{Completion, IgnoreReason, Request};
 use crate::metrics::Metrics;
+use crate::node::NodeUuid;
 use crate::pipeline::Pipeline;
 use fifo::NodeQueue;
 use futures_util::future::BoxFuture;
@@ -227,9 +229,30 @@ impl Dispatch {
         &self.host
     }
 
-    /// The pipeline requests run through.
-    pub(crate) fn pipeline(&self) -> &Arc<Pipeline> {
-        &self.pipeline
+    /// Keeps the whole delivery `key` (`bytes`, the transport's) on `shelf`
+    /// until it is answered: a transport that accepted work before its
+    /// answer (a delivery acknowledged early, a JSON-RPC cast) holds the
+    /// only copy, which only this record brings back after a crash.
+    pub(crate) async fn park(&self, shelf: &Shelf, key: &str, bytes: Vec<u8>) -> Result<()> {
+        self.pipeline.order().park_delivery(shelf, key, bytes).await
+    }
+
+    /// The delivery `key` parked on `shelf` was answered (or given back):
+    /// its record goes.
+    pub(crate) async fn unpark(&self, shelf: &Shelf, key: &str) {
+        self.pipeline.order().unpark_delivery(shelf, key).await
+    }
+
+    /// The deliveries parked on `shelf` by processes of the host that are
+    /// gone, now this process's to run: their key and bytes.
+    pub(crate) async fn adopt_parked(&self, shelf: &Shelf) -> Vec<(String, Vec<u8>)> {
+        self.pipeline.order().adopt_parked(shelf).await
+    }
+
+    /// A notification says `node` moved on at `at_ms` without asking for
+    /// work: its prepares issued before then are stale from now on.
+    pub(crate) async fn node_moved(&self, node: &NodeUuid, at_ms: u64) {
+        self.pipeline.order().note_moved(node, at_ms).await
     }
 
     /// The metrics every transport counts in.

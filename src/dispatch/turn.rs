@@ -63,7 +63,7 @@ impl Turn {
         match self.deadline {
             None => acquire.await.ok(),
             Some(at) => {
-                let wait = Duration::from_millis(at.saturating_sub(super::work::now_ms()));
+                let wait = Duration::from_millis(at.saturating_sub(crate::clock::now_ms()));
                 tokio::time::timeout(wait, acquire).await.ok()?.ok()
             }
         }
@@ -110,7 +110,7 @@ mod tests {
         first.take().await.unwrap();
         assert_eq!(*first.watch().borrow(), Stand::Downloading);
 
-        let soon = super::super::work::now_ms() + 50;
+        let soon = crate::clock::now_ms() + 50;
         let late = Turn::new(slots.clone(), Some(soon));
         let err = late.take().await.unwrap_err();
         assert_eq!(err.code, ErrorCode::Expired);

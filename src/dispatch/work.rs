@@ -5,6 +5,7 @@
 
 use super::turn::{self, Stand};
 use super::{AnswerKey, Carrier, Deferral, DeliveryKey, Dispatch, Job};
+use crate::clock::now_ms;
 use crate::error::{Error, ErrorCode};
 use crate::messages::{Action, Completion, DownloadTurn, IgnoreReason, Request, SlowSignal};
 use crate::node::NodeUuid;
@@ -44,13 +45,6 @@ enum Ran {
     /// Waiting for a download slot, it goes behind its node's cleanup or
     /// `deployed`: to be run again.
     Yielded,
-}
-
-/// Milliseconds since the Unix epoch, now.
-pub(super) fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 impl Dispatch {

@@ -145,14 +145,6 @@ pub(crate) fn check(
     Ok(mac)
 }
 
-/// Unix milliseconds now: the clock seals are made and read against.
-pub(crate) fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
 /// The exclusive queue that is the cloud-wide claim on downloading master
 /// `name`: `<exchange>.claim.<HMAC of the name>`, which only holders of
 /// the secret can compute (and so declare before the others).

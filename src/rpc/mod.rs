@@ -22,6 +22,7 @@
 pub(crate) mod htpasswd;
 mod protocol;
 
+use crate::clock::now_ms;
 use crate::dispatch::{
     AnswerKey, Carrier, Deferral, DeliveryKey, Dispatch, Job, Lookup, Shelf, Transport,
 };
@@ -241,10 +242,8 @@ impl RpcState {
             shelf: self.shelf.clone(),
             key: key.digest(),
         };
-        let pipeline = self.server.work.pipeline();
-        match pipeline
-            .order()
-            .park_delivery(&parked.shelf, &parked.key, record.to_string().into_bytes())
+        match (self.server.work)
+            .park(&parked.shelf, &parked.key, record.to_string().into_bytes())
             .await
         {
             Ok(()) => Some(parked),
@@ -259,8 +258,8 @@ impl RpcState {
     /// and did not answer (it was stopped or killed meanwhile): their
     /// senders ask this port for the answer.
     async fn resume_parked(&self) {
-        let pipeline = self.server.work.pipeline();
-        for (key, bytes) in pipeline.order().adopt_parked(&self.shelf).await {
+        let work = &self.server.work;
+        for (key, bytes) in work.adopt_parked(&self.shelf).await {
             let record: Option<(String, u64)> = serde_json::from_slice::<Value>(&bytes)
                 .ok()
                 .and_then(|v| Some((v["body"].as_str()?.to_string(), v["issued_ms"].as_u64()?)));
@@ -272,7 +271,7 @@ impl RpcState {
                     key,
                     "an unreadable JSON-RPC cast kept from a process now gone: dropped"
                 );
-                pipeline.order().unpark_delivery(&self.shelf, &key).await;
+                work.unpark(&self.shelf, &key).await;
                 continue;
             };
             tracing::info!(
@@ -484,11 +483,7 @@ impl Caller {
     /// The job ended: its record, if any, is no longer needed.
     async fn forget(&self) {
         if let Some(p) = &self.parked {
-            p.work
-                .pipeline()
-                .order()
-                .unpark_delivery(&p.shelf, &p.key)
-                .await;
+            p.work.unpark(&p.shelf, &p.key).await;
         }
     }
 }
@@ -540,14 +535,6 @@ impl Carrier for Caller {
     fn unanswered(&self, _why: IgnoreReason) -> BoxFuture<'_, ()> {
         Box::pin(self.forget())
     }
-}
-
-/// Milliseconds since the Unix epoch, now: a call is issued when it
-/// arrives.
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 #[cfg(test)]

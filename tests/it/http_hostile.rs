@@ -50,22 +50,6 @@ async fn sample(worker: &Worker, line_prefix: &str) -> f64 {
     metric(&worker.metrics_text().await, line_prefix).unwrap_or(0.0)
 }
 
-/// Waits until `check` holds for the `/metrics` page, with a deadline.
-async fn wait_metrics(worker: &Worker, what: &str, check: impl Fn(&str) -> bool) -> String {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let text = worker.metrics_text().await;
-        if check(&text) {
-            return text;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{what}: not reached; metrics:\n{text}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 /// Prepares `node` from the file `name` of the allowed directory over the
 /// broker; returns the image URL.
 async fn prepare_file(env: &Env, broker: &Broker, node: &str, name: &str) -> String {
@@ -181,10 +165,11 @@ async fn partial_headers_starve_nothing() {
             "a partial header stayed open"
         );
     }
-    let text = wait_metrics(&worker, "connections closed", |t| {
-        metric(t, "ironic_image_worker_http_connections_open") == Some(0.0)
-    })
-    .await;
+    let text = worker
+        .wait_metrics("connections closed", |t| {
+            metric(t, "ironic_image_worker_http_connections_open") == Some(0.0)
+        })
+        .await;
     let timed_out = metric(
         &text,
         "ironic_image_worker_http_connections_dropped_total{reason=\"header_timeout\"}",
@@ -353,10 +338,11 @@ async fn response_bytes_count_what_was_sent() {
     s.read_exact(&mut got).await.unwrap();
     s.set_zero_linger().unwrap();
     drop(s);
-    wait_metrics(&worker, "aborted download finished", |t| {
-        metric(t, "ironic_image_worker_http_connections_open") == Some(0.0)
-    })
-    .await;
+    worker
+        .wait_metrics("aborted download finished", |t| {
+            metric(t, "ironic_image_worker_http_connections_open") == Some(0.0)
+        })
+        .await;
     let aborted = sample(&worker, bytes_200).await;
     assert!(
         aborted >= (1 << 19) as f64 && aborted < (size / 2) as f64,
@@ -376,13 +362,14 @@ async fn response_bytes_count_what_was_sent() {
     s.write_all(format!("GET {path} HTTP/1.1\r\nHost: t\r\n\r\n").as_bytes())
         .await
         .unwrap();
-    wait_metrics(&worker, "idle timeout", |t| {
-        metric(
-            t,
-            "ironic_image_worker_http_connections_dropped_total{reason=\"idle_timeout\"}",
-        ) == Some(1.0)
-    })
-    .await;
+    worker
+        .wait_metrics("idle timeout", |t| {
+            metric(
+                t,
+                "ironic_image_worker_http_connections_dropped_total{reason=\"idle_timeout\"}",
+            ) == Some(1.0)
+        })
+        .await;
     let mut rest = Vec::new();
     let _ = tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut rest)).await;
     assert!(rest.len() < size, "the stalled download was cut");

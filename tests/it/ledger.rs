@@ -10,22 +10,6 @@ use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(90);
 
-/// Waits until the worker's metric `sample` reaches `at_least`.
-async fn wait_metric(worker: &Worker, sample: &str, at_least: f64) -> String {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        let text = worker.metrics_text().await;
-        if metric(&text, sample).is_some_and(|v| v >= at_least) {
-            return text;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{sample} never reached {at_least}: {text}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 fn assert_nothing_for(env: &Env, node: &str) {
     assert!(
         !env.images_dir().join(node).exists(),
@@ -290,7 +274,9 @@ async fn a_slow_lane_prepare_is_answered_after_its_worker_is_killed() {
     let corr = broker
         .command(&env.host, prepare_cmd(&x, &faults.url("slow", "slow.img")))
         .await;
-    wait_metric(&first, "ironic_image_worker_slow_downloads_total", 1.0).await;
+    first
+        .wait_metric("ironic_image_worker_slow_downloads_total", 1.0)
+        .await;
     first.kill9().await;
     let _worker = env.serve().await;
     let answers = broker
@@ -364,7 +350,9 @@ async fn a_slow_lane_record_is_the_one_file_holding_its_credentials() {
         .url("slow", "slow.img")
         .replacen("http://", "http://ironic:S3cretPw@", 1);
     let corr = broker.command(&env.host, prepare_cmd(&node(), &url)).await;
-    wait_metric(&worker, "ironic_image_worker_slow_downloads_total", 1.0).await;
+    worker
+        .wait_metric("ironic_image_worker_slow_downloads_total", 1.0)
+        .await;
     let holding = files_holding(env.root(), b"S3cretPw", &src);
     let parked = env.images_dir().join(".ledger/accepted");
     assert_eq!(holding.len(), 1, "{holding:?}");
@@ -474,12 +462,12 @@ async fn a_copy_redelivered_while_another_process_runs_it_is_answered_once() {
     let got = answers.get(&corr).map_or(&[][..], |v| v.as_slice());
     assert_eq!(got.len(), 1, "answered once: {got:?}");
     assert_eq!(got[0]["status"], "success", "{}", got[0]);
-    let text = wait_metric(
-        &second,
-        "ironic_image_worker_ignored_messages_total{reason=\"answered_elsewhere\"}",
-        1.0,
-    )
-    .await;
+    let text = second
+        .wait_metric(
+            "ironic_image_worker_ignored_messages_total{reason=\"answered_elsewhere\"}",
+            1.0,
+        )
+        .await;
     assert_eq!(
         metric(
             &text,

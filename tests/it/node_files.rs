@@ -9,7 +9,6 @@ use crate::common;
 use common::*;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
-use std::time::Duration;
 
 /// Sets the mtime of `path` itself (a symlink is not followed) to two hours
 /// ago, as if nobody had touched it since.
@@ -31,22 +30,12 @@ fn age(path: &Path) {
     );
 }
 
-/// Waits (with a deadline) until `ironic_image_worker_node_files_expired_total`
-/// reaches `n`.
+/// Waits until `ironic_image_worker_node_files_expired_total` reads `n`.
 async fn wait_expired(worker: &Worker, n: f64) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let text = worker.metrics_text().await;
-        let got = metric(&text, "ironic_image_worker_node_files_expired_total");
-        if got == Some(n) {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "node_files_expired_total is {got:?}, not {n}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let sample = "ironic_image_worker_node_files_expired_total";
+    worker
+        .wait_metrics(sample, |t| metric(t, sample) == Some(n))
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

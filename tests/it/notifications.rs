@@ -298,22 +298,6 @@ async fn node_events(tap: &EventTap, host: &str, node: &str, n: usize) -> Vec<Va
     out
 }
 
-/// Waits until the worker's metric `sample` reaches `at_least`.
-async fn wait_metric(worker: &Worker, sample: &str, at_least: f64) {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        let text = worker.metrics_text().await;
-        if metric(&text, sample).is_some_and(|v| v >= at_least) {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{sample} never reached {at_least}: {text}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nodes_ironic_prepares_itself_are_never_touched() {
     let (env, server, worker, _broker, tap) = one_image(35).await;
@@ -342,7 +326,7 @@ async fn nodes_ironic_prepares_itself_are_never_touched() {
     emit_notifications(&env.host, &steps);
     let sample = "ironic_image_worker_ignored_messages_total{reason=\"other_deploy_interface\"}";
     // deploying(start), active(end), deleting, available: each ignored.
-    wait_metric(&worker, sample, 4.0).await;
+    worker.wait_metric(sample, 4.0).await;
     assert!(
         tap.next(&env.host, Duration::from_millis(200))
             .await

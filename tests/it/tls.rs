@@ -158,12 +158,11 @@ async fn agent_downloads_over_https_with_basic_auth() {
         "{text}"
     );
     // The untrusting agent and the plain client.
-    wait_metric(
-        &worker,
-        "ironic_image_worker_http_connections_dropped_total{reason=\"tls_handshake_failed\"}",
-        2.0,
-    )
-    .await;
+    let sample =
+        "ironic_image_worker_http_connections_dropped_total{reason=\"tls_handshake_failed\"}";
+    worker
+        .wait_metrics(sample, |t| metric(t, sample) == Some(2.0))
+        .await;
     worker.terminate().await;
 }
 
@@ -268,12 +267,11 @@ async fn tls_handshake_is_bounded_by_the_header_timeout() {
     let mut buf = [0u8; 64];
     let read = tokio::time::timeout(Duration::from_secs(60), silent.read(&mut buf)).await;
     assert!(matches!(read, Ok(Ok(0)) | Ok(Err(_))), "closed: {read:?}");
-    wait_metric(
-        &worker,
-        "ironic_image_worker_http_connections_dropped_total{reason=\"tls_handshake_timeout\"}",
-        1.0,
-    )
-    .await;
+    let sample =
+        "ironic_image_worker_http_connections_dropped_total{reason=\"tls_handshake_timeout\"}";
+    worker
+        .wait_metrics(sample, |t| metric(t, sample) == Some(1.0))
+        .await;
     worker.terminate().await;
 }
 
@@ -360,12 +358,10 @@ async fn a_blocking_certificate_path_freezes_nothing() {
             .custom_flags(libc::O_NONBLOCK)
             .open(&key);
     }
-    wait_metric(
-        &worker,
-        "ironic_image_worker_http_tls_reloads_total{result=\"error\"}",
-        1.0,
-    )
-    .await;
+    let sample = "ironic_image_worker_http_tls_reloads_total{result=\"error\"}";
+    worker
+        .wait_metrics(sample, |t| metric(t, sample) == Some(1.0))
+        .await;
     assert!(
         tls_get(port, &ca, path)
             .await
@@ -373,23 +369,6 @@ async fn a_blocking_certificate_path_freezes_nothing() {
             .starts_with("HTTP/1.1 200")
     );
     worker.terminate().await;
-}
-
-/// Waits until the `/metrics` line `prefix` reads `value` (panics after a
-/// minute).
-async fn wait_metric(worker: &Worker, prefix: &str, value: f64) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let text = worker.metrics_text().await;
-        if metric(&text, prefix) == Some(value) {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{prefix} {value}: {text}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 #[test]

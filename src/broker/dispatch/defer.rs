@@ -95,8 +95,7 @@ impl Dispatcher {
                 let _ = settle(acker, false).await;
             }
             None => {
-                let order = self.work.pipeline().order();
-                order.unpark_delivery(&Shelf::broker(), &job.identity).await;
+                self.work.unpark(&Shelf::broker(), &job.identity).await;
             }
         }
         tracing::info!("not started as the worker stops: given back to the queue");

@@ -238,7 +238,7 @@ impl Dispatcher {
             }
             Inbound::Moved { node, at_ms } => {
                 // Recorded before the next delivery is taken in.
-                self.work.pipeline().order().note_moved(&node, at_ms).await;
+                self.work.node_moved(&node, at_ms).await;
                 let work = self.work.clone();
                 self.work
                     .tracker
@@ -256,7 +256,7 @@ impl Dispatcher {
         sealed: Option<Sealed>,
     ) -> (Inbound, Delivered) {
         let legacy_identity = Some(identity::legacy(&identity::Parts::of(&delivery)));
-        let received_ms = super::stamp::now_ms();
+        let received_ms = crate::clock::now_ms();
         let (mut inbound, source) = self.read(&delivery.data, delivery.exchange.as_str());
         // A sealed command was issued no later than it was sealed: an issue
         // time header set later is not taken.

@@ -7,8 +7,8 @@
 
 use super::super::ack::Tracked;
 use super::super::publisher::PublishError;
-use super::super::stamp::now_ms;
 use super::{Delivered, Dispatcher};
+use crate::clock::now_ms;
 use crate::dispatch::Shelf;
 use crate::messages::Completion;
 use backon::BackoffBuilder;
@@ -115,11 +115,7 @@ impl Dispatcher {
         let settled = match tracked.finish() {
             Err(acked_early) => {
                 if acked_early {
-                    self.work
-                        .pipeline()
-                        .order()
-                        .unpark_delivery(&Shelf::broker(), identity)
-                        .await;
+                    self.work.unpark(&Shelf::broker(), identity).await;
                 }
                 acked_early
             }

@@ -80,10 +80,8 @@ impl Dispatcher {
             issued_ms: job.issued_ms,
             received_ms: job.received_ms,
         };
-        let pipeline = self.work.pipeline();
-        match pipeline
-            .order()
-            .park_delivery(&Shelf::broker(), &job.identity, parked.to_bytes())
+        match (self.work)
+            .park(&Shelf::broker(), &job.identity, parked.to_bytes())
             .await
         {
             Ok(()) => true,
@@ -98,16 +96,15 @@ impl Dispatcher {
     /// acknowledged before answering them (see `parked`): each as a
     /// redelivered copy, so the ledger's claims and answers apply.
     pub(in crate::broker) async fn resume_parked(self: &Arc<Self>) {
-        let order = self.work.pipeline().order();
-        for (key, bytes) in order.adopt_parked(&Shelf::broker()).await {
+        for (key, bytes) in self.work.adopt_parked(&Shelf::broker()).await {
             let Some((parked, body)) = Parked::from_bytes(&bytes) else {
                 tracing::warn!(key, "an unreadable parked delivery: dropped");
-                order.unpark_delivery(&Shelf::broker(), &key).await;
+                self.work.unpark(&Shelf::broker(), &key).await;
                 continue;
             };
             let (inbound, source) = self.read(&body, &parked.exchange);
             let Inbound::Work(mut request) = inbound else {
-                order.unpark_delivery(&Shelf::broker(), &key).await;
+                self.work.unpark(&Shelf::broker(), &key).await;
                 continue;
             };
             request.issued_ms.get_or_insert(parked.issued_ms);

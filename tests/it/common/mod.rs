@@ -1259,6 +1259,9 @@ impl EventTap {
     }
 }
 
+/// How long [`Worker::wait_metrics`] waits for a metric.
+pub const METRIC_WAIT: Duration = Duration::from_secs(90);
+
 /// The value of the sample `line_prefix` (metric name with labels) in a
 /// Prometheus text exposition, if present.
 pub fn metric(text: &str, line_prefix: &str) -> Option<f64> {
@@ -1450,6 +1453,32 @@ impl Env {
 }
 
 impl Worker {
+    /// Waits until `check` holds for the `/metrics` page (polled every
+    /// 50 ms, at most [`METRIC_WAIT`]): the page it held for. Panics naming
+    /// `what`, with the last page.
+    pub async fn wait_metrics(&self, what: &str, check: impl Fn(&str) -> bool) -> String {
+        let deadline = tokio::time::Instant::now() + METRIC_WAIT;
+        loop {
+            let text = self.metrics_text().await;
+            if check(&text) {
+                return text;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{what}: not reached in {METRIC_WAIT:?}; metrics:\n{text}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Waits until the series `sample` (a line's start, labels included)
+    /// reads at least `at_least`: the page it did on.
+    pub async fn wait_metric(&self, sample: &str, at_least: f64) -> String {
+        let what = format!("{sample} >= {at_least}");
+        self.wait_metrics(&what, |t| metric(t, sample).is_some_and(|v| v >= at_least))
+            .await
+    }
+
     /// The `/metrics` page.
     pub async fn metrics_text(&self) -> String {
         reqwest::get(self.metrics_url("/metrics"))
