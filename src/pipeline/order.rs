@@ -193,6 +193,25 @@ mod tests {
         NodeUuid::parse("1be26c0b-03f2-4d2e-ae87-c02d7f33c123").unwrap()
     }
 
+    /// An answer noted right after a move of its node runs on the async
+    /// thread that asks (its stripe is free) and syncs nothing there: the
+    /// move, synced, was written on a blocking thread.
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_answer_after_a_move_syncs_nothing_on_the_async_thread() {
+        let dir = tempfile::tempdir().unwrap();
+        let order = Order {
+            ledger: Ledger::open(dir.path().join("l")).unwrap(),
+            max_age: 60,
+        };
+        order.note_moved(&node(), now_ms()).await;
+        assert_eq!(order.claim_delivery(&node(), "k", false).await, Turn::Mine);
+        let before = crate::fsutil::syncs_on_this_thread();
+        order.note_answered(&node(), "k").await;
+        assert_eq!(crate::fsutil::syncs_on_this_thread(), before);
+        assert!(order.ledger.answered(&node(), "k"), "noted");
+        assert!(order.ledger.moved_ms(&node()) > 0, "the move stays");
+    }
+
     /// An update whose stripe another process holds waits for it on a
     /// blocking thread (the only async thread stays free) and then runs.
     #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
