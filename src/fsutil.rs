@@ -251,8 +251,27 @@ fn write_via_temp(target: &Path, temp: &Path, body: &[u8], mode: u32, sync: bool
             .open(temp)?;
         std::io::Write::write_all(&mut file, body)?;
         file.set_permissions(Permissions::from_mode(mode))?;
-        if sync { file.sync_all() } else { Ok(()) }
+        if sync {
+            #[cfg(test)]
+            SYNCS.with(|n| n.set(n.get() + 1));
+            file.sync_all()
+        } else {
+            Ok(())
+        }
     })
+}
+
+#[cfg(test)]
+thread_local! {
+    /// How many files [`write_file_atomically`] synced on this thread.
+    static SYNCS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// How many files [`write_file_atomically`] synced on this thread: what a
+/// test asserts to show that a path never syncs.
+#[cfg(test)]
+pub fn syncs_on_this_thread() -> usize {
+    SYNCS.with(|n| n.get())
 }
 
 /// True when `path` names the very file `file` is open on.

@@ -65,7 +65,7 @@ impl Order {
                 "the request is {age_s} s old, older than the node records kept"
             )));
         }
-        let moved = self.ledger.read(node).moved_ms;
+        let moved = self.ledger.moved_ms(node);
         if issued < moved {
             return Err(stale(format!(
                 "issued {} ms before a later cleanup, deployed or transition of the node",
@@ -84,6 +84,7 @@ impl Order {
 
     /// A notification says `node` moved on at `at_ms` (a transition that asks
     /// for no work): its prepares issued before that are stale from now on.
+    /// On a blocking thread: the move is synced.
     pub async fn note_moved(&self, node: &NodeUuid, at_ms: u64) {
         let (ledger, owned) = (self.ledger.clone(), node.clone());
         let at_ms = at_ms.min(now_ms());
@@ -96,7 +97,7 @@ impl Order {
     /// process of this host (within the ledger's bounds).
     pub async fn answered_before(&self, node: &NodeUuid, key: &str) -> bool {
         let (ledger, node, key) = (self.ledger.clone(), node.clone(), key.to_string());
-        blocking(move || Ok(ledger.read(&node).answered.iter().any(|(k, _)| *k == key)))
+        blocking(move || Ok(ledger.answered(&node, &key)))
             .await
             .unwrap_or(false)
     }
@@ -117,14 +118,10 @@ impl Order {
 
     /// Takes this process's turn to work on the delivery `key` of `node`
     /// (see [`ledger::Ledger::claim`]); a ledger that fails gives the turn
-    /// (the work is idempotent).
+    /// (the work is idempotent). On this thread: a non-blocking lock (and,
+    /// for a copy that may have been answered, one small read).
     pub async fn claim_delivery(&self, node: &NodeUuid, key: &str, answered_counts: bool) -> Turn {
-        let (key, at) = (key.to_string(), now_ms());
-        self.update(node, move |ledger, held| {
-            ledger.claim(held, &key, at, answered_counts)
-        })
-        .await
-        .unwrap_or_else(|e| {
+        self.ledger.claim(node, key, answered_counts).unwrap_or_else(|e| {
             tracing::warn!(%node, error = %e, "could not claim a delivery in the node's ledger");
             Turn::Mine
         })
@@ -158,28 +155,18 @@ impl Order {
     }
 
     /// This process stopped working on the delivery `key` of `node`
-    /// without answering it.
-    pub async fn release_delivery(&self, node: &NodeUuid, key: &str) {
-        let key = key.to_string();
-        let released = self
-            .update(node, move |ledger, held| {
-                ledger.release(held, &key);
-                Ok(())
-            })
-            .await;
-        if let Err(e) = released {
-            tracing::warn!(%node, error = %e, "could not release a delivery in the node's ledger");
-        }
+    /// without answering it (on this thread: one non-blocking unlock).
+    pub async fn release_delivery(&self, _node: &NodeUuid, key: &str) {
+        self.ledger.release(key);
     }
 
-    /// Runs `update` on `node`'s ledger entries under the node's stripe
-    /// lock: on this thread when the lock is free now (the usual case),
-    /// else on a blocking thread that waits for it. Why: the update is a
-    /// few calls on small unsynced files, and a cache hit makes two of
-    /// them (its claim and its answer); a hop to the blocking pool for each
-    /// cost more of the worker's CPU than the calls themselves
-    /// (docs/benchmarks.md, "Cache hits"). An update that syncs (a move)
-    /// never runs here.
+    /// Runs `update` on `node`'s answers under the node's stripe lock: on
+    /// this thread when the lock is free now (the usual case), else on a
+    /// blocking thread that waits for it. Why: the update is a few calls on
+    /// a small file that is never synced (`Ledger::note_answered`), and a
+    /// hop to the blocking pool for each cache hit cost more of the
+    /// worker's CPU than the calls themselves (docs/benchmarks.md, "Cache
+    /// hits"). A move, which syncs, never runs here.
     async fn update<T: Send + 'static>(
         &self,
         node: &NodeUuid,
@@ -204,6 +191,25 @@ mod tests {
 
     fn node() -> NodeUuid {
         NodeUuid::parse("1be26c0b-03f2-4d2e-ae87-c02d7f33c123").unwrap()
+    }
+
+    /// An answer noted right after a move of its node runs on the async
+    /// thread that asks (its stripe is free) and syncs nothing there: the
+    /// move, synced, was written on a blocking thread.
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_answer_after_a_move_syncs_nothing_on_the_async_thread() {
+        let dir = tempfile::tempdir().unwrap();
+        let order = Order {
+            ledger: Ledger::open(dir.path().join("l")).unwrap(),
+            max_age: 60,
+        };
+        order.note_moved(&node(), now_ms()).await;
+        assert_eq!(order.claim_delivery(&node(), "k", false).await, Turn::Mine);
+        let before = crate::fsutil::syncs_on_this_thread();
+        order.note_answered(&node(), "k").await;
+        assert_eq!(crate::fsutil::syncs_on_this_thread(), before);
+        assert!(order.ledger.answered(&node(), "k"), "noted");
+        assert!(order.ledger.moved_ms(&node()) > 0, "the move stays");
     }
 
     /// An update whose stripe another process holds waits for it on a
