@@ -15,9 +15,10 @@
 //! copy redelivered to any process of the host is not answered twice.
 
 use super::{Request, Shelf, Turn, blocking};
+use crate::clock::now_ms;
 use crate::error::{Error, ErrorCode, Result};
 use crate::node::NodeUuid;
-use crate::store::ledger::{self, Ledger, Stripe, now_ms};
+use crate::store::ledger::{self, Ledger, Stripe};
 
 /// The order of the nodes' commands: the host's ledger and how old a
 /// notification's prepare may be (`[notifications]max_age`, seconds).

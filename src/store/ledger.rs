@@ -48,6 +48,7 @@
 
 mod claims;
 
+use crate::clock::now_ms;
 use crate::error::{Error, Result};
 use crate::fsutil::{self, TempOwner};
 use crate::node::NodeUuid;
@@ -57,7 +58,7 @@ use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 /// How long a record is kept after its newest entry.
 pub const TTL: Duration = Duration::from_secs(24 * 3600);
@@ -102,13 +103,6 @@ pub const LOCK_STRIPES: u8 = 64;
 
 /// Temporaries left by a writer that died are removed after this long.
 const STALE_TEMP_AFTER: Duration = Duration::from_secs(3600);
-
-/// Milliseconds since the Unix epoch, now.
-pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
 
 /// What is known of one node.
 #[derive(Debug, Default, Clone, PartialEq, Eq, Serialize, Deserialize)]
