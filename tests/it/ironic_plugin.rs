@@ -58,9 +58,6 @@ async fn direct_worker_deploy_interface_in_ironic() {
     // client over TLS (a CA of the test's own) with HTTP Basic.
     let rpc = RpcWorker::start().await;
 
-    let transport_url = AMQP_URL
-        .replacen("amqp://", "rabbit://", 1)
-        .replace("%2f", "");
     let dir = |p: &std::path::Path| p.display().to_string();
     let (passed, text) = common::plugin::pytest(
         &python,
@@ -70,20 +67,12 @@ async fn direct_worker_deploy_interface_in_ironic() {
             "--ignore=ironic_image_worker_deploy/tests/test_sealed.py",
             "ironic_image_worker_deploy/tests",
         ],
+        &env,
         &[
-            ("IIW_WORKER_BIN", BIN.to_string()),
-            ("IIW_WORKER_HOST", env.host.clone()),
-            ("IIW_WORKER_HTTP_PORT", env.http_port.to_string()),
-            (
-                "IIW_WORKER_HTTP_ROOT",
-                dir(env.link_dir().parent().unwrap()),
-            ),
-            ("IIW_WORKER_IMAGES_PATH", dir(&env.images_dir())),
             ("IIW_GLANCE_PORT", glance_port.to_string()),
             ("IIW_SPARE_CONFIG", dir(&spare.config)),
             ("IIW_SPARE_HOST", spare.host.clone()),
             ("IIW_SPARE_METRICS_PORT", spare.metrics_port.to_string()),
-            ("IIW_TRANSPORT_URL", transport_url),
             ("IIW_RPC_PORT", rpc.port.to_string()),
             ("IIW_RPC_CA", dir(&rpc.ca)),
             ("IIW_RPC_USER", "ironic".to_string()),

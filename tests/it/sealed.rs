@@ -583,26 +583,15 @@ async fn sealed_deploy_interface_in_ironic() {
     let plugin = crate::common::plugin::plugin_dir();
     let env = Env::new("");
     let dir = |p: &Path| p.display().to_string();
-    let transport_url = AMQP_URL
-        .replacen("amqp://", "rabbit://", 1)
-        .replace("%2f", "");
     let (passed, text) = crate::common::plugin::pytest(
         &python,
         &["ironic_image_worker_deploy/tests/test_sealed.py"],
+        &env,
         &[
             ("PYTHONPATH", dir(&plugin)),
-            ("IIW_WORKER_BIN", BIN.to_string()),
-            ("IIW_WORKER_HOST", env.host.clone()),
-            ("IIW_WORKER_HTTP_PORT", env.http_port.to_string()),
-            (
-                "IIW_WORKER_HTTP_ROOT",
-                dir(env.link_dir().parent().unwrap()),
-            ),
-            ("IIW_WORKER_IMAGES_PATH", dir(&env.images_dir())),
             ("IIW_GLANCE_PORT", free_port().to_string()),
             ("IIW_SEALED_CONFIG", dir(&env.config)),
             ("IIW_SEALED_METRICS_PORT", env.metrics_port.to_string()),
-            ("IIW_TRANSPORT_URL", transport_url),
         ],
     )
     .await;

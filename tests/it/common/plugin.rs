@@ -2,7 +2,7 @@
 //! virtualenv of the tests, for the tests that run Ironic with it
 //! (tests/it/ironic_plugin.rs, tests/vm.rs).
 
-use super::{ironic_python, tool};
+use super::{AMQP_URL, BIN, Env, ironic_python, tool};
 use rustix::process::{Pid, Signal, kill_process_group, test_kill_process_group};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -80,17 +80,40 @@ impl Drop for Group {
     }
 }
 
-/// Runs `python -m pytest -q <args>` in the plug-in's folder with `env`,
-/// in a process group of its own (see [`Group`]); returns whether it
-/// passed and its output. Panics after [`PYTEST_TIMEOUT`].
-pub async fn pytest(python: &Path, args: &[&str], env: &[(&str, String)]) -> (bool, String) {
+/// Runs `python -m pytest -q <args>` in the plug-in's folder, in a
+/// process group of its own (see [`Group`]), with the variables that name
+/// `worker` (its binary, host, HTTP port and directories) and the broker
+/// (`IIW_TRANSPORT_URL`, as ironic.conf's `transport_url`), then `env`;
+/// returns whether it passed and its output. Panics after
+/// [`PYTEST_TIMEOUT`].
+pub async fn pytest(
+    python: &Path,
+    args: &[&str],
+    worker: &Env,
+    env: &[(&str, String)],
+) -> (bool, String) {
+    let dir = |p: &Path| p.display().to_string();
+    let transport_url = AMQP_URL
+        .replacen("amqp://", "rabbit://", 1)
+        .replace("%2f", "");
+    let named = [
+        ("IIW_WORKER_BIN", BIN.to_string()),
+        ("IIW_WORKER_HOST", worker.host.clone()),
+        ("IIW_WORKER_HTTP_PORT", worker.http_port.to_string()),
+        (
+            "IIW_WORKER_HTTP_ROOT",
+            dir(worker.link_dir().parent().unwrap()),
+        ),
+        ("IIW_WORKER_IMAGES_PATH", dir(&worker.images_dir())),
+        ("IIW_TRANSPORT_URL", transport_url),
+    ];
     let mut cmd = tokio::process::Command::new(python);
     cmd.args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
         .args(["-W", "ignore::DeprecationWarning"])
         .args(args)
         .current_dir(plugin_dir())
         .env_remove("IRONIC_IMAGE_WORKER_CONFIG")
-        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .envs(named.iter().chain(env).map(|(k, v)| (*k, v.as_str())))
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .process_group(0);
