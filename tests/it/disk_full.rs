@@ -7,6 +7,20 @@ use crate::common;
 use common::*;
 use std::time::Duration;
 
+/// A worker of `env` whose directories are all on the file system of `small`.
+async fn serve_on(env: &Env, small: &std::path::Path) -> Worker {
+    let sets = [
+        format!("pxe.instance_master_path={}/master", small.display()),
+        format!("pxe.images_path={}/images", small.display()),
+        format!("deploy.http_root={}/httpboot", small.display()),
+    ];
+    let mut args: Vec<&str> = Vec::new();
+    for s in &sets {
+        args.extend(["--set", s.as_str()]);
+    }
+    env.serve_with(&args, &[]).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_disk_fails_cleanly_evicts_first_and_keeps_serving() {
     let env = Env::new("");
@@ -18,17 +32,7 @@ async fn full_disk_fails_cleanly_evicts_first_and_keeps_serving() {
     random_file(&src.join("c.img"), 16 << 20, 73);
     let server = SourceServer::start(&src).await;
     let faults = FaultServer::start(&src, 1 << 30).await;
-    let sets: Vec<String> = [
-        format!("pxe.instance_master_path={}/master", small.display()),
-        format!("pxe.images_path={}/images", small.display()),
-        format!("deploy.http_root={}/httpboot", small.display()),
-    ]
-    .to_vec();
-    let mut args: Vec<&str> = Vec::new();
-    for s in &sets {
-        args.extend(["--set", s.as_str()]);
-    }
-    let worker = env.serve_with(&args, &[]).await;
+    let worker = serve_on(&env, &small).await;
     let broker = Broker::connect().await;
     let master_dir = small.join("master");
     let temps = || {
@@ -342,17 +346,7 @@ async fn a_download_of_unknown_length_evicts_no_more_than_the_largest_image() {
     let small = env.root().join("small");
     let _mount = Tmpfs::mount(&small, "2600m");
     let faults = FaultServer::start(&env.root().join("src"), 1 << 30).await;
-    let sets: Vec<String> = [
-        format!("pxe.instance_master_path={}/master", small.display()),
-        format!("pxe.images_path={}/images", small.display()),
-        format!("deploy.http_root={}/httpboot", small.display()),
-    ]
-    .to_vec();
-    let mut args: Vec<&str> = Vec::new();
-    for s in &sets {
-        args.extend(["--set", s.as_str()]);
-    }
-    let worker = env.serve_with(&args, &[]).await;
+    let worker = serve_on(&env, &small).await;
     // Eight unused masters of 256 MiB (allocated, as written ones are).
     let master_dir = small.join("master");
     let old: Vec<String> = (0..8).map(|i| format!("old{i}")).collect();
