@@ -663,8 +663,9 @@ class Faults(threading.Thread):
         self.done = collections.Counter()
         self.failed = []
         self.undo = None
-        self.kinds = sorted(k for k in self.KINDS if k != self.IMPOSTOR)
-        if soak.args.peers:
+        only = soak.args.faults
+        self.kinds = sorted(k for k in self.KINDS if k != self.IMPOSTOR and (not only or k in only))
+        if soak.args.peers and (not only or self.IMPOSTOR in only):
             self.kinds += [self.IMPOSTOR] * 2
 
     def run(self):
@@ -674,7 +675,7 @@ class Faults(threading.Thread):
             if time.monotonic() >= self.until:
                 break
             kind = self.rng.choice(self.kinds)
-            if first and self.soak.args.peers:
+            if first and self.IMPOSTOR in self.kinds:
                 kind = self.IMPOSTOR
             first = False
             try:
@@ -1179,10 +1180,16 @@ def main():
     ap.add_argument("--grace", type=float, default=240, help="seconds after the end for the last answers")
     ap.add_argument("--seed", type=int, default=int(time.time()))
     ap.add_argument("--keep", action="store_true", help="keep the logs even when the soak passes")
+    ap.add_argument("--faults", type=lambda v: [k.strip() for k in v.split(",") if k.strip()], default=[],
+                    help="only these kinds of fault, comma-separated (default: all), to chase one: "
+                         + ", ".join(sorted(Faults.KINDS)))
     ap.add_argument("--peers", type=int, default=0,
                     help="N conductors with [peers] on, and the impostor among the faults (0: peers off, "
                          "one conductor)")
     args = ap.parse_args()
+    unknown = set(args.faults) - set(Faults.KINDS)
+    if unknown:
+        ap.error(f"unknown fault kinds {sorted(unknown)}")
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     soak = Soak(args)
     ok = False
