@@ -104,16 +104,22 @@ impl Order {
     }
 
     /// Records that the delivery `key` of `node` was answered (after the
-    /// broker confirmed the answer, before the delivery is acknowledged).
+    /// broker confirmed the answer, before the delivery is acknowledged),
+    /// which ends this process's claim on it. When it cannot be recorded
+    /// (a full file system) the claim ends all the same: left held, it
+    /// would make a copy delivered to another process of the host wait,
+    /// unanswered, for this process's end; unrecorded, that copy is worked
+    /// and answered again, and the deploy interface skips the second answer.
     pub async fn note_answered(&self, node: &NodeUuid, key: &str) {
-        let key = key.to_string();
+        let owned = key.to_string();
         let noted = self
             .update(node, move |ledger, held| {
-                ledger.note_answered(held, &key, now_ms())
+                ledger.note_answered(held, &owned, now_ms())
             })
             .await;
         if let Err(e) = noted {
             tracing::warn!(%node, error = %e, "could not record an answer in the node's ledger");
+            self.ledger.release(key);
         }
     }
 
@@ -211,6 +217,25 @@ mod tests {
         assert_eq!(crate::fsutil::syncs_on_this_thread(), before);
         assert!(order.ledger.answered(&node(), "k"), "noted");
         assert!(order.ledger.moved_ms(&node()) > 0, "the move stays");
+    }
+
+    /// An answer that cannot be recorded (here its record's name is taken
+    /// by a directory; in the soak, a full file system) still ends the
+    /// claim: a copy delivered to another process of the host is worked,
+    /// not left waiting for this process's end.
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_answer_not_recorded_still_ends_its_claim() {
+        let dir = tempfile::tempdir().unwrap();
+        let order = Order {
+            ledger: Ledger::open(dir.path().join("l")).unwrap(),
+            max_age: 60,
+        };
+        let other = Ledger::open(dir.path().join("l")).unwrap();
+        std::fs::create_dir(dir.path().join(format!("l/{}.json", node()))).unwrap();
+        assert_eq!(order.claim_delivery(&node(), "k", false).await, Turn::Mine);
+        order.note_answered(&node(), "k").await;
+        assert!(!order.ledger.answered(&node(), "k"), "not recorded");
+        assert_eq!(other.claim(&node(), "k", true).unwrap(), Turn::Mine);
     }
 
     /// An update whose stripe another process holds waits for it on a
