@@ -75,8 +75,8 @@ pub(crate) struct Stats {
 }
 
 impl Stats {
-    fn dropped(&self, reason: &str) {
-        self.dropped.with_label_values(&[reason]).inc();
+    fn dropped(&self, reason: Dropped) {
+        self.dropped.with_label_values(&[reason.as_str()]).inc();
     }
 }
 
@@ -262,7 +262,7 @@ pub(crate) async fn serve(
                 tracker.spawn(unavailable(stream));
             }
             if let Some(s) = &stats {
-                s.dropped("refused");
+                s.dropped(Dropped::Refused);
             }
             continue;
         };
@@ -304,7 +304,7 @@ fn admit(
         if let Some(evicted) = reg.open.remove(&victim) {
             evicted.close.notify_one();
             if let Some(s) = stats {
-                s.dropped("evicted");
+                s.dropped(Dropped::Evicted);
             }
         }
     }
@@ -383,10 +383,42 @@ struct Connection {
     tls: Option<Arc<crate::http::Tls>>,
 }
 
-/// Why a connection ended: a reason counted in
-/// `http_connections_dropped_total` (`evicted` is counted when chosen), or
-/// `None` when the client or a shutdown ended it.
-type Reason = Option<&'static str>;
+/// Why the server closed a connection: the `reason` label of
+/// `http_connections_dropped_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Dropped {
+    /// Refused at accept: `max_connections` are open and every one is in
+    /// the middle of a request.
+    Refused,
+    /// Closed to make room for a new one (counted when chosen).
+    Evicted,
+    /// Its request headers did not arrive within the header timeout.
+    HeaderTimeout,
+    /// Idle past the idle timeout.
+    IdleTimeout,
+    /// Its TLS handshake failed.
+    TlsHandshakeFailed,
+    /// Its TLS handshake did not finish within the header timeout.
+    TlsHandshakeTimeout,
+}
+
+impl Dropped {
+    /// The metric's label.
+    fn as_str(self) -> &'static str {
+        match self {
+            Dropped::Refused => "refused",
+            Dropped::Evicted => "evicted",
+            Dropped::HeaderTimeout => "header_timeout",
+            Dropped::IdleTimeout => "idle_timeout",
+            Dropped::TlsHandshakeFailed => "tls_handshake_failed",
+            Dropped::TlsHandshakeTimeout => "tls_handshake_timeout",
+        }
+    }
+}
+
+/// Why a connection ended: dropped by the server, or `None` when the
+/// client or a shutdown ended it.
+type Reason = Option<Dropped>;
 
 impl Connection {
     /// Serves the connection until it ends, times out or is closed to make
@@ -422,7 +454,7 @@ impl Connection {
         match (reason, &self.stats) {
             // Counted when it was chosen; evicted mid-handshake: nothing
             // can be answered.
-            (Some("evicted"), _) => match (&self.tls, tls_io) {
+            (Some(Dropped::Evicted), _) => match (&self.tls, tls_io) {
                 (None, _) => unavailable(stream).await,
                 (Some(_), Some(io)) => unavailable_tls(io).await,
                 (Some(_), None) => {}
@@ -456,12 +488,12 @@ impl Connection {
                     Ok(Ok(stream)) => Ok(stream),
                     Ok(Err(e)) => {
                         tracing::debug!(error = %e, "TLS handshake failed");
-                        Err(Some("tls_handshake_failed"))
+                        Err(Some(Dropped::TlsHandshakeFailed))
                     }
-                    Err(_) => Err(Some("tls_handshake_timeout")),
+                    Err(_) => Err(Some(Dropped::TlsHandshakeTimeout)),
                 }
             }
-            _ = self.shared.close.notified() => Err(Some("evicted")),
+            _ = self.shared.close.notified() => Err(Some(Dropped::Evicted)),
             _ = self.stop.cancelled() => Err(None),
         }
     }
@@ -507,7 +539,7 @@ impl Connection {
             let idle_until = clock.last() + self.limits.idle_timeout;
             tokio::select! {
                 done = &mut conn => break match done {
-                    Err(e) if e.is_timeout() => Some("header_timeout"),
+                    Err(e) if e.is_timeout() => Some(Dropped::HeaderTimeout),
                     _ => None,
                 },
                 _ = tokio::time::sleep_until(idle_until) => {
@@ -516,17 +548,17 @@ impl Connection {
                     {
                         clock.touch();
                     } else if Instant::now() >= clock.last() + self.limits.idle_timeout {
-                        break Some("idle_timeout");
+                        break Some(Dropped::IdleTimeout);
                     }
                 }
-                _ = self.shared.close.notified() => break Some("evicted"),
+                _ = self.shared.close.notified() => break Some(Dropped::Evicted),
                 _ = self.stop.cancelled(), if !stopping => {
                     stopping = true;
                     Pin::new(&mut conn).graceful_shutdown();
                 }
             }
         };
-        if reason == Some("evicted") {
+        if reason == Some(Dropped::Evicted) {
             return (reason, Some(conn.into_parts().io.into_inner()));
         }
         (reason, None)

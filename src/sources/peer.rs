@@ -40,8 +40,58 @@ pub struct Holder {
     pub host: String,
 }
 
-/// Why one request to a holder failed: the metric's `reason` label.
-pub type Reason = &'static str;
+/// Why a fetch from a peer failed: the `reason` label of
+/// `peer_fetch_failures_total`. The transfer's own reasons come from one
+/// request to a holder; the last three from the checks of the bytes received.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    /// The holder answered 503: it serves others now.
+    Busy,
+    /// The holder answered a size other than the master's.
+    Size,
+    /// Its compressed body did not decompress.
+    Corrupt,
+    /// Slower than the minimum rate.
+    TooSlow,
+    /// The body ended before its length.
+    Short,
+    /// No connection, a reset, a timeout: no fault of the bytes.
+    Unreachable,
+    /// An unexpected status or content encoding.
+    Status,
+    /// The holder refused the signature (401, 403).
+    Refused,
+    /// The holder no longer has the master (404).
+    Gone,
+    /// The bytes received are not the ones the holder recorded, or not the
+    /// request's checksum.
+    DigestMismatch,
+    /// The bytes received do not inspect as the holder recorded.
+    Format,
+    /// A download followed while it ran ended with no usable record of
+    /// the master on its holder.
+    Uncommitted,
+}
+
+impl Reason {
+    /// The metric's label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Busy => "busy",
+            Reason::Size => "size",
+            Reason::Corrupt => "corrupt",
+            Reason::TooSlow => "too_slow",
+            Reason::Short => "short",
+            Reason::Unreachable => "unreachable",
+            Reason::Status => "status",
+            Reason::Refused => "refused",
+            Reason::Gone => "gone",
+            Reason::DigestMismatch => "digest_mismatch",
+            Reason::Format => "format",
+            Reason::Uncommitted => "uncommitted",
+        }
+    }
+}
 
 /// The client that fetches masters from peers, with the shared secret.
 #[derive(Clone)]
@@ -140,8 +190,8 @@ impl PeerFetcher {
                         holder = %holder.host,
                         url = %crate::secrets::redact_url(&holder.url),
                         master = name,
-                        reason = why,
-                        cause = cause.as_deref().unwrap_or(why),
+                        reason = why.as_str(),
+                        cause = cause.as_deref().unwrap_or(why.as_str()),
                         "peer transfer broke off; trying again"
                     );
                     failed(holder, why);
@@ -150,7 +200,7 @@ impl PeerFetcher {
                     tokio::time::sleep(Duration::from_millis(200)).await;
                 }
                 Err(Short::Busy(after)) => {
-                    failed(holder, "busy");
+                    failed(holder, Reason::Busy);
                     busy += after;
                     if busy > MAX_BUSY_WAIT {
                         return Err(Error::new(
@@ -213,7 +263,7 @@ impl PeerFetcher {
         let mut wire = 0u64;
         let pass = async |bytes: Bytes, got: &mut u64, rate: &mut RateCheck| {
             if *got + bytes.len() as u64 > size {
-                return Err(Short::Drop("size"));
+                return Err(Short::Drop(Reason::Size));
             }
             *got += bytes.len() as u64;
             rate.add(bytes.len() as u64);
@@ -240,11 +290,13 @@ impl PeerFetcher {
                 (Some(chunk), Some(gunzip)) => {
                     wire += chunk.len() as u64;
                     if wire > max_compressed(size) {
-                        return Err(Short::Drop("size"));
+                        return Err(Short::Drop(Reason::Size));
                     }
                     let mut input = &chunk[..];
                     while !input.is_empty() {
-                        let used = gunzip.feed(input).map_err(|_| Short::Drop("corrupt"))?;
+                        let used = gunzip
+                            .feed(input)
+                            .map_err(|_| Short::Drop(Reason::Corrupt))?;
                         input = &input[used..];
                         if let Some(out) = gunzip.take() {
                             pass(out.into(), got, &mut rate).await?;
@@ -253,7 +305,7 @@ impl PeerFetcher {
                 }
             }
             if rate.too_slow().is_some() {
-                return Err(Short::Again("too_slow", None));
+                return Err(Short::Again(Reason::TooSlow, None));
             }
         }
         if let Some(gunzip) = &mut gunzip {
@@ -264,7 +316,7 @@ impl PeerFetcher {
         }
         match *got == size {
             true => Ok(()),
-            false => Err(Short::Again("short", None)),
+            false => Err(Short::Again(Reason::Short, None)),
         }
     }
 }
@@ -281,7 +333,7 @@ fn max_compressed(size: u64) -> u64 {
 /// URL (its signature is a credential while it lasts).
 fn unreachable(e: reqwest::Error) -> Short {
     Short::Again(
-        "unreachable",
+        Reason::Unreachable,
         Some(crate::error::error_chain(&e.without_url())),
     )
 }
@@ -300,14 +352,14 @@ fn check_response(
         None => false,
         Some(c) if c == b"identity" => false,
         Some(c) if c == b"gzip" && status == 200 && from == 0 => true,
-        Some(_) => return Err(Short::Drop("status")),
+        Some(_) => return Err(Short::Drop(Reason::Status)),
     };
     match status {
         // Its length is bounded as it arrives (`max_compressed`).
         200 if gzip => Ok(true),
         200 if from == 0 => match resp.content_length() {
             Some(len) if len == size => Ok(false),
-            _ => Err(Short::Drop("size")),
+            _ => Err(Short::Drop(Reason::Size)),
         },
         206 => {
             let range = resp
@@ -318,14 +370,17 @@ fn check_response(
             let want = format!("bytes {from}-{}/{size}", size.saturating_sub(1));
             match range == want {
                 true => Ok(false),
-                false => Err(Short::Drop("size")),
+                false => Err(Short::Drop(Reason::Size)),
             }
         }
         503 => Err(Short::Busy(retry_after(resp))),
-        401 | 403 => Err(Short::Drop("refused")),
-        404 => Err(Short::Drop("gone")),
-        500..=599 => Err(Short::Again("status", Some(resp.status().to_string()))),
-        _ => Err(Short::Drop("status")),
+        401 | 403 => Err(Short::Drop(Reason::Refused)),
+        404 => Err(Short::Drop(Reason::Gone)),
+        500..=599 => Err(Short::Again(
+            Reason::Status,
+            Some(resp.status().to_string()),
+        )),
+        _ => Err(Short::Drop(Reason::Status)),
     }
 }
 

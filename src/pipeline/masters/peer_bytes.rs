@@ -13,7 +13,7 @@ use crate::error::{Error, ErrorCode, Result};
 use crate::fsutil::TempGuard;
 use crate::image::inspect;
 use crate::peers::wire::OfferedMaster;
-use crate::sources::peer::{Holder, PeerFetcher};
+use crate::sources::peer::{Holder, PeerFetcher, Reason};
 use crate::store::cache::{Master, MasterMeta, md5s_agree};
 use crate::store::sink::Digests;
 use std::time::Duration;
@@ -43,14 +43,14 @@ impl Masters {
             Ok(got) => got,
             Err((reason, e)) => {
                 // Failures of the holders themselves are counted as they occur.
-                if reason != UNREACHABLE {
+                if reason != Reason::Unreachable {
                     self.metrics
                         .peers
                         .fetch_failures
-                        .with_label_values(&[reason])
+                        .with_label_values(&[reason.as_str()])
                         .inc();
                 }
-                tracing::warn!(master = job.name, reason, error = %e, "a peer's master failed its checks: not used");
+                tracing::warn!(master = job.name, reason = reason.as_str(), error = %e, "a peer's master failed its checks: not used");
                 return Err(e);
             }
         };
@@ -92,12 +92,12 @@ impl Masters {
             ..*job
         };
         let (tx, rx) = tokio::sync::mpsc::channel(DELIVERY_DEPTH);
-        let failed = |h: &Holder, why: &'static str| {
-            tracing::warn!(peer = %h.host, reason = why, "fetch from a peer failed");
+        let failed = |h: &Holder, why: Reason| {
+            tracing::warn!(peer = %h.host, reason = why.as_str(), "fetch from a peer failed");
             self.metrics
                 .peers
                 .fetch_failures
-                .with_label_values(&[why])
+                .with_label_values(&[why.as_str()])
                 .inc();
         };
         let limit = self.wait_limit();
@@ -119,7 +119,7 @@ impl Masters {
         let (written, _) = self
             .receive_from(&plain, rx, feed)
             .await
-            .map_err(|e| (UNREACHABLE, e))?;
+            .map_err(|e| (Reason::Unreachable, e))?;
         self.metrics
             .peers
             .received_bytes
@@ -152,7 +152,7 @@ impl Masters {
                     facts.sha256
                 ),
             );
-            return Err(("digest_mismatch", e));
+            return Err((Reason::DigestMismatch, e));
         }
         if let Some(e) = job.expected.filter(|_| meta_of(facts).served_as_fetched())
             && own.get(e.algo) != Some(e.hex.as_str())
@@ -164,11 +164,11 @@ impl Masters {
                     job.name, e.algo, e.hex
                 ),
             );
-            return Err(("digest_mismatch", err));
+            return Err((Reason::DigestMismatch, err));
         }
         self.inspect_peer_bytes(job, facts, path)
             .await
-            .map_err(|e| ("format", e))
+            .map_err(|e| (Reason::Format, e))
     }
 
     /// The received file is what the offer says: a converted master is
@@ -210,13 +210,11 @@ impl Masters {
 /// against, or why they were refused (the metric's reason).
 pub(super) type PeerBytes = std::result::Result<(TempGuard, Digests, OfferedMaster), Refusal>;
 
-/// Why a peer's bytes were refused: the metric's reason and the error.
-pub(super) type Refusal = (&'static str, Error);
-
-/// The reason of a transfer that did not complete (the holders busy,
-/// unreachable or too slow): no fault of the bytes, so no holder is
+/// Why a peer's bytes were refused: the metric's reason and the error. A
+/// transfer that did not complete (the holders busy, unreachable or too
+/// slow) is [`Reason::Unreachable`]: no fault of the bytes, so no holder is
 /// found bad for it.
-pub(super) const UNREACHABLE: &str = "unreachable";
+pub(super) type Refusal = (Reason, Error);
 
 /// The sidecar an offered master would have here (inode set on commit).
 pub(super) fn meta_of(m: &OfferedMaster) -> MasterMeta {

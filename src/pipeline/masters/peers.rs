@@ -19,14 +19,14 @@
 
 use super::Masters;
 use super::job::MasterFetch;
-use super::peer_bytes::{UNREACHABLE, meta_of};
+use super::peer_bytes::meta_of;
 use super::verdict::{self, Verdict};
 use crate::error::{Error, ErrorCode, Result};
 use crate::fsutil::TempGuard;
 use crate::peers::live::LiveMasters;
 use crate::peers::wire::{Offer, OfferState, OfferedMaster};
 use crate::sources::http_client;
-use crate::sources::peer::{Holder, PeerFetcher};
+use crate::sources::peer::{Holder, PeerFetcher, Reason};
 use crate::store::cache::{Master, md5s_agree};
 use futures_util::future::BoxFuture;
 use std::collections::HashSet;
@@ -328,7 +328,7 @@ impl Masters {
         };
         let checked = checked.await;
         if let Err((reason, _)) = &checked
-            && *reason != UNREACHABLE
+            && *reason != Reason::Unreachable
         {
             for h in &holders {
                 bad.insert(&h.host, &facts.sha256);
@@ -361,7 +361,7 @@ impl Masters {
                     ErrorCode::SourceUnreachable,
                     format!("{}: no usable record of the master it sent", holder.host),
                 );
-                return Err(("uncommitted", e));
+                return Err((Reason::Uncommitted, e));
             };
             // A mismatch does not condemn the holder's master: a retried
             // download's output may have been resumed into these bytes. Its
