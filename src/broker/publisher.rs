@@ -6,6 +6,15 @@ use crate::seal::Sealer;
 use lapin::options::*;
 use lapin::{BasicProperties, Channel, Confirmation};
 use std::sync::Arc;
+use std::time::Duration;
+
+/// The longest wait for the broker to take or refuse one message. Past it
+/// the publish counts as failed, so its caller renews the connection and
+/// publishes again: a confirmation the broker never sends (a cluster node
+/// paused or stopped while it held the message) must not hold an answer,
+/// and the node's later commands behind it, for ever. A publish that was
+/// taken after all is then delivered twice, which its reader skips.
+const CONFIRM_WAIT: Duration = Duration::from_secs(30);
 
 /// Why a publish failed: the broker refused this one message (a nack, or
 /// no queue took a mandatory one), which says nothing of the connection, or
@@ -114,12 +123,19 @@ impl Publisher {
             ..BasicPublishOptions::default()
         };
         let chain = |e: lapin::Error| PublishError::Failed(crate::error::error_chain(&e));
-        let confirm = self
-            .channel
-            .basic_publish(exchange.into(), key.into(), options, body, props)
+        let published = async {
+            self.channel
+                .basic_publish(exchange.into(), key.into(), options, body, props)
+                .await?
+                .await
+        };
+        let confirm = tokio::time::timeout(CONFIRM_WAIT, published)
             .await
-            .map_err(chain)?
-            .await
+            .map_err(|_| {
+                PublishError::Failed(format!(
+                    "no confirmation from the broker within {CONFIRM_WAIT:?}"
+                ))
+            })?
             .map_err(chain)?;
         match confirm {
             Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
