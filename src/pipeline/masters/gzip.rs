@@ -10,7 +10,7 @@ use super::Masters;
 use super::keeper::Keeper;
 use crate::store::compress::Outcome;
 use std::collections::{HashSet, VecDeque};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 /// Masters waiting for the compressing thread, at most.
 const QUEUED: usize = 64;
@@ -19,24 +19,46 @@ const NICENESS: i32 = 10;
 
 /// The masters waiting to be compressed, and the thread's wake-up.
 #[derive(Default)]
-pub(super) struct Compressions {
+struct Compressions {
     queue: Mutex<(VecDeque<String>, HashSet<String>)>,
     wake: Condvar,
 }
 
-impl Masters {
-    /// Turns compression on (`serve` does this with `[http] gzip =
-    /// static`; one-shot commands never compress: they would stop halfway).
-    pub fn start_compressing(&self) {
-        if self.config.http.gzip != crate::config::GzipMode::Static {
+/// The background compression of masters: what `[http] gzip` and
+/// `gzip_min_ratio` say, the cache housekeeping it runs after each
+/// compression, and the queue once `serve` turned it on.
+pub(super) struct Compressor {
+    /// `[http] gzip = static`: masters get a compressed form.
+    on: bool,
+    /// `[http] gzip_min_ratio`.
+    min_ratio: f64,
+    keeper: Keeper,
+    /// The masters waiting, once the thread runs.
+    queue: OnceLock<Arc<Compressions>>,
+}
+
+impl Compressor {
+    /// The compression `http` configures, cleaning the cache with `keeper`.
+    pub(super) fn new(http: &crate::config::HttpSection, keeper: Keeper) -> Compressor {
+        Compressor {
+            on: http.gzip == crate::config::GzipMode::Static,
+            min_ratio: http.gzip_min_ratio,
+            keeper,
+            queue: OnceLock::new(),
+        }
+    }
+
+    /// Starts the compressing thread when compression is on (`serve` does
+    /// this; one-shot commands never compress: they would stop halfway).
+    pub(super) fn start(&self) {
+        if !self.on {
             return;
         }
         let compressions = Arc::new(Compressions::default());
-        if self.compressions.set(compressions.clone()).is_err() {
+        if self.queue.set(compressions.clone()).is_err() {
             return;
         }
-        let keeper = self.keeper();
-        let ratio = self.config.http.gzip_min_ratio;
+        let (keeper, ratio) = (self.keeper.clone(), self.min_ratio);
         let spawned = std::thread::Builder::new()
             .name("gzip".into())
             .spawn(move || compress_forever(&compressions, &keeper, ratio));
@@ -46,15 +68,15 @@ impl Masters {
     }
 
     /// Where the image server finds the compressed forms of masters, when
-    /// compression is on (`[http] gzip = static`).
-    pub fn gzip_dir(&self) -> Option<std::path::PathBuf> {
-        (self.config.http.gzip == crate::config::GzipMode::Static).then(|| self.cache.gzip_dir())
+    /// compression is on.
+    pub(super) fn dir(&self) -> Option<std::path::PathBuf> {
+        self.on.then(|| self.keeper.cache.gzip_dir())
     }
 
-    /// Asks for master `name` to be compressed (nothing when compression
-    /// is off, the master already waits, or too many do).
-    pub(in crate::pipeline) fn compress_later(&self, name: &str) {
-        let Some(c) = self.compressions.get() else {
+    /// Asks for master `name` to be compressed (nothing when the thread
+    /// does not run, the master already waits, or too many do).
+    pub(super) fn later(&self, name: &str) {
+        let Some(c) = self.queue.get() else {
             return;
         };
         let mut queue = c.queue.lock().unwrap_or_else(|p| p.into_inner());
@@ -63,6 +85,25 @@ impl Masters {
             waiting.push_back(name.to_string());
             c.wake.notify_one();
         }
+    }
+}
+
+impl Masters {
+    /// Turns compression on (`serve` does this with `[http] gzip =
+    /// static`).
+    pub fn start_compressing(&self) {
+        self.compressor.start();
+    }
+
+    /// Where the image server finds the compressed forms of masters, when
+    /// compression is on (`[http] gzip = static`).
+    pub fn gzip_dir(&self) -> Option<std::path::PathBuf> {
+        self.compressor.dir()
+    }
+
+    /// Asks for master `name` to be compressed (see [`Compressor::later`]).
+    pub(in crate::pipeline) fn compress_later(&self, name: &str) {
+        self.compressor.later(name);
     }
 }
 
@@ -130,5 +171,52 @@ fn compress_one(keeper: &Keeper, name: &str, ratio: f64) {
             count("failed");
             tracing::warn!(master = name, error = %e, "cannot compress the master: served identity");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Config, Files};
+    use crate::store::cache::Cache;
+
+    fn compressor(dir: &std::path::Path, gzip: &str) -> Compressor {
+        let flags = [
+            format!("http.gzip={gzip}"),
+            format!("pxe.instance_master_path={}", dir.display()),
+        ];
+        let config = Config::load_from(&Files::default(), &[], &flags).unwrap();
+        let cache = Cache::open(&config.pxe.instance_master_path).unwrap();
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        Compressor::new(&config.http, Keeper::new(cache, &config, metrics))
+    }
+
+    #[test]
+    fn off_it_names_no_directory_and_queues_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = compressor(dir.path(), "off");
+        assert_eq!(c.dir(), None);
+        c.start();
+        c.later("m");
+        assert!(c.queue.get().is_none(), "no thread, no queue");
+    }
+
+    /// A master asked for twice waits once; past [`QUEUED`] masters, one
+    /// more is not queued (its next prepare asks again).
+    #[test]
+    fn the_queue_is_bounded_and_holds_a_master_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = compressor(dir.path(), "static");
+        assert!(c.dir().is_some());
+        // The queue without its thread, so that nothing is taken off it.
+        c.queue.set(Arc::default()).ok().unwrap();
+        c.later("m");
+        c.later("m");
+        for i in 0..QUEUED + 5 {
+            c.later(&format!("m{i}"));
+        }
+        let queue = c.queue.get().unwrap().queue.lock().unwrap();
+        assert_eq!(queue.0.len(), QUEUED);
+        assert_eq!(queue.0.iter().filter(|n| *n == "m").count(), 1);
     }
 }

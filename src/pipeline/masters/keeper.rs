@@ -34,12 +34,7 @@ impl Masters {
 
     /// The cache housekeeping, to run on a blocking thread.
     pub(super) fn keeper(&self) -> Keeper {
-        Keeper {
-            cache: self.cache.clone(),
-            policy: self.config.pxe.eviction_policy(),
-            metrics: self.metrics.clone(),
-            unannounced_cap: self.config.convert.qcow2_limits().max_virtual_size,
-        }
+        self.keeper.clone()
     }
 
     /// Runs cache housekeeping on a blocking thread, so the async threads
@@ -84,6 +79,21 @@ pub(super) struct Keeper {
 }
 
 impl Keeper {
+    /// The housekeeping of `cache` under the policy of `[pxe]` and the
+    /// bound of `[convert]`, counting in `metrics`.
+    pub(super) fn new(
+        cache: Cache,
+        config: &crate::config::Config,
+        metrics: Arc<Metrics>,
+    ) -> Keeper {
+        Keeper {
+            cache,
+            policy: config.pxe.eviction_policy(),
+            metrics,
+            unannounced_cap: config.convert.qcow2_limits().max_virtual_size,
+        }
+    }
+
     /// Applies the cache policy, reclaiming at least `amount` bytes if it can.
     pub(super) fn clean(
         &self,

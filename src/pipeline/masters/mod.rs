@@ -59,22 +59,27 @@ pub struct Masters {
     peers: OnceLock<peers::Peers>,
     /// Masters being written that the peer listener streams as they grow.
     live: Arc<crate::peers::live::LiveMasters>,
-    /// Masters waiting to be compressed, once `serve` turned it on.
-    compressions: OnceLock<Arc<gzip::Compressions>>,
+    /// The cache housekeeping, with the policy and bounds of its sections.
+    keeper: keeper::Keeper,
+    /// The background compression of masters (`[http] gzip`).
+    compressor: gzip::Compressor,
 }
 
 impl Masters {
     /// Opens the master cache (removing nothing); transfers and evictions
     /// are recorded in `metrics`.
     pub(super) fn open(config: Arc<Config>, metrics: Arc<Metrics>) -> Result<Masters> {
+        let cache = Cache::open(&config.pxe.instance_master_path)?;
+        let keeper = keeper::Keeper::new(cache.clone(), &config, metrics.clone());
         Ok(Masters {
-            cache: Cache::open(&config.pxe.instance_master_path)?,
             fetcher: Fetcher::new(&config)?,
+            compressor: gzip::Compressor::new(&config.http, keeper.clone()),
+            keeper,
+            cache,
             config,
             metrics,
             peers: OnceLock::new(),
             live: Arc::default(),
-            compressions: OnceLock::new(),
         })
     }
 
