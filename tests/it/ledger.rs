@@ -491,3 +491,84 @@ fn notification(
            "target": if state == "deploying" { json!("active") } else { Value::Null },
            "event": event, "instance_info": info})
 }
+
+/// Fills the file system of `dir` (a small tmpfs) to its last block.
+fn fill(dir: &std::path::Path) {
+    use std::io::Write;
+    let mut file = std::fs::File::create(dir.join("fill")).unwrap();
+    let chunk = vec![0xa5u8; 64 << 10];
+    while file.write_all(&chunk).is_ok() {}
+    for _ in 0..64 {
+        let _ = file.write_all(&chunk[..4096]);
+    }
+}
+
+/// As above, but the file system is full when the first process answers,
+/// so its answer cannot be recorded in the ledger: its claim on the
+/// delivery still ends, and the second process, waiting for it, works its
+/// copy and answers it (the second answer the deploy interface skips)
+/// instead of waiting, unanswered, for the first process's end. Before,
+/// the claim outlived the failed record and the copy was never answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_waiting_for_an_answer_that_could_not_be_recorded_is_answered() {
+    let env = Env::new("");
+    let small = env.root().join("small");
+    let _mount = Tmpfs::mount(&small, "24m");
+    let sets = [
+        format!("pxe.instance_master_path={}/master", small.display()),
+        format!("pxe.images_path={}/images", small.display()),
+        format!("deploy.http_root={}/httpboot", small.display()),
+    ];
+    let args: Vec<&str> = sets.iter().flat_map(|s| ["--set", s.as_str()]).collect();
+    let src = env.root().join("src");
+    random_file(&src.join("slow.img"), 1600 << 10, 67);
+    // 200 KiB/s: some 8 s of download.
+    let faults = FaultServer::start(&src, 200 << 10).await;
+    let first = env.serve_with(&args, &[]).await;
+    let broker = Broker::connect().await;
+    let corr = broker
+        .command(
+            &env.host,
+            prepare_cmd(&node(), &faults.url("slow", "slow.img")),
+        )
+        .await;
+    let started = std::time::Instant::now();
+    while faults.count("slow", "slow.img") == 0 {
+        assert!(started.elapsed() < WAIT, "the prepare starts");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let second = env.serve_another(&args).await;
+    let started = std::time::Instant::now();
+    let connections = loop {
+        let c = tokio::task::block_in_place(|| worker_connections(&env.host));
+        if c.len() == 2 {
+            break c;
+        }
+        assert!(started.elapsed() < WAIT, "both processes consume: {c:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let closed = std::process::Command::new(SHARED_CTL)
+        .args(["close_connection", &connections[0].0, "closed by the test"])
+        .output()
+        .unwrap();
+    assert!(closed.status.success(), "{closed:?}");
+    // The first process's download, and then its answer's record, run
+    // into a full file system.
+    fill(&small);
+    let answers = broker
+        .answers(std::slice::from_ref(&corr), WAIT, Duration::from_secs(20))
+        .await;
+    let got = answers.get(&corr).map_or(&[][..], |v| v.as_slice());
+    assert_eq!(
+        got.len(),
+        2,
+        "the first process's answer, then the second's: {got:?}"
+    );
+    second
+        .wait_metric(
+            "ironic_image_worker_messages_consumed_total{action=\"prepare\",outcome=\"error\",source=\"command\"}",
+            1.0,
+        )
+        .await;
+    drop(first);
+}
