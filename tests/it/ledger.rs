@@ -413,6 +413,35 @@ fn worker_connections(host: &str) -> Vec<(String, u64)> {
     found
 }
 
+/// Once the first process of `env` downloads `slow.img` from `faults`,
+/// starts a second one (with `extra` arguments) consuming the same queue
+/// and has the broker close the first one's connection, so that the
+/// broker delivers the command again, to the second process: that one.
+async fn copy_to_a_second_process(env: &Env, extra: &[&str], faults: &FaultServer) -> Worker {
+    let started = std::time::Instant::now();
+    while faults.count("slow", "slow.img") == 0 {
+        assert!(started.elapsed() < WAIT, "the prepare starts");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let second = env.serve_another(extra).await;
+    let started = std::time::Instant::now();
+    let connections = loop {
+        let c = tokio::task::block_in_place(|| worker_connections(&env.host));
+        if c.len() == 2 {
+            break c;
+        }
+        assert!(started.elapsed() < WAIT, "both processes consume: {c:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    // The first process's connection: the older one.
+    let closed = std::process::Command::new(SHARED_CTL)
+        .args(["close_connection", &connections[0].0, "closed by the test"])
+        .output()
+        .unwrap();
+    assert!(closed.status.success(), "{closed:?}");
+    second
+}
+
 /// A prepare runs in one worker process; its connection is closed by the
 /// broker mid-download, so the broker redelivers the command to the other
 /// process of the host, consuming the same queue. That process waits for
@@ -431,27 +460,7 @@ async fn a_copy_redelivered_while_another_process_runs_it_is_answered_once() {
     let corr = broker
         .command(&env.host, prepare_cmd(&x, &faults.url("slow", "slow.img")))
         .await;
-    let started = std::time::Instant::now();
-    while faults.count("slow", "slow.img") == 0 {
-        assert!(started.elapsed() < WAIT, "the prepare starts");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let second = env.serve_another(&[]).await;
-    let started = std::time::Instant::now();
-    let connections = loop {
-        let c = tokio::task::block_in_place(|| worker_connections(&env.host));
-        if c.len() == 2 {
-            break c;
-        }
-        assert!(started.elapsed() < WAIT, "both processes consume: {c:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    // The first process's connection: the older one.
-    let closed = std::process::Command::new(SHARED_CTL)
-        .args(["close_connection", &connections[0].0, "closed by the test"])
-        .output()
-        .unwrap();
-    assert!(closed.status.success(), "{closed:?}");
+    let second = copy_to_a_second_process(&env, &[], &faults).await;
     let answers = broker
         .answers(
             std::slice::from_ref(&corr),
@@ -532,26 +541,7 @@ async fn a_copy_waiting_for_an_answer_that_could_not_be_recorded_is_answered() {
             prepare_cmd(&node(), &faults.url("slow", "slow.img")),
         )
         .await;
-    let started = std::time::Instant::now();
-    while faults.count("slow", "slow.img") == 0 {
-        assert!(started.elapsed() < WAIT, "the prepare starts");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let second = env.serve_another(&args).await;
-    let started = std::time::Instant::now();
-    let connections = loop {
-        let c = tokio::task::block_in_place(|| worker_connections(&env.host));
-        if c.len() == 2 {
-            break c;
-        }
-        assert!(started.elapsed() < WAIT, "both processes consume: {c:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    let closed = std::process::Command::new(SHARED_CTL)
-        .args(["close_connection", &connections[0].0, "closed by the test"])
-        .output()
-        .unwrap();
-    assert!(closed.status.success(), "{closed:?}");
+    let second = copy_to_a_second_process(&env, &args, &faults).await;
     // The first process's download, and then its answer's record, run
     // into a full file system.
     fill(&small);
