@@ -75,8 +75,18 @@ _MAX_REASKS = 10000
 
 
 def _waiting_for_the_worker(node):
-    """The periodic's predicate: a node whose prepare is under way."""
-    return PENDING in (node.driver_internal_info or {})
+    """The periodic's predicate: a node whose prepare is under way, or
+    whose ``write_image`` waits for an answer collected already. A node
+    whose answer is collected while its ramdisk still boots is left alone:
+    ``write_image`` takes the answer when the agent is ready, and locking
+    the node at every poll would make Ironic skip the agent's heartbeats
+    ("currently locked") and the deploy wait for the next one."""
+    info = node.driver_internal_info or {}
+    pending = info.get(PENDING)
+    if pending is None:
+        return False
+    return not pending.get('done') or bool(
+        info.get(async_steps.DEPLOYMENT_POLLING))
 
 
 def apply_answer(instance_info, done):

@@ -14,7 +14,9 @@
 """The worker's answer to a prepare, as it lands in instance_info."""
 
 import time
+import types
 
+from ironic.common import async_steps
 from ironic.common import states
 from ironic.conductor import task_manager
 from ironic.tests.unit.objects import utils as obj_utils
@@ -156,3 +158,30 @@ class CollectTestCase(base.TestCase):
         self.assertEqual(manifest, node.driver_internal_info['image_source'])
         self.assertEqual('oci_artifact',
                          node.driver_internal_info['container_image_type'])
+
+
+class PeriodicPredicateTestCase(base.TestCase):
+    """Which nodes the periodic that collects answers looks at (and so
+    locks): never one whose answer is collected while its ramdisk boots,
+    or Ironic skips the agent's heartbeats while the lock is held."""
+
+    def _looked_at(self, info):
+        node = types.SimpleNamespace(driver_internal_info=info)
+        return deploy._waiting_for_the_worker(node)
+
+    def test_a_prepare_under_way(self):
+        self.assertTrue(self._looked_at({deploy.PENDING: {'request_id': 'r'}}))
+
+    def test_an_answer_collected_before_the_agent_is_ready(self):
+        pending = {'request_id': 'r', 'done': _answer()}
+        self.assertFalse(self._looked_at({deploy.PENDING: pending}))
+
+    def test_an_answer_a_waiting_write_image_needs(self):
+        pending = {'request_id': 'r', 'done': _answer()}
+        self.assertTrue(self._looked_at({
+            deploy.PENDING: pending,
+            async_steps.DEPLOYMENT_POLLING: True}))
+
+    def test_no_prepare(self):
+        self.assertFalse(self._looked_at({}))
+        self.assertFalse(self._looked_at(None))
