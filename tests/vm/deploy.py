@@ -373,11 +373,12 @@ class HttpRoot(object):
         self.server.stop()
 
 
-def services(kind, workdir, binary, cleanups, worker_http=''):
+def services(kind, workdir, binary, cleanups, worker_http='',
+             ironic_options=None):
     """The worker (or Ironic's own HTTP root) of a ``kind`` of deploy and
     Ironic, each stop appended to ``cleanups``; ``worker_http``: more
-    options of the worker's ``[http]``. Returns them and Ironic's master
-    image directory."""
+    options of the worker's ``[http]``, ``ironic_options``: of Ironic's
+    sections. Returns them and Ironic's master image directory."""
     worker = own_root = None
     rpc_port = real_ironic.free_port()
     if kind == 'direct':
@@ -397,6 +398,8 @@ def services(kind, workdir, binary, cleanups, worker_http=''):
     sections['pxe']['instance_master_path'] = master
     sections['pxe'].setdefault('images_path',
                                os.path.join(workdir, 'ironic-images'))
+    for name, options in (ironic_options or {}).items():
+        sections.setdefault(name, {}).update(options)
     ironic = real_ironic.Ironic(workdir, sections)
     cleanups.append(ironic.stop)
     return worker, own_root, ironic, master
