@@ -27,6 +27,7 @@ Run by bench/vm, which builds the worker, the ramdisk and the plug-in.
 """
 
 import argparse
+import glob
 import json
 import os
 import re
@@ -144,10 +145,14 @@ class Trial(object):
         self.img, self.ref = image
         self.cleanups = []
 
-    def run(self):
+    def run(self, logs):
+        """The figures; the logs of Ironic, the worker and the VMs' consoles
+        copied under ``logs`` (when given) once done."""
         try:
             return self._run()
         finally:
+            if logs:
+                self._keep_logs(logs)
             for stop in reversed(self.cleanups):
                 try:
                     stop()
@@ -189,6 +194,13 @@ class Trial(object):
             'dropped': dropped_heartbeats(ironic),
             'load': load,
         }
+
+    def _keep_logs(self, logs):
+        into = os.path.join(logs, os.path.basename(self.dir))
+        os.makedirs(into)
+        for path in glob.glob(os.path.join(self.dir, '*', '*.log')):
+            shutil.copy(path, os.path.join(into, '%s-%s' % tuple(
+                path.split(os.sep)[-2:])))
 
     def _nodes(self, ironic):
         checksum = deploy.file_hash(self.img)
@@ -343,6 +355,9 @@ def main():
     parser.add_argument('--budget', type=float, default=float('inf'),
                         help='minutes: no run is started that would end '
                         'after them at the pace of the longest run so far')
+    parser.add_argument('--logs',
+                        help="keep Ironic's, the worker's and the VMs' logs "
+                        'under this directory')
     parser.add_argument('--virtual-gib', type=int, default=2)
     parser.add_argument('--data-gib', type=float, default=1)
     parser.add_argument('--density', type=float, default=1 / 3,
@@ -373,7 +388,7 @@ def main():
                 n, works[-1]['wall'], works[-1]['cpu']))
             for mode in MODES:
                 results.append(Trial(mode, opts, workdir, source,
-                                     image).run())
+                                     image).run(opts.logs))
                 print_round(n, results[-1])
             longest = max(longest, time.monotonic() - started)
         ok = summary(results, works, opts, virtual)
