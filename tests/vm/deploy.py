@@ -85,11 +85,13 @@ def file_hash(path, limit=None):
     return h.hexdigest()
 
 
-def make_image(workdir, name, virtual, data, seed):
+def make_image(workdir, name, virtual, data, seed, density=1.0):
     """A qcow2 of ``virtual`` bytes: an MBR partition table (the agent
-    refuses a whole-disk image without one) and ``data`` bytes of random
-    data in four places of its partition; and its reference: ``qemu-img
-    convert -O raw``."""
+    refuses a whole-disk image without one) and ``data`` bytes of data in
+    four places of its partition; and its reference: ``qemu-img convert -O
+    raw``. The data is random, or with ``density`` < 1 that share of each
+    4 KiB block random and the rest zeros (compressible as an operating
+    system's files are, yet every cluster of the qcow2 allocated)."""
     raw = os.path.join(workdir, name + '.raw')
     rnd = random.Random(seed)
     with open(raw, 'wb') as f:
@@ -97,7 +99,7 @@ def make_image(workdir, name, virtual, data, seed):
         piece = data // 4
         for at in (MiB, virtual // 3, virtual // 2 + 4096, virtual - piece):
             f.seek(at)
-            f.write(rnd.randbytes(piece))
+            f.write(fill(rnd, piece, density))
         # One Linux partition from sector 2048 to the end.
         entry = struct.pack('<B3sB3sII', 0, b'\xfe\xff\xff', 0x83,
                             b'\xfe\xff\xff', 2048, virtual // 512 - 2048)
@@ -109,6 +111,21 @@ def make_image(workdir, name, virtual, data, seed):
     run('qemu-img', 'convert', '-f', 'qcow2', '-O', 'raw', img, ref)
     os.unlink(raw)
     return img, ref
+
+
+def fill(rnd, size, density):
+    """``size`` bytes: random, or ``density`` of each 4 KiB block random
+    and the rest zeros."""
+    if density >= 1:
+        return rnd.randbytes(size)
+    block = 4096
+    dense = int(block * density)
+    random_part = rnd.randbytes(size // block * dense)
+    out = bytearray(size)
+    for i in range(size // block):
+        out[i * block:i * block + dense] = \
+            random_part[i * dense:(i + 1) * dense]
+    return out
 
 
 def run(*args):
@@ -156,9 +173,11 @@ class Source(object):
 
 
 class Worker(object):
-    """A real ironic-image-worker (``serve``) with its own directories."""
+    """A real ironic-image-worker (``serve``) with its own directories;
+    ``http``: more options of its ``[http]`` section, ``extra``: more
+    sections."""
 
-    def __init__(self, binary, workdir, extra=''):
+    def __init__(self, binary, workdir, extra='', http=''):
         self.binary = binary
         self.root = tempfile.mkdtemp(prefix='worker-', dir=workdir)
         self.host = 'vm-%s' % uuid.uuid4().hex[:12]
@@ -173,10 +192,10 @@ class Worker(object):
                     'http_url = "http://127.0.0.1:%d"\n'
                     '[pxe]\ninstance_master_path = "%s/master_images"\n'
                     'images_path = "%s"\n'
-                    '[http]\nlisten = "127.0.0.1:%d"\n'
+                    '[http]\nlisten = "127.0.0.1:%d"\n%s\n'
                     '[metrics]\nlisten = "127.0.0.1:%d"\n%s\n'
                     % (self.host, self.http_root, self.http_port,
-                       self.root, self.images_path, self.http_port,
+                       self.root, self.images_path, self.http_port, http,
                        self.metrics_port, extra))
         self.proc = None
         self.log_path = os.path.join(self.root, 'worker.log')
@@ -354,6 +373,64 @@ class HttpRoot(object):
         self.server.stop()
 
 
+def services(kind, workdir, binary, cleanups, worker_http='',
+             ironic_options=None):
+    """The worker (or Ironic's own HTTP root) of a ``kind`` of deploy and
+    Ironic, each stop appended to ``cleanups``; ``worker_http``: more
+    options of the worker's ``[http]``, ``ironic_options``: of Ironic's
+    sections. Returns them and Ironic's master image directory."""
+    worker = own_root = None
+    rpc_port = real_ironic.free_port()
+    if kind == 'direct':
+        own_root = HttpRoot(workdir)
+        cleanups.append(own_root.stop)
+    else:
+        extra = ''
+        if kind == 'json-rpc':
+            extra = ('[amqp]\nenabled = false\n[json_rpc]\n'
+                     'listen = "127.0.0.1:%d"\nauth_strategy = "noauth"\n'
+                     % rpc_port)
+        worker = Worker(binary, workdir, extra, worker_http)
+        cleanups.append(worker.stop)
+        worker.start()
+    sections = ironic_sections(kind, worker, own_root, rpc_port)
+    master = os.path.join(workdir, 'ironic-master')
+    sections['pxe']['instance_master_path'] = master
+    sections['pxe'].setdefault('images_path',
+                               os.path.join(workdir, 'ironic-images'))
+    for name, options in (ironic_options or {}).items():
+        sections.setdefault(name, {}).update(options)
+    ironic = real_ironic.Ironic(workdir, sections)
+    cleanups.append(ironic.stop)
+    return worker, own_root, ironic, master
+
+
+def deploy_patch(kind, url, checksum):
+    """The node PATCH of a deploy of the qcow2 at ``url``."""
+    patch = [{'op': 'add', 'path': '/instance_info', 'value': {
+        'image_source': url,
+        'image_os_hash_algo': 'sha256',
+        'image_os_hash_value': checksum,
+        'image_disk_format': 'qcow2',
+        'image_download_source': 'local'}}]
+    if kind == 'direct':
+        patch.append({'op': 'replace', 'path': '/deploy_interface',
+                      'value': 'direct'})
+    return patch
+
+
+def check_disk(kind, disk, ref):
+    """Fails unless the first bytes of ``disk`` equal ``ref``."""
+    size = os.path.getsize(ref)
+    got, want = file_hash(disk, size), file_hash(ref)
+    if got != want:
+        raise AssertionError(
+            "%s: the VM's disk (first %d bytes, sha256 %s) is not qemu-img"
+            "'s conversion of the source (%s)" % (kind, size, got, want))
+    log("%s: the VM's disk equals qemu-img convert -O raw (%d bytes)"
+        % (kind, size))
+
+
 class Scenario(object):
     """One deploy of one VM, checked end to end."""
 
@@ -378,43 +455,16 @@ class Scenario(object):
 
     def _services(self):
         """The worker (or Ironic's own HTTP root) and Ironic."""
-        worker = own_root = None
-        rpc_port = real_ironic.free_port()
-        if self.kind == 'direct':
-            own_root = HttpRoot(self.dir)
-            self.cleanups.append(own_root.stop)
-        else:
-            extra = ''
-            if self.kind == 'json-rpc':
-                extra = ('[amqp]\nenabled = false\n[json_rpc]\n'
-                         'listen = "127.0.0.1:%d"\nauth_strategy = "noauth"\n'
-                         % rpc_port)
-            worker = Worker(self.opts.worker, self.dir, extra)
-            self.cleanups.append(worker.stop)
-            worker.start()
-        sections = ironic_sections(self.kind, worker, own_root, rpc_port)
-        self.master = os.path.join(self.dir, 'ironic-master')
-        sections['pxe']['instance_master_path'] = self.master
-        sections['pxe'].setdefault('images_path',
-                                   os.path.join(self.dir, 'ironic-images'))
-        ironic = real_ironic.Ironic(self.dir, sections)
-        self.cleanups.append(ironic.stop)
+        worker, own_root, ironic, self.master = services(
+            self.kind, self.dir, self.opts.worker, self.cleanups)
         return worker, own_root, ironic
 
     def _node(self, ironic):
         node = ironic.node()
-        patch = [{'op': 'add', 'path': '/instance_info', 'value': {
-            'image_source': self.source.url(self.name),
-            'image_os_hash_algo': 'sha256',
-            'image_os_hash_value': ('0' * 64
-                                    if self.opts.break_ == 'checksum'
-                                    else file_hash(self.img)),
-            'image_disk_format': 'qcow2',
-            'image_download_source': 'local'}}]
-        if self.kind == 'direct':
-            patch.append({'op': 'replace', 'path': '/deploy_interface',
-                          'value': 'direct'})
-        ironic.call('PATCH', '/v1/nodes/%s' % node['uuid'], patch)
+        checksum = ('0' * 64 if self.opts.break_ == 'checksum'
+                    else file_hash(self.img))
+        ironic.call('PATCH', '/v1/nodes/%s' % node['uuid'], deploy_patch(
+            self.kind, self.source.url(self.name), checksum))
         return node
 
     def _run(self):
@@ -449,7 +499,7 @@ class Scenario(object):
         off = vm.wait_off(180)
         log('%s: active after %.1fs, VM off after %.1fs'
             % (self.kind, active, off))
-        self._check_disk(vm)
+        check_disk(self.kind, vm.disk, self.ref)
         self._check_fetchers(worker)
         if self.opts.undeploy:
             self._undeploy(ironic, worker, node, vm, served)
@@ -500,17 +550,6 @@ class Scenario(object):
                 log('break: the served file of %s overwritten' % uuid_)
                 return
             time.sleep(0.1)
-
-    def _check_disk(self, vm):
-        size = os.path.getsize(self.ref)
-        got, want = file_hash(vm.disk, size), file_hash(self.ref)
-        if got != want:
-            raise AssertionError(
-                "%s: the VM's disk (first %d bytes, sha256 %s) is not qemu-img"
-                "'s conversion of the source (%s)" % (self.kind, size, got,
-                                                      want))
-        log("%s: the VM's disk equals qemu-img convert -O raw (%d bytes)"
-            % (self.kind, size))
 
     def _check_fetchers(self, worker):
         agents = self.source.gets(self.name)
