@@ -133,24 +133,15 @@ impl Claims {
 
     /// Opens (or makes) the claims file, read-write (a write lock needs it).
     fn open(&self) -> Result<File> {
-        let open = || {
+        let dir = self.path.parent().unwrap_or(std::path::Path::new("."));
+        super::making_dir(dir, "open the ledger claims", || {
             std::fs::OpenOptions::new()
                 .create(true)
                 .truncate(false)
                 .read(true)
                 .write(true)
                 .open(&self.path)
-        };
-        match open() {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                if let Some(dir) = self.path.parent() {
-                    crate::fsutil::ensure_dir(dir)?;
-                }
-                open()
-            }
-            other => other,
-        }
-        .map_err(|e| Error::io("open the ledger claims", e))
+        })
     }
 }
 
