@@ -200,16 +200,21 @@ mod tests {
         NodeUuid::parse("1be26c0b-03f2-4d2e-ae87-c02d7f33c123").unwrap()
     }
 
+    /// The order kept in the ledger `l` of `dir`.
+    fn order_in(dir: &tempfile::TempDir) -> Order {
+        Order {
+            ledger: Ledger::open(dir.path().join("l")).unwrap(),
+            max_age: 60,
+        }
+    }
+
     /// An answer noted right after a move of its node runs on the async
     /// thread that asks (its stripe is free) and syncs nothing there: the
     /// move, synced, was written on a blocking thread.
     #[tokio::test(flavor = "current_thread")]
     async fn an_answer_after_a_move_syncs_nothing_on_the_async_thread() {
         let dir = tempfile::tempdir().unwrap();
-        let order = Order {
-            ledger: Ledger::open(dir.path().join("l")).unwrap(),
-            max_age: 60,
-        };
+        let order = order_in(&dir);
         order.note_moved(&node(), now_ms()).await;
         assert_eq!(order.claim_delivery(&node(), "k", false).await, Turn::Mine);
         let before = crate::fsutil::syncs_on_this_thread();
@@ -226,10 +231,7 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn an_answer_not_recorded_still_ends_its_claim() {
         let dir = tempfile::tempdir().unwrap();
-        let order = Order {
-            ledger: Ledger::open(dir.path().join("l")).unwrap(),
-            max_age: 60,
-        };
+        let order = order_in(&dir);
         let other = Ledger::open(dir.path().join("l")).unwrap();
         std::fs::create_dir(dir.path().join(format!("l/{}.json", node()))).unwrap();
         assert_eq!(order.claim_delivery(&node(), "k", false).await, Turn::Mine);
@@ -243,10 +245,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
     async fn an_update_waits_for_a_stripe_held_elsewhere_off_the_async_threads() {
         let dir = tempfile::tempdir().unwrap();
-        let order = Order {
-            ledger: Ledger::open(dir.path().join("l")).unwrap(),
-            max_age: 60,
-        };
+        let order = order_in(&dir);
         // Another process of the host over the same ledger.
         let other = Ledger::open(dir.path().join("l")).unwrap();
         assert_eq!(order.claim_delivery(&node(), "k", true).await, Turn::Mine);
