@@ -249,28 +249,7 @@ impl Sealed {
     /// Publishes `body` with `props` to `routing_key` on the command
     /// exchange, confirmed.
     async fn publish(&self, routing_key: &str, body: &[u8], props: lapin::BasicProperties) {
-        let confirm = self
-            .broker
-            .channel
-            .basic_publish(
-                "ironic-image-worker".into(),
-                routing_key.into(),
-                lapin::options::BasicPublishOptions {
-                    mandatory: true,
-                    ..Default::default()
-                },
-                body,
-                props,
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
-        assert_eq!(
-            confirm,
-            lapin::Confirmation::Ack(None),
-            "{routing_key} routed"
-        );
+        self.broker.publish_routed(routing_key, body, props).await;
     }
 }
 

@@ -152,12 +152,24 @@ impl Broker {
         body: &[u8],
         props: lapin::BasicProperties,
     ) {
+        self.publish_routed(&format!("{host}.node.{action}"), body, props)
+            .await;
+    }
+
+    /// Publishes `body` with `props` to the command exchange under
+    /// `routing_key`, mandatory and confirmed: it must reach a queue.
+    pub async fn publish_routed(
+        &self,
+        routing_key: &str,
+        body: &[u8],
+        props: lapin::BasicProperties,
+    ) {
         use lapin::options::*;
         let confirm = self
             .channel
             .basic_publish(
                 "ironic-image-worker".into(),
-                format!("{host}.node.{action}").as_str().into(),
+                routing_key.into(),
                 BasicPublishOptions {
                     mandatory: true,
                     ..Default::default()
@@ -172,7 +184,7 @@ impl Broker {
         assert_eq!(
             confirm,
             lapin::Confirmation::Ack(None),
-            "command was routed"
+            "{routing_key} routed"
         );
     }
 
