@@ -7,17 +7,10 @@ use crate::common;
 use common::*;
 use std::time::Duration;
 
-/// A worker of `env` whose directories are all on the file system of `small`.
-async fn serve_on(env: &Env, small: &std::path::Path) -> Worker {
-    let sets = [
-        format!("pxe.instance_master_path={}/master", small.display()),
-        format!("pxe.images_path={}/images", small.display()),
-        format!("deploy.http_root={}/httpboot", small.display()),
-    ];
-    let mut args: Vec<&str> = Vec::new();
-    for s in &sets {
-        args.extend(["--set", s.as_str()]);
-    }
+/// A worker of `env` whose directories are all on the file system `small`.
+async fn serve_on(env: &Env, small: &Tmpfs) -> Worker {
+    let flags = small.worker_flags();
+    let args: Vec<&str> = flags.iter().map(String::as_str).collect();
     env.serve_with(&args, &[]).await
 }
 
@@ -25,14 +18,14 @@ async fn serve_on(env: &Env, small: &std::path::Path) -> Worker {
 async fn full_disk_fails_cleanly_evicts_first_and_keeps_serving() {
     let env = Env::new("");
     let small = env.root().join("small");
-    let _mount = Tmpfs::mount(&small, "20m");
+    let mount = Tmpfs::mount(&small, "20m");
     let src = env.root().join("src");
     random_file(&src.join("a.img"), 8 << 20, 71);
     random_file(&src.join("b.img"), 14 << 20, 72);
     random_file(&src.join("c.img"), 16 << 20, 73);
     let server = SourceServer::start(&src).await;
     let faults = FaultServer::start(&src, 1 << 30).await;
-    let worker = serve_on(&env, &small).await;
+    let worker = serve_on(&env, &mount).await;
     let broker = Broker::connect().await;
     let master_dir = small.join("master");
     let temps = || {
@@ -156,7 +149,7 @@ async fn gzip_bomb_stops_at_the_room_made_and_leaves_nothing() {
     use std::os::unix::fs::PermissionsExt;
     let env = Env::new("");
     let small = env.root().join("small");
-    let _mount = Tmpfs::mount(&small, "400m");
+    let mount = Tmpfs::mount(&small, "400m");
     let web = tempfile::tempdir().unwrap();
     std::fs::set_permissions(web.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let bomb = web.path().join("bomb.img.gz");
@@ -187,16 +180,7 @@ async fn gzip_bomb_stops_at_the_room_made_and_leaves_nothing() {
     assert_eq!(head.content_length(), Some(packed));
     drop(head);
 
-    let sets = [
-        format!("pxe.instance_master_path={}/master", small.display()),
-        format!("pxe.images_path={}/images", small.display()),
-        format!("deploy.http_root={}/httpboot", small.display()),
-    ];
-    let mut args: Vec<&str> = Vec::new();
-    for s in &sets {
-        args.extend(["--set", s.as_str()]);
-    }
-    let worker = env.serve_with(&args, &[]).await;
+    let worker = serve_on(&env, &mount).await;
     let broker = Broker::connect().await;
     let n = node();
     let done = broker
@@ -266,7 +250,7 @@ async fn gzip_bomb_stops_at_the_room_made_and_leaves_nothing() {
 async fn zstd_bomb_stops_at_the_room_made_like_gzip() {
     let env = Env::new("");
     let small = env.root().join("small");
-    let _mount = Tmpfs::mount(&small, "400m");
+    let mount = Tmpfs::mount(&small, "400m");
     let web = tempfile::tempdir().unwrap();
     let bomb = web.path().join("bomb.img.zst");
     tool(
@@ -282,16 +266,7 @@ async fn zstd_bomb_stops_at_the_room_made_like_gzip() {
     let packed = std::fs::metadata(&bomb).unwrap().len();
     assert!(packed < 1 << 20, "{packed}");
     let server = SourceServer::start(web.path()).await;
-    let sets = [
-        format!("pxe.instance_master_path={}/master", small.display()),
-        format!("pxe.images_path={}/images", small.display()),
-        format!("deploy.http_root={}/httpboot", small.display()),
-    ];
-    let mut args: Vec<&str> = Vec::new();
-    for s in &sets {
-        args.extend(["--set", s.as_str()]);
-    }
-    let worker = env.serve_with(&args, &[]).await;
+    let worker = serve_on(&env, &mount).await;
     let broker = Broker::connect().await;
     // The lowest free space seen while the prepare runs.
     let watched = small.clone();
@@ -344,9 +319,9 @@ async fn zstd_bomb_stops_at_the_room_made_like_gzip() {
 async fn a_download_of_unknown_length_evicts_no_more_than_the_largest_image() {
     let env = Env::new("[convert]\nmax_virtual_size_gib = 1\n");
     let small = env.root().join("small");
-    let _mount = Tmpfs::mount(&small, "2600m");
+    let mount = Tmpfs::mount(&small, "2600m");
     let faults = FaultServer::start(&env.root().join("src"), 1 << 30).await;
-    let worker = serve_on(&env, &small).await;
+    let worker = serve_on(&env, &mount).await;
     // Eight unused masters of 256 MiB (allocated, as written ones are).
     let master_dir = small.join("master");
     let old: Vec<String> = (0..8).map(|i| format!("old{i}")).collect();

@@ -328,20 +328,13 @@ async fn http_mode_inspects_sources_when_the_conductor_always_validates() {
 async fn raw_image_growth_factor_sizes_the_conversion_space_check() {
     let env = Env::new("");
     let small = env.root().join("small");
-    let _mount = Tmpfs::mount(&small, "20m");
+    let mount = Tmpfs::mount(&small, "20m");
     let raw = env.root().join("disk.raw");
     patchy_raw(&raw, 64 << 20, 265);
     let image = env.root().join("allowed/disk.qcow2");
     qcow2_from(&raw, &image, &[]);
-    let sets = [
-        format!("pxe.instance_master_path={}/master", small.display()),
-        format!("pxe.images_path={}/images", small.display()),
-        format!("deploy.http_root={}/httpboot", small.display()),
-    ];
-    let mut flags: Vec<&str> = Vec::new();
-    for s in &sets {
-        flags.extend(["--set", s.as_str()]);
-    }
+    let dirs = mount.worker_flags();
+    let flags: Vec<&str> = dirs.iter().map(String::as_str).collect();
     let source = format!("file://{}", image.display());
     // 64 MiB of virtual disk in 20 MiB: only a small estimate fits.
     let huge = [("OS_DEFAULT__RAW_IMAGE_GROWTH_FACTOR", "1000")];

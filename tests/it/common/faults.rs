@@ -192,6 +192,20 @@ impl Tmpfs {
         }
     }
 
+    /// The `serve` flags that put every directory the worker writes (the
+    /// master cache, the nodes' files, the HTTP root) on this file system.
+    pub fn worker_flags(&self) -> Vec<String> {
+        let dir = self.0.display();
+        [
+            format!("pxe.instance_master_path={dir}/master"),
+            format!("pxe.images_path={dir}/images"),
+            format!("deploy.http_root={dir}/httpboot"),
+        ]
+        .into_iter()
+        .flat_map(|set| ["--set".to_string(), set])
+        .collect()
+    }
+
     /// `mount -o remount,<mode>`, e.g. `ro` or `rw`.
     pub fn remount(&self, mode: &str) {
         tool(
