@@ -424,6 +424,12 @@ async fn copy_to_a_second_process(env: &Env, extra: &[&str], faults: &FaultServe
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let second = env.serve_another(extra).await;
+    // Consuming (connected is set once its consumer is registered), so the
+    // copy the broker takes back goes to it, not to the first process
+    // reconnecting.
+    second
+        .wait_metric("ironic_image_worker_amqp_connected", 1.0)
+        .await;
     let started = std::time::Instant::now();
     let connections = loop {
         let c = tokio::task::block_in_place(|| worker_connections(&env.host));
@@ -452,8 +458,9 @@ async fn a_copy_redelivered_while_another_process_runs_it_is_answered_once() {
     let env = Env::new("");
     let src = env.root().join("src");
     random_file(&src.join("slow.img"), 1600 << 10, 66);
-    // 200 KiB/s: some 8 s of download.
-    let faults = FaultServer::start(&src, 200 << 10).await;
+    // 64 KiB/s: some 25 s of download, so that it still runs once the
+    // second process, started on a loaded machine, consumes.
+    let faults = FaultServer::start(&src, 64 << 10).await;
     let first = env.serve().await;
     let broker = Broker::connect().await;
     let x = node();
@@ -522,17 +529,14 @@ fn fill(dir: &std::path::Path) {
 async fn a_copy_waiting_for_an_answer_that_could_not_be_recorded_is_answered() {
     let env = Env::new("");
     let small = env.root().join("small");
-    let _mount = Tmpfs::mount(&small, "24m");
-    let sets = [
-        format!("pxe.instance_master_path={}/master", small.display()),
-        format!("pxe.images_path={}/images", small.display()),
-        format!("deploy.http_root={}/httpboot", small.display()),
-    ];
-    let args: Vec<&str> = sets.iter().flat_map(|s| ["--set", s.as_str()]).collect();
+    let mount = Tmpfs::mount(&small, "24m");
+    let flags = mount.worker_flags();
+    let args: Vec<&str> = flags.iter().map(String::as_str).collect();
     let src = env.root().join("src");
     random_file(&src.join("slow.img"), 1600 << 10, 67);
-    // 200 KiB/s: some 8 s of download.
-    let faults = FaultServer::start(&src, 200 << 10).await;
+    // 64 KiB/s: some 25 s of download, so that it still runs once the
+    // second process, started on a loaded machine, consumes.
+    let faults = FaultServer::start(&src, 64 << 10).await;
     let first = env.serve_with(&args, &[]).await;
     let broker = Broker::connect().await;
     let corr = broker
