@@ -28,7 +28,8 @@ impl Pipeline {
         // Before any work; again under the node lock before linking.
         self.order.check_not_stale(node, req)?;
         let masters = &self.masters;
-        let image = Box::pin(masters.resolve_image(req, done)).await?;
+        let resolver = masters.resolver();
+        let image = Box::pin(resolver.resolve_image(req, done)).await?;
         match image.mode {
             Mode::Cache => {}
             Mode::PassThrough => {
@@ -40,8 +41,8 @@ impl Pipeline {
                 return Box::pin(validated).await.map(|_| Released::Done);
             }
         }
-        let expected = Box::pin(masters.expected_of(image.spec.clone(), &image.source)).await?;
-        let (name, force_raw) = masters.master_of(&image, req);
+        let expected = Box::pin(resolver.expected_of(image.spec.clone(), &image.source)).await?;
+        let (name, force_raw) = resolver.master_of(&image, req);
         let job = image.job(&name, expected.as_ref(), force_raw, req);
         let locked = self.prepare_locked(node, req, &job, done);
         self.locked(node, &name, locked).await?;

@@ -114,7 +114,7 @@ fn glance_id(href: &str) -> Option<String> {
 impl Source {
     /// Parses `href`, refusing schemes the worker cannot fetch and `file://`
     /// paths outside the allowed directories or that are not regular files.
-    pub fn parse(href: &str, config: &Config) -> Result<Source> {
+    pub fn parse(href: &str, file_url_allowed_paths: &[std::path::PathBuf]) -> Result<Source> {
         if href.len() > MAX_URL_LEN {
             return Err(Error::new(
                 ErrorCode::InvalidMessage,
@@ -147,7 +147,7 @@ impl Source {
                 })?;
                 Ok(Source::File(file::open_allowed(
                     &path,
-                    &config.conductor.file_url_allowed_paths,
+                    file_url_allowed_paths,
                 )?))
             }
             other => Err(Error::new(

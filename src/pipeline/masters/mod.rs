@@ -9,7 +9,7 @@
 //!   `http` mode's answers, passed through or validated first
 //!   (`validated`);
 //! * what requests share: the image a request names, resolved before any
-//!   lock (`resolve`); its master under the master lock, the cached one
+//!   lock by the [`Resolver`] (`resolve`); its master under the master lock, the cached one
 //!   when it fits or a new one (`obtain`);
 //! * making a new master: download, verify, decompress, inspect, convert,
 //!   commit (`fetch`); the other conductors' workers first (`peers`), a
@@ -47,13 +47,15 @@ mod warm;
 
 pub(super) use job::MasterFetch;
 pub(super) use obtain::{Obtained, fill_image};
-pub(super) use resolve::Mode;
+pub(super) use resolve::{Mode, Resolver};
 
 /// The master cache and everything that fills it (see the module).
 pub struct Masters {
     config: Arc<Config>,
     cache: Cache,
     fetcher: Fetcher,
+    /// What a request's image is, decided before any lock.
+    resolver: Resolver,
     metrics: Arc<Metrics>,
     /// The other conductors' workers, once `serve` turned them on.
     peers: OnceLock<peers::Peers>,
@@ -71,8 +73,15 @@ impl Masters {
     pub(super) fn open(config: Arc<Config>, metrics: Arc<Metrics>) -> Result<Masters> {
         let cache = Cache::open(&config.pxe.instance_master_path)?;
         let keeper = keeper::Keeper::new(cache.clone(), &config, metrics.clone());
+        let fetcher = Fetcher::new(&config)?;
         Ok(Masters {
-            fetcher: Fetcher::new(&config)?,
+            resolver: Resolver::new(
+                fetcher.clone(),
+                &config.agent,
+                &config.conductor,
+                config.default.force_raw_images,
+            ),
+            fetcher,
             compressor: gzip::Compressor::new(&config.http, keeper.clone()),
             keeper,
             cache,
@@ -81,6 +90,12 @@ impl Masters {
             peers: OnceLock::new(),
             live: Arc::default(),
         })
+    }
+
+    /// What requests' images are (the sources resolved, the checksums and
+    /// the masters' names decided).
+    pub(super) fn resolver(&self) -> &Resolver {
+        &self.resolver
     }
 
     /// The master cache (its directory, locks and records).

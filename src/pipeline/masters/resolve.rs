@@ -4,16 +4,48 @@
 //! registry, the checksum asked for and resolved under Ironic's checksum
 //! policy, and how `image_download_source` has the image served.
 
+use super::Request;
 use super::job::MasterFetch;
-use super::{Masters, Request};
-use crate::config::ImageDownloadSource;
+use crate::config::{AgentSection, ConductorSection, ImageDownloadSource};
 use crate::error::{Error, ErrorCode, Result};
 use crate::messages::{Completion, InstanceInfo};
-use crate::sources::Source;
+use crate::sources::{Fetcher, Source};
 use crate::store::cache;
 use crate::store::checksum::{Algo, ChecksumSpec, Expected, parse_checksum_file};
 
-impl Masters {
+/// Resolves requests' images before any lock (see the module). It holds
+/// the clients of Glance and the registries and the options its decisions
+/// read, nothing of the cache: a new kind of source or a checksum rule is
+/// decided here alone.
+pub(in crate::pipeline) struct Resolver {
+    fetcher: Fetcher,
+    /// `[agent]`: the default `image_download_source`, `stream_raw_images`,
+    /// `allow_md5_checksum`, `served_md5`.
+    agent: AgentSection,
+    /// `[conductor]`: checksum files, validation of http sources, the
+    /// directories `file://` sources may name.
+    conductor: ConductorSection,
+    /// `[DEFAULT] force_raw_images`.
+    force_raw_images: bool,
+}
+
+impl Resolver {
+    /// A resolver fetching metadata (Glance, registries, checksum files)
+    /// with `fetcher` under the options of these sections.
+    pub(super) fn new(
+        fetcher: Fetcher,
+        agent: &AgentSection,
+        conductor: &ConductorSection,
+        force_raw_images: bool,
+    ) -> Resolver {
+        Resolver {
+            fetcher,
+            agent: agent.clone(),
+            conductor: conductor.clone(),
+            force_raw_images,
+        }
+    }
+
     /// What a prepare and a warm of `req`'s image decide before taking any
     /// lock: the source (an `oci://` one resolved to its blob), the name
     /// its master is recorded under, `instance_info` completed from Glance,
@@ -40,7 +72,7 @@ impl Masters {
             info,
             spec,
             mode,
-            served_md5: self.config.agent.served_md5,
+            served_md5: self.agent.served_md5,
         })
     }
 
@@ -64,14 +96,11 @@ impl Masters {
         image: &ImagePlan,
         req: &Request,
     ) -> (String, bool) {
-        let force_raw = req
-            .options
-            .force_raw
-            .unwrap_or(self.config.default.force_raw_images)
+        let force_raw = req.options.force_raw.unwrap_or(self.force_raw_images)
             && req
                 .options
                 .stream_raw
-                .unwrap_or(self.config.agent.stream_raw_images)
+                .unwrap_or(self.agent.stream_raw_images)
             && image.info.is_whole_disk();
         let glance = match &image.source {
             Source::Glance(id) => Some(id.as_str()),
@@ -85,11 +114,11 @@ impl Masters {
 
     /// The node's `image_download_source` (an empty one counts as unset, as
     /// in Ironic), else `[agent]`'s; `Err` holds a request's unknown word,
-    /// refused by [`Masters::download_mode`] once the source is known.
+    /// refused by [`Resolver::download_mode`] once the source is known.
     fn download_source<'a>(&self, info: &'a InstanceInfo) -> DownloadSource<'a> {
         match info.image_download_source.as_deref().map(str::trim) {
             Some(word) if !word.is_empty() => word.parse().map_err(|_| word),
-            _ => Ok(self.config.agent.image_download_source),
+            _ => Ok(self.agent.image_download_source),
         }
     }
 
@@ -135,7 +164,7 @@ impl Masters {
                     "instance_info.image_source is required",
                 )
             })?;
-        let source = match Source::parse(href, &self.config)? {
+        let source = match Source::parse(href, &self.conductor.file_url_allowed_paths)? {
             Source::Oci(r) => self.resolve_oci(&r, req, mode, info, done).await?,
             other => other,
         };
@@ -227,7 +256,7 @@ impl Masters {
         let expected = match spec {
             ChecksumSpec::Value(e) => e,
             ChecksumSpec::Url { url, algo } => {
-                if self.config.conductor.disable_support_for_checksum_files {
+                if self.conductor.disable_support_for_checksum_files {
                     return Err(Error::new(
                         ErrorCode::ChecksumNotPermitted,
                         format!(
@@ -241,7 +270,7 @@ impl Masters {
                 parse_checksum_file(&text, &source.file_name(), algo)?
             }
         };
-        if expected.algo == Algo::Md5 && !self.config.agent.allow_md5_checksum {
+        if expected.algo == Algo::Md5 && !self.agent.allow_md5_checksum {
             return Err(Error::new(
                 ErrorCode::ChecksumNotPermitted,
                 "the only checksum given is MD5 and [agent]allow_md5_checksum is false; \
@@ -255,14 +284,14 @@ impl Masters {
     /// Whether an http(s) source in `http` mode is inspected before its URL
     /// is answered: `conductor_always_validates_images`, unless deep image
     /// inspection is disabled (Ironic then inspects nothing).
-    pub(super) fn validates_http_sources(&self) -> bool {
-        let c = &self.config.conductor;
+    fn validates_http_sources(&self) -> bool {
+        let c = &self.conductor;
         c.conductor_always_validates_images && !c.disable_deep_image_inspection
     }
 }
 
 /// What a prepare or a warm resolved of its image before any lock (see
-/// [`Masters::resolve_image`]).
+/// [`Resolver::resolve_image`]).
 pub(in crate::pipeline) struct ImagePlan {
     /// Where the bytes come from (an `oci://` reference resolved to a blob).
     pub(in crate::pipeline) source: Source,
@@ -305,6 +334,7 @@ impl ImagePlan {
 type DownloadSource<'a> = std::result::Result<ImageDownloadSource, &'a str>;
 
 /// How a prepare answers, from `image_download_source` and the source.
+#[derive(Debug, PartialEq, Eq)]
 pub(in crate::pipeline) enum Mode {
     /// Cache (and convert) the image and serve it.
     Cache,
@@ -313,4 +343,151 @@ pub(in crate::pipeline) enum Mode {
     /// `http` mode with `conductor_always_validates_images`: download and
     /// inspect first, then answer the source's own URL.
     Validate,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::messages::inbound::{Inbound, parse_command};
+    use serde_json::json;
+
+    fn resolver(edit: impl FnOnce(&mut Config)) -> Resolver {
+        let mut config = Config::default();
+        edit(&mut config);
+        let fetcher = Fetcher::new(&config).unwrap();
+        Resolver::new(
+            fetcher,
+            &config.agent,
+            &config.conductor,
+            config.default.force_raw_images,
+        )
+    }
+
+    /// A prepare of `instance_info` with `options`, as a command brings it.
+    fn request(info: serde_json::Value, options: serde_json::Value) -> Request {
+        let body = json!({
+            "action": "prepare", "node_uuid": "1be26c0b-03f2-4d2e-ae87-c02d7f33c123",
+            "instance_info": info, "options": options,
+        });
+        match parse_command(body.to_string().as_bytes(), "h") {
+            Inbound::Work(r) => *r,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    const URL: &str = "http://images.example/disk.qcow2";
+
+    fn done() -> Completion {
+        Completion::new(crate::messages::Action::Prepare, None, None, "h")
+    }
+
+    /// Resolves an http(s) source (nothing is fetched for one) and names
+    /// its master.
+    async fn master(r: &Resolver, req: &Request) -> (String, bool) {
+        let image = r.resolve_image(req, &mut done()).await.unwrap();
+        r.master_of(&image, req)
+    }
+
+    #[tokio::test]
+    async fn a_whole_disk_image_is_converted_when_both_options_say_so() {
+        let r = resolver(|_| {});
+        let req = request(json!({"image_source": URL}), json!({}));
+        assert_eq!(
+            master(&r, &req).await,
+            (cache::master_name(URL, None, true), true)
+        );
+        assert!(master(&r, &req).await.0.ends_with(".converted"));
+    }
+
+    #[tokio::test]
+    async fn either_option_off_or_a_partition_image_keeps_the_image_as_it_is() {
+        let plain = (cache::master_name(URL, None, false), false);
+        let r = resolver(|_| {});
+        for options in [json!({"force_raw": false}), json!({"stream_raw": false})] {
+            let req = request(json!({"image_source": URL}), options);
+            assert_eq!(master(&r, &req).await, plain);
+        }
+        let partition = json!({"image_source": URL, "kernel": "k", "ramdisk": "r"});
+        assert_eq!(master(&r, &request(partition, json!({}))).await, plain);
+        let r = resolver(|c| c.agent.stream_raw_images = false);
+        let req = request(json!({"image_source": URL}), json!({}));
+        assert_eq!(master(&r, &req).await, plain);
+        // The request's option wins over the worker's.
+        let req = request(json!({"image_source": URL}), json!({"stream_raw": true}));
+        assert!(master(&r, &req).await.1);
+    }
+
+    #[test]
+    fn a_glance_image_is_named_by_its_id_whatever_its_href() {
+        let r = resolver(|_| {});
+        let id = "8c2a6f2e-5d7b-4f7e-9d8e-0c1b2a3d4e5f";
+        let req = request(json!({"image_source": format!("glance://{id}")}), json!({}));
+        let image = ImagePlan {
+            source: Source::Glance(id.into()),
+            href: id.into(),
+            info: req.instance_info.clone(),
+            spec: None,
+            mode: Mode::Cache,
+            served_md5: true,
+        };
+        assert_eq!(r.master_of(&image, &req), (format!("{id}.converted"), true));
+    }
+
+    async fn mode(r: &Resolver, download_source: &str) -> Result<Mode> {
+        let info = json!({"image_source": URL, "image_download_source": download_source});
+        let req = request(info, json!({}));
+        let image = r.resolve_image(&req, &mut done()).await?;
+        Ok(image.mode)
+    }
+
+    #[tokio::test]
+    async fn image_download_source_decides_how_an_http_source_is_answered() {
+        let r = resolver(|_| {});
+        assert_eq!(mode(&r, "local").await.unwrap(), Mode::Cache);
+        // Empty is unset, as in Ironic: the worker's own (local).
+        assert_eq!(mode(&r, " ").await.unwrap(), Mode::Cache);
+        assert_eq!(mode(&r, "http").await.unwrap(), Mode::PassThrough);
+        let swift = mode(&r, "swift").await.unwrap_err();
+        assert_eq!(swift.code, ErrorCode::SourceNotAllowed);
+        let unknown = mode(&r, "ftp").await.unwrap_err();
+        assert_eq!(unknown.code, ErrorCode::InvalidMessage);
+        let r = resolver(|c| c.conductor.conductor_always_validates_images = true);
+        assert_eq!(mode(&r, "http").await.unwrap(), Mode::Validate);
+        // Ironic inspects nothing without deep inspection.
+        let r = resolver(|c| {
+            c.conductor.conductor_always_validates_images = true;
+            c.conductor.disable_deep_image_inspection = true;
+        });
+        assert_eq!(mode(&r, "http").await.unwrap(), Mode::PassThrough);
+        let r = resolver(|c| c.agent.image_download_source = ImageDownloadSource::Http);
+        assert_eq!(mode(&r, "").await.unwrap(), Mode::PassThrough);
+    }
+
+    #[tokio::test]
+    async fn the_checksum_policy_refuses_md5_and_checksum_files_when_told() {
+        let source = Source::parse(URL, &[]).unwrap();
+        let md5 = || {
+            ChecksumSpec::Value(Expected {
+                algo: Algo::Md5,
+                hex: "0".repeat(32),
+            })
+        };
+        let r = resolver(|_| {});
+        assert_eq!(
+            r.resolve_checksum(md5(), &source).await.unwrap().algo,
+            Algo::Md5
+        );
+        let r = resolver(|c| c.agent.allow_md5_checksum = false);
+        let refused = r.resolve_checksum(md5(), &source).await.unwrap_err();
+        assert_eq!(refused.code, ErrorCode::ChecksumNotPermitted);
+        // Refused before any fetch: nothing listens on the URL's port.
+        let r = resolver(|c| c.conductor.disable_support_for_checksum_files = true);
+        let file = ChecksumSpec::Url {
+            url: "http://127.0.0.1:9/SHA256SUMS".into(),
+            algo: None,
+        };
+        let refused = r.resolve_checksum(file, &source).await.unwrap_err();
+        assert_eq!(refused.code, ErrorCode::ChecksumNotPermitted);
+    }
 }

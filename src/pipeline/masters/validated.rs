@@ -26,7 +26,8 @@ impl Masters {
         req: &Request,
         done: &mut Completion,
     ) -> Result<CacheOutcome> {
-        let expected = Box::pin(self.expected_of(image.spec.clone(), &image.source)).await?;
+        let expected =
+            Box::pin(self.resolver.expected_of(image.spec.clone(), &image.source)).await?;
         let validated = self.validated_pass_through(
             &image.source,
             &image.href,
@@ -50,7 +51,7 @@ impl Masters {
         let stat = self.fetcher.stat(source).await?;
         let expected = match spec {
             None => None,
-            Some(spec) => Some(self.resolve_checksum(spec, source).await?),
+            Some(spec) => Some(self.resolver.resolve_checksum(spec, source).await?),
         };
         done.image_url = Some(href.to_string());
         if let Some(e) = expected {

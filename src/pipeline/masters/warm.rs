@@ -27,7 +27,7 @@ impl Masters {
         req: &Request,
         done: &mut Completion,
     ) -> Result<()> {
-        let image = Box::pin(self.resolve_image(req, done)).await?;
+        let image = Box::pin(self.resolver.resolve_image(req, done)).await?;
         match image.mode {
             Mode::Cache => {}
             Mode::PassThrough => {
@@ -44,8 +44,9 @@ impl Masters {
                 return Ok(());
             }
         }
-        let expected = Box::pin(self.expected_of(image.spec.clone(), &image.source)).await?;
-        let (name, force_raw) = self.master_of(&image, req);
+        let expected =
+            Box::pin(self.resolver.expected_of(image.spec.clone(), &image.source)).await?;
+        let (name, force_raw) = self.resolver.master_of(&image, req);
         let job = image.job(&name, expected.as_ref(), force_raw, req);
         let warmed = async {
             let obtained = self.obtain_master(&job, false, &|_| false).await?;
