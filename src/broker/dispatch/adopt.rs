@@ -7,23 +7,44 @@
 //! Knows nothing of what a delivery asks, of the ledger, nor of answers.
 
 use super::super::ack::{Adoption, Tracked};
+use super::Dispatcher;
 use super::settle::settle;
-use super::{Delivered, Dispatcher};
 use crate::messages::IgnoreReason;
 use lapin::Acker;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// How long a job answered but not acknowledged (its connection died) is
 /// remembered, so that its redelivered copy is acknowledged silently.
-const ANSWERED_MEMORY: Duration = Duration::from_secs(600);
+pub(super) const ANSWERED_MEMORY: Duration = Duration::from_secs(600);
 
-impl Dispatcher {
+/// The jobs awaiting acknowledgement, by delivery identity
+/// (`identity::key`), each holding its copy's acker `A`; answered ones are
+/// kept for a while, so that a redelivered copy of one is settled, not run.
+pub(super) struct Pending<A> {
+    jobs: Mutex<HashMap<String, Vec<Arc<Tracked<A>>>>>,
+    /// How long an answered job is remembered ([`ANSWERED_MEMORY`]).
+    memory: Duration,
+}
+
+impl<A: Clone> Pending<A> {
+    /// None yet; answered jobs remembered for `memory`.
+    pub(super) fn new(memory: Duration) -> Pending<A> {
+        Pending {
+            jobs: Mutex::default(),
+            memory,
+        }
+    }
+
+    fn jobs(&self) -> MutexGuard<'_, HashMap<String, Vec<Arc<Tracked<A>>>>> {
+        self.jobs.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Jobs acknowledged early and not answered yet (lost if the process
     /// stops before they end: the broker holds no copy of them).
-    pub(in crate::broker) fn accepted_unanswered(&self) -> usize {
-        let pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-        pending
+    pub(super) fn accepted_unanswered(&self) -> usize {
+        self.jobs()
             .values()
             .flatten()
             .filter(|t| t.accepted_unanswered())
@@ -31,22 +52,55 @@ impl Dispatcher {
     }
 
     /// Registers a job as awaiting acknowledgement, forgetting answered
-    /// ones older than [`ANSWERED_MEMORY`].
-    pub(super) fn remember(&self, job: &Delivered) {
-        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-        pending.retain(|_, jobs| {
-            jobs.retain(|t| {
-                t.answered_at()
-                    .is_none_or(|at| at.elapsed() < ANSWERED_MEMORY)
-            });
-            !jobs.is_empty()
+    /// ones older than the memory.
+    pub(super) fn remember(&self, identity: &str, tracked: Arc<Tracked<A>>) {
+        let mut jobs = self.jobs();
+        jobs.retain(|_, same| {
+            same.retain(|t| t.answered_at().is_none_or(|at| at.elapsed() < self.memory));
+            !same.is_empty()
         });
-        pending
-            .entry(job.identity.clone())
-            .or_default()
-            .push(job.tracked.clone());
+        jobs.entry(identity.to_string()).or_default().push(tracked);
     }
 
+    /// Offers a redelivered copy of connection `session`: the job of its
+    /// identity from an earlier connection takes it (or, answered already
+    /// or acknowledged early, says to settle it now, and an answered job
+    /// is forgotten). `None`: no job takes it.
+    pub(super) fn offer(
+        &self,
+        session: u64,
+        identity: &str,
+        acker: &A,
+    ) -> Option<(Arc<Tracked<A>>, Adoption<A>)> {
+        let mut jobs = self.jobs();
+        let same = jobs.get_mut(identity)?;
+        let (i, adoption) =
+            same.iter()
+                .enumerate()
+                .find_map(|(i, t)| match t.adopt(session, acker.clone()) {
+                    Adoption::NotStale(_) => None,
+                    adoption => Some((i, adoption)),
+                })?;
+        let tracked = same[i].clone();
+        if tracked.answered() {
+            same.remove(i);
+        }
+        Some((tracked, adoption))
+    }
+
+    /// Drops a settled job.
+    pub(super) fn forget(&self, identity: &str, tracked: &Arc<Tracked<A>>) {
+        let mut jobs = self.jobs();
+        if let Some(same) = jobs.get_mut(identity) {
+            same.retain(|t| !Arc::ptr_eq(t, tracked));
+            if same.is_empty() {
+                jobs.remove(identity);
+            }
+        }
+    }
+}
+
+impl Dispatcher {
     /// A redelivered copy: if a job of an earlier connection has the same
     /// identity, it takes this copy's acker (or, answered already or
     /// acknowledged early, this copy is acknowledged now). True if adopted.
@@ -57,26 +111,8 @@ impl Dispatcher {
         acker: &Acker,
         received: Instant,
     ) -> bool {
-        let (tracked, adoption) = {
-            let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-            let Some(jobs) = pending.get_mut(identity) else {
-                return false;
-            };
-            let found =
-                jobs.iter()
-                    .enumerate()
-                    .find_map(|(i, t)| match t.adopt(session, acker.clone()) {
-                        Adoption::NotStale(_) => None,
-                        adoption => Some((i, adoption)),
-                    });
-            let Some((i, adoption)) = found else {
-                return false;
-            };
-            let t = jobs[i].clone();
-            if t.answered() {
-                jobs.remove(i);
-            }
-            (t, adoption)
+        let Some((tracked, adoption)) = self.pending.offer(session, identity, acker) else {
+            return false;
         };
         self.work
             .metrics()
@@ -94,15 +130,71 @@ impl Dispatcher {
         }
         true
     }
+}
 
-    /// Drops a settled job from the jobs awaiting acknowledgement.
-    pub(super) fn forget(&self, identity: &str, tracked: &Arc<Tracked<Acker>>) {
-        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(jobs) = pending.get_mut(identity) {
-            jobs.retain(|t| !Arc::ptr_eq(t, tracked));
-            if jobs.is_empty() {
-                pending.remove(identity);
-            }
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job(session: u64, acker: &'static str) -> Arc<Tracked<&'static str>> {
+        Arc::new(Tracked::new(session, acker, false, tracing::Span::none()))
+    }
+
+    #[test]
+    fn a_redelivered_copy_is_adopted_by_the_job_of_its_identity() {
+        let pending = Pending::new(ANSWERED_MEMORY);
+        let first = job(1, "first");
+        pending.remember("k", first.clone());
+        assert!(pending.offer(2, "other", &"x").is_none());
+        let (by, adoption) = pending.offer(2, "k", &"second").unwrap();
+        assert!(Arc::ptr_eq(&by, &first));
+        assert!(matches!(adoption, Adoption::Adopted));
+        assert_eq!(first.session(), Some(2));
+        // A copy of the connection the job holds a copy of is not stale.
+        assert!(pending.offer(2, "k", &"third").is_none());
+    }
+
+    #[test]
+    fn a_copy_of_an_answered_job_is_settled_now_and_the_job_forgotten() {
+        let pending = Pending::new(ANSWERED_MEMORY);
+        let first = job(1, "first");
+        pending.remember("k", first.clone());
+        assert!(matches!(first.finish(), Ok((1, "first"))));
+        let (_, adoption) = pending.offer(2, "k", &"second").unwrap();
+        assert!(matches!(adoption, Adoption::SettleNow("second")));
+        assert!(pending.offer(3, "k", &"third").is_none());
+    }
+
+    #[test]
+    fn a_copy_of_a_job_acknowledged_early_is_settled_and_the_job_kept() {
+        let pending = Pending::new(ANSWERED_MEMORY);
+        let first = job(1, "first");
+        pending.remember("k", first.clone());
+        assert!(first.ack_early(None).is_some());
+        assert_eq!(pending.accepted_unanswered(), 1);
+        for session in [2, 3] {
+            let (_, adoption) = pending.offer(session, "k", &"copy").unwrap();
+            assert!(matches!(adoption, Adoption::SettleNow("copy")));
         }
+        assert!(first.finish().is_err());
+        assert_eq!(pending.accepted_unanswered(), 0);
+    }
+
+    #[test]
+    fn answered_jobs_are_forgotten_past_the_memory_and_settled_ones_at_once() {
+        let pending = Pending::new(Duration::ZERO);
+        let answered = job(1, "a");
+        pending.remember("answered", answered.clone());
+        let _ = answered.finish();
+        let settled = job(1, "b");
+        pending.remember("settled", settled.clone());
+        let running = job(1, "c");
+        pending.remember("settled", running.clone());
+        pending.forget("settled", &settled);
+        // The next job remembered prunes the answered one.
+        pending.remember("next", job(1, "d"));
+        assert!(pending.offer(2, "answered", &"x").is_none());
+        let (by, _) = pending.offer(2, "settled", &"y").unwrap();
+        assert!(Arc::ptr_eq(&by, &running));
     }
 }

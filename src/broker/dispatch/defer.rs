@@ -27,7 +27,7 @@ impl Dispatcher {
         let link = self.link.borrow().clone();
         let acker = job.tracked.take_acker();
         // The redelivered copy is new work, not a copy of running work.
-        self.forget(&job.identity, &job.tracked);
+        self.pending.forget(&job.identity, &job.tracked);
         let (Some(link), Some((session, acker))) = (link, acker) else {
             return;
         };
@@ -54,10 +54,8 @@ impl Dispatcher {
     /// confirmed, carrying its deadline and issue time (sealed again).
     async fn put_back(&self, link: &Link, job: &Delivered) -> Result<(), String> {
         let issued = stamp::with_issue_time(job.properties.clone(), job.received_ms);
-        let mut copy = deadline::carried(&issued, job.deadline);
-        if let Some(gate) = &self.gate {
-            copy = gate.reseal(copy, &job.body, (job.seal_key, job.sealed_until));
-        }
+        let copy = deadline::carried(&issued, job.deadline);
+        let copy = (self.reader).reseal(copy, &job.body, (job.seal_key, job.sealed_until));
         link.publisher
             .requeue_copy(&self.queue, &job.body, copy)
             .await
@@ -82,7 +80,7 @@ impl Dispatcher {
             return;
         };
         let acker = job.tracked.take_acker();
-        self.forget(&job.identity, &job.tracked);
+        self.pending.forget(&job.identity, &job.tracked);
         if acker.as_ref().is_some_and(|(s, _)| *s != link.session) {
             return;
         }

@@ -19,6 +19,8 @@
 //! a delivery as the shared dispatch's [`Carrier`] ([`Delivered`]) and the
 //! routing of each delivery. Around it, one concern a file:
 //!
+//! * `read`: how a delivery reads (a command or a notification) and
+//!   whether its seal lets it be worked;
 //! * `intake`: when the backlog of a new connection is taken in;
 //! * `adopt`: the jobs awaiting acknowledgement, and a redelivered copy
 //!   adopted by the job of its identity;
@@ -38,6 +40,7 @@ mod adopt;
 mod defer;
 mod early_ack;
 mod intake;
+mod read;
 mod refuse;
 mod settle;
 mod slow_lane;
@@ -46,16 +49,14 @@ use super::ack::Tracked;
 use super::deadline;
 use super::identity;
 use super::publisher::Publisher;
-use super::sealed::Gate;
 use crate::dispatch::{Carrier, Deferral, DeliveryKey, Dispatch, Job, Transport};
-use crate::messages::inbound::{self, Inbound};
+use crate::messages::inbound::Inbound;
 use crate::messages::{Completion, IgnoreReason};
 use crate::seal::Sealed;
 use futures_util::future::BoxFuture;
 use intake::Intake;
 use lapin::Acker;
 use lapin::message::Delivery;
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -76,20 +77,15 @@ pub(super) struct Link {
 /// the current connection; the work itself is the shared dispatch's.
 pub(super) struct Dispatcher {
     work: Arc<Dispatch>,
-    host: String,
-    /// Ironic's notification exchange (deliveries from it are notifications).
-    notification_exchange: String,
-    /// `[notifications]deploy_interfaces`: the nodes notifications act on.
-    deploy_interfaces: Vec<String>,
-    /// `[amqp]max_message_bytes`: the longest body read.
-    max_message_bytes: usize,
+    /// How deliveries read (commands, notifications, seals).
+    reader: read::Reader,
     /// The broker's consumer timeout in force, in milliseconds (0: none):
     /// `[amqp]consumer_timeout`, or the value the broker reported when it
     /// closed a channel over it. A delivery still unacknowledged three
     /// quarters of it after it arrived is acknowledged early.
     consumer_timeout_ms: AtomicU64,
     /// Jobs not yet acknowledged, by delivery identity (`identity::key`).
-    pending: Mutex<HashMap<String, Vec<Arc<Tracked<Acker>>>>>,
+    pending: adopt::Pending<Acker>,
     /// The live connection, `None` while disconnected.
     link: watch::Sender<Option<Link>>,
     next_session: AtomicU64,
@@ -97,8 +93,6 @@ pub(super) struct Dispatcher {
     queue: String,
     /// Deliveries being dispatched, and when the last one was.
     intake: Mutex<Intake>,
-    /// The seal commands must carry (`[amqp]seal`); `None`: off.
-    gate: Option<Gate>,
 }
 
 /// A delivery: the broker's side of its job (the shared dispatch's
@@ -144,21 +138,22 @@ impl Dispatcher {
         let amqp = &settings.amqp;
         let timeout = amqp.consumer_timeout;
         let queue = super::Topology::new(&settings.host, amqp).queue;
-        let gate = (settings.seal.clone()).map(|s| Gate::new(s, &settings.host, &queue));
         Dispatcher {
-            host: settings.host.clone(),
-            notification_exchange: amqp.notification_exchange.clone(),
-            deploy_interfaces: settings.notifications.deploy_interfaces.clone(),
-            max_message_bytes: amqp.max_message_bytes,
+            reader: read::Reader::new(settings, &queue),
             consumer_timeout_ms: AtomicU64::new(timeout.saturating_mul(1000)),
             work,
-            pending: Mutex::new(HashMap::new()),
+            pending: adopt::Pending::new(adopt::ANSWERED_MEMORY),
             link: watch::Sender::new(None),
             next_session: AtomicU64::new(1),
             queue,
             intake: Mutex::new(Intake::new()),
-            gate,
         }
+    }
+
+    /// Jobs acknowledged early and not answered yet (lost if the process
+    /// stops before they end: the broker holds no copy of them).
+    pub(in crate::broker) fn accepted_unanswered(&self) -> usize {
+        self.pending.accepted_unanswered()
     }
 
     /// Every job's task (the shared dispatch's), for a drain on stop.
@@ -209,14 +204,14 @@ impl Dispatcher {
         if delivery.redelivered && self.adopt(session, &identity, &delivery.acker, received) {
             return;
         }
-        let sealed = match self.admit(&delivery) {
+        let sealed = match self.reader.admit(&delivery) {
             Ok(sealed) => sealed,
             Err(why) => return self.refuse(delivery, why),
         };
         let (inbound, job) = self.job(session, identity, delivery, sealed);
         match inbound {
             Inbound::Work(request) => {
-                self.remember(&job);
+                self.pending.remember(&job.identity, job.tracked.clone());
                 self.arm_early_ack(&job.tracked, session, received);
                 self.work.submit(Job {
                     request: *request,
@@ -224,7 +219,7 @@ impl Dispatcher {
                 });
             }
             Inbound::Invalid(done) => {
-                self.remember(&job);
+                self.pending.remember(&job.identity, job.tracked.clone());
                 let span = job.tracked.span.clone();
                 self.work
                     .tracker
@@ -257,7 +252,7 @@ impl Dispatcher {
     ) -> (Inbound, Delivered) {
         let legacy_identity = Some(identity::legacy(&identity::Parts::of(&delivery)));
         let received_ms = crate::clock::now_ms();
-        let (mut inbound, source) = self.read(&delivery.data, delivery.exchange.as_str());
+        let (mut inbound, source) = self.reader.read(&delivery.data, delivery.exchange.as_str());
         // A sealed command was issued no later than it was sealed: an issue
         // time header set later is not taken.
         let issued_ms = super::stamp::issued_ms(&delivery.properties, received_ms)
@@ -292,31 +287,6 @@ impl Dispatcher {
             seal_key: sealed.map_or(0, |s| s.key),
         };
         (inbound, job)
-    }
-
-    /// A body published to `exchange`, parsed as a notification when the
-    /// exchange is Ironic's, else as a command; with the log's name for
-    /// which it was. The same for a delivery and for one parked earlier.
-    fn read(&self, body: &[u8], exchange: &str) -> (Inbound, &'static str) {
-        let from_ironic = exchange == self.notification_exchange;
-        let mut inbound = inbound::parse(
-            body,
-            from_ironic,
-            &self.host,
-            &self.deploy_interfaces,
-            self.max_message_bytes,
-        );
-        if self.gate.is_some() {
-            inbound = inbound::unsealed_notification(inbound);
-        }
-        (
-            inbound,
-            if from_ironic {
-                "notification"
-            } else {
-                "command"
-            },
-        )
     }
 
     /// Whether the copy `tracked` holds came through a connection now gone:
@@ -391,7 +361,9 @@ impl Carrier for Delivered {
             if let Some((_, acker)) = self.tracked.take_acker() {
                 let _ = settle::settle(acker, false).await;
             }
-            self.dispatcher.forget(&self.identity, &self.tracked);
+            self.dispatcher
+                .pending
+                .forget(&self.identity, &self.tracked);
         })
     }
 }

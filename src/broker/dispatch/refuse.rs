@@ -8,23 +8,11 @@
 use super::super::sealed;
 use super::Dispatcher;
 use super::settle::settle;
-use crate::seal::{Refusal, Sealed};
+use crate::seal::Refusal;
 use lapin::message::Delivery;
 use std::sync::Arc;
 
 impl Dispatcher {
-    /// Whether `delivery` may be worked under the seal policy: notifications
-    /// (from Ironic's exchange: nobody seals them) and every message when
-    /// the seal is off pass as unsealed.
-    pub(super) fn admit(&self, delivery: &Delivery) -> Result<Option<Sealed>, Refusal> {
-        match &self.gate {
-            Some(gate) if delivery.exchange.as_str() != self.notification_exchange => {
-                gate.admit(delivery)
-            }
-            _ => Ok(None),
-        }
-    }
-
     /// Dead-letters `delivery`, refused for `why`, and counts it.
     pub(super) fn refuse(self: &Arc<Self>, delivery: Delivery, why: Refusal) {
         let reason = sealed::reason(why);

@@ -132,7 +132,7 @@ impl Dispatcher {
             },
         };
         if settled {
-            self.forget(identity, tracked);
+            self.pending.forget(identity, tracked);
         }
     }
 }

@@ -40,7 +40,7 @@ impl Dispatcher {
         if job.tracked.session().is_none() {
             return true;
         }
-        if self.accepted_unanswered() >= SET_ASIDE_AT_MOST {
+        if self.pending.accepted_unanswered() >= SET_ASIDE_AT_MOST {
             return false;
         }
         let set_aside = self.set_aside(job).await;
@@ -102,7 +102,7 @@ impl Dispatcher {
                 self.work.unpark(&Shelf::broker(), &key).await;
                 continue;
             };
-            let (inbound, source) = self.read(&body, &parked.exchange);
+            let (inbound, source) = self.reader.read(&body, &parked.exchange);
             let Inbound::Work(mut request) = inbound else {
                 self.work.unpark(&Shelf::broker(), &key).await;
                 continue;
