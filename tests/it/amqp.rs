@@ -368,7 +368,15 @@ async fn slow_sources_give_back_their_prepare_slots() {
             .await;
     }
     // The slow ones have their slots before the fast one arrives.
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    let begun = || (0..3).all(|i| faults.count("slow", &format!("slow{i}.img")) > 0);
+    let deadline = tokio::time::Instant::now() + MINUTE;
+    while !begun() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the slow downloads begin"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let corr = broker
         .command(
             &env.host,

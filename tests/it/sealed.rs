@@ -410,10 +410,11 @@ async fn commands_without_a_good_seal_are_dead_lettered_unworked() {
     let cleaned = s.answers(1, Duration::from_secs(30)).await;
     assert_eq!(cleaned[0].done["status"], "success");
     assert!(s.node_files(&node).is_empty());
+    let refused = ignored(&s.worker, "bad_seal").await;
     s.publish(&key, body, genuine).await;
-    let again = s.answers(1, Duration::from_secs(10)).await;
-    assert!(again.len() <= 1);
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Refused when read: counted, dead-lettered, never worked.
+    counted(&s.worker, "bad_seal", refused + 1.0).await;
+    assert!(s.answers(1, Duration::from_millis(200)).await.is_empty());
     assert!(
         s.node_files(&node).is_empty(),
         "a replay links nothing again"
