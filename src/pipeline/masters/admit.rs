@@ -5,19 +5,49 @@
 //! commit into the cache. Shared below the steps that make a master, so
 //! neither a download nor a peer's transfer needs the other.
 
+use super::blocking;
 use super::job::MasterFetch;
 use super::verdict::{Formats, Wanted};
-use super::{Masters, blocking};
+use crate::config::{ConductorSection, ConvertSection};
 use crate::error::{Error, Result};
 use crate::fsutil::TempGuard;
-use crate::image::inspect;
+use crate::image::{inspect, qcow2};
 use crate::image_format::Format;
 use crate::messages::InstanceInfo;
-use crate::sources::Source;
-use crate::store::cache::{self, Master, MasterMeta};
+use crate::sources::{Fetcher, Source};
+use crate::store::cache::{self, Cache, Master, MasterMeta};
 use std::path::Path;
 
-impl Masters {
+/// Judges and commits masters (see the module): it holds the cache it
+/// commits into, the client that asks a source whether it changed, and
+/// the formats and qcow2 limits of its sections, nothing else.
+pub(super) struct Admission {
+    cache: Cache,
+    fetcher: Fetcher,
+    /// `[conductor]permitted_image_formats`; `None` with
+    /// `disable_deep_image_inspection` (formats are not checked).
+    permitted: Option<Vec<Format>>,
+    /// `[convert]`'s bounds on a qcow2 header.
+    qcow2_limits: qcow2::Limits,
+}
+
+impl Admission {
+    /// The admission of masters into `cache` under these sections.
+    pub(super) fn new(
+        cache: Cache,
+        fetcher: Fetcher,
+        conductor: &ConductorSection,
+        convert: &ConvertSection,
+    ) -> Admission {
+        Admission {
+            cache,
+            fetcher,
+            permitted: (!conductor.disable_deep_image_inspection)
+                .then(|| conductor.permitted_image_formats.clone()),
+            qcow2_limits: convert.qcow2_limits(),
+        }
+    }
+
     /// Inspects the downloaded image: its format must be the declared one
     /// and permitted, and a qcow2 must pass the safety checks.
     pub(super) async fn inspect_download(
@@ -27,8 +57,7 @@ impl Masters {
     ) -> Result<(inspect::Inspection, Option<crate::image::qcow2::Header>)> {
         let found = inspect::inspect_file(temp)?;
         self.check_declared_format(found.format, job.info)?;
-        let qcow2 =
-            inspect::spawn_safety_check(temp, &found, self.config.convert.qcow2_limits()).await?;
+        let qcow2 = inspect::spawn_safety_check(temp, &found, self.qcow2_limits).await?;
         Ok((found, qcow2))
     }
 
@@ -47,7 +76,7 @@ impl Masters {
     }
 
     /// Commits `temp` as the master `name` with its sidecar, holding it by a
-    /// hard link first (see [`Masters::fetch_master`]).
+    /// hard link first (see [`super::Masters::fetch_master`]).
     pub(super) async fn commit_master(
         &self,
         name: &str,
@@ -94,10 +123,9 @@ impl Masters {
     /// The formats a request takes (`None` with
     /// `[conductor]disable_deep_image_inspection`: not checked).
     pub(super) fn formats<'a>(&'a self, info: &'a InstanceInfo) -> Option<Formats<'a>> {
-        let c = &self.config.conductor;
-        (!c.disable_deep_image_inspection).then_some(Formats {
+        self.permitted.as_deref().map(|permitted| Formats {
             declared: info.image_disk_format.as_deref(),
-            permitted: &c.permitted_image_formats,
+            permitted,
         })
     }
 
@@ -119,4 +147,55 @@ pub(super) fn warn_formats_unchecked(format: Format) {
         "[conductor]disable_deep_image_inspection: the declared and permitted formats \
          are not checked"
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::ErrorCode;
+
+    fn admission(deep_inspection: bool) -> (tempfile::TempDir, Admission) {
+        let dir = tempfile::tempdir().unwrap();
+        let config = crate::config::Config::default();
+        let conductor = ConductorSection {
+            disable_deep_image_inspection: !deep_inspection,
+            ..config.conductor.clone()
+        };
+        let admission = Admission::new(
+            Cache::open(dir.path()).unwrap(),
+            Fetcher::new(&config).unwrap(),
+            &conductor,
+            &config.convert,
+        );
+        (dir, admission)
+    }
+
+    fn declared(format: &str) -> InstanceInfo {
+        InstanceInfo {
+            image_disk_format: Some(format.into()),
+            ..InstanceInfo::default()
+        }
+    }
+
+    #[test]
+    fn a_format_other_than_the_declared_or_not_permitted_is_refused() {
+        let (_dir, a) = admission(true);
+        a.check_declared_format(Format::Qcow2, &declared("qcow2"))
+            .unwrap();
+        let other = a.check_declared_format(Format::Qcow2, &declared("raw"));
+        assert_eq!(other.unwrap_err().code, ErrorCode::FormatMismatch);
+        // Ironic's default list has no vmdk, declared or not.
+        let vmdk = a.check_declared_format(Format::Vmdk, &declared("vmdk"));
+        assert_eq!(vmdk.unwrap_err().code, ErrorCode::FormatNotPermitted);
+    }
+
+    #[test]
+    fn without_deep_inspection_no_format_is_checked() {
+        let (_dir, a) = admission(false);
+        assert!(a.formats(&declared("raw")).is_none());
+        a.check_declared_format(Format::Qcow2, &declared("raw"))
+            .unwrap();
+        a.check_declared_format(Format::Vmdk, &InstanceInfo::default())
+            .unwrap();
+    }
 }

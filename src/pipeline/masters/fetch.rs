@@ -56,7 +56,7 @@ impl Masters {
             Some(unpacked) => unpacked,
             None => (download, downloaded.digests.clone()),
         };
-        let (found, qcow2) = self.inspect_download(job, temp.path()).await?;
+        let (found, qcow2) = self.admission.inspect_download(job, temp.path()).await?;
         let streamed = streamed.filter(|_| found.format == Format::Qcow2);
         let mut live = None;
         let (temp, served, converted) = match streamed {
@@ -83,7 +83,7 @@ impl Masters {
             None => (temp, served, false),
         };
         let meta = master_meta(job.href, downloaded, &found, served, converted)?;
-        let committed = self.commit_master(job.name, temp, meta).await?;
+        let committed = self.admission.commit_master(job.name, temp, meta).await?;
         if let Some(live) = live {
             live.committed();
         }

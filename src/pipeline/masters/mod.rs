@@ -56,6 +56,8 @@ pub struct Masters {
     fetcher: Fetcher,
     /// What a request's image is, decided before any lock.
     resolver: Resolver,
+    /// What lets bytes stand as a master, and their commit.
+    admission: admit::Admission,
     metrics: Arc<Metrics>,
     /// The other conductors' workers, once `serve` turned them on.
     peers: OnceLock<peers::Peers>,
@@ -80,6 +82,12 @@ impl Masters {
                 &config.agent,
                 &config.conductor,
                 config.default.force_raw_images,
+            ),
+            admission: admit::Admission::new(
+                cache.clone(),
+                fetcher.clone(),
+                &config.conductor,
+                &config.convert,
             ),
             fetcher,
             compressor: gzip::Compressor::new(&config.http, keeper.clone()),

@@ -26,7 +26,7 @@ impl Masters {
         as_fetched: bool,
         linked: &(dyn Fn(&Master) -> bool + Sync),
     ) -> Result<Obtained> {
-        let want = self.wanted(job, as_fetched);
+        let want = self.admission.wanted(job, as_fetched);
         let cached = match self.cache.load(job.name) {
             Some(m) if !matches!(verdict::judge(&m.meta, &want), Verdict::Unfit(_)) => {
                 let completed = self.complete_digests(job.name, m, job.expected, job.served);
@@ -82,7 +82,7 @@ impl Masters {
             Fit::Verified => true,
             // Its digests were completed: a digest still unknown is not there.
             Fit::OnceHashed(_) => false,
-            Fit::IfFresh => linked || self.is_fresh(job.source, &m.meta).await?,
+            Fit::IfFresh => linked || self.admission.is_fresh(job.source, &m.meta).await?,
         };
         if want.formats.is_none() && fits {
             super::admit::warn_formats_unchecked(m.meta.source_format);

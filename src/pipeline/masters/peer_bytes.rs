@@ -73,7 +73,7 @@ impl Masters {
             meta.source_sha256 = Some(meta.sha256.clone());
             meta.source_sha512 = meta.sha512.clone();
         }
-        self.commit_master(job.name, file, meta).await
+        self.admission.commit_master(job.name, file, meta).await
     }
 
     /// Receives `size` bytes of master `job.name` from `holders` (through
@@ -182,7 +182,7 @@ impl Masters {
     ) -> Result<()> {
         let found = match facts.converted {
             true => inspect::inspect_file(path)?,
-            false => self.inspect_download(job, path).await?.0,
+            false => self.admission.inspect_download(job, path).await?.0,
         };
         let ok = match facts.converted {
             true => found.format.is_raw(),

@@ -271,7 +271,7 @@ impl Masters {
     async fn fresh_for(&self, job: &MasterFetch<'_>, m: &OfferedMaster) -> Result<bool> {
         match job.expected {
             Some(_) => Ok(true),
-            None => self.is_fresh(job.source, &meta_of(m)).await,
+            None => self.admission.is_fresh(job.source, &meta_of(m)).await,
         }
     }
 
@@ -291,7 +291,7 @@ impl Masters {
             return false;
         }
         matches!(
-            verdict::judge(&meta_of(m), &self.wanted(job, false)),
+            verdict::judge(&meta_of(m), &self.admission.wanted(job, false)),
             Verdict::Fits(_)
         )
     }
