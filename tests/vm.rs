@@ -109,13 +109,16 @@ fn deploy(scenario: &str, extra: &[&str]) -> String {
     text
 }
 
-/// Then undeployed with automated cleaning (the agent boots again and
-/// erases the disk's metadata) back to `available`: running beside the
-/// JSON-RPC and stock cases, it adds little to the wall time.
+/// Then rebuilt with another image (the agent boots again and writes it;
+/// the first image's master stays cached), then undeployed with automated
+/// cleaning (the agent boots a third time and erases the disk's metadata)
+/// back to `available`: one machine's life, in one test so that its boots
+/// follow each other while the other cases run beside it.
 #[test]
-fn amqp_deploy_of_a_real_vm_then_undeploy_with_cleaning() {
-    let text = deploy("amqp", &["--undeploy"]);
+fn amqp_deploy_of_a_real_vm_then_rebuild_then_undeploy_with_cleaning() {
+    let text = deploy("amqp", &["--rebuild", "--undeploy"]);
     assert!(text.contains("only the worker fetched the source"));
+    assert!(text.contains("amqp: rebuilt with another image"));
     assert!(text.contains("undeployed and cleaned back to available"));
 }
 
@@ -130,4 +133,32 @@ fn json_rpc_deploy_of_a_real_vm_without_a_broker() {
 fn stock_direct_deploy_of_a_real_vm() {
     let text = deploy("direct", &[]);
     assert!(text.contains("direct: Ironic fetched the source"));
+}
+
+/// The image port with TLS, HTTP Basic and `[http] gzip = "static"`: the
+/// agent verifies the worker's certificate with the CA of its own `cafile`
+/// option, authenticates with what Ironic hands it, and streams the
+/// compressed image to disk through its decoder.
+#[test]
+fn gzip_over_tls_with_basic_auth_to_a_real_agent() {
+    let text = deploy("gzip-tls", &[]);
+    assert!(text.contains("only the worker fetched the source"));
+    assert!(text.contains("gzip-tls: the agent got the image over TLS and Basic auth, compressed"));
+}
+
+/// An `oci://` image from a local registry (htpasswd, the node's pull
+/// secret): only the worker pulls it.
+#[test]
+fn oci_image_deployed_to_a_real_vm() {
+    let text = deploy("oci", &[]);
+    assert!(text.contains("oci: the worker pulled the image from the registry"));
+}
+
+/// The worker killed (SIGKILL) in the middle of its download while the VM
+/// boots, then started again: the broker hands the command to the new
+/// process and the deploy completes.
+#[test]
+fn worker_killed_while_the_vm_boots() {
+    let text = deploy("worker-killed", &[]);
+    assert!(text.contains("worker-killed: the deploy completed"));
 }

@@ -12,14 +12,23 @@ installed (tests/vm.rs does, as ``cargo test --test vm``):
 
 Scenarios: ``amqp`` (the worker over RabbitMQ on 127.0.0.1:5672),
 ``json-rpc`` (the worker with ``[amqp]enabled = false``, no broker),
-``direct`` (stock Ironic, which downloads and converts the image itself).
+``direct`` (stock Ironic, which downloads and converts the image itself),
+and over RabbitMQ: ``gzip-tls`` (the image port with TLS, HTTP Basic and
+``[http] gzip = "static"``: the agent, given the CA by its own ``cafile``
+option and the credentials by Ironic, streams the compressed image to disk
+through its decoder), ``oci`` (the image in a local registry, laid out as
+``oras`` pushes a disk image) and ``worker-killed`` (the worker killed with
+SIGKILL while it downloads the source, then started again, as the VM
+boots). ``--rebuild`` then rebuilds the node with another image (a second
+boot), ``--undeploy`` undeploys it with cleaning (another boot).
 Each checks that the node became ``active``, that the VM powered itself
 off, that the first bytes of its disk equal ``qemu-img convert -O raw`` of
 the source qcow2, and who fetched the source: with the worker, only the
 worker (its User-Agent) and nothing in Ironic's master image cache; with
-``direct``, Ironic. ``--break wrong-file`` swaps the node's served file
-for another image once the worker has published it, ``--break checksum``
-gives Ironic a wrong checksum: each must fail the scenario.
+``direct``, Ironic. ``--break wrong-file`` overwrites the node's served
+file (and its compressed form) once the worker has published it,
+``--break checksum`` gives Ironic a wrong checksum: each must fail the
+scenario.
 
 Networking: QEMU's user network with ``restrict=on`` (nothing leaves the
 machine); the agent is reached through a ``hostfwd`` on 127.0.0.1, and the
@@ -31,6 +40,7 @@ of /dev/kvm hangs Debian's kernel at boot).
 """
 
 import argparse
+import glob
 import hashlib
 import http.server
 import os
@@ -46,6 +56,7 @@ import time
 import urllib.request
 import uuid
 
+from ironic_image_worker_deploy.tests import parts
 from ironic_image_worker_deploy.tests import real_ironic
 
 MiB = 1 << 20
@@ -134,10 +145,12 @@ def run(*args):
 
 class Source(object):
     """The image source: serves a directory, logging each request's method,
-    path, User-Agent and client."""
+    path, User-Agent and client; ``throttle`` (bytes a second, 0: none)
+    slows its bodies down."""
 
     def __init__(self, directory):
         self.requests = []
+        self.throttle = 0
         outer = self
 
         class Handler(http.server.SimpleHTTPRequestHandler):
@@ -153,6 +166,18 @@ class Source(object):
                 outer.requests.append((self.command, self.path,
                                        self.headers.get('User-Agent', '')))
                 return super().send_head()
+
+            def copyfile(self, source, out):
+                rate = outer.throttle
+                if not rate:
+                    return super().copyfile(source, out)
+                chunk = max(rate // 10, 4096)
+                while True:
+                    data = source.read(chunk)
+                    if not data:
+                        return
+                    out.write(data)
+                    time.sleep(0.1)
 
         self.httpd = http.server.ThreadingHTTPServer(('127.0.0.1', 0),
                                                      Handler)
@@ -177,7 +202,7 @@ class Worker(object):
     ``http``: more options of its ``[http]`` section, ``extra``: more
     sections."""
 
-    def __init__(self, binary, workdir, extra='', http=''):
+    def __init__(self, binary, workdir, extra='', http='', scheme='http'):
         self.binary = binary
         self.root = tempfile.mkdtemp(prefix='worker-', dir=workdir)
         self.host = 'vm-%s' % uuid.uuid4().hex[:12]
@@ -185,17 +210,19 @@ class Worker(object):
         self.metrics_port = real_ironic.free_port()
         self.http_root = os.path.join(self.root, 'httpboot')
         self.images_path = os.path.join(self.root, 'images')
+        self.masters = os.path.join(self.root, 'master_images')
+        self.http_url = '%s://127.0.0.1:%d' % (scheme, self.http_port)
         self.config = os.path.join(self.root, 'worker.toml')
         with open(self.config, 'w') as f:
             f.write('[DEFAULT]\nhost = "%s"\n'
                     '[deploy]\nhttp_root = "%s"\n'
-                    'http_url = "http://127.0.0.1:%d"\n'
-                    '[pxe]\ninstance_master_path = "%s/master_images"\n'
+                    'http_url = "%s"\n'
+                    '[pxe]\ninstance_master_path = "%s"\n'
                     'images_path = "%s"\n'
                     '[http]\nlisten = "127.0.0.1:%d"\n%s\n'
                     '[metrics]\nlisten = "127.0.0.1:%d"\n%s\n'
-                    % (self.host, self.http_root, self.http_port,
-                       self.root, self.images_path, self.http_port, http,
+                    % (self.host, self.http_root, self.http_url,
+                       self.masters, self.images_path, self.http_port, http,
                        self.metrics_port, extra))
         self.proc = None
         self.log_path = os.path.join(self.root, 'worker.log')
@@ -224,6 +251,25 @@ class Worker(object):
         raise AssertionError('the worker did not become ready:\n%s'
                              % self.tail())
 
+    def kill(self):
+        """SIGKILL, as a crash or the OOM killer would end it."""
+        self.proc.kill()
+        self.proc.wait()
+        self.log.close()
+
+    def metric(self, name, labels=''):
+        """The value of ``ironic_image_worker_<name>{<labels>}`` (0 when
+        absent)."""
+        url = 'http://127.0.0.1:%d/metrics' % self.metrics_port
+        with urllib.request.urlopen(url, timeout=10) as r:
+            text = r.read().decode()
+        want = 'ironic_image_worker_%s%s ' % (
+            name, '{%s}' % labels if labels else '')
+        for line in text.splitlines():
+            if line.startswith(want):
+                return float(line.split()[-1])
+        return 0.0
+
     def tail(self, n=30):
         with open(self.log_path, 'rb') as f:
             return b'\n'.join(f.read().splitlines()[-n:]).decode(
@@ -247,8 +293,11 @@ class Vm(object):
     of the host."""
 
     def __init__(self, workdir, ramdisk, mac, api_port, ports, memory=1536,
-                 disk=None):
-        """``disk``: the disk of an earlier boot of the same machine."""
+                 disk=None, files=None):
+        """``disk``: the disk of an earlier boot of the same machine;
+        ``files``: {path: bytes} added to the ramdisk (an agent
+        configuration file in /etc makes it verify TLS, which it otherwise
+        does not: ``ipa-insecure``)."""
         self.dir = tempfile.mkdtemp(prefix='vm-', dir=workdir)
         self.disk = disk or os.path.join(self.dir, 'disk.raw')
         if disk is None:
@@ -269,7 +318,7 @@ class Vm(object):
             'ipa-api-url=http://127.0.0.1:%d' % api_port,
             'ipa-advertise-host=127.0.0.1',
             'ipa-advertise-port=%d' % self.agent_port,
-            'ipa-insecure=1', 'ipa-lookup-interval=2',
+            'ipa-insecure=%d' % (not files), 'ipa-lookup-interval=2',
             'ipa-http-request-timeout=120',
             # A download that fails its checksum is tried again once, not
             # nine times (minutes each under emulation).
@@ -282,7 +331,7 @@ class Vm(object):
                '-display', 'none', '-monitor', 'none',
                '-serial', 'file:%s' % self.console,
                '-kernel', os.path.join(ramdisk, 'vmlinuz'),
-               '-initrd', os.path.join(ramdisk, 'initramfs'),
+               '-initrd', self._initrd(ramdisk, files or {}),
                '-append', append,
                '-drive', 'file=%s,format=raw,if=virtio,cache=unsafe'
                % self.disk,
@@ -293,6 +342,29 @@ class Vm(object):
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
                                      stdout=self.qemu_log,
                                      stderr=subprocess.STDOUT)
+
+    def _initrd(self, ramdisk, files):
+        """The ramdisk after an uncompressed cpio archive of ``files``
+        (the kernel unpacks one after the other, as with early microcode)."""
+        base = os.path.join(ramdisk, 'initramfs')
+        if not files:
+            return base
+        tree = os.path.join(self.dir, 'extra')
+        for path, data in files.items():
+            target = os.path.join(tree, path.lstrip('/'))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with open(target, 'wb') as f:
+                f.write(data)
+        names = subprocess.run(['find', '.'], cwd=tree, check=True,
+                               capture_output=True).stdout
+        archive = subprocess.run(['cpio', '--create', '--format=newc',
+                                  '--quiet'], cwd=tree, input=names,
+                                 check=True, capture_output=True).stdout
+        initrd = os.path.join(self.dir, 'initramfs')
+        with open(initrd, 'wb') as out, open(base, 'rb') as f:
+            out.write(archive)
+            shutil.copyfileobj(f, out)
+        return initrd
 
     def console_text(self):
         try:
@@ -344,8 +416,8 @@ def ironic_sections(kind, worker, own_http_root, json_rpc_port):
             http_url='http://127.0.0.1:%d' % own_http_root.port,
             http_root=own_http_root.directory)
         return sections
-    sections['deploy'].update(http_url='http://127.0.0.1:%d'
-                              % worker.http_port, http_root=worker.http_root)
+    sections['deploy'].update(http_url=worker.http_url,
+                              http_root=worker.http_root)
     sections['pxe']['images_path'] = worker.images_path
     if kind == 'amqp':
         sections['DEFAULT'].update(
@@ -374,23 +446,25 @@ class HttpRoot(object):
 
 
 def services(kind, workdir, binary, cleanups, worker_http='',
-             ironic_options=None):
-    """The worker (or Ironic's own HTTP root) of a ``kind`` of deploy and
-    Ironic, each stop appended to ``cleanups``; ``worker_http``: more
-    options of the worker's ``[http]``, ``ironic_options``: of Ironic's
-    sections. Returns them and Ironic's master image directory."""
+             ironic_options=None, worker_extra='', scheme='http'):
+    """The worker (or Ironic's own HTTP root) of a ``kind`` of deploy
+    (``amqp``, ``json-rpc`` or ``direct``) and Ironic, each stop appended
+    to ``cleanups``; ``worker_http``: more options of the worker's
+    ``[http]``, ``worker_extra``: more of its sections, ``scheme``: of its
+    image URLs, ``ironic_options``: of Ironic's sections. Returns them and
+    Ironic's master image directory."""
     worker = own_root = None
     rpc_port = real_ironic.free_port()
     if kind == 'direct':
         own_root = HttpRoot(workdir)
         cleanups.append(own_root.stop)
     else:
-        extra = ''
+        extra = worker_extra
         if kind == 'json-rpc':
-            extra = ('[amqp]\nenabled = false\n[json_rpc]\n'
-                     'listen = "127.0.0.1:%d"\nauth_strategy = "noauth"\n'
-                     % rpc_port)
-        worker = Worker(binary, workdir, extra, worker_http)
+            extra += ('[amqp]\nenabled = false\n[json_rpc]\n'
+                      'listen = "127.0.0.1:%d"\nauth_strategy = "noauth"\n'
+                      % rpc_port)
+        worker = Worker(binary, workdir, extra, worker_http, scheme)
         cleanups.append(worker.stop)
         worker.start()
     sections = ironic_sections(kind, worker, own_root, rpc_port)
@@ -406,13 +480,14 @@ def services(kind, workdir, binary, cleanups, worker_http='',
 
 
 def deploy_patch(kind, url, checksum):
-    """The node PATCH of a deploy of the qcow2 at ``url``."""
-    patch = [{'op': 'add', 'path': '/instance_info', 'value': {
-        'image_source': url,
-        'image_os_hash_algo': 'sha256',
-        'image_os_hash_value': checksum,
-        'image_disk_format': 'qcow2',
-        'image_download_source': 'local'}}]
+    """The node PATCH of a deploy of the qcow2 at ``url``; ``checksum``:
+    its sha256 (None for an OCI image, whose digest is its checksum)."""
+    info = {'image_source': url, 'image_disk_format': 'qcow2',
+            'image_download_source': 'local'}
+    if checksum is not None:
+        info.update(image_os_hash_algo='sha256',
+                    image_os_hash_value=checksum)
+    patch = [{'op': 'add', 'path': '/instance_info', 'value': info}]
     if kind == 'direct':
         patch.append({'op': 'replace', 'path': '/deploy_interface',
                       'value': 'direct'})
@@ -431,16 +506,69 @@ def check_disk(kind, disk, ref):
         % (kind, size))
 
 
+# The transport of each scenario's worker (``direct``: no worker).
+TRANSPORT = {'amqp': 'amqp', 'json-rpc': 'json-rpc', 'direct': 'direct',
+             'gzip-tls': 'amqp', 'oci': 'amqp', 'worker-killed': 'amqp'}
+# The user the agent is handed for the image port (``gzip-tls``).
+AGENT_USER = 'agent'
+# The agent's configuration file: IPA reads /etc/<its program>.conf.
+AGENT_CONF = '/etc/ironic-python-agent.conf'
+AGENT_CA = '/etc/iiw-ca.pem'
+
+
+class Images(object):
+    """The run's source images (served by ``source``), each made on first
+    use: ``get(name, seed, density)`` returns its qcow2 and reference."""
+
+    def __init__(self, workdir, opts):
+        self.workdir = workdir
+        self.opts = opts
+        self.made = {}
+
+    def get(self, name, seed, density=1.0):
+        if name not in self.made:
+            self.made[name] = make_image(
+                self.workdir, name, self.opts.virtual_mib * MiB,
+                self.opts.image_mib * MiB, seed, density)
+        return self.made[name]
+
+
+def make_tls(directory):
+    """A CA and a certificate of 127.0.0.1 it signed; returns the paths of
+    the CA's certificate, the server's certificate and its key."""
+    ca_key, ca = (os.path.join(directory, n) for n in ('ca.key', 'ca.pem'))
+    key, csr, cert, ext = (os.path.join(directory, n) for n in (
+        'tls.key', 'tls.csr', 'tls.pem', 'tls.ext'))
+    ec = ['-newkey', 'ec', '-pkeyopt', 'ec_paramgen_curve:P-256', '-nodes']
+    run('openssl', 'req', '-x509', *ec, '-keyout', ca_key, '-out', ca,
+        '-days', '2', '-subj', '/CN=iiw vm test CA')
+    run('openssl', 'req', '-new', *ec, '-keyout', key, '-out', csr,
+        '-subj', '/CN=127.0.0.1')
+    with open(ext, 'w') as f:
+        f.write('subjectAltName=IP:127.0.0.1\n')
+    run('openssl', 'x509', '-req', '-in', csr, '-CA', ca, '-CAkey', ca_key,
+        '-CAcreateserial', '-days', '2', '-extfile', ext, '-out', cert)
+    return ca, cert, key
+
+
 class Scenario(object):
     """One deploy of one VM, checked end to end."""
 
-    def __init__(self, kind, opts, workdir, source, image):
+    def __init__(self, kind, opts, workdir, source, images):
         self.kind = kind
+        self.transport = TRANSPORT[kind]
         self.opts = opts
         self.dir = tempfile.mkdtemp(prefix='%s-' % kind, dir=workdir)
         self.source = source
-        self.img, self.ref = image
+        self.images = images
+        if kind == 'gzip-tls':
+            # Compressible as an operating system's files are: gzip pays.
+            self.img, self.ref = images.get('sparse', 57, density=0.25)
+        else:
+            self.img, self.ref = images.get('image', 56)
         self.name = os.path.basename(self.img)
+        self.vm_files = None
+        self.killed = None
         self.cleanups = []
 
     def run(self):
@@ -454,56 +582,189 @@ class Scenario(object):
                     log('%s: cleanup: %r' % (self.kind, e))
 
     def _services(self):
-        """The worker (or Ironic's own HTTP root) and Ironic."""
+        """The worker (or Ironic's own HTTP root) and Ironic, set up as
+        the scenario needs."""
+        worker_http = worker_extra = ''
+        ironic_options = {}
+        scheme = 'http'
+        if self.kind == 'gzip-tls':
+            ca, cert, key = make_tls(self.dir)
+            password = uuid.uuid4().hex
+            worker_http = ('gzip = "static"\ntls_cert_file = "%s"\n'
+                           'tls_key_file = "%s"\n'
+                           'auth_strategy = "http_basic"\n'
+                           'auth_user = "%s"\nauth_password = "%s"\n'
+                           % (cert, key, AGENT_USER, password))
+            scheme = 'https'
+            ironic_options = {
+                'DEFAULT': {'webserver_verify_ca': ca},
+                'deploy': {'image_server_auth_strategy': 'http_basic',
+                           'image_server_user': AGENT_USER,
+                           'image_server_password': password,
+                           'image_server_auth_hosts': '127.0.0.1'},
+                'image_worker': {'image_server_auth': 'true'}}
+            with open(ca, 'rb') as f:
+                self.vm_files = {
+                    AGENT_CA: f.read(),
+                    AGENT_CONF: ('[DEFAULT]\ncafile = %s\n'
+                                 % AGENT_CA).encode()}
+        elif self.kind == 'oci':
+            worker_extra = '[oci]\npermit_fallback_to_http_transport = true\n'
         worker, own_root, ironic, self.master = services(
-            self.kind, self.dir, self.opts.worker, self.cleanups)
+            self.transport, self.dir, self.opts.worker, self.cleanups,
+            worker_http, ironic_options, worker_extra, scheme)
         return worker, own_root, ironic
 
     def _node(self, ironic):
         node = ironic.node()
         checksum = ('0' * 64 if self.opts.break_ == 'checksum'
                     else file_hash(self.img))
+        url = self.source.url(self.name)
+        if self.kind == 'oci':
+            url, checksum = self._push_oci(ironic, node), None
         ironic.call('PATCH', '/v1/nodes/%s' % node['uuid'], deploy_patch(
-            self.kind, self.source.url(self.name), checksum))
+            self.transport, url, checksum))
         return node
+
+    def _push_oci(self, ironic, node):
+        """A registry (htpasswd) holding the image as ORAS pushes a disk,
+        the node given its pull secret; returns the image's oci:// URL."""
+        password = uuid.uuid4().hex
+        registry = parts.Registry(os.path.join(self.dir, 'registry'),
+                                       'robot', password)
+        self.cleanups.append(registry.stop)
+        registry.push_disk('vm/disk', 'v1', self.img, 'qcow2')
+        ironic.call('PATCH', '/v1/nodes/%s' % node['uuid'], [
+            {'op': 'add', 'path': '/driver_info/image_pull_secret',
+             'value': 'robot:%s' % password},
+            {'op': 'add', 'path': '/properties/cpu_arch',
+             'value': 'x86_64'}])
+        return registry.oci('vm/disk:v1')
+
+    def _boot(self, ironic, node, served, disk=None):
+        """Powers the machine on, as a BMC would."""
+        vm = Vm(self.dir, self.opts.ramdisk, node['mac'], ironic.port,
+                [served], disk=disk, files=self.vm_files)
+        self.cleanups.append(vm.stop)
+        return vm
+
+    def _wait(self, ironic, worker, uuid_, vm, states):
+        """Waits for the node to reach ``states[0]``; fails with what the
+        VM, the worker and Ironic said when it reaches another."""
+        try:
+            done = ironic.wait(uuid_, states, self.opts.timeout)
+        except AssertionError as e:
+            raise AssertionError('%s: %s\n--- VM console:\n%s' % (
+                self.kind, str(e).splitlines()[0], vm.tail()))
+        if done['provision_state'] != states[0]:
+            raise AssertionError(
+                '%s: %s: %s\n--- VM console:\n%s\n--- worker:\n%s'
+                '\n--- ironic:\n%s' % (
+                    self.kind, done['provision_state'], done['last_error'],
+                    vm.tail(), worker.tail() if worker else '',
+                    ironic.tail(30)))
+        return done
 
     def _run(self):
         worker, own_root, ironic = self._services()
         node = self._node(ironic)
         uuid_ = node['uuid']
         served = worker.http_port if worker else own_root.port
+        if self.kind == 'worker-killed':
+            # The download lasts seconds, so the worker dies inside it.
+            self.source.throttle = 4 * MiB
+            threading.Thread(target=self._kill_worker, daemon=True,
+                             args=(worker,)).start()
         started = time.monotonic()
         ironic.provision(uuid_, 'active')
-        # Powered on as the deploy starts, as a BMC would.
-        vm = Vm(self.dir, self.opts.ramdisk, node['mac'], ironic.port,
-                [served])
-        self.cleanups.append(vm.stop)
+        vm = self._boot(ironic, node, served)
         log('%s: node %s deploying, VM on %s (agent at 127.0.0.1:%d)'
             % (self.kind, uuid_, vm.accel, vm.agent_port))
         if self.opts.break_ == 'wrong-file' and worker is not None:
             threading.Thread(target=self._swap_served, daemon=True,
                              args=(worker, uuid_)).start()
-        try:
-            done = ironic.wait(uuid_, ('active', 'deploy failed'),
-                               self.opts.timeout)
-        except AssertionError as e:
-            raise AssertionError('%s: %s\n--- VM console:\n%s' % (
-                self.kind, str(e).splitlines()[0], vm.tail()))
+        self._wait(ironic, worker, uuid_, vm, ('active', 'deploy failed'))
         active = time.monotonic() - started
-        if done['provision_state'] != 'active':
-            raise AssertionError(
-                '%s: deploy failed: %s\n--- VM console:\n%s\n--- worker:\n%s'
-                '\n--- ironic:\n%s' % (
-                    self.kind, done['last_error'], vm.tail(),
-                    worker.tail() if worker else '', ironic.tail(30)))
         off = vm.wait_off(180)
         log('%s: active after %.1fs, VM off after %.1fs'
             % (self.kind, active, off))
         check_disk(self.kind, vm.disk, self.ref)
-        self._check_fetchers(worker)
+        self._check_fetchers(worker, self.name)
+        self._check_kind(worker)
+        if self.opts.rebuild:
+            self._rebuild(ironic, worker, node, vm, served)
         if self.opts.undeploy:
             self._undeploy(ironic, worker, node, vm, served)
         return {'kind': self.kind, 'active': active, 'off': off}
+
+    def _kill_worker(self, worker):
+        """worker-killed: SIGKILL once the worker has been downloading
+        the source for a second, started again two seconds later."""
+        self.source.requests.clear()
+        deadline = time.monotonic() + 300
+        while not self.source.gets(self.name):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        time.sleep(1)
+        worker.kill()
+        log('%s: the worker killed (SIGKILL) while downloading'
+            % self.kind)
+        time.sleep(2)
+        self.source.throttle = 0
+        worker.start()
+        self.killed = time.monotonic()
+        log('%s: the worker started again' % self.kind)
+
+    def _check_kind(self, worker):
+        """What only some scenarios check."""
+        if self.kind == 'gzip-tls':
+            gzip = worker.metric('http_response_encoding_bytes_total',
+                                 'encoding="gzip"')
+            identity = worker.metric('http_response_encoding_bytes_total',
+                                     'encoding="identity"')
+            size = os.path.getsize(self.ref)
+            if not gzip or identity:
+                raise AssertionError(
+                    'gzip-tls: the image port sent %d bytes gzip and %d '
+                    'identity: the agent did not take the compressed '
+                    'image' % (gzip, identity))
+            log('gzip-tls: the agent got the image over TLS and Basic '
+                'auth, compressed: %d bytes for %d (%.3f)'
+                % (gzip, size, gzip / size))
+        if self.kind == 'worker-killed':
+            if self.killed is None:
+                raise AssertionError('worker-killed: the worker was never '
+                                     'killed (no download seen)')
+            log('worker-killed: the deploy completed with the worker '
+                'killed during its download and started again')
+
+    def _rebuild(self, ironic, worker, node, vm, served):
+        """--rebuild: the active node rebuilt with another image (its agent
+        boots again on the same disk); the disk then holds the other
+        image, and the first image's master is still in the cache (within
+        its size and TTL)."""
+        uuid_ = node['uuid']
+        img, ref = self.images.get('other', 58)
+        name = os.path.basename(img)
+        first = masters(worker)
+        # The whole instance_info anew, as Metal3 sets it: Ironic wrote the
+        # first deploy's served format (raw) into it.
+        ironic.call('PATCH', '/v1/nodes/%s' % uuid_, deploy_patch(
+            self.transport, self.source.url(name), file_hash(img)))
+        started = time.monotonic()
+        ironic.provision(uuid_, 'rebuild')
+        again = self._boot(ironic, node, served, disk=vm.disk)
+        self._wait(ironic, worker, uuid_, again, ('active', 'deploy failed'))
+        again.wait_off(180)
+        check_disk('%s: rebuild' % self.kind, vm.disk, ref)
+        self._check_fetchers(worker, name)
+        now = masters(worker)
+        if len(first) != 1 or not set(first) < set(now) or len(now) != 2:
+            raise AssertionError('%s: rebuild: masters %r before, %r after'
+                                 % (self.kind, first, now))
+        log('%s: rebuilt with another image in %.1fs (the disk holds it; '
+            'both masters cached)' % (self.kind, time.monotonic() - started))
 
     def _undeploy(self, ironic, worker, node, vm, served):
         """Undeploy with automated cleaning: the machine boots its agent
@@ -514,15 +775,9 @@ class Scenario(object):
             {'op': 'replace', 'path': '/automated_clean', 'value': True}])
         started = time.monotonic()
         ironic.provision(uuid_, 'deleted')
-        again = Vm(self.dir, self.opts.ramdisk, node['mac'], ironic.port,
-                   [served], disk=vm.disk)
-        self.cleanups.append(again.stop)
-        done = ironic.wait(uuid_, ('available', 'clean failed'),
-                           self.opts.timeout)
-        if done['provision_state'] != 'available':
-            raise AssertionError('%s: cleaning failed: %s\n--- VM console:\n%s'
-                                 % (self.kind, done['last_error'],
-                                    again.tail()))
+        again = self._boot(ironic, node, served, disk=vm.disk)
+        self._wait(ironic, worker, uuid_, again, ('available',
+                                                   'clean failed'))
         again.stop()
         with open(vm.disk, 'rb') as f:
             head = f.read(MiB)
@@ -539,22 +794,41 @@ class Scenario(object):
 
     def _swap_served(self, worker, uuid_):
         """--break wrong-file: once the worker publishes the node's file,
-        its bytes are replaced by others (same size) before the agent
-        fetches it."""
+        its bytes (and those of its compressed form) are overwritten
+        before the agent fetches it."""
         link = os.path.join(worker.http_root, 'agent_images', uuid_)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if os.path.exists(link):
-                with open(link, 'r+b') as f:
-                    f.write(b'\xa5' * MiB)
+                compressed = os.path.join(worker.masters, '.gzip')
+                if 'gzip' in open(worker.config).read():
+                    # Compressed once published; waits for it.
+                    while not glob.glob(os.path.join(compressed, '*.gz')):
+                        time.sleep(0.1)
+                gz = (glob.glob(os.path.join(compressed, '*.gz'))
+                      if os.path.isdir(compressed) else [])
+                for path in [link] + gz:
+                    with open(path, 'r+b') as f:
+                        f.seek(MiB)
+                        f.write(b'\xa5' * MiB)
                 log('break: the served file of %s overwritten' % uuid_)
                 return
             time.sleep(0.1)
 
-    def _check_fetchers(self, worker):
-        agents = self.source.gets(self.name)
+    def _check_fetchers(self, worker, name):
+        agents = self.source.gets(name)
         self.source.requests.clear()
         master = os.listdir(self.master) if os.path.isdir(self.master) else []
+        if worker is not None and master:
+            raise AssertionError("%s: Ironic's master image cache holds %r"
+                                 % (self.kind, master))
+        if self.kind == 'oci':
+            # Ironic's OCI client would have written a master too.
+            if not worker.metric('download_bytes_total'):
+                raise AssertionError('oci: the worker downloaded nothing')
+            log('oci: the worker pulled the image from the registry; '
+                'Ironic cached nothing')
+            return
         if worker is None:
             # The control: stock Ironic downloads the source itself.
             if not agents or any(a.startswith(WORKER_AGENT) for a in agents):
@@ -564,11 +838,14 @@ class Scenario(object):
         if not agents or not all(a.startswith(WORKER_AGENT) for a in agents):
             raise AssertionError('%s: the source was fetched by %r, not only '
                                  'the worker' % (self.kind, agents))
-        if master:
-            raise AssertionError("%s: Ironic's master image cache holds %r"
-                                 % (self.kind, master))
         log('%s: only the worker fetched the source (%s); Ironic cached '
             'nothing' % (self.kind, agents))
+
+
+def masters(worker):
+    """The names of the worker's masters."""
+    return sorted(n for n in os.listdir(worker.masters)
+                  if not n.startswith('.'))
 
 
 def main():
@@ -581,6 +858,9 @@ def main():
                         help='where the VMs disks and images are made')
     parser.add_argument('--break', dest='break_',
                         choices=('wrong-file', 'checksum'))
+    parser.add_argument('--rebuild', action='store_true',
+                        help='then rebuild with another image (a second '
+                        'boot)')
     parser.add_argument('--undeploy', action='store_true',
                         help='then undeploy with cleaning (a second boot)')
     parser.add_argument('--timeout', type=int, default=780,
@@ -589,8 +869,7 @@ def main():
                         help='MiB of data in the source image')
     parser.add_argument('--virtual-mib', type=int, default=512,
                         help='virtual size of the source image, MiB')
-    parser.add_argument('scenarios', nargs='+',
-                        choices=('amqp', 'json-rpc', 'direct'))
+    parser.add_argument('scenarios', nargs='+', choices=sorted(TRANSPORT))
     opts = parser.parse_args()
     # Stopped from outside (the test's last-resort timeout): the cleanups
     # still stop Ironic, the worker and the VMs.
@@ -600,11 +879,10 @@ def main():
     source = Source(os.path.join(workdir, 'src'))
     passed = failed = 0
     try:
-        image = make_image(workdir, 'image', opts.virtual_mib * MiB,
-                           opts.image_mib * MiB, 56)
+        images = Images(workdir, opts)
         for kind in opts.scenarios:
             try:
-                Scenario(kind, opts, workdir, source, image).run()
+                Scenario(kind, opts, workdir, source, images).run()
                 passed += 1
                 log('%s: PASSED' % kind)
             except Exception as e:  # noqa: each scenario is reported
