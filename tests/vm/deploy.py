@@ -26,9 +26,9 @@ off, that the first bytes of its disk equal ``qemu-img convert -O raw`` of
 the source qcow2, and who fetched the source: with the worker, only the
 worker (its User-Agent) and nothing in Ironic's master image cache; with
 ``direct``, Ironic. ``--break wrong-file`` overwrites the node's served
-file (and its compressed form) once the worker has published it,
-``--break checksum`` gives Ironic a wrong checksum: each must fail the
-scenario.
+file (and its compressed form) once the worker has published it
+(``--break rebuild-wrong-file``: the file of the rebuild), ``--break
+checksum`` gives Ironic a wrong checksum: each must fail the scenario.
 
 Networking: QEMU's user network with ``restrict=on`` (nothing leaves the
 machine); the agent is reached through a ``hostfwd`` on 127.0.0.1, and the
@@ -753,6 +753,9 @@ class Scenario(object):
         ironic.call('PATCH', '/v1/nodes/%s' % uuid_, deploy_patch(
             self.transport, self.source.url(name), file_hash(img)))
         started = time.monotonic()
+        if self.opts.break_ == 'rebuild-wrong-file':
+            threading.Thread(target=self._swap_served, daemon=True,
+                             args=(worker, uuid_)).start()
         ironic.provision(uuid_, 'rebuild')
         again = self._boot(ironic, node, served, disk=vm.disk)
         self._wait(ironic, worker, uuid_, again, ('active', 'deploy failed'))
@@ -857,7 +860,8 @@ def main():
     parser.add_argument('--workdir', default='/var/tmp',
                         help='where the VMs disks and images are made')
     parser.add_argument('--break', dest='break_',
-                        choices=('wrong-file', 'checksum'))
+                        choices=('wrong-file', 'checksum',
+                                 'rebuild-wrong-file'))
     parser.add_argument('--rebuild', action='store_true',
                         help='then rebuild with another image (a second '
                         'boot)')
