@@ -11,16 +11,45 @@ use super::Dispatcher;
 use super::settle::settle;
 use lapin::Acker;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use tracing::Instrument;
+
+/// The broker's consumer timeout in force, in milliseconds (0: none):
+/// `[amqp]consumer_timeout`, or the value the broker reported when it
+/// closed a channel over it.
+pub(super) struct ConsumerTimeout {
+    ms: AtomicU64,
+}
+
+impl ConsumerTimeout {
+    /// `[amqp]consumer_timeout` (seconds, 0: none) until the broker says
+    /// otherwise.
+    pub(super) fn configured(secs: u64) -> ConsumerTimeout {
+        ConsumerTimeout {
+            ms: AtomicU64::new(secs.saturating_mul(1000)),
+        }
+    }
+
+    /// The broker enforces `enforced`: returns the value it replaces.
+    fn enforced(&self, enforced: Duration) -> (u64, u64) {
+        let ms = u64::try_from(enforced.as_millis()).unwrap_or(u64::MAX);
+        (self.ms.swap(ms, Ordering::Relaxed), ms)
+    }
+
+    /// How long after its arrival a delivery is acknowledged early: three
+    /// quarters of the timeout, none without one.
+    fn ack_early_after(&self) -> Option<Duration> {
+        let ms = self.ms.load(Ordering::Relaxed);
+        (ms > 0).then(|| Duration::from_millis(ms) * 3 / 4)
+    }
+}
 
 impl Dispatcher {
     /// The broker closed a channel over its consumer timeout and said which
     /// value it enforces: from now on early acknowledgements follow it.
     pub(in crate::broker) fn broker_consumer_timeout(&self, enforced: Duration) {
-        let ms = u64::try_from(enforced.as_millis()).unwrap_or(u64::MAX);
-        let before = self.consumer_timeout_ms.swap(ms, Ordering::Relaxed);
+        let (before, ms) = self.consumer_timeout.enforced(enforced);
         if before != ms {
             tracing::warn!(
                 enforced_ms = ms,
@@ -29,12 +58,6 @@ impl Dispatcher {
                  acting on the broker's from now on (set [amqp]consumer_timeout to it)"
             );
         }
-    }
-
-    /// How long after its arrival a delivery is acknowledged early.
-    fn ack_early_after(&self) -> Option<Duration> {
-        let ms = self.consumer_timeout_ms.load(Ordering::Relaxed);
-        (ms > 0).then(|| Duration::from_millis(ms) * 3 / 4)
     }
 
     /// Starts the early acknowledgement of the copy of `session` held by
@@ -49,7 +72,7 @@ impl Dispatcher {
         session: u64,
         received: Instant,
     ) {
-        let Some(after) = self.ack_early_after() else {
+        let Some(after) = self.consumer_timeout.ack_early_after() else {
             return;
         };
         let t = tracked.clone();
@@ -66,5 +89,24 @@ impl Dispatcher {
             .instrument(tracked.span.clone()),
         );
         tracked.arm(session, timer.abort_handle());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_copy_is_acknowledged_at_three_quarters_of_the_timeout_in_force() {
+        let t = ConsumerTimeout::configured(1800);
+        assert_eq!(t.ack_early_after(), Some(Duration::from_secs(1350)));
+        // The broker's own value wins from the moment it says it.
+        assert_eq!(t.enforced(Duration::from_secs(60)), (1_800_000, 60_000));
+        assert_eq!(t.ack_early_after(), Some(Duration::from_secs(45)));
+    }
+
+    #[test]
+    fn without_a_timeout_nothing_is_acknowledged_early() {
+        assert_eq!(ConsumerTimeout::configured(0).ack_early_after(), None);
     }
 }

@@ -79,11 +79,10 @@ pub(super) struct Dispatcher {
     work: Arc<Dispatch>,
     /// How deliveries read (commands, notifications, seals).
     reader: read::Reader,
-    /// The broker's consumer timeout in force, in milliseconds (0: none):
-    /// `[amqp]consumer_timeout`, or the value the broker reported when it
-    /// closed a channel over it. A delivery still unacknowledged three
-    /// quarters of it after it arrived is acknowledged early.
-    consumer_timeout_ms: AtomicU64,
+    /// The broker's consumer timeout in force: a delivery still
+    /// unacknowledged three quarters of it after it arrived is acknowledged
+    /// early.
+    consumer_timeout: early_ack::ConsumerTimeout,
     /// Jobs not yet acknowledged, by delivery identity (`identity::key`).
     pending: adopt::Pending<Acker>,
     /// The live connection, `None` while disconnected.
@@ -140,7 +139,7 @@ impl Dispatcher {
         let queue = super::Topology::new(&settings.host, amqp).queue;
         Dispatcher {
             reader: read::Reader::new(settings, &queue),
-            consumer_timeout_ms: AtomicU64::new(timeout.saturating_mul(1000)),
+            consumer_timeout: early_ack::ConsumerTimeout::configured(timeout),
             work,
             pending: adopt::Pending::new(adopt::ANSWERED_MEMORY),
             link: watch::Sender::new(None),
