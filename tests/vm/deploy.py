@@ -1,9 +1,18 @@
 """Real machine deploys: Ironic 39 (``ironic``, API and conductor in one
-process, fake-hardware) deploys a QEMU VM booted from a real
-ironic-python-agent 13 ramdisk (tests/vm/build-ramdisk) onto its blank
-virtual disk, through ``direct-worker`` and a real ironic-image-worker, or
-through Ironic's stock ``direct`` (the harness's own control: when it fails
-too, the harness is broken, not the worker).
+process) deploys a QEMU VM booted from a real ironic-python-agent 13
+ramdisk (tests/vm/build-ramdisk) onto its blank virtual disk, through
+``direct-worker`` and a real ironic-image-worker, or through Ironic's stock
+``direct`` (the harness's own control: when it fails too, the harness is
+broken, not the worker).
+
+Two ways to boot the machine (``--boot``): ``fake`` (the default), a
+fake-hardware node (fake power and boot) and a VM the harness starts itself
+with the ramdisk's kernel and initramfs as the deploy starts; ``redfish``,
+the Metal3 way (tests/vm/redfish.py): a ``redfish`` node (redfish power and
+management, ``redfish-virtual-media`` boot) behind sushy-tools and its
+libvirt driver, whose libvirt domain Ironic powers on itself to boot the
+ISO it builds from the ramdisk, and powers on again from its disk at the
+deploy's end.
 
 Run with the Python of the Ironic virtualenv that has the deploy interface
 installed (tests/vm.rs does, as ``cargo test --test vm``):
@@ -47,6 +56,8 @@ import urllib.request
 import uuid
 
 from ironic_image_worker_deploy.tests import real_ironic
+
+import redfish
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -241,6 +252,26 @@ class Worker(object):
             self.log.close()
 
 
+def agent_params(api_port, agent_port, ports):
+    """The kernel command line of the agent's ramdisk: the guest's console,
+    where the agent finds Ironic and says it is (127.0.0.1:``agent_port``,
+    the hostfwd), and the host's ``ports`` its ramdisk forwards."""
+    return ' '.join([
+        'console=ttyS0', 'quiet', 'panic=-1', 'net.ifnames=0',
+        # The TSC calibrates wrongly on a busy host under TCG; HPET
+        # keeps the guest's clock (its TLS certificate's dates) right.
+        'clocksource=hpet',
+        'ipa-api-url=http://127.0.0.1:%d' % api_port,
+        'ipa-advertise-host=127.0.0.1',
+        'ipa-advertise-port=%d' % agent_port,
+        'ipa-insecure=1', 'ipa-lookup-interval=2',
+        'ipa-http-request-timeout=120',
+        # A download that fails its checksum is tried again once, not
+        # nine times (minutes each under emulation).
+        'ipa-image-download-connection-retries=1',
+        'iiw.forward=%s' % ','.join(str(p) for p in ports)])
+
+
 class Vm(object):
     """A QEMU machine booted from the agent's ramdisk with a blank disk;
     its agent reports to Ironic's API on 127.0.0.1 and reaches ``ports``
@@ -261,20 +292,7 @@ class Vm(object):
                   'hostfwd=tcp:127.0.0.1:%d-:9999' % self.agent_port]
         netdev += ['guestfwd=tcp:10.0.2.100:%d-cmd:socat - TCP:127.0.0.1:%d'
                    % (p, p) for p in ports]
-        append = ' '.join([
-            'console=ttyS0', 'quiet', 'panic=-1', 'net.ifnames=0',
-            # The TSC calibrates wrongly on a busy host under TCG; HPET
-            # keeps the guest's clock (its TLS certificate's dates) right.
-            'clocksource=hpet',
-            'ipa-api-url=http://127.0.0.1:%d' % api_port,
-            'ipa-advertise-host=127.0.0.1',
-            'ipa-advertise-port=%d' % self.agent_port,
-            'ipa-insecure=1', 'ipa-lookup-interval=2',
-            'ipa-http-request-timeout=120',
-            # A download that fails its checksum is tried again once, not
-            # nine times (minutes each under emulation).
-            'ipa-image-download-connection-retries=1',
-            'iiw.forward=%s' % ','.join(str(p) for p in ports)])
+        append = agent_params(api_port, self.agent_port, ports)
         self.accel = accelerator()
         cmd = ['qemu-system-x86_64', '-nodefaults', '-machine', 'pc',
                '-accel', self.accel,
@@ -455,29 +473,62 @@ class Scenario(object):
 
     def _services(self):
         """The worker (or Ironic's own HTTP root) and Ironic."""
+        options = None
+        if self.opts.boot == 'redfish':
+            options = redfish.ironic_options(self.opts.ramdisk)
         worker, own_root, ironic, self.master = services(
-            self.kind, self.dir, self.opts.worker, self.cleanups)
+            self.kind, self.dir, self.opts.worker, self.cleanups,
+            ironic_options=options)
         return worker, own_root, ironic
 
-    def _node(self, ironic):
-        node = ironic.node()
+    def _node(self, ironic, served):
+        if self.opts.boot == 'redfish':
+            node = self._redfish_node(ironic, served)
+        else:
+            node = ironic.node()
         checksum = ('0' * 64 if self.opts.break_ == 'checksum'
                     else file_hash(self.img))
         ironic.call('PATCH', '/v1/nodes/%s' % node['uuid'], deploy_patch(
             self.kind, self.source.url(self.name), checksum))
         return node
 
+    def _redfish_node(self, ironic, served):
+        """--boot redfish: a libvirt domain behind sushy-tools, and its node
+        on Ironic's ``redfish`` hardware type (tests/vm/redfish.py)."""
+        mac = '52:54:00:%02x:%02x:%02x' % tuple(
+            random.randrange(256) for _ in range(3))
+        pool = redfish.Pool(self.dir)
+        self.cleanups.append(pool.stop)
+        self.machine = redfish.Machine(self.dir, mac, [ironic.port, served],
+                                       DISK_SIZE, accelerator())
+        self.cleanups.append(self.machine.remove)
+        sushy = redfish.Sushy(self.dir, pool, [self.machine])
+        self.cleanups.append(sushy.stop)
+        params = agent_params(ironic.port, self.machine.agent_port,
+                              self.machine.ports)
+        return redfish.node(ironic, self.machine, sushy, self.opts.ramdisk,
+                            mac, params, 'direct-worker')
+
+    def _boot(self, node, ironic, served, vm=None):
+        """The machine, as the deploy (or with ``vm``, the undeploy)
+        starts: with fake power, a VM powered on as a BMC would (on the
+        disk of ``vm``); with redfish, the domain Ironic powers on."""
+        if self.opts.boot == 'redfish':
+            self.machine.started = time.monotonic()
+            return self.machine
+        again = Vm(self.dir, self.opts.ramdisk, node['mac'], ironic.port,
+                   [served], disk=vm.disk if vm else None)
+        self.cleanups.append(again.stop)
+        return again
+
     def _run(self):
         worker, own_root, ironic = self._services()
-        node = self._node(ironic)
-        uuid_ = node['uuid']
         served = worker.http_port if worker else own_root.port
+        node = self._node(ironic, served)
+        uuid_ = node['uuid']
         started = time.monotonic()
         ironic.provision(uuid_, 'active')
-        # Powered on as the deploy starts, as a BMC would.
-        vm = Vm(self.dir, self.opts.ramdisk, node['mac'], ironic.port,
-                [served])
-        self.cleanups.append(vm.stop)
+        vm = self._boot(node, ironic, served)
         log('%s: node %s deploying, VM on %s (agent at 127.0.0.1:%d)'
             % (self.kind, uuid_, vm.accel, vm.agent_port))
         if self.opts.break_ == 'wrong-file' and worker is not None:
@@ -514,9 +565,7 @@ class Scenario(object):
             {'op': 'replace', 'path': '/automated_clean', 'value': True}])
         started = time.monotonic()
         ironic.provision(uuid_, 'deleted')
-        again = Vm(self.dir, self.opts.ramdisk, node['mac'], ironic.port,
-                   [served], disk=vm.disk)
-        self.cleanups.append(again.stop)
+        again = self._boot(node, ironic, served, vm)
         done = ironic.wait(uuid_, ('available', 'clean failed'),
                            self.opts.timeout)
         if done['provision_state'] != 'available':
@@ -581,6 +630,11 @@ def main():
                         help='where the VMs disks and images are made')
     parser.add_argument('--break', dest='break_',
                         choices=('wrong-file', 'checksum'))
+    parser.add_argument('--boot', choices=('fake', 'redfish'),
+                        default='fake',
+                        help='fake power and a VM the harness starts, or '
+                        'redfish power and virtual media through sushy-tools '
+                        '(tests/vm/redfish.py)')
     parser.add_argument('--undeploy', action='store_true',
                         help='then undeploy with cleaning (a second boot)')
     parser.add_argument('--timeout', type=int, default=780,
@@ -592,6 +646,8 @@ def main():
     parser.add_argument('scenarios', nargs='+',
                         choices=('amqp', 'json-rpc', 'direct'))
     opts = parser.parse_args()
+    if opts.boot == 'redfish':
+        redfish.check_ready()
     # Stopped from outside (the test's last-resort timeout): the cleanups
     # still stop Ironic, the worker and the VMs.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
