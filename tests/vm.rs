@@ -1,16 +1,25 @@
-//! Real machines deployed by a real Ironic 39 through `direct-worker`: a
-//! QEMU VM boots a real ironic-python-agent 13 ramdisk (built once per
-//! recipe by tests/vm/build-ramdisk, cached under /var/tmp), Ironic
-//! (fake-hardware) deploys it with this worker binary, and the VM's disk is
-//! compared with `qemu-img convert -O raw` of the source (tests/vm/deploy.py
-//! runs each scenario and says what it checks). Stock `direct` runs beside
-//! the worker's scenarios, so a broken harness is told apart from a broken
-//! worker. Its own test binary: each VM keeps a core busy under TCG for a
-//! minute or more, which the many short tests of `it` should not share.
+//! Real machines deployed by a real Ironic 39 through `direct-worker`, the
+//! Metal3 way: each node is on Ironic's `redfish` hardware type (redfish
+//! power and management, `redfish-virtual-media` boot) behind sushy-tools'
+//! Redfish emulator and its libvirt driver; Ironic powers on a libvirt
+//! domain (TCG where /dev/kvm is not ordinary KVM) that boots the ISO
+//! Ironic builds from a real ironic-python-agent 13 ramdisk (built once per
+//! recipe by tests/vm/build-ramdisk, cached under /var/tmp), deploys it with
+//! this worker binary, and the machine's disk is compared with `qemu-img
+//! convert -O raw` of the source (tests/vm/deploy.py runs each scenario and
+//! says what it checks, tests/vm/redfish.py the Redfish side). Stock
+//! `direct` runs beside the worker's scenarios the same way, so a broken
+//! harness is told apart from a broken worker. Its own test binary: each VM
+//! keeps a core busy under TCG for a minute or more, which the many short
+//! tests of `it` should not share.
 //!
 //! Needs root (the ramdisk's build), qemu-system-x86, socat, mmdebstrap,
-//! cpio, zstd, RabbitMQ on 127.0.0.1:5672 and the Ironic virtualenv of the
-//! other tests; `.ci/run` installs them.
+//! cpio, zstd, RabbitMQ on 127.0.0.1:5672, the Ironic virtualenv of the other
+//! tests, and for Redfish: libvirtd and virtlogd running (qemu.conf with
+//! `seccomp_sandbox = 0` and QEMU as root), virsh, Debian's python3-libvirt
+//! (tests/vm/sushy-venv makes sushy-tools' virtualenv with it), SeaBIOS,
+//! isolinux, syslinux-common and genisoimage; `.ci/run` installs and starts
+//! them.
 
 #[path = "it/common/mod.rs"]
 #[allow(unused_imports)]
@@ -63,10 +72,24 @@ fn prune_other_recipes(current: &Path) {
     }
 }
 
+/// sushy-tools' virtualenv (tests/vm/sushy-venv makes it once);
+/// `IIW_SUSHY_VENV` moves it.
+fn sushy_venv() -> PathBuf {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/vm/sushy-venv");
+    let mut cmd = std::process::Command::new(script);
+    if let Some(venv) = std::env::var_os("IIW_SUSHY_VENV") {
+        cmd.arg(venv);
+    }
+    let out = cmd.stderr(std::process::Stdio::inherit()).output().unwrap();
+    assert!(out.status.success(), "tests/vm/sushy-venv failed");
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
 /// Runs tests/vm/deploy.py for `scenario` (with `extra` arguments) and
 /// returns its output; fails with that output when the scenario fails.
 fn deploy(scenario: &str, extra: &[&str]) -> String {
     let ramdisk = ramdisk();
+    let sushy = sushy_venv();
     let python = plugin_python();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/vm/deploy.py");
     let mut child = std::process::Command::new(python)
@@ -76,6 +99,7 @@ fn deploy(scenario: &str, extra: &[&str]) -> String {
         .args(extra)
         .arg(scenario)
         .env_remove("IRONIC_IMAGE_WORKER_CONFIG")
+        .env("IIW_SUSHY_VENV", &sushy)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -114,20 +138,20 @@ fn deploy(scenario: &str, extra: &[&str]) -> String {
 /// JSON-RPC and stock cases, it adds little to the wall time.
 #[test]
 fn amqp_deploy_of_a_real_vm_then_undeploy_with_cleaning() {
-    let text = deploy("amqp", &["--undeploy"]);
+    let text = deploy("amqp", &["--boot", "redfish", "--undeploy"]);
     assert!(text.contains("only the worker fetched the source"));
     assert!(text.contains("undeployed and cleaned back to available"));
 }
 
 #[test]
 fn json_rpc_deploy_of_a_real_vm_without_a_broker() {
-    let text = deploy("json-rpc", &[]);
+    let text = deploy("json-rpc", &["--boot", "redfish"]);
     assert!(text.contains("only the worker fetched the source"));
 }
 
 /// Stock Ironic `direct` on the same harness: the control.
 #[test]
 fn stock_direct_deploy_of_a_real_vm() {
-    let text = deploy("direct", &[]);
+    let text = deploy("direct", &["--boot", "redfish"]);
     assert!(text.contains("direct: Ironic fetched the source"));
 }
