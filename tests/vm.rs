@@ -1,16 +1,27 @@
-//! Real machines deployed by a real Ironic 39 through `direct-worker`: a
-//! QEMU VM boots a real ironic-python-agent 13 ramdisk (built once per
-//! recipe by tests/vm/build-ramdisk, cached under /var/tmp), Ironic
-//! (fake-hardware) deploys it with this worker binary, and the VM's disk is
-//! compared with `qemu-img convert -O raw` of the source (tests/vm/deploy.py
-//! runs each scenario and says what it checks). Stock `direct` runs beside
-//! the worker's scenarios, so a broken harness is told apart from a broken
-//! worker. Its own test binary: each VM keeps a core busy under TCG for a
-//! minute or more, which the many short tests of `it` should not share.
+//! Real machines deployed by a real Ironic 39 through `direct-worker`,
+//! booted from a real ironic-python-agent 13 ramdisk (built once per recipe
+//! by tests/vm/build-ramdisk, cached under /var/tmp) and deployed with this
+//! worker binary; each machine's disk is compared with `qemu-img convert -O
+//! raw` of the source (tests/vm/deploy.py runs each scenario and says what
+//! it checks). Over RabbitMQ, over JSON-RPC and through stock `direct` (the
+//! control: a broken harness is told apart from a broken worker) the Metal3
+//! way: each node on Ironic's `redfish` hardware type (redfish power and
+//! management, `redfish-virtual-media` boot) behind sushy-tools' Redfish
+//! emulator and its libvirt driver, Ironic powering on a libvirt domain that
+//! boots the ISO Ironic builds (tests/vm/redfish.py). The other scenarios
+//! (TLS, Basic auth and gzip; OCI then a rebuild; the worker killed) on
+//! fake-hardware, with a VM the harness starts itself. Its own test binary:
+//! each VM keeps a core busy under TCG (where /dev/kvm is not ordinary KVM)
+//! for a minute or more, which the many short tests of `it` should not
+//! share, and at most [`VMS_AT_ONCE`] run at a time.
 //!
 //! Needs root (the ramdisk's build), qemu-system-x86, socat, mmdebstrap,
-//! cpio, zstd, RabbitMQ on 127.0.0.1:5672 and the Ironic virtualenv of the
-//! other tests; `.ci/run` installs them.
+//! cpio, zstd, RabbitMQ on 127.0.0.1:5672, the Ironic virtualenv of the other
+//! tests, and for Redfish: libvirtd and virtlogd running (qemu.conf with
+//! `seccomp_sandbox = 0` and QEMU as root), virsh, Debian's python3-libvirt
+//! (tests/vm/sushy-venv makes sushy-tools' virtualenv with it), SeaBIOS,
+//! isolinux, syslinux-common and genisoimage; `.ci/run` installs and starts
+//! them.
 
 #[path = "it/common/mod.rs"]
 #[allow(unused_imports)]
@@ -63,11 +74,56 @@ fn prune_other_recipes(current: &Path) {
     }
 }
 
-/// Runs tests/vm/deploy.py for `scenario` (with `extra` arguments) and
-/// returns its output; fails with that output when the scenario fails.
+/// sushy-tools' virtualenv (tests/vm/sushy-venv makes it once);
+/// `IIW_SUSHY_VENV` moves it.
+fn sushy_venv() -> PathBuf {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/vm/sushy-venv");
+    let mut cmd = std::process::Command::new(script);
+    if let Some(venv) = std::env::var_os("IIW_SUSHY_VENV") {
+        cmd.arg(venv);
+    }
+    let out = cmd.stderr(std::process::Stdio::inherit()).output().unwrap();
+    assert!(out.status.success(), "tests/vm/sushy-venv failed");
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
+/// Machines booting at once: on a 2-core machine under TCG, more than
+/// three slow every boot towards the agent's and Ironic's timeouts, and
+/// finish no sooner.
+const VMS_AT_ONCE: usize = 3;
+
+/// A turn among the [`VMS_AT_ONCE`] machines, given back when dropped.
+struct Turn;
+
+static RUNNING: std::sync::Mutex<usize> = std::sync::Mutex::new(0);
+static FREED: std::sync::Condvar = std::sync::Condvar::new();
+
+impl Turn {
+    fn take() -> Turn {
+        let mut running = RUNNING.lock().unwrap_or_else(|p| p.into_inner());
+        while *running >= VMS_AT_ONCE {
+            running = FREED.wait(running).unwrap_or_else(|p| p.into_inner());
+        }
+        *running += 1;
+        Turn
+    }
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        *RUNNING.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
+        FREED.notify_one();
+    }
+}
+
+/// Runs tests/vm/deploy.py for `scenario` (with `extra` arguments) in its
+/// turn and returns its output; fails with that output when the scenario
+/// fails.
 fn deploy(scenario: &str, extra: &[&str]) -> String {
     let ramdisk = ramdisk();
+    let sushy = sushy_venv();
     let python = plugin_python();
+    let _turn = Turn::take();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/vm/deploy.py");
     let mut child = std::process::Command::new(python)
         .arg(script)
@@ -76,6 +132,7 @@ fn deploy(scenario: &str, extra: &[&str]) -> String {
         .args(extra)
         .arg(scenario)
         .env_remove("IRONIC_IMAGE_WORKER_CONFIG")
+        .env("IIW_SUSHY_VENV", &sushy)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -109,29 +166,25 @@ fn deploy(scenario: &str, extra: &[&str]) -> String {
     text
 }
 
-/// Then rebuilt with another image (the agent boots again and writes it;
-/// the first image's master stays cached), then undeployed with automated
-/// cleaning (the agent boots a third time and erases the disk's metadata)
-/// back to `available`: one machine's life, in one test so that its boots
-/// follow each other while the other cases run beside it.
+/// Then undeployed with automated cleaning (the agent boots again and
+/// erases the disk's metadata) back to `available`.
 #[test]
-fn amqp_deploy_of_a_real_vm_then_rebuild_then_undeploy_with_cleaning() {
-    let text = deploy("amqp", &["--rebuild", "--undeploy"]);
+fn amqp_deploy_of_a_real_vm_then_undeploy_with_cleaning() {
+    let text = deploy("amqp", &["--boot", "redfish", "--undeploy"]);
     assert!(text.contains("only the worker fetched the source"));
-    assert!(text.contains("amqp: rebuilt with another image"));
     assert!(text.contains("undeployed and cleaned back to available"));
 }
 
 #[test]
 fn json_rpc_deploy_of_a_real_vm_without_a_broker() {
-    let text = deploy("json-rpc", &[]);
+    let text = deploy("json-rpc", &["--boot", "redfish"]);
     assert!(text.contains("only the worker fetched the source"));
 }
 
 /// Stock Ironic `direct` on the same harness: the control.
 #[test]
 fn stock_direct_deploy_of_a_real_vm() {
-    let text = deploy("direct", &[]);
+    let text = deploy("direct", &["--boot", "redfish"]);
     assert!(text.contains("direct: Ironic fetched the source"));
 }
 
@@ -147,11 +200,14 @@ fn gzip_over_tls_with_basic_auth_to_a_real_agent() {
 }
 
 /// An `oci://` image from a local registry (htpasswd, the node's pull
-/// secret): only the worker pulls it.
+/// secret): only the worker pulls it. Then the machine is rebuilt with an
+/// http(s) image (the agent boots again and writes it; the OCI image's
+/// master stays cached).
 #[test]
-fn oci_image_deployed_to_a_real_vm() {
-    let text = deploy("oci", &[]);
+fn oci_image_deployed_to_a_real_vm_then_rebuilt_with_another() {
+    let text = deploy("oci", &["--rebuild"]);
     assert!(text.contains("oci: the worker pulled the image from the registry"));
+    assert!(text.contains("oci: rebuilt with another image"));
 }
 
 /// The worker killed (SIGKILL) in the middle of its download while the VM

@@ -1,9 +1,18 @@
 """Real machine deploys: Ironic 39 (``ironic``, API and conductor in one
-process, fake-hardware) deploys a QEMU VM booted from a real
-ironic-python-agent 13 ramdisk (tests/vm/build-ramdisk) onto its blank
-virtual disk, through ``direct-worker`` and a real ironic-image-worker, or
-through Ironic's stock ``direct`` (the harness's own control: when it fails
-too, the harness is broken, not the worker).
+process) deploys a QEMU VM booted from a real ironic-python-agent 13
+ramdisk (tests/vm/build-ramdisk) onto its blank virtual disk, through
+``direct-worker`` and a real ironic-image-worker, or through Ironic's stock
+``direct`` (the harness's own control: when it fails too, the harness is
+broken, not the worker).
+
+Two ways to boot the machine (``--boot``): ``fake`` (the default), a
+fake-hardware node (fake power and boot) and a VM the harness starts itself
+with the ramdisk's kernel and initramfs as the deploy starts; ``redfish``,
+the Metal3 way (tests/vm/redfish.py): a ``redfish`` node (redfish power and
+management, ``redfish-virtual-media`` boot) behind sushy-tools and its
+libvirt driver, whose libvirt domain Ironic powers on itself to boot the
+ISO it builds from the ramdisk, and powers on again from its disk at the
+deploy's end.
 
 Run with the Python of the Ironic virtualenv that has the deploy interface
 installed (tests/vm.rs does, as ``cargo test --test vm``):
@@ -16,7 +25,8 @@ Scenarios: ``amqp`` (the worker over RabbitMQ on 127.0.0.1:5672),
 and over RabbitMQ: ``gzip-tls`` (the image port with TLS, HTTP Basic and
 ``[http] gzip = "static"``: the agent, given the CA by its own ``cafile``
 option and the credentials by Ironic, streams the compressed image to disk
-through its decoder), ``oci`` (the image in a local registry, laid out as
+through its decoder; ``--boot fake`` only: its CA goes into the ramdisk the
+harness boots), ``oci`` (the image in a local registry, laid out as
 ``oras`` pushes a disk image) and ``worker-killed`` (the worker killed with
 SIGKILL while it downloads the source, then started again, as the VM
 boots). ``--rebuild`` then rebuilds the node with another image (a second
@@ -58,6 +68,8 @@ import uuid
 
 from ironic_image_worker_deploy.tests import parts
 from ironic_image_worker_deploy.tests import real_ironic
+
+import redfish
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -287,6 +299,28 @@ class Worker(object):
             self.log.close()
 
 
+def agent_params(api_port, agent_port, ports, verify_tls=False):
+    """The kernel command line of the agent's ramdisk: the guest's console,
+    where the agent finds Ironic and says it is (127.0.0.1:``agent_port``,
+    the hostfwd), and the host's ``ports`` its ramdisk forwards;
+    ``verify_tls``: the agent verifies certificates (with a CA of its own
+    configuration)."""
+    return ' '.join([
+        'console=ttyS0', 'quiet', 'panic=-1', 'net.ifnames=0',
+        # The TSC calibrates wrongly on a busy host under TCG; HPET
+        # keeps the guest's clock (its TLS certificate's dates) right.
+        'clocksource=hpet',
+        'ipa-api-url=http://127.0.0.1:%d' % api_port,
+        'ipa-advertise-host=127.0.0.1',
+        'ipa-advertise-port=%d' % agent_port,
+        'ipa-insecure=%d' % (not verify_tls), 'ipa-lookup-interval=2',
+        'ipa-http-request-timeout=120',
+        # A download that fails its checksum is tried again once, not
+        # nine times (minutes each under emulation).
+        'ipa-image-download-connection-retries=1',
+        'iiw.forward=%s' % ','.join(str(p) for p in ports)])
+
+
 class Vm(object):
     """A QEMU machine booted from the agent's ramdisk with a blank disk;
     its agent reports to Ironic's API on 127.0.0.1 and reaches ``ports``
@@ -310,20 +344,8 @@ class Vm(object):
                   'hostfwd=tcp:127.0.0.1:%d-:9999' % self.agent_port]
         netdev += ['guestfwd=tcp:10.0.2.100:%d-cmd:socat - TCP:127.0.0.1:%d'
                    % (p, p) for p in ports]
-        append = ' '.join([
-            'console=ttyS0', 'quiet', 'panic=-1', 'net.ifnames=0',
-            # The TSC calibrates wrongly on a busy host under TCG; HPET
-            # keeps the guest's clock (its TLS certificate's dates) right.
-            'clocksource=hpet',
-            'ipa-api-url=http://127.0.0.1:%d' % api_port,
-            'ipa-advertise-host=127.0.0.1',
-            'ipa-advertise-port=%d' % self.agent_port,
-            'ipa-insecure=%d' % (not files), 'ipa-lookup-interval=2',
-            'ipa-http-request-timeout=120',
-            # A download that fails its checksum is tried again once, not
-            # nine times (minutes each under emulation).
-            'ipa-image-download-connection-retries=1',
-            'iiw.forward=%s' % ','.join(str(p) for p in ports)])
+        append = agent_params(api_port, self.agent_port, ports,
+                              verify_tls=bool(files))
         self.accel = accelerator()
         cmd = ['qemu-system-x86_64', '-nodefaults', '-machine', 'pc',
                '-accel', self.accel,
@@ -587,6 +609,8 @@ class Scenario(object):
         worker_http = worker_extra = ''
         ironic_options = {}
         scheme = 'http'
+        if self.opts.boot == 'redfish':
+            ironic_options = redfish.ironic_options(self.opts.ramdisk)
         if self.kind == 'gzip-tls':
             ca, cert, key = make_tls(self.dir)
             password = uuid.uuid4().hex
@@ -596,13 +620,14 @@ class Scenario(object):
                            'auth_user = "%s"\nauth_password = "%s"\n'
                            % (cert, key, AGENT_USER, password))
             scheme = 'https'
-            ironic_options = {
-                'DEFAULT': {'webserver_verify_ca': ca},
-                'deploy': {'image_server_auth_strategy': 'http_basic',
-                           'image_server_user': AGENT_USER,
-                           'image_server_password': password,
-                           'image_server_auth_hosts': '127.0.0.1'},
-                'image_worker': {'image_server_auth': 'true'}}
+            for name, options in {
+                    'DEFAULT': {'webserver_verify_ca': ca},
+                    'deploy': {'image_server_auth_strategy': 'http_basic',
+                               'image_server_user': AGENT_USER,
+                               'image_server_password': password,
+                               'image_server_auth_hosts': '127.0.0.1'},
+                    'image_worker': {'image_server_auth': 'true'}}.items():
+                ironic_options.setdefault(name, {}).update(options)
             with open(ca, 'rb') as f:
                 self.vm_files = {
                     AGENT_CA: f.read(),
@@ -615,8 +640,11 @@ class Scenario(object):
             worker_http, ironic_options, worker_extra, scheme)
         return worker, own_root, ironic
 
-    def _node(self, ironic):
-        node = ironic.node()
+    def _node(self, ironic, served):
+        if self.opts.boot == 'redfish':
+            node = self._redfish_node(ironic, served)
+        else:
+            node = ironic.node()
         checksum = ('0' * 64 if self.opts.break_ == 'checksum'
                     else file_hash(self.img))
         url = self.source.url(self.name)
@@ -641,12 +669,35 @@ class Scenario(object):
              'value': 'x86_64'}])
         return registry.oci('vm/disk:v1')
 
-    def _boot(self, ironic, node, served, disk=None):
-        """Powers the machine on, as a BMC would."""
-        vm = Vm(self.dir, self.opts.ramdisk, node['mac'], ironic.port,
-                [served], disk=disk, files=self.vm_files)
-        self.cleanups.append(vm.stop)
-        return vm
+    def _redfish_node(self, ironic, served):
+        """--boot redfish: a libvirt domain behind sushy-tools, and its node
+        on Ironic's ``redfish`` hardware type (tests/vm/redfish.py)."""
+        mac = '52:54:00:%02x:%02x:%02x' % tuple(
+            random.randrange(256) for _ in range(3))
+        pool = redfish.Pool(self.dir)
+        self.cleanups.append(pool.stop)
+        self.machine = redfish.Machine(self.dir, mac, [ironic.port, served],
+                                       DISK_SIZE, accelerator())
+        self.cleanups.append(self.machine.remove)
+        sushy = redfish.Sushy(self.dir, pool, [self.machine])
+        self.cleanups.append(sushy.stop)
+        params = agent_params(ironic.port, self.machine.agent_port,
+                              self.machine.ports)
+        return redfish.node(ironic, self.machine, sushy, self.opts.ramdisk,
+                            mac, params, 'direct-worker')
+
+    def _boot(self, node, ironic, served, vm=None):
+        """The machine, as the deploy (or with ``vm``, a rebuild or the
+        undeploy) starts: with fake power, a VM powered on as a BMC would
+        (on the disk of ``vm``); with redfish, the domain Ironic powers on."""
+        if self.opts.boot == 'redfish':
+            self.machine.started = time.monotonic()
+            return self.machine
+        again = Vm(self.dir, self.opts.ramdisk, node['mac'], ironic.port,
+                   [served], disk=vm.disk if vm else None,
+                   files=self.vm_files)
+        self.cleanups.append(again.stop)
+        return again
 
     def _wait(self, ironic, worker, uuid_, vm, states):
         """Waits for the node to reach ``states[0]``; fails with what the
@@ -667,9 +718,9 @@ class Scenario(object):
 
     def _run(self):
         worker, own_root, ironic = self._services()
-        node = self._node(ironic)
-        uuid_ = node['uuid']
         served = worker.http_port if worker else own_root.port
+        node = self._node(ironic, served)
+        uuid_ = node['uuid']
         if self.kind == 'worker-killed':
             # The download lasts seconds, so the worker dies inside it.
             self.source.throttle = 4 * MiB
@@ -677,7 +728,7 @@ class Scenario(object):
                              args=(worker,)).start()
         started = time.monotonic()
         ironic.provision(uuid_, 'active')
-        vm = self._boot(ironic, node, served)
+        vm = self._boot(node, ironic, served)
         log('%s: node %s deploying, VM on %s (agent at 127.0.0.1:%d)'
             % (self.kind, uuid_, vm.accel, vm.agent_port))
         if self.opts.break_ == 'wrong-file' and worker is not None:
@@ -757,7 +808,7 @@ class Scenario(object):
             threading.Thread(target=self._swap_served, daemon=True,
                              args=(worker, uuid_)).start()
         ironic.provision(uuid_, 'rebuild')
-        again = self._boot(ironic, node, served, disk=vm.disk)
+        again = self._boot(node, ironic, served, vm)
         self._wait(ironic, worker, uuid_, again, ('active', 'deploy failed'))
         again.wait_off(180)
         check_disk('%s: rebuild' % self.kind, vm.disk, ref)
@@ -778,7 +829,7 @@ class Scenario(object):
             {'op': 'replace', 'path': '/automated_clean', 'value': True}])
         started = time.monotonic()
         ironic.provision(uuid_, 'deleted')
-        again = self._boot(ironic, node, served, disk=vm.disk)
+        again = self._boot(node, ironic, served, vm)
         self._wait(ironic, worker, uuid_, again, ('available',
                                                    'clean failed'))
         again.stop()
@@ -862,6 +913,11 @@ def main():
     parser.add_argument('--break', dest='break_',
                         choices=('wrong-file', 'checksum',
                                  'rebuild-wrong-file'))
+    parser.add_argument('--boot', choices=('fake', 'redfish'),
+                        default='fake',
+                        help='fake power and a VM the harness starts, or '
+                        'redfish power and virtual media through sushy-tools '
+                        '(tests/vm/redfish.py)')
     parser.add_argument('--rebuild', action='store_true',
                         help='then rebuild with another image (a second '
                         'boot)')
@@ -875,6 +931,10 @@ def main():
                         help='virtual size of the source image, MiB')
     parser.add_argument('scenarios', nargs='+', choices=sorted(TRANSPORT))
     opts = parser.parse_args()
+    if opts.boot == 'redfish':
+        if 'gzip-tls' in opts.scenarios:
+            parser.error('gzip-tls boots the ramdisk with its CA: --boot fake')
+        redfish.check_ready()
     # Stopped from outside (the test's last-resort timeout): the cleanups
     # still stop Ironic, the worker and the VMs.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
