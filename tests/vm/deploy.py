@@ -69,6 +69,7 @@ import uuid
 from ironic_image_worker_deploy.tests import parts
 from ironic_image_worker_deploy.tests import real_ironic
 
+import console
 import redfish
 
 MiB = 1 << 20
@@ -321,7 +322,7 @@ def agent_params(api_port, agent_port, ports, verify_tls=False):
         'iiw.forward=%s' % ','.join(str(p) for p in ports)])
 
 
-class Vm(object):
+class Vm(console.SerialConsole):
     """A QEMU machine booted from the agent's ramdisk with a blank disk;
     its agent reports to Ironic's API on 127.0.0.1 and reaches ``ports``
     of the host."""
@@ -387,16 +388,6 @@ class Vm(object):
             out.write(archive)
             shutil.copyfileobj(f, out)
         return initrd
-
-    def console_text(self):
-        try:
-            with open(self.console, 'rb') as f:
-                return f.read().decode(errors='replace')
-        except OSError:
-            return ''
-
-    def tail(self, n=40):
-        return '\n'.join(self.console_text().splitlines()[-n:])
 
     def wait_off(self, within):
         """Waits for the guest to power itself off (QEMU exits)."""
@@ -740,7 +731,7 @@ class Scenario(object):
         log('%s: active after %.1fs, VM off after %.1fs'
             % (self.kind, active, off))
         check_disk(self.kind, vm.disk, self.ref)
-        self._check_fetchers(worker, self.name)
+        self._check_fetchers(worker, self.name, self.kind == 'oci')
         self._check_kind(worker)
         if self.opts.rebuild:
             self._rebuild(ironic, worker, node, vm, served)
@@ -812,7 +803,7 @@ class Scenario(object):
         self._wait(ironic, worker, uuid_, again, ('active', 'deploy failed'))
         again.wait_off(180)
         check_disk('%s: rebuild' % self.kind, vm.disk, ref)
-        self._check_fetchers(worker, name)
+        self._check_fetchers(worker, name, False)
         now = masters(worker)
         if len(first) != 1 or not set(first) < set(now) or len(now) != 2:
             raise AssertionError('%s: rebuild: masters %r before, %r after'
@@ -869,14 +860,16 @@ class Scenario(object):
                 return
             time.sleep(0.1)
 
-    def _check_fetchers(self, worker, name):
+    def _check_fetchers(self, worker, name, registry):
+        """Who fetched the image: ``name`` from the source, or with
+        ``registry`` the scenario's from its registry."""
         agents = self.source.gets(name)
         self.source.requests.clear()
         master = os.listdir(self.master) if os.path.isdir(self.master) else []
         if worker is not None and master:
             raise AssertionError("%s: Ironic's master image cache holds %r"
                                  % (self.kind, master))
-        if self.kind == 'oci':
+        if registry:
             # Ironic's OCI client would have written a master too.
             if not worker.metric('download_bytes_total'):
                 raise AssertionError('oci: the worker downloaded nothing')

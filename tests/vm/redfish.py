@@ -32,6 +32,8 @@ from xml.sax.saxutils import escape, quoteattr
 
 from ironic_image_worker_deploy.tests import real_ironic
 
+import console
+
 LIBVIRT_URI = 'qemu:///system'
 # The SeaBIOS QEMU loads for a ``pc`` machine: named in the domain and in
 # sushy's boot loader map, so a Legacy boot mode set through Redfish keeps
@@ -79,7 +81,7 @@ class Pool(object):
         virsh('pool-destroy', self.name, check=False)
 
 
-class Machine(object):
+class Machine(console.SerialConsole):
     """A libvirt domain (not started: Ironic powers it on through sushy)
     with a blank disk of ``disk_size`` bytes and the NIC ``mac``; its agent
     is reached on 127.0.0.1:``agent_port`` and it reaches ``ports`` of the
@@ -122,16 +124,6 @@ class Machine(object):
 
     def state(self):
         return virsh('domstate', self.name, check=False).strip()
-
-    def console_text(self):
-        try:
-            with open(self.console, 'rb') as f:
-                return f.read().decode(errors='replace')
-        except OSError:
-            return ''
-
-    def tail(self, n=40):
-        return '\n'.join(self.console_text().splitlines()[-n:])
 
     def wait_off(self, within):
         """The deploy's end: the agent powered the machine off (its kernel
