@@ -208,11 +208,16 @@ class Sushy(object):
                     'SUSHY_EMULATOR_STORAGE_POOL = %r\n'
                     'SUSHY_EMULATOR_STATE_DIR = %r\n'
                     'SUSHY_EMULATOR_BOOT_LOADER_MAP = %r\n'
+                    # Power, boot and virtual media only: with the full set,
+                    # the SecureBoot resource of a Legacy machine answers
+                    # 501, which Ironic's sushy retries for 30 s each time
+                    # Ironic looks (at every verify, deploy and cleaning).
+                    'SUSHY_EMULATOR_FEATURE_SET = %r\n'
                     % ('127.0.0.1', self.port, LIBVIRT_URI,
                        [m.uuid for m in machines] + [m.name for m in machines],
                        pool.name, self.dir,
                        {'Legacy': {'x86_64': SEABIOS},
-                        'UEFI': {'x86_64': None}}))
+                        'UEFI': {'x86_64': None}}, 'vmedia'))
         self.log_path = os.path.join(self.dir, 'sushy.log')
         self.log = open(self.log_path, 'ab')
         # Its downloads of the ISOs in its own directory, not /tmp.
