@@ -85,8 +85,8 @@ class Machine(console.SerialConsole):
     """A libvirt domain (not started: Ironic powers it on through sushy)
     with a blank disk of ``disk_size`` bytes and the NIC ``mac``; its agent
     is reached on 127.0.0.1:``agent_port`` and it reaches ``ports`` of the
-    host. ``kernel_params(agent_port, ports)``: the agent's kernel command
-    line, which goes into the node's ``driver_info``."""
+    host. Its kernel command line is not here: Ironic puts the node's
+    ``driver_info/kernel_append_params`` on the ISO it boots (``node``)."""
 
     def __init__(self, workdir, mac, ports, disk_size, accel, memory=1536):
         self.dir = tempfile.mkdtemp(prefix='vm-', dir=workdir)
