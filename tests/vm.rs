@@ -16,7 +16,7 @@
 //! share, and at most [`VMS_AT_ONCE`] run at a time.
 //!
 //! Needs root (the ramdisk's build), qemu-system-x86, socat, mmdebstrap,
-//! cpio, zstd, RabbitMQ on 127.0.0.1:5672, the Ironic virtualenv of the other
+//! cpio, RabbitMQ on 127.0.0.1:5672, the Ironic virtualenv of the other
 //! tests, and for Redfish: libvirtd and virtlogd running (qemu.conf with
 //! `seccomp_sandbox = 0` and QEMU as root), virsh, Debian's python3-libvirt
 //! (tests/vm/sushy-venv makes sushy-tools' virtualenv with it), SeaBIOS,
