@@ -9,8 +9,8 @@
 //!   `http` mode's answers, passed through or validated first
 //!   (`validated`);
 //! * what requests share: the image a request names, resolved before any
-//!   lock by the [`Resolver`] (`resolve`); its master under the master lock, the cached one
-//!   when it fits or a new one (`obtain`);
+//!   lock by the [`Resolver`] (`resolve`); its master under the master
+//!   lock, the cached one when it fits or a new one (`obtain`);
 //! * making a new master: download, verify, decompress, inspect, convert,
 //!   commit (`fetch`); the other conductors' workers first (`peers`), a
 //!   peer's master received, checked and adopted (`peer_bytes`); each
