@@ -699,10 +699,6 @@ class Scenario(object):
             raise AssertionError('%s: %s\n--- VM console:\n%s' % (
                 self.kind, str(e).splitlines()[0], vm.tail()))
         if done['provision_state'] != states[0]:
-            if not done['last_error']:
-                # Ironic saves the error just after the state.
-                time.sleep(2)
-                done = ironic.get(uuid_)
             raise AssertionError(
                 '%s: %s: %s\n--- VM console:\n%s\n--- worker:\n%s'
                 '\n--- ironic:\n%s' % (
