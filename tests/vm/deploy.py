@@ -210,7 +210,7 @@ class Source(object):
         self.httpd.server_close()
 
 
-class Worker(object):
+class Worker(console.LoggedProcess):
     """A real ironic-image-worker (``serve``) with its own directories;
     ``http``: more options of its ``[http]`` section, ``extra``: more
     sections."""
@@ -283,21 +283,6 @@ class Worker(object):
                 return float(line.split()[-1])
         return 0.0
 
-    def tail(self, n=30):
-        with open(self.log_path, 'rb') as f:
-            return b'\n'.join(f.read().splitlines()[-n:]).decode(
-                errors='replace')
-
-    def stop(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc is not None:
-            self.log.close()
 
 
 def agent_params(api_port, agent_port, ports, verify_tls=False):

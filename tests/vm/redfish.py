@@ -191,7 +191,7 @@ DOMAIN_XML = """<domain type='%(type)s'
 """
 
 
-class Sushy(object):
+class Sushy(console.LoggedProcess):
     """sushy-tools' Redfish emulator on 127.0.0.1, its libvirt driver
     limited to ``machines``' domains, inserting virtual media into
     ``pool``."""
@@ -243,20 +243,6 @@ class Sushy(object):
                                          % self.tail())
                 time.sleep(0.2)
 
-    def tail(self, n=30):
-        with open(self.log_path, 'rb') as f:
-            return b'\n'.join(f.read().splitlines()[-n:]).decode(
-                errors='replace')
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 def ironic_options(ramdisk):
