@@ -448,6 +448,30 @@ async fn copy_to_a_second_process(env: &Env, extra: &[&str], faults: &FaultServe
     second
 }
 
+/// The first process of `env` (started with `args`) downloading `slow.img`
+/// (`seed`'s bytes) for a prepare: at 64 KiB/s, some 25 s of download, so
+/// that it still runs once a second process, started on a loaded machine,
+/// consumes. The source, the process, the broker and the command's
+/// correlation id.
+async fn slow_prepare(
+    env: &Env,
+    args: &[&str],
+    seed: u64,
+) -> (FaultServer, Worker, Broker, String) {
+    let src = env.root().join("src");
+    random_file(&src.join("slow.img"), 1600 << 10, seed);
+    let faults = FaultServer::start(&src, 64 << 10).await;
+    let first = env.serve_with(args, &[]).await;
+    let broker = Broker::connect().await;
+    let corr = broker
+        .command(
+            &env.host,
+            prepare_cmd(&node(), &faults.url("slow", "slow.img")),
+        )
+        .await;
+    (faults, first, broker, corr)
+}
+
 /// A prepare runs in one worker process; its connection is closed by the
 /// broker mid-download, so the broker redelivers the command to the other
 /// process of the host, consuming the same queue. That process waits for
@@ -456,17 +480,7 @@ async fn copy_to_a_second_process(env: &Env, extra: &[&str], faults: &FaultServe
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_copy_redelivered_while_another_process_runs_it_is_answered_once() {
     let env = Env::new("");
-    let src = env.root().join("src");
-    random_file(&src.join("slow.img"), 1600 << 10, 66);
-    // 64 KiB/s: some 25 s of download, so that it still runs once the
-    // second process, started on a loaded machine, consumes.
-    let faults = FaultServer::start(&src, 64 << 10).await;
-    let first = env.serve().await;
-    let broker = Broker::connect().await;
-    let x = node();
-    let corr = broker
-        .command(&env.host, prepare_cmd(&x, &faults.url("slow", "slow.img")))
-        .await;
+    let (faults, first, broker, corr) = slow_prepare(&env, &[], 66).await;
     let second = copy_to_a_second_process(&env, &[], &faults).await;
     let answers = broker
         .answers(
@@ -532,19 +546,7 @@ async fn a_copy_waiting_for_an_answer_that_could_not_be_recorded_is_answered() {
     let mount = Tmpfs::mount(&small, "24m");
     let flags = mount.worker_flags();
     let args: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let src = env.root().join("src");
-    random_file(&src.join("slow.img"), 1600 << 10, 67);
-    // 64 KiB/s: some 25 s of download, so that it still runs once the
-    // second process, started on a loaded machine, consumes.
-    let faults = FaultServer::start(&src, 64 << 10).await;
-    let first = env.serve_with(&args, &[]).await;
-    let broker = Broker::connect().await;
-    let corr = broker
-        .command(
-            &env.host,
-            prepare_cmd(&node(), &faults.url("slow", "slow.img")),
-        )
-        .await;
+    let (faults, first, broker, corr) = slow_prepare(&env, &args, 67).await;
     let second = copy_to_a_second_process(&env, &args, &faults).await;
     // The first process's download, and then its answer's record, run
     // into a full file system.

@@ -830,14 +830,12 @@ class Scenario(object):
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if os.path.exists(link):
-                compressed = os.path.join(worker.masters, '.gzip')
-                if 'gzip' in open(worker.config).read():
+                compressed = os.path.join(worker.masters, '.gzip', '*.gz')
+                if self.kind == 'gzip-tls':
                     # Compressed once published; waits for it.
-                    while not glob.glob(os.path.join(compressed, '*.gz')):
+                    while not glob.glob(compressed):
                         time.sleep(0.1)
-                gz = (glob.glob(os.path.join(compressed, '*.gz'))
-                      if os.path.isdir(compressed) else [])
-                for path in [link] + gz:
+                for path in [link] + glob.glob(compressed):
                     with open(path, 'r+b') as f:
                         f.seek(MiB)
                         f.write(b'\xa5' * MiB)
