@@ -4,7 +4,8 @@ The payload is built by Ironic's NodeSetProvisionStatePayload from an
 ironic.objects.Node, masked by Ironic's notification code and sent by
 oslo.messaging's messagingv2 notifier, exactly as ironic-conductor does.
 
-Usage: emit_notification.py HOST
+Usage: emit_notification.py HOST [EXCHANGE]
+(EXCHANGE: Ironic's control_exchange, "ironic" by default.)
 Reads one transition a line on stdin, emits each as it comes and answers
 "sent" on stdout once it is sent. Each line: {"node": uuid, "state": ..., "target": ..., "prev_state": ...,
             "prev_target": ..., "event": ..., "status": "start|end|success|error",
@@ -72,17 +73,19 @@ def make_node(ctx, spec):
 
 def main():
     host = sys.argv[1]
+    exchange = sys.argv[2] if len(sys.argv) > 2 else "ironic"
     # The settings an operator puts in ironic.conf for the worker.
     with tempfile.NamedTemporaryFile("w", suffix=".conf", delete=False) as conf:
         conf.write(
             "[DEFAULT]\n"
             f"host = {host}\n"
+            f"control_exchange = {exchange}\n"
             "transport_url = rabbit://guest:guest@127.0.0.1:5672/\n"
             "notification_level = info\n"
             "[oslo_messaging_notifications]\n"
             "driver = messagingv2\n"
         )
-    # As ironic-conductor starts: control_exchange "ironic", notifier set up.
+    # As ironic-conductor starts: its control_exchange, notifier set up.
     objects.register_all()
     ironic_config.parse_args(["ironic-conductor", "--config-file", conf.name], default_config_files=[])
     ctx = ironic_context.get_admin_context()

@@ -131,6 +131,7 @@ async fn bad_input_is_answered_and_dead_lettered() {
         ("cleanup", json!({"action": "cleanup", "node_uuid": "../../etc", "request_id": "r-uuid"}).to_string().into_bytes(), "invalid_node_uuid", Some("r-uuid")),
         ("prepare", json!({"action": "prepare", "node_uuid": node, "request_id": "r-type", "instance_info": {"image_source": 42}}).to_string().into_bytes(), "invalid_message", Some("r-type")),
     ];
+    let mut wrong = Vec::new();
     for (i, (action, body, code, request_id)) in cases.iter().enumerate() {
         let mut headers = lapin::types::FieldTable::default();
         headers.insert(
@@ -142,11 +143,19 @@ async fn bad_input_is_answered_and_dead_lettered() {
             .publish_raw(&env.host, action, body, &corr, Some(headers), true)
             .await;
         let (got, ev) = broker.next_reply(MINUTE).await;
-        assert_eq!(got.as_deref(), Some(corr.as_str()));
-        assert_eq!(ev["status"], "error");
-        assert_eq!(ev["error"]["code"], *code, "case {i}: {ev}");
-        assert_eq!(ev["request_id"].as_str(), *request_id, "case {i}");
+        let want = (Some(corr.as_str()), "error", *code, *request_id);
+        let seen = (
+            got.as_deref(),
+            ev["status"].as_str().unwrap_or(""),
+            ev["error"]["code"].as_str().unwrap_or(""),
+            ev["request_id"].as_str(),
+        );
+        if seen != want {
+            wrong.push(format!("case {i}: want {want:?}, got {ev}"));
+        }
     }
+    // Every case is checked before one failure is reported.
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
     // Each original is in the dead-letter queue, bytes and headers intact.
     let dead_queue = format!("ironic-image-worker.{}.dead", env.host);
     let mut dead = Vec::new();
@@ -175,11 +184,21 @@ async fn bad_input_is_answered_and_dead_lettered() {
         .call(&env.host, prepare_cmd(&node, &server.url("disk.img")))
         .await;
     assert_eq!(ok["status"], "success", "{ok}");
-    // A failed prepare is answered and acknowledged, not dead-lettered.
+}
+
+/// A prepare that fails on its source is answered and acknowledged, not
+/// dead-lettered: dead letters are for messages that cannot be worked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_prepare_is_answered_not_dead_lettered() {
+    let env = Env::new("");
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let _worker = env.serve().await;
+    let broker = Broker::connect().await;
+    let dead_queue = format!("ironic-image-worker.{}.dead", env.host);
     let missing = broker
-        .call(&env.host, prepare_cmd(&node, &server.url("missing.img")))
+        .call(&env.host, prepare_cmd(&node(), &server.url("missing.img")))
         .await;
-    assert_eq!(missing["error"]["code"], "source_not_found");
+    assert_eq!(missing["error"]["code"], "source_not_found", "{missing}");
     // Proved without a timed wait: an unusable message sent after that answer
     // is dead-lettered on the same channel, so once it is in the dead-letter
     // queue the failed prepare was settled before it, and it is the only one.

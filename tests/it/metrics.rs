@@ -94,9 +94,13 @@ async fn metrics_appear_and_move() {
     let v = |name: &str, labels: &[(&str, &str)]| {
         value(&m, &format!("ironic_image_worker_{name}"), labels)
     };
-    let at_least = |name: &str, labels: &[(&str, &str)], min: f64| {
-        let got = v(name, labels).unwrap_or_else(|| panic!("{name} {labels:?} missing:\n{text}"));
-        assert!(got >= min, "{name} {labels:?} = {got}, expected >= {min}");
+    // Every series is checked before the wrong ones are reported together.
+    let wrong = std::cell::RefCell::new(Vec::new());
+    let at_least = |name: &str, labels: &[(&str, &str)], min: f64| match v(name, labels) {
+        Some(got) if got >= min => {}
+        got => wrong
+            .borrow_mut()
+            .push(format!("{name} {labels:?} = {got:?}, expected >= {min}")),
     };
     at_least(
         "messages_consumed_total",
@@ -151,8 +155,12 @@ async fn metrics_appear_and_move() {
     at_least("cache_limit_bytes", &[], (20480u64 << 20) as f64);
     // Nothing was evicted, nothing is in flight, the broker never dropped.
     let exactly = |name: &str, labels: &[(&str, &str)], want: f64| {
-        let got = v(name, labels).unwrap_or_else(|| panic!("{name} {labels:?} missing:\n{text}"));
-        assert_eq!(got, want, "{name} {labels:?}");
+        if v(name, labels) != Some(want) {
+            let got = v(name, labels);
+            wrong
+                .borrow_mut()
+                .push(format!("{name} {labels:?} = {got:?}, expected {want}"));
+        }
     };
     exactly("cache_evictions_total", &[], 0.0);
     at_least("active_links", &[], 1.0);
@@ -162,33 +170,37 @@ async fn metrics_appear_and_move() {
     exactly("amqp_enabled", &[], 1.0);
     exactly("amqp_connected", &[], 1.0);
     exactly("amqp_reconnects_total", &[], 0.0);
-    assert!(
-        v("http_connections_open", &[]).is_some(),
-        "http_connections_open missing"
-    );
+    if v("http_connections_open", &[]).is_none() {
+        wrong
+            .borrow_mut()
+            .push("http_connections_open missing".into());
+    }
     at_least("http_requests_total", &[("status", "200")], 1.0);
     at_least(
         "http_response_bytes_total",
         &[("status", "200")],
         body.len() as f64,
     );
-    assert!(
-        m.keys()
-            .any(|k| k.starts_with("process_resident_memory_bytes")),
-        "process metrics"
-    );
+    if !m
+        .keys()
+        .any(|k| k.starts_with("process_resident_memory_bytes"))
+    {
+        wrong.borrow_mut().push("no process metrics".into());
+    }
     for line in text
         .lines()
         .filter(|l| l.starts_with("# TYPE ironic_image_worker_"))
     {
         let mut parts = line.split_whitespace().skip(2);
         let (name, kind) = (parts.next().unwrap(), parts.next().unwrap());
-        assert_eq!(
-            name.ends_with("_total"),
-            kind == "counter",
-            "Prometheus naming: {line}"
-        );
+        if name.ends_with("_total") != (kind == "counter") {
+            wrong
+                .borrow_mut()
+                .push(format!("Prometheus naming: {line}"));
+        }
     }
+    let wrong = wrong.into_inner();
+    assert!(wrong.is_empty(), "{}\n\nmetrics:\n{text}", wrong.join("\n"));
 }
 
 /// Every series the operations guide lists exists from a fresh worker's

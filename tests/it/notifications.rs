@@ -206,33 +206,62 @@ async fn failed_deploy_keeps_the_link_until_teardown() {
     );
 }
 
+/// As [`one_image`], the worker reading notifications on an exchange of
+/// the test's own (returned): what other tests send on Ironic's reaches
+/// every running worker, and would be counted or dead-lettered here too.
+async fn one_image_alone(seed: u64) -> (Env, SourceServer, Worker, Broker, EventTap, String) {
+    let exchange = format!("ironic-{}", uuid::Uuid::new_v4().simple());
+    let env = Env::new(&format!("[amqp]\nnotification_exchange = \"{exchange}\"\n"));
+    random_file(&env.root().join("src/a.img"), 1 << 20, seed);
+    let server = SourceServer::start(&env.root().join("src")).await;
+    let worker = env.serve().await;
+    let broker = Broker::connect().await;
+    let tap = EventTap::new(&broker).await;
+    (env, server, worker, broker, tap, exchange)
+}
+
+/// Another conductor's deploy is counted as ignored and leaves the node
+/// alone: no answer, nothing on disk; the same notification from this
+/// conductor is then worked (its answer the first event about the node).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn other_conductors_and_malformed_notifications() {
-    let (env, server, worker, broker, tap) = one_image(34).await;
+async fn another_conductors_notification_is_counted_and_left_alone() {
+    let (env, server, worker, _broker, tap, exchange) = one_image_alone(34).await;
     let node = node();
     let info = json!({"image_source": server.url("a.img")});
-
-    // Another conductor's deploy: not ours, not answered, nothing on disk.
-    let other_host = format!("{}-other", env.host);
-    emit_notifications(
-        &other_host,
-        &[transition(
-            &node,
-            "start",
-            "available",
-            "deploying",
-            "deploy",
-            &info,
-        )],
-    );
-    assert!(
-        tap.collect(&env.host, 1, Duration::from_secs(3))
-            .await
-            .is_empty()
-    );
+    let start = |host: &str| {
+        emit_notifications_on(
+            &exchange,
+            host,
+            &[transition(
+                &node,
+                "start",
+                "available",
+                "deploying",
+                "deploy",
+                &info,
+            )],
+        )
+    };
+    start(&format!("{}-other", env.host));
+    worker
+        .wait_metric(
+            "ironic_image_worker_ignored_messages_total{reason=\"other_publisher\"}",
+            1.0,
+        )
+        .await;
     assert!(!env.link_dir().join(&node).exists());
+    assert_eq!(server.count("GET", "a.img"), 0, "nothing downloaded");
+    start(&env.host);
+    let ev = tap.collect(&env.host, 1, WAIT).await;
+    assert_eq!(ev[0]["status"], "success", "{ev:?}");
+    assert_eq!(ev[0]["node_uuid"], node.as_str(), "{ev:?}");
+}
 
-    // Malformed notifications on Ironic's exchange: error event + dead letter.
+/// Malformed notifications on Ironic's exchange are each answered with
+/// `invalid_message` and dead-lettered; the worker works the next command.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_notifications_are_answered_and_dead_lettered() {
+    let (env, server, _worker, broker, tap, exchange) = one_image_alone(36).await;
     let bodies = [
         b"{\"oslo.version\": \"2.0\", \"oslo.message\": \"{not json\"}".to_vec(),
         json!({"oslo.version": "2.0", "oslo.message": json!({"message_id": "m-1",
@@ -243,14 +272,17 @@ async fn other_conductors_and_malformed_notifications() {
             .into_bytes(),
     ];
     for body in &bodies {
-        broker.publish_notification(body).await;
+        broker.publish_notification_on(&exchange, body).await;
     }
     let events = tap.collect_any(&env.host, 2, WAIT).await;
-    assert_eq!(events.len(), 2);
+    assert_eq!(events.len(), 2, "{events:?}");
     for ev in &events {
         assert_eq!(ev["error"]["code"], "invalid_message", "{ev}");
     }
-    assert!(events.iter().any(|e| e["request_id"] == "m-1"));
+    assert!(
+        events.iter().any(|e| e["request_id"] == "m-1"),
+        "{events:?}"
+    );
     let dead = format!("ironic-image-worker.{}.dead", env.host);
     let mut got = Vec::new();
     for _ in 0..60 {
@@ -260,27 +292,15 @@ async fn other_conductors_and_malformed_notifications() {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(got.len(), 2);
-    // Ours still work afterwards, and the ignored one was counted.
-    emit_notifications(
-        &env.host,
-        &[transition(
-            &node,
-            "start",
-            "available",
-            "deploying",
-            "deploy",
-            &info,
-        )],
-    );
-    let ev = tap.collect(&env.host, 1, WAIT).await;
-    assert_eq!(ev[0]["status"], "success", "{ev:?}");
-    let metrics = worker.metrics_text().await;
-    let ignored = metric(
-        &metrics,
-        "ironic_image_worker_ignored_messages_total{reason=\"other_publisher\"}",
-    );
-    assert!(ignored >= Some(1.0), "{metrics}");
+    let mut got: Vec<&[u8]> = got.iter().map(|m| &m.delivery.data[..]).collect();
+    got.sort();
+    let mut bodies: Vec<&[u8]> = bodies.iter().map(|b| &b[..]).collect();
+    bodies.sort();
+    assert_eq!(got, bodies, "both dead-lettered, bytes intact");
+    let ok = broker
+        .call(&env.host, prepare_cmd(&node(), &server.url("a.img")))
+        .await;
+    assert_eq!(ok["status"], "success", "{ok}");
 }
 
 /// The next `n` events about `node` (within the usual wait).

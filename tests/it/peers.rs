@@ -256,8 +256,19 @@ async fn when_the_downloading_worker_dies_another_takes_the_download_over() {
     let corr = broker
         .command(&cloud[1].env.host, prepare(&node(), &url, &sha))
         .await;
-    // B waits for A's download (A holds the claim)...
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // B waits for A's download (A holds the claim): it follows A's master
+    // as it is written (A sends it bytes) or asks the peers again and
+    // again (each query finding no master yet), never the source...
+    let missed = "ironic_image_worker_peer_queries_total{result=\"missed\"}";
+    let sent = "ironic_image_worker_peer_served_bytes_total";
+    let deadline = tokio::time::Instant::now() + MINUTE;
+    while metric_of(&cloud[0], sent).await == 0.0 && metric_of(&cloud[1], missed).await < 3.0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "B neither follows nor waits for A"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     assert_eq!(source.count("slow", "disk.qcow2"), 1, "B waits for A");
     // ... until A dies: the broker drops A's claim and B takes it.
     let a = cloud.remove(0);

@@ -191,9 +191,15 @@ impl Broker {
     /// Publishes raw bytes as a notification on Ironic's exchange
     /// (`ironic_versioned_notifications.info`), confirmed by the broker.
     pub async fn publish_notification(&self, body: &[u8]) {
+        self.publish_notification_on("ironic", body).await
+    }
+
+    /// As [`Broker::publish_notification`], on Ironic's exchange `exchange`
+    /// (a test's own, which no other test's worker reads).
+    pub async fn publish_notification_on(&self, exchange: &str, body: &[u8]) {
         self.channel
             .basic_publish(
-                "ironic".into(),
+                exchange.into(),
                 "ironic_versioned_notifications.info".into(),
                 lapin::options::BasicPublishOptions::default(),
                 body,

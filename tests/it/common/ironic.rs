@@ -29,10 +29,17 @@ pub fn ironic_python() -> PathBuf {
 /// Emits provision_set notifications through Ironic's notifier as conductor
 /// `host`; each spec is one transition (see tests/helpers/emit_notification.py).
 pub fn emit_notifications(host: &str, specs: &[Value]) {
+    emit_notifications_on("ironic", host, specs)
+}
+
+/// As [`emit_notifications`], on Ironic's `control_exchange` `exchange`: a
+/// test's own, which no other test's worker reads.
+pub fn emit_notifications_on(exchange: &str, host: &str, specs: &[Value]) {
     use std::io::Write;
     let mut child = std::process::Command::new(ironic_python())
         .arg(notifier_script())
         .arg(host)
+        .arg(exchange)
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())

@@ -27,7 +27,7 @@ pub use images::{
     reference_raw, sha256sum, sha512sum, tool,
 };
 #[allow(unused_imports)]
-pub use ironic::{LineHelper, Notifier, emit_notifications, ironic_python};
+pub use ironic::{LineHelper, Notifier, emit_notifications, emit_notifications_on, ironic_python};
 #[allow(unused_imports)]
 pub use served::{Served, assert_served, fetch_served, served};
 
