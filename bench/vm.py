@@ -7,10 +7,11 @@ harness this reuses) prove that such deploys work; this measures what they
 cost: the time from the deploy request to the last node ``active``, the CPU
 of Ironic's process (API and conductor, with its children: it runs
 ``qemu-img``) and of the worker, the bytes the image server sent, and where
-the time went. In each round it also does on its own what stock ``direct``
-does to the image (download, sha256, ``qemu-img convert -O raw``, one sha256
-of the raw image per node), so that the targets are checked against figures
-of the same machine at the same time:
+the time went. In each round it also has Ironic's own code do on its own
+what stock ``direct`` does to the image (bench/vm_image_work.py: download,
+sha256, inspection, ``qemu-img convert -O raw``, one sha256 of the raw image
+per node), so that the targets are checked against figures of the same
+machine at the same time:
 
 * Ironic's CPU for a ``direct-worker`` deploy is stock's less that image
   work, within 10% of the image work;
@@ -21,7 +22,10 @@ Bytes are counted by an iptables rule without a target (it only counts) on
 the image server's port on the loopback, the same way for Ironic's own HTTP
 server and the worker's: TCP/IP headers included, the conductor's HEAD
 requests too. Each VM is powered on when Ironic powers its node on (the node
-reaches ``wait call-back``), as a BMC would.
+reaches ``wait call-back``), as a BMC would. The VMs stand for machines with
+CPUs of their own: under TCG each would take a core of the conductor host's,
+so they run at the lowest priority (``--vm-nice``) and the host's own
+processes come first.
 
 Run by bench/vm, which builds the worker, the ramdisk and the plug-in.
 """
@@ -31,7 +35,6 @@ import glob
 import json
 import os
 import re
-import resource
 import shutil
 import signal
 import sqlite3
@@ -107,30 +110,20 @@ class Wire(object):
         subprocess.run(['iptables', '-D'] + self.rule, check=True)
 
 
-def children_cpu():
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
-def image_work(url, workdir, nodes):
-    """Stock ``direct``'s work on the image, on its own: the download
-    (curl), the source's sha256, ``qemu-img convert -O raw`` and the raw
-    image's sha256 once per node (Ironic computes it again for each node's
-    converted image); its wall and CPU seconds (all done by child
-    processes)."""
-    source = os.path.join(workdir, 'work.qcow2')
-    raw = os.path.join(workdir, 'work.raw')
-    cpu, started = children_cpu(), time.monotonic()
-    deploy.run('curl', '-sfo', source, url)
-    deploy.run('openssl', 'dgst', '-sha256', source)
-    deploy.run('qemu-img', 'convert', '-f', 'qcow2', '-O', 'raw', source,
-               raw)
-    for _ in range(nodes):
-        deploy.run('openssl', 'dgst', '-sha256', raw)
-    wall, cpu = time.monotonic() - started, children_cpu() - cpu
-    os.unlink(source)
-    os.unlink(raw)
-    return {'wall': wall, 'cpu': cpu}
+def image_work(url, checksum, workdir, nodes):
+    """Stock ``direct``'s work on the image for ``nodes`` nodes, done on its
+    own by Ironic's own code (bench/vm_image_work.py): its wall and CPU
+    seconds."""
+    into = tempfile.mkdtemp(prefix='image-work-', dir=workdir)
+    try:
+        out = subprocess.run(
+            [sys.executable, os.path.join(os.path.dirname(
+                os.path.abspath(__file__)), 'vm_image_work.py'),
+             url, checksum, into, str(nodes)],
+            check=True, capture_output=True, text=True).stdout
+    finally:
+        shutil.rmtree(into, ignore_errors=True)
+    return json.loads(out.splitlines()[-1])
 
 
 class Trial(object):
@@ -240,7 +233,8 @@ class Trial(object):
                 if state == 'wait call-back' and 'power on' not in seen:
                     seen['power on'] = now
                     vm = deploy.Vm(self.dir, self.opts.ramdisk, macs[uuid_],
-                                   ironic.port, [served])
+                                   ironic.port, [served],
+                                   nice=self.opts.vm_nice)
                     self.cleanups.append(vm.stop)
                     vms.append(vm)
                 if json.loads(internal or '{}').get('agent_url'):
@@ -358,6 +352,11 @@ def main():
     parser.add_argument('--logs',
                         help="keep Ironic's, the worker's and the VMs' logs "
                         'under this directory')
+    parser.add_argument('--vm-nice', type=int, default=19,
+                        help="the VMs' niceness: they stand for machines "
+                        "with CPUs of their own, so the conductor host's "
+                        'processes (Ironic, the worker, its compressor at '
+                        'nice 10) come first on the shared cores')
     parser.add_argument('--virtual-gib', type=int, default=2)
     parser.add_argument('--data-gib', type=float, default=1)
     parser.add_argument('--density', type=float, default=1 / 3,
@@ -382,7 +381,8 @@ def main():
                 log('run %d would end after --budget: not started' % n)
                 break
             started = time.monotonic()
-            works.append(image_work(source.url('image.qcow2'), workdir,
+            works.append(image_work(source.url('image.qcow2'),
+                                    deploy.file_hash(image[0]), workdir,
                                     opts.nodes))
             log('run %d image work on its own: %.1f s, CPU %.1f s' % (
                 n, works[-1]['wall'], works[-1]['cpu']))

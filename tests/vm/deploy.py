@@ -313,11 +313,11 @@ class Vm(console.SerialConsole):
     of the host."""
 
     def __init__(self, workdir, ramdisk, mac, api_port, ports, memory=1536,
-                 disk=None, files=None):
+                 disk=None, files=None, nice=0):
         """``disk``: the disk of an earlier boot of the same machine;
         ``files``: {path: bytes} added to the ramdisk (an agent
         configuration file in /etc makes it verify TLS, which it otherwise
-        does not: ``ipa-insecure``)."""
+        does not: ``ipa-insecure``); ``nice``: QEMU's niceness."""
         self.dir = tempfile.mkdtemp(prefix='vm-', dir=workdir)
         self.disk = disk or os.path.join(self.dir, 'disk.raw')
         if disk is None:
@@ -333,7 +333,8 @@ class Vm(console.SerialConsole):
         append = agent_params(api_port, self.agent_port, ports,
                               verify_tls=bool(files))
         self.accel = accelerator()
-        cmd = ['qemu-system-x86_64', '-nodefaults', '-machine', 'pc',
+        cmd = ['nice', '-n', str(nice),
+               'qemu-system-x86_64', '-nodefaults', '-machine', 'pc',
                '-accel', self.accel,
                '-m', str(memory), '-smp', '1', '-no-reboot',
                '-display', 'none', '-monitor', 'none',
