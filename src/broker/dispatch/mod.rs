@@ -74,6 +74,8 @@ use std::time::{Duration, Instant};
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
+/// The connection jobs see (`link`), as the session that opened it holds
+/// it: to hand deliveries in and to hear when an operation on it failed.
 pub(super) use link::Link;
 
 /// The owner of one worker's deliveries for its whole life (connections
