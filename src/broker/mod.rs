@@ -10,11 +10,14 @@
 //! * `dispatch`: deliveries in, routed to per-node work, answered, then
 //!   acknowledged (or dead-lettered when unusable); work outlives a
 //!   connection and a redelivered copy is adopted, not run twice. A folder:
-//!   routing (`mod.rs`), the backlog of a new connection (`intake`), the
-//!   jobs awaiting acknowledgement and adoption (`adopt`), early
+//!   routing (`mod.rs`), and around it one part a file, each a type that
+//!   holds what its methods use: how a delivery reads (`read`), the live
+//!   connection (`link`), the backlog of a new connection (`intake`), the
+//!   jobs awaiting acknowledgement (`pending`), adoption (`adopt`), early
 //!   acknowledgement (`early_ack`), the slow lane's parked deliveries
-//!   (`slow_lane`), deferred prepares (`defer`), the answer and the copy
-//!   settled or dead-lettered (`settle`);
+//!   (`slow_lane`), refused commands (`refuse`), deferred prepares
+//!   (`defer`), the answer and the copy settled or dead-lettered
+//!   (`settle`);
 //! * `identity`: what identifies a delivery across redeliveries, as the
 //!   stable key the node's ledger records it under;
 //! * `parked`: a delivery acknowledged before its answer (slow lane), kept

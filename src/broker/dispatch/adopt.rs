@@ -1,106 +1,50 @@
-//! The jobs awaiting acknowledgement, by delivery identity: remembered
-//! when routed, forgotten once settled; a redelivered copy of one of them
-//! (its first copy's connection died) is adopted by it instead of being
-//! run again, or settled at once when it was answered or acknowledged
-//! early.
+//! A redelivered copy (its first copy's connection died) of a job still
+//! known here: adopted by that job instead of being run again, or settled
+//! at once when the job was answered or acknowledged early.
 //!
 //! Knows nothing of what a delivery asks, of the ledger, nor of answers.
 
-use super::super::ack::{Adoption, Tracked};
-use super::Dispatcher;
+use super::super::ack::Adoption;
+use super::early_ack::ConsumerTimeout;
+use super::pending::Pending;
 use super::settle::settle;
 use crate::messages::IgnoreReason;
+use crate::metrics::Metrics;
 use lapin::Acker;
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Instant;
+use tokio_util::task::TaskTracker;
 
-/// How long a job answered but not acknowledged (its connection died) is
-/// remembered, so that its redelivered copy is acknowledged silently.
-pub(super) const ANSWERED_MEMORY: Duration = Duration::from_secs(600);
-
-/// The jobs awaiting acknowledgement, by delivery identity
-/// (`identity::key`), each holding its copy's acker `A`; answered ones are
-/// kept for a while, so that a redelivered copy of one is settled, not run.
-pub(super) struct Pending<A> {
-    jobs: Mutex<HashMap<String, Vec<Arc<Tracked<A>>>>>,
-    /// How long an answered job is remembered ([`ANSWERED_MEMORY`]).
-    memory: Duration,
+/// Where a redelivered copy goes: to the job of its identity, which holds
+/// it from then on (its early acknowledgement armed again), or settled at
+/// once when that job was answered or acknowledged early. Holds the jobs
+/// awaiting acknowledgement, the consumer timeout in force, the metrics
+/// the copy is counted in and the tracker its settling runs under.
+pub(super) struct Adopter {
+    pending: Arc<Pending<Acker>>,
+    consumer_timeout: Arc<ConsumerTimeout>,
+    metrics: Arc<Metrics>,
+    tracker: TaskTracker,
 }
 
-impl<A: Clone> Pending<A> {
-    /// None yet; answered jobs remembered for `memory`.
-    pub(super) fn new(memory: Duration) -> Pending<A> {
-        Pending {
-            jobs: Mutex::default(),
-            memory,
+impl Adopter {
+    /// Adoption among `pending`, a copy adopted acknowledged early as
+    /// `consumer_timeout` says; counted in `metrics`, settled under
+    /// `tracker`.
+    pub(super) fn new(
+        pending: Arc<Pending<Acker>>,
+        consumer_timeout: Arc<ConsumerTimeout>,
+        metrics: Arc<Metrics>,
+        tracker: TaskTracker,
+    ) -> Adopter {
+        Adopter {
+            pending,
+            consumer_timeout,
+            metrics,
+            tracker,
         }
     }
 
-    fn jobs(&self) -> MutexGuard<'_, HashMap<String, Vec<Arc<Tracked<A>>>>> {
-        self.jobs.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Jobs acknowledged early and not answered yet (lost if the process
-    /// stops before they end: the broker holds no copy of them).
-    pub(super) fn accepted_unanswered(&self) -> usize {
-        self.jobs()
-            .values()
-            .flatten()
-            .filter(|t| t.accepted_unanswered())
-            .count()
-    }
-
-    /// Registers a job as awaiting acknowledgement, forgetting answered
-    /// ones older than the memory.
-    pub(super) fn remember(&self, identity: &str, tracked: Arc<Tracked<A>>) {
-        let mut jobs = self.jobs();
-        jobs.retain(|_, same| {
-            same.retain(|t| t.answered_at().is_none_or(|at| at.elapsed() < self.memory));
-            !same.is_empty()
-        });
-        jobs.entry(identity.to_string()).or_default().push(tracked);
-    }
-
-    /// Offers a redelivered copy of connection `session`: the job of its
-    /// identity from an earlier connection takes it (or, answered already
-    /// or acknowledged early, says to settle it now, and an answered job
-    /// is forgotten). `None`: no job takes it.
-    pub(super) fn offer(
-        &self,
-        session: u64,
-        identity: &str,
-        acker: &A,
-    ) -> Option<(Arc<Tracked<A>>, Adoption<A>)> {
-        let mut jobs = self.jobs();
-        let same = jobs.get_mut(identity)?;
-        let (i, adoption) =
-            same.iter()
-                .enumerate()
-                .find_map(|(i, t)| match t.adopt(session, acker.clone()) {
-                    Adoption::NotStale(_) => None,
-                    adoption => Some((i, adoption)),
-                })?;
-        let tracked = same[i].clone();
-        if tracked.answered() {
-            same.remove(i);
-        }
-        Some((tracked, adoption))
-    }
-
-    /// Drops a settled job.
-    pub(super) fn forget(&self, identity: &str, tracked: &Arc<Tracked<A>>) {
-        let mut jobs = self.jobs();
-        if let Some(same) = jobs.get_mut(identity) {
-            same.retain(|t| !Arc::ptr_eq(t, tracked));
-            if same.is_empty() {
-                jobs.remove(identity);
-            }
-        }
-    }
-}
-
-impl Dispatcher {
     /// A redelivered copy: if a job of an earlier connection has the same
     /// identity, it takes this copy's acker (or, answered already or
     /// acknowledged early, this copy is acknowledged now). True if adopted.
@@ -114,87 +58,18 @@ impl Dispatcher {
         let Some((tracked, adoption)) = self.pending.offer(session, identity, acker) else {
             return false;
         };
-        self.work
-            .metrics()
-            .ignored(IgnoreReason::RedeliveredInProgress);
+        self.metrics.ignored(IgnoreReason::RedeliveredInProgress);
         let _in_request = tracked.span.enter();
         if let Adoption::SettleNow(acker) = adoption {
             tracing::info!("a redelivered copy of work already answered or accepted: settled");
             let dead_letter = tracked.dead_letter;
-            self.work.tracker.spawn(async move {
+            self.tracker.spawn(async move {
                 let _ = settle(acker, dead_letter).await;
             });
         } else {
             tracing::info!("a redelivered copy of work still running here: adopted");
-            self.arm_early_ack(&tracked, session, received);
+            self.consumer_timeout.arm(&tracked, session, received);
         }
         true
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn job(session: u64, acker: &'static str) -> Arc<Tracked<&'static str>> {
-        Arc::new(Tracked::new(session, acker, false, tracing::Span::none()))
-    }
-
-    #[test]
-    fn a_redelivered_copy_is_adopted_by_the_job_of_its_identity() {
-        let pending = Pending::new(ANSWERED_MEMORY);
-        let first = job(1, "first");
-        pending.remember("k", first.clone());
-        assert!(pending.offer(2, "other", &"x").is_none());
-        let (by, adoption) = pending.offer(2, "k", &"second").unwrap();
-        assert!(Arc::ptr_eq(&by, &first));
-        assert!(matches!(adoption, Adoption::Adopted));
-        assert_eq!(first.session(), Some(2));
-        // A copy of the connection the job holds a copy of is not stale.
-        assert!(pending.offer(2, "k", &"third").is_none());
-    }
-
-    #[test]
-    fn a_copy_of_an_answered_job_is_settled_now_and_the_job_forgotten() {
-        let pending = Pending::new(ANSWERED_MEMORY);
-        let first = job(1, "first");
-        pending.remember("k", first.clone());
-        assert!(matches!(first.finish(), Ok((1, "first"))));
-        let (_, adoption) = pending.offer(2, "k", &"second").unwrap();
-        assert!(matches!(adoption, Adoption::SettleNow("second")));
-        assert!(pending.offer(3, "k", &"third").is_none());
-    }
-
-    #[test]
-    fn a_copy_of_a_job_acknowledged_early_is_settled_and_the_job_kept() {
-        let pending = Pending::new(ANSWERED_MEMORY);
-        let first = job(1, "first");
-        pending.remember("k", first.clone());
-        assert!(first.ack_early(None).is_some());
-        assert_eq!(pending.accepted_unanswered(), 1);
-        for session in [2, 3] {
-            let (_, adoption) = pending.offer(session, "k", &"copy").unwrap();
-            assert!(matches!(adoption, Adoption::SettleNow("copy")));
-        }
-        assert!(first.finish().is_err());
-        assert_eq!(pending.accepted_unanswered(), 0);
-    }
-
-    #[test]
-    fn answered_jobs_are_forgotten_past_the_memory_and_settled_ones_at_once() {
-        let pending = Pending::new(Duration::ZERO);
-        let answered = job(1, "a");
-        pending.remember("answered", answered.clone());
-        let _ = answered.finish();
-        let settled = job(1, "b");
-        pending.remember("settled", settled.clone());
-        let running = job(1, "c");
-        pending.remember("settled", running.clone());
-        pending.forget("settled", &settled);
-        // The next job remembered prunes the answered one.
-        pending.remember("next", job(1, "d"));
-        assert!(pending.offer(2, "answered", &"x").is_none());
-        let (by, _) = pending.offer(2, "settled", &"y").unwrap();
-        assert!(Arc::ptr_eq(&by, &running));
     }
 }

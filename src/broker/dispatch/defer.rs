@@ -9,31 +9,98 @@
 //! job given back has its parked record dropped.
 
 use super::super::{deadline, stamp};
-use super::Link;
+use super::Delivered;
+use super::link::{Link, Links};
+use super::pending::Pending;
+use super::read::Reader;
 use super::settle::settle;
-use super::{Delivered, Dispatcher};
-use crate::dispatch::Shelf;
+use crate::dispatch::{Deferral, Dispatch, Shelf};
 use crate::messages::IgnoreReason;
+use lapin::Acker;
+use std::sync::Arc;
 
-impl Dispatcher {
+/// Where the copy a job holds stands when it is to go back to the queue
+/// ([`held`]).
+#[derive(Debug, PartialEq)]
+enum Held {
+    /// A copy of the live connection: a copy of it can be put back, then
+    /// it is acknowledged.
+    Live,
+    /// A copy of a connection now gone: the broker gives the message
+    /// again by itself.
+    Gone,
+    /// No copy (acknowledged early), or no connection to put one back by.
+    Nothing,
+}
+
+/// Where the copy of connection `held` stands while `live` is the
+/// connection in force.
+fn held(live: Option<u64>, held: Option<u64>) -> Held {
+    match (live, held) {
+        (Some(live), Some(held)) if held == live => Held::Live,
+        (Some(_), Some(_)) => Held::Gone,
+        _ => Held::Nothing,
+    }
+}
+
+/// Puts work back at the tail of this host's queue: a deferred prepare,
+/// or work not started when the worker stops. Holds the queue's name, the
+/// connection in force, the reader that seals a copy again, the jobs
+/// awaiting acknowledgement, and the shared dispatch (its metrics, and the
+/// ledger's parked deliveries).
+pub(super) struct Requeue {
+    /// This host's queue, where the copies go.
+    queue: String,
+    links: Arc<Links>,
+    reader: Arc<Reader>,
+    pending: Arc<Pending<Acker>>,
+    work: Arc<Dispatch>,
+}
+
+impl Requeue {
+    /// Copies put back on `queue` through `links`, sealed again by
+    /// `reader`; jobs forgotten from `pending`, counted and unparked in
+    /// `work`.
+    pub(super) fn new(
+        queue: String,
+        links: Arc<Links>,
+        reader: Arc<Reader>,
+        pending: Arc<Pending<Acker>>,
+        work: Arc<Dispatch>,
+    ) -> Requeue {
+        Requeue {
+            queue,
+            links,
+            reader,
+            pending,
+            work,
+        }
+    }
+
     /// Every download slot is busy and the prepare could not be set
     /// aside: it goes back to the tail of the queue (a confirmed copy
     /// carrying the command's deadline, then this delivery is
-    /// acknowledged), so the delivery slot
-    /// serves other actions meanwhile. A copy whose connection is gone
-    /// comes back by itself, as new work; if putting it back fails on the
-    /// live connection, that connection is renewed and the copy comes back.
-    pub(super) async fn defer(&self, job: &Delivered) {
-        let link = self.link.borrow().clone();
+    /// acknowledged), so the delivery slot serves other actions
+    /// meanwhile. A copy whose connection is gone comes back by itself, as
+    /// new work; if putting it back fails on the live connection, that
+    /// connection is renewed and the copy comes back. A job run again from
+    /// its parked record has no delivery to put back: it waits.
+    pub(super) async fn defer(&self, job: &Delivered) -> Deferral {
+        if job.resumed {
+            // Its delivery is acknowledged: nothing to put back.
+            return Deferral::Wait;
+        }
+        let link = self.links.current();
         let acker = job.tracked.take_acker();
         // The redelivered copy is new work, not a copy of running work.
         self.pending.forget(&job.identity, &job.tracked);
-        let (Some(link), Some((session, acker))) = (link, acker) else {
-            return;
+        let session = acker.as_ref().map(|(s, _)| *s);
+        let (Some(link), Some((_, acker))) = (link, acker) else {
+            return Deferral::TakenBack;
         };
-        if session != link.session {
+        if held(Some(link.session), session) == Held::Gone {
             tracing::info!("a prepare to defer came through a connection now gone: it comes back");
-            return;
+            return Deferral::TakenBack;
         }
         let put_back = match self.put_back(&link, job).await {
             Ok(()) => settle(acker, false).await,
@@ -46,10 +113,9 @@ impl Dispatcher {
                 link.broken.notify_one();
             }
         }
+        Deferral::TakenBack
     }
-}
 
-impl Dispatcher {
     /// A copy of `job`'s delivery at the tail of this host's queue,
     /// confirmed, carrying its deadline and issue time (sealed again).
     async fn put_back(&self, link: &Link, job: &Delivered) -> Result<(), String> {
@@ -75,13 +141,13 @@ impl Dispatcher {
             tracing::info!("not started as the worker stops: parked, for the next process");
             return;
         }
-        let link = self.link.borrow().clone();
-        let Some(link) = link else {
+        let Some(link) = self.links.current() else {
             return;
         };
         let acker = job.tracked.take_acker();
         self.pending.forget(&job.identity, &job.tracked);
-        if acker.as_ref().is_some_and(|(s, _)| *s != link.session) {
+        let session = acker.as_ref().map(|(s, _)| *s);
+        if held(Some(link.session), session) == Held::Gone {
             return;
         }
         if let Err(e) = self.put_back(&link, job).await {
@@ -97,5 +163,21 @@ impl Dispatcher {
             }
         }
         tracing::info!("not started as the worker stops: given back to the queue");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_copy_of_the_live_connection_is_put_back() {
+        assert_eq!(held(Some(2), Some(2)), Held::Live);
+        assert_eq!(held(Some(2), Some(1)), Held::Gone);
+        // Acknowledged early: nothing held (a job given back is put back
+        // from its record; a deferred one waits where it is).
+        assert_eq!(held(Some(2), None), Held::Nothing);
+        // Disconnected: nothing to put it back by.
+        assert_eq!(held(None, Some(1)), Held::Nothing);
     }
 }

@@ -7,7 +7,6 @@
 //! Knows nothing of what a delivery asks, of the ledger, nor of answers.
 
 use super::super::ack::Tracked;
-use super::Dispatcher;
 use super::settle::settle;
 use lapin::Acker;
 use std::sync::Arc;
@@ -43,13 +42,11 @@ impl ConsumerTimeout {
         let ms = self.ms.load(Ordering::Relaxed);
         (ms > 0).then(|| Duration::from_millis(ms) * 3 / 4)
     }
-}
 
-impl Dispatcher {
     /// The broker closed a channel over its consumer timeout and said which
     /// value it enforces: from now on early acknowledgements follow it.
-    pub(in crate::broker) fn broker_consumer_timeout(&self, enforced: Duration) {
-        let (before, ms) = self.consumer_timeout.enforced(enforced);
+    pub(super) fn broker_enforces(&self, enforced: Duration) {
+        let (before, ms) = self.enforced(enforced);
         if before != ms {
             tracing::warn!(
                 enforced_ms = ms,
@@ -66,13 +63,8 @@ impl Dispatcher {
     /// another of its node (the broker counts from the delivery). From
     /// then on the job is answered when done, and a crash loses it. Its
     /// line is in the request's span.
-    pub(super) fn arm_early_ack(
-        &self,
-        tracked: &Arc<Tracked<Acker>>,
-        session: u64,
-        received: Instant,
-    ) {
-        let Some(after) = self.consumer_timeout.ack_early_after() else {
+    pub(super) fn arm(&self, tracked: &Arc<Tracked<Acker>>, session: u64, received: Instant) {
+        let Some(after) = self.ack_early_after() else {
             return;
         };
         let t = tracked.clone();

@@ -15,31 +15,44 @@
 //!
 //! # This folder
 //!
-//! This file holds the state that outlives connections ([`Dispatcher`]),
-//! a delivery as the shared dispatch's [`Carrier`] ([`Delivered`]) and the
-//! routing of each delivery. Around it, one concern a file:
+//! This file holds the owner of one worker's deliveries ([`Dispatcher`]),
+//! which routes each delivery to the part that deals with it, and a
+//! delivery as the shared dispatch's [`Carrier`] ([`Delivered`]), whose
+//! methods hand each step to that part. Around it, one concern a file,
+//! each a type that holds only what its methods use:
 //!
 //! * `read`: how a delivery reads (a command or a notification) and
-//!   whether its seal lets it be worked;
-//! * `intake`: when the backlog of a new connection is taken in;
-//! * `adopt`: the jobs awaiting acknowledgement, and a redelivered copy
-//!   adopted by the job of its identity;
-//! * `early_ack`: a copy acknowledged before the broker's consumer timeout;
+//!   whether its seal lets it be worked (`Reader`);
+//! * `link`: the live connection jobs answer and settle through, replaced
+//!   as connections come and go (`Links`);
+//! * `intake`: when the backlog of a new connection is taken in
+//!   (`Intake`);
+//! * `pending`: the jobs awaiting acknowledgement by delivery identity,
+//!   and what a redelivered copy of one becomes (`Pending`);
+//! * `adopt`: a redelivered copy adopted by the job of its identity, or
+//!   settled at once (`Adopter`);
+//! * `early_ack`: a copy acknowledged before the broker's consumer timeout
+//!   (`ConsumerTimeout`);
 //! * `slow_lane`: a slow download's delivery, or one of a download job
 //!   that waits, parked in the ledger and acknowledged early, and parked
-//!   deliveries run again after a restart;
-//! * `refuse`: a command whose seal does not hold, dead-lettered unworked;
+//!   deliveries read back after a restart (`SlowLane`);
+//! * `refuse`: a command whose seal does not hold, dead-lettered unworked
+//!   (`Refuser`);
 //! * `defer`: a prepare put back at the tail of the queue, and work not
-//!   started given back that way when the worker stops;
+//!   started given back that way when the worker stops (`Requeue`);
 //! * `settle`: the answer published, then the copy acknowledged or
-//!   dead-lettered.
+//!   dead-lettered (`Settler`), and how any copy is settled.
 //!
-//! The files use each other in one direction (`tests/architecture.rs`).
+//! The parts that need the same state share it (the connection, the jobs
+//! awaiting acknowledgement, the consumer timeout, the reader); the files
+//! use each other in one direction (`tests/architecture.rs`).
 
 mod adopt;
 mod defer;
 mod early_ack;
 mod intake;
+mod link;
+mod pending;
 mod read;
 mod refuse;
 mod settle;
@@ -51,47 +64,50 @@ use super::identity;
 use super::publisher::Publisher;
 use crate::dispatch::{Carrier, Deferral, DeliveryKey, Dispatch, Job, Transport};
 use crate::messages::inbound::Inbound;
-use crate::messages::{Completion, IgnoreReason};
+use crate::messages::{Completion, IgnoreReason, Request};
 use crate::seal::Sealed;
 use futures_util::future::BoxFuture;
-use intake::Intake;
 use lapin::Acker;
 use lapin::message::Delivery;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Instant;
-use tokio::sync::{Notify, watch};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-/// The current connection, as jobs see it: its id and its publisher.
-#[derive(Clone)]
-pub(super) struct Link {
-    pub(super) session: u64,
-    pub(super) publisher: Publisher,
-    /// Signalled when a broker operation on this connection failed.
-    pub(super) broken: Arc<Notify>,
-}
+/// The connection jobs see (`link`), as the session that opened it holds
+/// it: to hand deliveries in and to hear when an operation on it failed.
+pub(super) use link::Link;
 
-/// State that outlives connections: the jobs awaiting acknowledgement,
-/// the current connection; the work itself is the shared dispatch's.
+/// The owner of one worker's deliveries for its whole life (connections
+/// come and go under it): it routes each delivery to the part that deals
+/// with it, and holds what routing itself uses; each part holds only what
+/// its own work uses, shared where two use the same (the connection, the
+/// jobs awaiting acknowledgement).
 pub(super) struct Dispatcher {
+    /// The shared dispatch: where work goes, and every job's task.
     work: Arc<Dispatch>,
     /// How deliveries read (commands, notifications, seals).
-    reader: read::Reader,
+    reader: Arc<read::Reader>,
+    /// The live connection, replaced as connections come and go.
+    links: Arc<link::Links>,
+    /// Jobs not yet acknowledged, by delivery identity (`identity::key`).
+    pending: Arc<pending::Pending<Acker>>,
     /// The broker's consumer timeout in force: a delivery still
     /// unacknowledged three quarters of it after it arrived is acknowledged
     /// early.
-    consumer_timeout: early_ack::ConsumerTimeout,
-    /// Jobs not yet acknowledged, by delivery identity (`identity::key`).
-    pending: adopt::Pending<Acker>,
-    /// The live connection, `None` while disconnected.
-    link: watch::Sender<Option<Link>>,
-    next_session: AtomicU64,
-    /// This host's queue, where deferred prepares go back.
-    queue: String,
+    consumer_timeout: Arc<early_ack::ConsumerTimeout>,
     /// Deliveries being dispatched, and when the last one was.
-    intake: Mutex<Intake>,
+    intake: intake::Intake,
+    /// A redelivered copy adopted by the job of its identity.
+    adopter: adopt::Adopter,
+    /// Commands whose seal does not hold, dead-lettered.
+    refuser: refuse::Refuser,
+    /// Prepares deferred, and work not started given back, to the queue.
+    requeue: defer::Requeue,
+    /// Deliveries parked and acknowledged early, read back after a crash.
+    slow_lane: slow_lane::SlowLane,
+    /// Answers published, then copies acknowledged or dead-lettered.
+    settler: settle::Settler,
 }
 
 /// A delivery: the broker's side of its job (the shared dispatch's
@@ -135,17 +151,36 @@ impl Dispatcher {
     /// `work`, for its whole life (connections come and go under it).
     pub(super) fn new(work: Arc<Dispatch>, settings: &super::Settings) -> Dispatcher {
         let amqp = &settings.amqp;
-        let timeout = amqp.consumer_timeout;
         let queue = super::Topology::new(&settings.host, amqp).queue;
+        let reader = Arc::new(read::Reader::new(settings, &queue));
+        let links = Arc::new(link::Links::new());
+        let pending = Arc::new(pending::Pending::new(pending::ANSWERED_MEMORY));
+        let timeout = early_ack::ConsumerTimeout::configured(amqp.consumer_timeout);
+        let consumer_timeout = Arc::new(timeout);
+        let (metrics, tracker) = (work.metrics().clone(), work.tracker.clone());
         Dispatcher {
-            reader: read::Reader::new(settings, &queue),
-            consumer_timeout: early_ack::ConsumerTimeout::configured(timeout),
+            adopter: adopt::Adopter::new(
+                pending.clone(),
+                consumer_timeout.clone(),
+                metrics.clone(),
+                tracker.clone(),
+            ),
+            refuser: refuse::Refuser::new(metrics, tracker),
+            requeue: defer::Requeue::new(
+                queue,
+                links.clone(),
+                reader.clone(),
+                pending.clone(),
+                work.clone(),
+            ),
+            slow_lane: slow_lane::SlowLane::new(pending.clone(), work.clone()),
+            settler: settle::Settler::new(links.clone(), pending.clone(), work.clone()),
+            intake: intake::Intake::new(),
             work,
-            pending: adopt::Pending::new(adopt::ANSWERED_MEMORY),
-            link: watch::Sender::new(None),
-            next_session: AtomicU64::new(1),
-            queue,
-            intake: Mutex::new(Intake::new()),
+            reader,
+            links,
+            pending,
+            consumer_timeout,
         }
     }
 
@@ -161,38 +196,51 @@ impl Dispatcher {
     }
 
     /// Makes `publisher` the way out for every job; returns the new link.
+    /// Its backlog is to be taken in before a prepare starts.
     pub(super) fn connected(&self, publisher: Publisher) -> Link {
-        let link = Link {
-            session: self.next_session.fetch_add(1, Ordering::Relaxed),
-            publisher,
-            broken: Arc::new(Notify::new()),
-        };
-        self.link.send_replace(Some(link.clone()));
-        self.backlog_begins();
+        let link = self.links.connected(publisher);
+        self.intake.backlog_begins();
         link
     }
 
     /// The connection of `session` is gone: jobs wait for the next one.
     pub(super) fn disconnected(&self, session: u64) {
-        self.link.send_if_modified(|l| {
-            if l.as_ref().is_some_and(|l| l.session == session) {
-                *l = None;
-                true
-            } else {
-                false
-            }
-        });
+        self.links.disconnected(session);
+    }
+
+    /// The broker closed a channel over its consumer timeout and said which
+    /// value it enforces: from now on early acknowledgements follow it.
+    pub(in crate::broker) fn broker_consumer_timeout(&self, enforced: Duration) {
+        self.consumer_timeout.broker_enforces(enforced);
+    }
+
+    /// Runs again the deliveries that processes of this host (gone now)
+    /// acknowledged before answering them (see `parked`): each as a
+    /// redelivered copy, so the ledger's claims and answers apply.
+    pub(in crate::broker) async fn resume_parked(self: &Arc<Self>) {
+        for resumed in self.slow_lane.resumable(&self.reader).await {
+            let (request, job) = Delivered::resumed(self.clone(), resumed);
+            job.tracked.span.in_scope(|| {
+                tracing::info!(
+                    "acknowledged early by a process that is gone, never answered: run again"
+                );
+            });
+            self.work.submit(Job {
+                request: *request,
+                carrier: Box::new(job),
+            });
+        }
     }
 
     /// Routes a delivery of connection `session`: a redelivered copy of a
     /// known job is adopted, unusable and ignored messages are settled at
     /// once, work goes to its node's FIFO queue, and a notification of a
     /// node's move is recorded in its ledger before the next delivery is
-    /// taken in (see [`Dispatcher::caught_up`]). Each copy held is
+    /// taken in (see `Intake::caught_up`). Each copy held is
     /// acknowledged early once it has been unacknowledged for three
     /// quarters of the consumer timeout, queued or running.
     pub(super) async fn dispatch(self: &Arc<Self>, session: u64, delivery: Delivery) {
-        let _taking_in = self.taking_in();
+        let _taking_in = self.intake.taking_in();
         self.route(session, delivery).await;
     }
 
@@ -200,18 +248,19 @@ impl Dispatcher {
     async fn route(self: &Arc<Self>, session: u64, delivery: Delivery) {
         let received = Instant::now();
         let identity = identity::key(&identity::Parts::of(&delivery));
-        if delivery.redelivered && self.adopt(session, &identity, &delivery.acker, received) {
+        let adopter = &self.adopter;
+        if delivery.redelivered && adopter.adopt(session, &identity, &delivery.acker, received) {
             return;
         }
         let sealed = match self.reader.admit(&delivery) {
             Ok(sealed) => sealed,
-            Err(why) => return self.refuse(delivery, why),
+            Err(why) => return self.refuser.refuse(delivery, why),
         };
         let (inbound, job) = self.job(session, identity, delivery, sealed);
         match inbound {
             Inbound::Work(request) => {
                 self.pending.remember(&job.identity, job.tracked.clone());
-                self.arm_early_ack(&job.tracked, session, received);
+                self.consumer_timeout.arm(&job.tracked, session, received);
                 self.work.submit(Job {
                     request: *request,
                     carrier: Box::new(job),
@@ -220,9 +269,11 @@ impl Dispatcher {
             Inbound::Invalid(done) => {
                 self.pending.remember(&job.identity, job.tracked.clone());
                 let span = job.tracked.span.clone();
-                self.work
-                    .tracker
-                    .spawn(async move { job.dead_letter(&done).await }.instrument(span));
+                let dead_letter = async move {
+                    let settler = &job.dispatcher.settler;
+                    settler.dead_letter(&job, &done).await;
+                };
+                self.work.tracker.spawn(dead_letter.instrument(span));
             }
             Inbound::Ignore(why) => {
                 let work = self.work.clone();
@@ -287,13 +338,36 @@ impl Dispatcher {
         };
         (inbound, job)
     }
+}
 
-    /// Whether the copy `tracked` holds came through a connection now gone:
-    /// the broker gives that message to another consumer (possibly another
-    /// process of the host), so it counts as delivered twice.
-    fn copy_gone(&self, tracked: &Tracked<Acker>) -> bool {
-        let live = self.link.borrow().as_ref().map(|l| l.session);
-        tracked.session().is_some_and(|s| Some(s) != live)
+impl Delivered {
+    /// A parked delivery run again: its delivery was acknowledged, so it
+    /// holds no copy; it counts as redelivered. With the request it asks.
+    fn resumed(dispatcher: Arc<Dispatcher>, r: slow_lane::Resumed) -> (Box<Request>, Delivered) {
+        let span = r.request.span();
+        let parked = r.parked;
+        let job = Delivered {
+            dispatcher,
+            source: r.source,
+            reply_to: parked.reply_to,
+            correlation_id: parked.correlation_id,
+            identity: r.key,
+            legacy_identity: None,
+            exchange: parked.exchange,
+            routing_key: parked.routing_key,
+            issued_ms: parked.issued_ms,
+            resumed: true,
+            tracked: Arc::new(Tracked::accepted(span)),
+            deadline: parked.deadline,
+            body: r.body,
+            properties: lapin::BasicProperties::default(),
+            redelivered: true,
+            received_ms: parked.received_ms,
+            // Checked when it was received; never deferred again.
+            sealed_until: None,
+            seal_key: 0,
+        };
+        (r.request, job)
     }
 }
 
@@ -311,58 +385,50 @@ impl Carrier for Delivered {
     }
 
     fn delivery_key(&self) -> Option<DeliveryKey> {
+        // A copy whose connection is gone is given to another consumer too.
+        let gone = self.dispatcher.links.gone(self.tracked.session());
         Some(DeliveryKey {
             key: self.identity.clone(),
             legacy: self.legacy_identity.clone(),
-            redelivered: self.redelivered || self.dispatcher.copy_gone(&self.tracked),
+            redelivered: self.redelivered || gone,
         })
     }
 
     fn defer(&self) -> BoxFuture<'_, Deferral> {
-        Box::pin(async move {
-            if self.resumed {
-                // Its delivery is acknowledged: nothing to put back.
-                return Deferral::Wait;
-            }
-            self.dispatcher.defer(self).await;
-            Deferral::TakenBack
-        })
+        Box::pin(self.dispatcher.requeue.defer(self))
     }
 
     fn hold(&self) -> BoxFuture<'_, bool> {
-        Box::pin(self.dispatcher.hold(self))
+        Box::pin(self.dispatcher.slow_lane.hold(self))
     }
 
     fn give_back(&self) -> BoxFuture<'_, ()> {
-        Box::pin(self.dispatcher.give_back(self))
+        Box::pin(self.dispatcher.requeue.give_back(self))
     }
 
     fn caught_up(&self) -> BoxFuture<'_, ()> {
-        Box::pin(self.dispatcher.caught_up())
+        Box::pin(self.dispatcher.intake.caught_up())
     }
 
     fn slowed(&self) -> BoxFuture<'_, ()> {
-        Box::pin(self.dispatcher.slowed(self))
+        Box::pin(self.dispatcher.slow_lane.slowed(self))
     }
 
     fn answer<'a>(&'a self, done: &'a Completion) -> BoxFuture<'a, bool> {
-        Box::pin(self.dispatcher.answer(done, self))
+        Box::pin(self.dispatcher.settler.answer(done, self))
     }
 
     fn finish(&self) -> BoxFuture<'_, ()> {
-        Box::pin(self.dispatcher.finish(&self.identity, &self.tracked))
+        Box::pin(
+            self.dispatcher
+                .settler
+                .finish(&self.identity, &self.tracked),
+        )
     }
 
     /// Acknowledges a message that needs no answer (a lost acknowledgement
     /// only means the message comes back and is ignored again).
     fn unanswered(&self, _why: IgnoreReason) -> BoxFuture<'_, ()> {
-        Box::pin(async move {
-            if let Some((_, acker)) = self.tracked.take_acker() {
-                let _ = settle::settle(acker, false).await;
-            }
-            self.dispatcher
-                .pending
-                .forget(&self.identity, &self.tracked);
-        })
+        Box::pin(self.dispatcher.settler.unanswered(self))
     }
 }

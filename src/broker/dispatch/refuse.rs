@@ -6,15 +6,28 @@
 //! Knows nothing of routing work, the ledger or answers.
 
 use super::super::sealed;
-use super::Dispatcher;
 use super::settle::settle;
+use crate::metrics::Metrics;
 use crate::seal::Refusal;
 use lapin::message::Delivery;
 use std::sync::Arc;
+use tokio_util::task::TaskTracker;
 
-impl Dispatcher {
+/// Refuses commands whose seal does not hold: holds the metrics they are
+/// counted in and the tracker their dead-lettering runs under.
+pub(super) struct Refuser {
+    metrics: Arc<Metrics>,
+    tracker: TaskTracker,
+}
+
+impl Refuser {
+    /// Refusals counted in `metrics`, dead-lettered under `tracker`.
+    pub(super) fn new(metrics: Arc<Metrics>, tracker: TaskTracker) -> Refuser {
+        Refuser { metrics, tracker }
+    }
+
     /// Dead-letters `delivery`, refused for `why`, and counts it.
-    pub(super) fn refuse(self: &Arc<Self>, delivery: Delivery, why: Refusal) {
+    pub(super) fn refuse(&self, delivery: Delivery, why: Refusal) {
         let reason = sealed::reason(why);
         let correlation_id = delivery.properties.correlation_id().clone();
         tracing::warn!(
@@ -25,9 +38,9 @@ impl Dispatcher {
             correlation_id = correlation_id.as_ref().map_or("", |c| c.as_str()),
             "refused a command whose seal does not hold: dead-lettered, not worked"
         );
-        self.work.metrics().ignored(reason);
-        self.work.metrics().consumed("command", "none", "refused");
-        self.work.tracker.spawn(async move {
+        self.metrics.ignored(reason);
+        self.metrics.consumed("command", "none", "refused");
+        self.tracker.spawn(async move {
             if let Err(e) = settle(delivery.acker, true).await {
                 tracing::warn!(error = %e, "could not dead-letter a refused command; it comes back and is refused again");
             }
