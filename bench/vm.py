@@ -24,8 +24,9 @@ server and the worker's: TCP/IP headers included, the conductor's HEAD
 requests too. Each VM is powered on when Ironic powers its node on (the node
 reaches ``wait call-back``), as a BMC would. The VMs stand for machines with
 CPUs of their own: under TCG each would take a core of the conductor host's,
-so they run at the lowest priority (``--vm-nice``) and the host's own
-processes come first.
+so they run niced (``--vm-nice``, 10 by default: the priority of the
+worker's compressor) and the host's own processes (Ironic, the worker) come
+first.
 
 Run by bench/vm, which builds the worker, the ramdisk and the plug-in.
 """
@@ -352,11 +353,11 @@ def main():
     parser.add_argument('--logs',
                         help="keep Ironic's, the worker's and the VMs' logs "
                         'under this directory')
-    parser.add_argument('--vm-nice', type=int, default=19,
+    parser.add_argument('--vm-nice', type=int, default=10,
                         help="the VMs' niceness: they stand for machines "
                         "with CPUs of their own, so the conductor host's "
-                        'processes (Ironic, the worker, its compressor at '
-                        'nice 10) come first on the shared cores')
+                        'processes (Ironic, the worker) come first on the '
+                        'shared cores')
     parser.add_argument('--virtual-gib', type=int, default=2)
     parser.add_argument('--data-gib', type=float, default=1)
     parser.add_argument('--density', type=float, default=1 / 3,
