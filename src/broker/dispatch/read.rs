@@ -93,26 +93,29 @@ impl Reader {
     }
 }
 
+/// A reader of host `h`'s queue `q` with no seal, reading bodies up to
+/// `max_message_bytes` (the other files' tests read deliveries with it).
+#[cfg(test)]
+pub(super) fn reader(max_message_bytes: usize) -> Reader {
+    use crate::config::{AmqpSection, NotificationsSection, PeersSection};
+    let settings = Settings {
+        host: "h".into(),
+        amqp: AmqpSection {
+            max_message_bytes,
+            ..AmqpSection::default()
+        },
+        notifications: NotificationsSection::default(),
+        peers: PeersSection::default(),
+        slow_downloads: 1,
+        seal: None,
+    };
+    Reader::new(&settings, "q")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{AmqpSection, NotificationsSection, PeersSection};
     use crate::messages::Action;
-
-    fn reader(max_message_bytes: usize) -> Reader {
-        let settings = Settings {
-            host: "h".into(),
-            amqp: AmqpSection {
-                max_message_bytes,
-                ..AmqpSection::default()
-            },
-            notifications: NotificationsSection::default(),
-            peers: PeersSection::default(),
-            slow_downloads: 1,
-            seal: None,
-        };
-        Reader::new(&settings, "q")
-    }
 
     const PREPARE: &str = r#"{"action": "prepare", "node_uuid": "1be26c0b-03f2-4d2e-ae87-c02d7f33c123",
         "instance_info": {"image_source": "http://x/y"}}"#;

@@ -199,7 +199,7 @@ impl SlowLane {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{AmqpSection, NotificationsSection, PeersSection};
+    use crate::config::AmqpSection;
 
     #[test]
     fn a_waiting_job_is_set_aside_until_too_many_are() {
@@ -210,15 +210,7 @@ mod tests {
     }
 
     fn reader() -> Reader {
-        let settings = super::super::super::Settings {
-            host: "h".into(),
-            amqp: AmqpSection::default(),
-            notifications: NotificationsSection::default(),
-            peers: PeersSection::default(),
-            slow_downloads: 1,
-            seal: None,
-        };
-        Reader::new(&settings, "q")
+        super::super::read::reader(AmqpSection::default().max_message_bytes)
     }
 
     fn record(exchange: &str, body: &[u8]) -> Vec<u8> {
