@@ -99,7 +99,7 @@ impl Masters {
     ) -> Result<(Downloaded, TempGuard, Option<Streamed>)> {
         let fetched_at = cache::unix_secs(SystemTime::now());
         let started = Instant::now();
-        let (written, streamed) = self.download_attempts(job).await?;
+        let (written, streamed) = self.attempts.download(job).await?;
         let Written {
             file,
             digests,

@@ -43,8 +43,7 @@ impl Masters {
         &self,
         work: impl FnOnce(&Keeper) -> Result<T> + Send + 'static,
     ) -> Result<T> {
-        let keeper = self.keeper();
-        blocking(move || work(&keeper)).await
+        self.keeper.off_thread(work).await
     }
 
     /// After the cache grew: enforce the size limit and TTL (the new master is
@@ -92,6 +91,17 @@ impl Keeper {
             metrics,
             unannounced_cap: config.convert.qcow2_limits().max_virtual_size,
         }
+    }
+
+    /// Runs `work` with this housekeeping on a blocking thread, so the
+    /// async threads keep serving images and messages (statvfs, listing,
+    /// unlinks).
+    pub(super) async fn off_thread<T: Send + 'static>(
+        &self,
+        work: impl FnOnce(&Keeper) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        let keeper = self.clone();
+        blocking(move || work(&keeper)).await
     }
 
     /// Applies the cache policy, reclaiming at least `amount` bytes if it can.

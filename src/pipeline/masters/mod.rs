@@ -14,8 +14,9 @@
 //! * making a new master: download, verify, decompress, inspect, convert,
 //!   commit (`fetch`); the other conductors' workers first (`peers`), a
 //!   peer's master received, checked and adopted (`peer_bytes`); each
-//!   download attempt's file, sink and conversion (`attempt`); converting a
-//!   qcow2 while it downloads (`stream`);
+//!   download attempt's file, sink and conversion, the [`attempt::Attempts`]
+//!   (`attempt`); converting a qcow2 while it downloads, the
+//!   [`stream::StreamConverter`] the attempts hold (`stream`);
 //! * below them all: whether a master's record fits a request, a pure
 //!   function (`verdict`); what lets bytes stand as a master, the inspection
 //!   and the commit (`admit`); one master to obtain (`job`); the cache
@@ -65,6 +66,8 @@ pub struct Masters {
     live: Arc<crate::peers::live::LiveMasters>,
     /// The cache housekeeping, with the policy and bounds of its sections.
     keeper: keeper::Keeper,
+    /// The download attempts: each one's file, sink and conversion.
+    attempts: attempt::Attempts,
     /// The background compression of masters (`[http] gzip`).
     compressor: gzip::Compressor,
 }
@@ -76,7 +79,18 @@ impl Masters {
         let cache = Cache::open(&config.pxe.instance_master_path)?;
         let keeper = keeper::Keeper::new(cache.clone(), &config, metrics.clone());
         let fetcher = Fetcher::new(&config)?;
+        let rules = stream::ConvertRules::new(&config.convert, config.raw_image_growth_factor());
+        let converter =
+            stream::StreamConverter::new(&config.convert, rules, keeper.clone(), metrics.clone());
+        let attempts = attempt::Attempts::new(
+            fetcher.clone(),
+            keeper.clone(),
+            metrics.clone(),
+            &config.source,
+            converter,
+        );
         Ok(Masters {
+            attempts,
             resolver: Resolver::new(
                 fetcher.clone(),
                 &config.agent,

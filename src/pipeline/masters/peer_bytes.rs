@@ -117,6 +117,7 @@ impl Masters {
                 })
         };
         let (written, _) = self
+            .attempts
             .receive_from(&plain, rx, feed)
             .await
             .map_err(|e| (Reason::Unreachable, e))?;

@@ -99,6 +99,8 @@ impl Masters {
             fetcher: PeerFetcher::new(&self.config)?,
         };
         let _ = self.peers.set(peers);
+        // Conversions while downloading are followed by the waiting peers.
+        self.attempts.publish_to(self.live.clone());
         Ok(())
     }
 
