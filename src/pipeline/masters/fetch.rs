@@ -41,7 +41,7 @@ impl Masters {
         job.turn.take().await?;
         // With peers on: a peer's master, or the cloud-wide claim on the
         // download, held until this master is committed (when this returns).
-        let _claim = match self.through_peers(job).await? {
+        let _claim = match self.peers.through(job).await? {
             PeerTurn::Fetched(got) => return Ok(*got),
             PeerTurn::Source(claim) => claim,
         };

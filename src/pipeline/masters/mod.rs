@@ -12,8 +12,9 @@
 //!   lock by the [`Resolver`] (`resolve`); its master under the master
 //!   lock, the cached one when it fits or a new one (`obtain`);
 //! * making a new master: download, verify, decompress, inspect, convert,
-//!   commit (`fetch`); the other conductors' workers first (`peers`), a
-//!   peer's master received, checked and adopted (`peer_bytes`); each
+//!   commit (`fetch`); the other conductors' workers first, the
+//!   [`peers::PeerSource`] (`peers`), a peer's master received, checked and
+//!   adopted by the [`peer_bytes::PeerReceiver`] it holds (`peer_bytes`); each
 //!   download attempt's file, sink and conversion, the [`attempt::Attempts`]
 //!   (`attempt`); converting a qcow2 while it downloads, the
 //!   [`stream::StreamConverter`] the attempts hold (`stream`);
@@ -28,8 +29,9 @@ use crate::config::Config;
 use crate::error::Result;
 use crate::metrics::Metrics;
 use crate::sources::Fetcher;
+use crate::sources::peer::PeerFetcher;
 use crate::store::cache::Cache;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 mod admit;
 mod attempt;
@@ -58,16 +60,15 @@ pub struct Masters {
     /// What a request's image is, decided before any lock.
     resolver: Resolver,
     /// What lets bytes stand as a master, and their commit.
-    admission: admit::Admission,
+    admission: Arc<admit::Admission>,
     metrics: Arc<Metrics>,
-    /// The other conductors' workers, once `serve` turned them on.
-    peers: OnceLock<peers::Peers>,
-    /// Masters being written that the peer listener streams as they grow.
-    live: Arc<crate::peers::live::LiveMasters>,
+    /// The other conductors' workers, a source of masters once `serve`
+    /// turned them on.
+    peers: peers::PeerSource,
     /// The cache housekeeping, with the policy and bounds of its sections.
     keeper: keeper::Keeper,
     /// The download attempts: each one's file, sink and conversion.
-    attempts: attempt::Attempts,
+    attempts: Arc<attempt::Attempts>,
     /// The background compression of masters (`[http] gzip`).
     compressor: gzip::Compressor,
 }
@@ -82,12 +83,32 @@ impl Masters {
         let rules = stream::ConvertRules::new(&config.convert, config.raw_image_growth_factor());
         let converter =
             stream::StreamConverter::new(&config.convert, rules, keeper.clone(), metrics.clone());
-        let attempts = attempt::Attempts::new(
+        let attempts = Arc::new(attempt::Attempts::new(
             fetcher.clone(),
             keeper.clone(),
             metrics.clone(),
             &config.source,
             converter,
+        ));
+        let admission = Arc::new(admit::Admission::new(
+            cache.clone(),
+            fetcher.clone(),
+            &config.conductor,
+            &config.convert,
+        ));
+        let receiver = peer_bytes::PeerReceiver::new(
+            attempts.clone(),
+            admission.clone(),
+            metrics.clone(),
+            &config.source,
+        );
+        let peers = peers::PeerSource::new(
+            &config.default.host,
+            &config.source,
+            cache.clone(),
+            admission.clone(),
+            receiver,
+            metrics.clone(),
         );
         Ok(Masters {
             attempts,
@@ -97,21 +118,43 @@ impl Masters {
                 &config.conductor,
                 config.default.force_raw_images,
             ),
-            admission: admit::Admission::new(
-                cache.clone(),
-                fetcher.clone(),
-                &config.conductor,
-                &config.convert,
-            ),
+            admission,
             fetcher,
             compressor: gzip::Compressor::new(&config.http, keeper.clone()),
             keeper,
             cache,
             config,
             metrics,
-            peers: OnceLock::new(),
-            live: Arc::default(),
+            peers,
         })
+    }
+
+    /// Turns the peers on: misses ask `directory` first and fetch through
+    /// `fetcher`, and conversions while downloading are offered to the
+    /// workers waiting for them (`serve` does this when `[peers]` is
+    /// configured).
+    pub fn enable_peers(&self, directory: Arc<dyn peers::PeerDirectory>, fetcher: PeerFetcher) {
+        self.peers.enable(directory, fetcher);
+        self.attempts.publish_to(self.peers.live_masters());
+    }
+
+    /// The masters this process is writing, for the peer listener to
+    /// stream as they grow.
+    pub fn live_masters(&self) -> Arc<crate::peers::live::LiveMasters> {
+        self.peers.live_masters()
+    }
+
+    /// The size master `name` will have, when the peer listener streams it
+    /// as it is written here.
+    pub fn live_size(&self, name: &str) -> Option<u64> {
+        self.peers.live_size(name)
+    }
+
+    /// What this worker offers of master `name` to the other workers: its
+    /// sidecar's facts, when the master is committed and its sidecar
+    /// describes it.
+    pub fn peer_offer(&self, name: &str) -> Option<crate::peers::wire::OfferedMaster> {
+        self.peers.peer_offer(name)
     }
 
     /// What requests' images are (the sources resolved, the checksums and
