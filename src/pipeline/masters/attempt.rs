@@ -448,7 +448,7 @@ mod tests {
         let config = Config::load_from(&Files::default(), &[], &flags).unwrap();
         let cache = Cache::open(&config.pxe.instance_master_path).unwrap();
         let metrics = Arc::new(Metrics::new());
-        let keeper = Keeper::new(cache, &config, metrics.clone());
+        let keeper = Keeper::new(cache, &config.pxe, &config.convert, metrics.clone());
         let rules = super::super::stream::ConvertRules::new(
             &config.convert,
             config.raw_image_growth_factor(),

@@ -617,7 +617,12 @@ mod tests {
         let cache = Cache::open(&config.pxe.instance_master_path).unwrap();
         let metrics = Arc::new(Metrics::new());
         let fetcher = Fetcher::new(&config).unwrap();
-        let keeper = super::super::keeper::Keeper::new(cache.clone(), &config, metrics.clone());
+        let keeper = super::super::keeper::Keeper::new(
+            cache.clone(),
+            &config.pxe,
+            &config.convert,
+            metrics.clone(),
+        );
         let rules = super::super::stream::ConvertRules::new(&config.convert, 1.1);
         let converter = super::super::stream::StreamConverter::new(
             &config.convert,
