@@ -95,7 +95,7 @@ async fn start(config: Config, files: &str, stop: watch::Receiver<bool>) -> Resu
         stopped(stop.clone()),
     ));
     let peers = spawn_peer_listener(&config, &pipeline, &metrics, limits, &stop).await?;
-    start_peer_link(&settings, &pipeline, &metrics, &stop)?;
+    start_peer_link(&config, &settings, &pipeline, &metrics, &stop)?;
     let bounds = crate::dispatch::Bounds {
         host: settings.host.clone(),
         prefetch: settings.amqp.prefetch,
@@ -283,8 +283,10 @@ async fn stop_servers(servers: Vec<Server>) {
 }
 
 /// Connects the peers' link to the broker when `[peers]` is on and hands
-/// it to the pipeline, so a miss asks the other workers first.
+/// it to the pipeline with the peer fetcher `config` sets up, so a miss
+/// asks the other workers first.
 fn start_peer_link(
+    config: &Config,
     settings: &crate::broker::Settings,
     pipeline: &Arc<Pipeline>,
     metrics: &Arc<Metrics>,
@@ -299,7 +301,8 @@ fn start_peer_link(
             metrics.clone(),
             stop.clone(),
         )?;
-        pipeline.masters().enable_peers(link)?;
+        let fetcher = crate::sources::peer::PeerFetcher::new(config)?;
+        pipeline.masters().enable_peers(link, fetcher);
     }
     Ok(())
 }

@@ -76,7 +76,7 @@ impl Admission {
     }
 
     /// Commits `temp` as the master `name` with its sidecar, holding it by a
-    /// hard link first (see [`super::Masters::fetch_master`]).
+    /// hard link first (see [`super::fetch::Maker::make`]).
     pub(super) async fn commit_master(
         &self,
         name: &str,

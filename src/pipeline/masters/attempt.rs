@@ -5,18 +5,20 @@
 //! voids the one before: its file is removed, its conversion stopped and
 //! thrown away. So the only bytes that can become a master are those of the
 //! attempt that completed (and is then verified), or the conversion that
-//! read exactly that attempt's file. It knows nothing of nodes, the broker
-//! or HTTP serving.
+//! read exactly that attempt's file. The [`Attempts`] own this, for the
+//! image's source and for a peer's master alike. It knows nothing of nodes,
+//! the broker or HTTP serving.
 
-use super::Masters;
 use super::job::MasterFetch;
-use super::keeper::{GROWTH_STEP, Room};
-use super::stream::DownloadState;
+use super::keeper::{GROWTH_STEP, Keeper, Room};
+use super::stream::{DownloadState, StreamConverter};
 use crate::error::{Error, ErrorCode, Result};
 use crate::fsutil::TempGuard;
 use crate::image::convert;
+use crate::metrics::Metrics;
 use crate::metrics::progress::Transfer;
-use crate::sources::{Delivery, Source, SourceStat};
+use crate::peers::live::LiveMasters;
+use crate::sources::{Delivery, Fetcher, SourceStat};
 use crate::store::sink::{Digests, Pace, Plan, Sink, WritePolicy};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -30,7 +32,9 @@ pub(super) const DELIVERY_DEPTH: usize = 8;
 pub(super) struct Written {
     /// The attempt's file (removed when dropped unless committed).
     pub(super) file: TempGuard,
+    /// The digests of its bytes, computed as they were written.
     pub(super) digests: Digests,
+    /// What the source said of it (length, last modification).
     pub(super) stat: SourceStat,
     id: u64,
 }
@@ -38,7 +42,10 @@ pub(super) struct Written {
 /// A conversion that ran beside the completed attempt, on its file: its
 /// output and how it ended (digests and time taken, or why not).
 pub(super) struct Streamed {
+    /// The conversion's output (removed when dropped unless committed).
     pub(super) out: TempGuard,
+    /// The output's digests and the time the conversion took, or the
+    /// error that stands (the converter hit its limits on these bytes).
     pub(super) result: Result<(Digests, Duration)>,
     /// The output as the peers waiting for it follow it (settled by the
     /// commit; failed when dropped before).
@@ -67,19 +74,53 @@ struct Current {
 /// The views the conversion follows: `None` while no attempt is valid.
 type Views = watch::Sender<Option<Arc<AttemptView>>>;
 
-impl Masters {
-    /// Whether a qcow2 download is converted while it downloads.
-    pub(super) fn streams_while_downloading(&self, job: &MasterFetch<'_>) -> bool {
-        job.force_raw
-            && self.config.convert.stream_while_downloading
-            && !matches!(job.source, Source::File(_))
+/// The download attempts of masters (see the module): each attempt's file
+/// in the cache and its room (through the housekeeping), the sink that
+/// writes and hashes it, and the conversion beside it. It holds the source
+/// client, the housekeeping, the metrics, the slow-download rule of
+/// `[source]` and the conversion of `[convert]`, nothing else.
+pub(super) struct Attempts {
+    fetcher: Fetcher,
+    keeper: Keeper,
+    metrics: Arc<Metrics>,
+    /// `[source]slow_after` and `slow_rate`.
+    slow: SlowRule,
+    converter: StreamConverter,
+}
+
+impl Attempts {
+    /// The attempts of downloads through `fetcher`, under the rule of
+    /// `source` for slow ones, converted as `converter` does.
+    pub(super) fn new(
+        fetcher: Fetcher,
+        keeper: Keeper,
+        metrics: Arc<Metrics>,
+        source: &crate::config::SourceSection,
+        converter: StreamConverter,
+    ) -> Attempts {
+        Attempts {
+            fetcher,
+            keeper,
+            metrics,
+            slow: SlowRule {
+                after: Duration::from_secs(source.slow_after),
+                rate: source.slow_rate,
+            },
+            converter,
+        }
+    }
+
+    /// From now on, conversions while downloading are offered in `live`
+    /// (the peers are on).
+    pub(super) fn publish_to(&self, live: Arc<LiveMasters>) {
+        self.converter.publish_to(live);
     }
 
     /// Downloads `job.source` attempt by attempt (see the module
     /// documentation) and returns the completed attempt with the
     /// conversion that read it, if one ran to its end. Nothing is verified
     /// here: the caller checks the digests.
-    pub(super) async fn download_attempts(
+    pub(super) async fn download(
         &self,
         job: &MasterFetch<'_>,
     ) -> Result<(Written, Option<Streamed>)> {
@@ -88,8 +129,8 @@ impl Masters {
         self.receive_from(job, rx, source).await
     }
 
-    /// [`Masters::download_attempts`] from any feed of deliveries (`rx`,
-    /// filled by `source`): the image's source, or a peer.
+    /// [`Attempts::download`] from any feed of deliveries (`rx`, filled by
+    /// `source`): the image's source, or a peer.
     pub(super) async fn receive_from(
         &self,
         job: &MasterFetch<'_>,
@@ -98,7 +139,7 @@ impl Masters {
     ) -> Result<(Written, Option<Streamed>)> {
         let (views, watching) = watch::channel(None);
         let mut transfer = Transfer::start(&self.metrics, "download", 0);
-        let converting = self.streams_while_downloading(job);
+        let converting = self.converter.applies(job.force_raw, job.source);
         let receive = self.receive_attempts(job, rx, views, &mut transfer, converting);
         let convert = async {
             match converting {
@@ -134,7 +175,7 @@ impl Masters {
     ) -> Result<Option<Written>> {
         let mut current: Option<Current> = None;
         let mut next_id = 0;
-        let mut pace = SlowCheck::new(&self.config.source);
+        let mut pace = SlowCheck::new(self.slow);
         let outcome = async {
             while let Some(piece) = rx.recv().await {
                 match piece {
@@ -197,12 +238,13 @@ impl Masters {
         converting: bool,
     ) -> Result<Current> {
         let announced = stat.size;
-        self.off_thread(move |k| match announced {
-            Some(len) => k.make_room(len),
-            None => k.make_room_unannounced(0, GROWTH_STEP),
-        })
-        .await?;
-        let file = TempGuard::new(self.cache.temp_path(job.name)?);
+        self.keeper
+            .off_thread(move |k| match announced {
+                Some(len) => k.make_room(len),
+                None => k.make_room_unannounced(0, GROWTH_STEP),
+            })
+            .await?;
+        let file = TempGuard::new(self.keeper.cache.temp_path(job.name)?);
         let pace = Arc::new(Pace::default());
         let plan = attempt_plan(job, converting.then(|| pace.clone()));
         let sink = Sink::deciding(file.path(), plan)?;
@@ -222,7 +264,7 @@ impl Masters {
             sink,
             room: match stat.size {
                 Some(_) => None,
-                None => Some(Room::ahead_of(self.keeper(), GROWTH_STEP)),
+                None => Some(Room::ahead_of(self.keeper.clone(), GROWTH_STEP)),
             },
             stat,
         })
@@ -257,10 +299,10 @@ impl Masters {
             if let Some(view) = view.filter(|v| tried != Some(v.id)) {
                 tried = Some(view.id);
                 done = None;
-                let out = TempGuard::new(self.cache.temp_path(job.name).ok()?);
+                let out = TempGuard::new(self.keeper.cache.temp_path(job.name).ok()?);
                 let started = Instant::now();
                 tokio::select! {
-                    r = self.stream_convert(job.name, &view.path, out.path(), &view.state, &view.pace, job.served) => {
+                    r = self.converter.convert(job.name, &view.path, out.path(), &view.state, &view.pace, job.served) => {
                         view.pace.finish();
                         done = match r {
                             Ok((d, live)) => Some((view.id, Streamed { out, result: Ok((d, started.elapsed())), live })),
@@ -344,9 +386,17 @@ async fn superseded(views: &mut watch::Receiver<Option<Arc<AttemptView>>>, id: u
     }
 }
 
-/// Whether a download is slow: fewer than `[source]slow_rate` bytes per
-/// second on average (every attempt counted) once `[source]slow_after`
-/// seconds have passed. Says so once.
+/// When a download counts as slow: fewer than `[source]slow_rate` bytes
+/// per second on average once `[source]slow_after` has passed (never with
+/// a rate of 0).
+#[derive(Debug, Clone, Copy)]
+struct SlowRule {
+    after: Duration,
+    rate: u64,
+}
+
+/// Whether a download is slow by its [`SlowRule`], every attempt counted.
+/// Says so once.
 struct SlowCheck {
     started: Instant,
     after: Duration,
@@ -356,13 +406,13 @@ struct SlowCheck {
 }
 
 impl SlowCheck {
-    fn new(config: &crate::config::SourceSection) -> SlowCheck {
+    fn new(rule: SlowRule) -> SlowCheck {
         SlowCheck {
             started: Instant::now(),
-            after: Duration::from_secs(config.slow_after),
-            rate: config.slow_rate,
+            after: rule.after,
+            rate: rule.rate,
             bytes: 0,
-            told: config.slow_rate == 0,
+            told: rule.rate == 0,
         }
     }
 
@@ -380,4 +430,212 @@ impl SlowCheck {
 
 fn out_of_order() -> Error {
     Error::new(ErrorCode::Internal, "download bytes outside an attempt")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Config, Files};
+    use crate::messages::{DownloadTurn, InstanceInfo, SlowSignal};
+    use crate::sources::Source;
+    use crate::store::cache::Cache;
+    use crate::store::sink::Served;
+    use std::path::Path;
+
+    /// The attempts of a worker whose master cache is `dir`.
+    fn attempts(dir: &Path) -> Attempts {
+        let flags = [format!("pxe.instance_master_path={}", dir.display())];
+        let config = Config::load_from(&Files::default(), &[], &flags).unwrap();
+        let cache = Cache::open(&config.pxe.instance_master_path).unwrap();
+        let metrics = Arc::new(Metrics::new());
+        let keeper = Keeper::new(cache, &config.pxe, &config.convert, metrics.clone());
+        let rules = super::super::stream::ConvertRules::new(
+            &config.convert,
+            config.raw_image_growth_factor(),
+        );
+        let converter =
+            StreamConverter::new(&config.convert, rules, keeper.clone(), metrics.clone());
+        let fetcher = Fetcher::new(&config).unwrap();
+        Attempts::new(fetcher, keeper, metrics, &config.source, converter)
+    }
+
+    /// What one test's job names (the source is never asked: the
+    /// deliveries are fed by the test).
+    struct Fixture {
+        source: Source,
+        info: InstanceInfo,
+        slow: SlowSignal,
+        turn: DownloadTurn,
+    }
+
+    impl Fixture {
+        fn new() -> Fixture {
+            Fixture {
+                source: Source::Http("http://images.invalid/disk.img".parse().unwrap()),
+                info: InstanceInfo::default(),
+                slow: SlowSignal::default(),
+                turn: DownloadTurn::default(),
+            }
+        }
+
+        fn job(&self, force_raw: bool) -> MasterFetch<'_> {
+            MasterFetch {
+                source: &self.source,
+                href: "http://images.invalid/disk.img",
+                name: "m",
+                expected: None,
+                served: Served {
+                    md5: true,
+                    sha512: false,
+                },
+                force_raw,
+                info: &self.info,
+                slow: &self.slow,
+                turn: &self.turn,
+            }
+        }
+    }
+
+    /// The temporaries of the cache `dir` (its `.tmp`; the owner's lock
+    /// file is elsewhere).
+    fn files(dir: &Path) -> Vec<std::path::PathBuf> {
+        let Ok(entries) = std::fs::read_dir(dir.join(".tmp")) else {
+            return Vec::new();
+        };
+        entries.map(|e| e.unwrap().path()).collect()
+    }
+
+    /// Runs `attempts` on the deliveries `feed` sends, in order.
+    async fn receive(
+        attempts: &Attempts,
+        job: &MasterFetch<'_>,
+        feed: Vec<Delivery>,
+    ) -> Result<(Written, Option<Streamed>)> {
+        let (tx, rx) = mpsc::channel(DELIVERY_DEPTH);
+        let source = async move {
+            for d in feed {
+                if tx.send(d).await.is_err() {
+                    break;
+                }
+            }
+            Ok(SourceStat::default())
+        };
+        attempts.receive_from(job, rx, source).await
+    }
+
+    fn attempt(size: Option<usize>) -> Delivery {
+        Delivery::Attempt(SourceStat {
+            size: size.map(|s| s as u64),
+            last_modified: None,
+        })
+    }
+
+    fn bytes(b: &[u8]) -> Delivery {
+        Delivery::Bytes(bytes::Bytes::copy_from_slice(b))
+    }
+
+    /// A new attempt voids the one before: its file is gone, and what is
+    /// returned is the last attempt's bytes, hashed; dropped, it leaves
+    /// nothing.
+    #[tokio::test]
+    async fn a_voided_attempt_leaves_no_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let attempts = attempts(dir.path());
+        let fixture = Fixture::new();
+        let feed = vec![
+            attempt(Some(11)),
+            bytes(b"first "),
+            attempt(None),
+            bytes(b"second"),
+            bytes(b" try"),
+            Delivery::Complete,
+        ];
+        let (written, streamed) = receive(&attempts, &fixture.job(false), feed).await.unwrap();
+        assert!(streamed.is_none(), "nothing to convert");
+        assert_eq!(written.digests.size, 10);
+        assert_eq!(
+            written.digests.sha256.as_deref(),
+            Some(hex::encode(<sha2::Sha256 as sha2::Digest>::digest(b"second try")).as_str())
+        );
+        assert_eq!(written.stat.size, None, "the last attempt's stat");
+        assert_eq!(files(dir.path()), [written.file.path().to_path_buf()]);
+        assert_eq!(std::fs::read(written.file.path()).unwrap(), b"second try");
+        drop(written);
+        assert!(files(dir.path()).is_empty());
+    }
+
+    /// Deliveries that end without a complete attempt are an error, and
+    /// the incomplete attempt's file is removed.
+    #[tokio::test]
+    async fn no_complete_attempt_fails_and_leaves_no_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let attempts = attempts(dir.path());
+        let fixture = Fixture::new();
+        let feed = vec![attempt(Some(100)), bytes(b"part of it")];
+        let Err(e) = receive(&attempts, &fixture.job(false), feed).await else {
+            panic!("an incomplete download was returned");
+        };
+        assert_eq!(e.code, ErrorCode::Internal);
+        assert!(files(dir.path()).is_empty());
+        let feed = vec![bytes(b"no attempt begun")];
+        assert!(receive(&attempts, &fixture.job(false), feed).await.is_err());
+        assert!(files(dir.path()).is_empty());
+    }
+
+    /// A qcow2 made by `qemu-img`, of `virtual_size` bytes.
+    fn qcow2(dir: &Path, virtual_size: &str) -> Vec<u8> {
+        let path = dir.join("image.qcow2");
+        let status = std::process::Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2"])
+            .arg(&path)
+            .arg(virtual_size)
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let image = std::fs::read(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        image
+    }
+
+    /// A conversion whose attempt was voided is never returned, however it
+    /// ended: the bytes that completed are another attempt's. (The
+    /// converter child is the worker's own binary, so a conversion that
+    /// succeeds is exercised by the integration tests, not here.)
+    #[tokio::test]
+    async fn a_voided_attempts_conversion_is_not_returned() {
+        let dir = tempfile::tempdir().unwrap();
+        let image = qcow2(dir.path(), "4M");
+        let attempts = attempts(dir.path());
+        let fixture = Fixture::new();
+        let feed = vec![
+            attempt(Some(image.len())),
+            bytes(&image),
+            attempt(Some(9)),
+            bytes(b"not qcow2"),
+            Delivery::Complete,
+        ];
+        let (written, streamed) = receive(&attempts, &fixture.job(true), feed).await.unwrap();
+        assert!(streamed.is_none());
+        assert_eq!(std::fs::read(written.file.path()).unwrap(), b"not qcow2");
+        assert_eq!(files(dir.path()), [written.file.path().to_path_buf()]);
+    }
+
+    /// A download is slow once its grace is over and it stays under the
+    /// rate, said once; a rate of 0 is never slow.
+    #[test]
+    fn a_download_is_slow_once_past_its_grace_under_the_rate() {
+        let rule = |after, rate| SlowRule {
+            after: Duration::from_secs(after),
+            rate,
+        };
+        let mut off = SlowCheck::new(rule(0, 0));
+        assert!(!off.is_slow(1));
+        let mut grace = SlowCheck::new(rule(3600, u64::MAX));
+        assert!(!grace.is_slow(1), "within its grace");
+        let mut slow = SlowCheck::new(rule(0, u64::MAX));
+        assert!(slow.is_slow(1));
+        assert!(!slow.is_slow(1), "said once");
+        let mut fast = SlowCheck::new(rule(0, 1));
+        assert!(!fast.is_slow(1 << 30));
+    }
 }

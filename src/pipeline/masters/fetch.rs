@@ -2,25 +2,29 @@
 //! expected checksum (with a qcow2 converted alongside when it can be, see
 //! `stream`), decompress zstd, inspect, convert after the download when it
 //! must be, commit to the cache. Nothing partial becomes a master: every
-//! step works on temporaries that are removed unless committed. It knows
+//! step works on temporaries that are removed unless committed. The
+//! [`Maker`] does it, with the parts it holds. It knows
 //! nothing of nodes (linking is the request's business), the broker or HTTP
 //! serving.
 
-use super::Masters;
-use super::attempt::{Streamed, Written};
+use super::admit::Admission;
+use super::attempt::{Attempts, Streamed, Written};
 use super::job::MasterFetch;
-use super::keeper::Room;
-use super::peers::PeerTurn;
+use super::keeper::{Keeper, Room};
+use super::peers::{PeerSource, PeerTurn};
+use super::stream::ConvertRules;
 use crate::error::{Error, ErrorCode, Result};
 use crate::fsutil::TempGuard;
 use crate::image::convert;
 use crate::image::inspect;
 use crate::image_format::Format;
+use crate::metrics::Metrics;
 use crate::metrics::progress::Transfer;
 use crate::sources::SourceStat;
 use crate::store::cache::{self, Master, MasterMeta};
 use crate::store::sink::Digests;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
 /// A verified download: its digests, what the source said about it, when
@@ -31,17 +35,49 @@ struct Downloaded {
     fetched_at: u64,
 }
 
-impl Masters {
+/// Makes new masters (see the module): it holds the peers asked first,
+/// the download attempts, the admission that inspects and commits, the
+/// housekeeping that makes room, the conversion rules of `[convert]` and
+/// the metrics, nothing else.
+pub(super) struct Maker {
+    peers: Arc<PeerSource>,
+    attempts: Arc<Attempts>,
+    admission: Arc<Admission>,
+    keeper: Keeper,
+    rules: ConvertRules,
+    metrics: Arc<Metrics>,
+}
+
+impl Maker {
+    /// The making of masters from these parts.
+    pub(super) fn new(
+        peers: Arc<PeerSource>,
+        attempts: Arc<Attempts>,
+        admission: Arc<Admission>,
+        keeper: Keeper,
+        rules: ConvertRules,
+        metrics: Arc<Metrics>,
+    ) -> Maker {
+        Maker {
+            peers,
+            attempts,
+            admission,
+            keeper,
+            rules,
+            metrics,
+        }
+    }
+
     /// Downloads `job.source` into a new master (committed) and returns it
     /// with a hold: a hard link that keeps the file until the caller linked
     /// it to the node, so no eviction can take it in between.
-    pub(super) async fn fetch_master(&self, job: &MasterFetch<'_>) -> Result<(Master, TempGuard)> {
+    pub(super) async fn make(&self, job: &MasterFetch<'_>) -> Result<(Master, TempGuard)> {
         // A download (from a peer or the source) waits for its turn among
         // the worker's download slots; nothing before it does.
         job.turn.take().await?;
         // With peers on: a peer's master, or the cloud-wide claim on the
         // download, held until this master is committed (when this returns).
-        let _claim = match self.through_peers(job).await? {
+        let _claim = match self.peers.through(job).await? {
             PeerTurn::Fetched(got) => return Ok(*got),
             PeerTurn::Source(claim) => claim,
         };
@@ -99,7 +135,7 @@ impl Masters {
     ) -> Result<(Downloaded, TempGuard, Option<Streamed>)> {
         let fetched_at = cache::unix_secs(SystemTime::now());
         let started = Instant::now();
-        let (written, streamed) = self.download_attempts(job).await?;
+        let (written, streamed) = self.attempts.download(job).await?;
         let Written {
             file,
             digests,
@@ -148,11 +184,11 @@ impl Masters {
         if !inspect::is_zstd(&header) {
             return Ok(None);
         }
-        let out = TempGuard::new(self.cache.temp_path(job.name)?);
-        let max = self.config.convert.qcow2_limits().max_virtual_size;
+        let out = TempGuard::new(self.keeper.cache.temp_path(job.name)?);
+        let max = self.rules.qcow2.max_virtual_size;
         // Its length is nobody's announcement: room is made as it grows,
         // as for a download without one.
-        let mut room = Room::ahead_of(self.keeper(), 0);
+        let mut room = Room::ahead_of(self.keeper.clone(), 0);
         let d = convert::decompress_zstd(temp, out.path(), job.served, max, &mut room).await?;
         Ok(Some((out, d)))
     }
@@ -167,10 +203,10 @@ impl Masters {
         qcow2: Option<&crate::image::qcow2::Header>,
     ) -> Result<(TempGuard, Digests)> {
         let needed = self
-            .config
+            .rules
             .raw_size_estimate(found.file_size, found.virtual_size);
-        self.off_thread(move |k| k.make_room(needed)).await?;
-        let out = TempGuard::new(self.cache.temp_path(job.name)?);
+        self.keeper.off_thread(move |k| k.make_room(needed)).await?;
+        let out = TempGuard::new(self.keeper.cache.temp_path(job.name)?);
         tracing::info!(
             format = found.format.name(),
             virtual_size = found.virtual_size,
@@ -184,7 +220,7 @@ impl Masters {
             found,
             qcow2,
             job.served,
-            self.config.convert.limits(),
+            self.rules.limits,
             &|done| transfer.set_done(done),
         )
         .await?;

@@ -6,7 +6,6 @@
 //! file counts in the cache's size. At most [`QUEUED`] masters wait; one
 //! asked for beyond that is asked for again by its next prepare.
 
-use super::Masters;
 use super::keeper::Keeper;
 use crate::store::compress::Outcome;
 use std::collections::{HashSet, VecDeque};
@@ -85,25 +84,6 @@ impl Compressor {
             waiting.push_back(name.to_string());
             c.wake.notify_one();
         }
-    }
-}
-
-impl Masters {
-    /// Turns compression on (`serve` does this with `[http] gzip =
-    /// static`).
-    pub fn start_compressing(&self) {
-        self.compressor.start();
-    }
-
-    /// Where the image server finds the compressed forms of masters, when
-    /// compression is on (`[http] gzip = static`).
-    pub fn gzip_dir(&self) -> Option<std::path::PathBuf> {
-        self.compressor.dir()
-    }
-
-    /// Asks for master `name` to be compressed (see [`Compressor::later`]).
-    pub(in crate::pipeline) fn compress_later(&self, name: &str) {
-        self.compressor.later(name);
     }
 }
 
@@ -188,7 +168,10 @@ mod tests {
         let config = Config::load_from(&Files::default(), &[], &flags).unwrap();
         let cache = Cache::open(&config.pxe.instance_master_path).unwrap();
         let metrics = Arc::new(crate::metrics::Metrics::new());
-        Compressor::new(&config.http, Keeper::new(cache, &config, metrics))
+        Compressor::new(
+            &config.http,
+            Keeper::new(cache, &config.pxe, &config.convert, metrics),
+        )
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! threads. It knows the cache directory and the policy, not requests,
 //! nodes, the broker or HTTP serving.
 
-use super::{Masters, blocking};
+use super::blocking;
 use crate::error::{Error, ErrorCode, Result};
 use crate::fsutil;
 use crate::metrics::Metrics;
@@ -15,62 +15,15 @@ use std::sync::Arc;
 /// How much free space a file of unannounced length makes sure of ahead.
 pub(super) const GROWTH_STEP: u64 = 256 << 20;
 
-impl Masters {
-    /// Applies the cache policy (see `eviction`), reclaiming at least
-    /// `amount` bytes if it can (blocking: file-system work).
-    pub(in crate::pipeline) fn clean(
-        &self,
-        amount: u64,
-        all_unused: bool,
-        dry_run: bool,
-    ) -> Result<crate::store::eviction::Report> {
-        self.keeper().clean(amount, all_unused, dry_run)
-    }
-
-    /// Refreshes the cache gauges from the directory (blocking).
-    pub(in crate::pipeline) fn refresh_gauges(&self) {
-        self.keeper().refresh_cache_gauges();
-    }
-
-    /// The cache housekeeping, to run on a blocking thread.
-    pub(super) fn keeper(&self) -> Keeper {
-        self.keeper.clone()
-    }
-
-    /// Runs cache housekeeping on a blocking thread, so the async threads
-    /// keep serving images and messages (statvfs, listing, unlinks).
-    pub(super) async fn off_thread<T: Send + 'static>(
-        &self,
-        work: impl FnOnce(&Keeper) -> Result<T> + Send + 'static,
-    ) -> Result<T> {
-        let keeper = self.keeper();
-        blocking(move || work(&keeper)).await
-    }
-
-    /// After the cache grew: enforce the size limit and TTL (the new master is
-    /// protected by its link to the node, made before this runs).
-    pub(in crate::pipeline) async fn after_growth(&self) {
-        if let Err(e) = self.off_thread(|k| k.clean(0, false, false)).await {
-            tracing::warn!(error = %e, "cache clean-up failed");
-        }
-    }
-
-    pub(in crate::pipeline) async fn refresh_cache_gauges(&self) {
-        let _ = self
-            .off_thread(|k| {
-                k.refresh_cache_gauges();
-                Ok(())
-            })
-            .await;
-    }
-}
-
 /// The cache housekeeping (eviction, free space, gauges): cheap to clone,
 /// so it runs on a blocking thread.
 #[derive(Clone)]
 pub(super) struct Keeper {
+    /// The master cache it keeps (its directory, where temporaries go).
     pub(super) cache: Cache,
+    /// Ironic's eviction policy, from `[pxe]`.
     pub(super) policy: crate::store::eviction::Policy,
+    /// Where evictions and the cache gauges are counted.
     pub(super) metrics: Arc<Metrics>,
     /// The largest image the configuration admits
     /// (`[convert]max_virtual_size_gib`, whatever the format): the most a
@@ -79,19 +32,50 @@ pub(super) struct Keeper {
 }
 
 impl Keeper {
-    /// The housekeeping of `cache` under the policy of `[pxe]` and the
-    /// bound of `[convert]`, counting in `metrics`.
+    /// The housekeeping of `cache` under the policy of `pxe` and the
+    /// bound of `convert`, counting in `metrics`.
     pub(super) fn new(
         cache: Cache,
-        config: &crate::config::Config,
+        pxe: &crate::config::PxeSection,
+        convert: &crate::config::ConvertSection,
         metrics: Arc<Metrics>,
     ) -> Keeper {
         Keeper {
             cache,
-            policy: config.pxe.eviction_policy(),
+            policy: pxe.eviction_policy(),
             metrics,
-            unannounced_cap: config.convert.qcow2_limits().max_virtual_size,
+            unannounced_cap: convert.qcow2_limits().max_virtual_size,
         }
+    }
+
+    /// Runs `work` with this housekeeping on a blocking thread, so the
+    /// async threads keep serving images and messages (statvfs, listing,
+    /// unlinks).
+    pub(super) async fn off_thread<T: Send + 'static>(
+        &self,
+        work: impl FnOnce(&Keeper) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        let keeper = self.clone();
+        blocking(move || work(&keeper)).await
+    }
+
+    /// After the cache grew: enforces the size limit and TTL off the async
+    /// threads (a new master is protected by its link to the node or its
+    /// hold, made before this runs).
+    pub(super) async fn after_growth(&self) {
+        if let Err(e) = self.off_thread(|k| k.clean(0, false, false)).await {
+            tracing::warn!(error = %e, "cache clean-up failed");
+        }
+    }
+
+    /// Refreshes the cache gauges off the async threads.
+    pub(super) async fn refresh_gauges_off_thread(&self) {
+        let _ = self
+            .off_thread(|k| {
+                k.refresh_cache_gauges();
+                Ok(())
+            })
+            .await;
     }
 
     /// Applies the cache policy, reclaiming at least `amount` bytes if it can.

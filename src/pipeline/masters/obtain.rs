@@ -2,25 +2,48 @@
 //! when its record fits the request ([`super::verdict::judge`], its
 //! missing digests computed from its bytes first), else a new one
 //! (`fetch`); and what a request answers of the master it was served.
-//! What a prepare, a warm and a validated pass-through share.
+//! What a prepare, a warm and a validated pass-through share, the
+//! [`Obtainer`]'s work.
 
+use super::admit::Admission;
+use super::blocking;
+use super::fetch::Maker;
 use super::job::MasterFetch;
 use super::verdict::{self, Fit, Verdict, Wanted, source_digest};
-use super::{Masters, blocking};
 use crate::error::Result;
 use crate::messages::{CacheOutcome, Completion};
-use crate::store::cache::{self, Master, MasterMeta};
+use crate::store::cache::{self, Cache, Master, MasterMeta};
 use crate::store::checksum::{Algo, Expected};
+use std::sync::Arc;
 
-impl Masters {
+/// Obtains requests' masters (see the module): it holds the cache the
+/// masters are found in and locked by, the admission that says what a
+/// request wants, and the maker of new masters, nothing else.
+pub(super) struct Obtainer {
+    cache: Cache,
+    admission: Arc<Admission>,
+    maker: Maker,
+}
+
+impl Obtainer {
+    /// Obtains masters from `cache`, or made by `maker`, as `admission`
+    /// judges them.
+    pub(super) fn new(cache: Cache, admission: Arc<Admission>, maker: Maker) -> Obtainer {
+        Obtainer {
+            cache,
+            admission,
+            maker,
+        }
+    }
+
     /// The master of `job`, under its master lock: the cached one when its
     /// record fits the request ([`verdict::judge`]; its missing digests
     /// computed first, its freshness asked of the source when no checksum
-    /// was given), else a new one (`fetch_master`). What a prepare, a warm
+    /// was given), else a new one ([`Maker::make`]). What a prepare, a warm
     /// and a validated pass-through share; `as_fetched` when only the
     /// source's own bytes will do. A master `linked` says its node links
     /// already needs no freshness check (a repeated event).
-    pub(in crate::pipeline) async fn obtain_master(
+    pub(super) async fn obtain(
         &self,
         job: &MasterFetch<'_>,
         as_fetched: bool,
@@ -46,7 +69,7 @@ impl Masters {
                 });
             }
         }
-        let (master, hold) = Box::pin(self.fetch_master(job)).await?;
+        let (master, hold) = Box::pin(self.maker.make(job)).await?;
         Ok(Obtained {
             master,
             outcome: CacheOutcome::Miss,
@@ -93,7 +116,7 @@ impl Masters {
     /// Runs `work` (a prepare's, a warm's or a validation's) under master
     /// `name`'s lock. The lock file stays only while its master exists: a
     /// failure that leaves no master removes it.
-    pub(in crate::pipeline) async fn locked<T>(
+    pub(super) async fn locked<T>(
         &self,
         name: &str,
         work: impl std::future::Future<Output = Result<T>>,
@@ -156,7 +179,7 @@ impl Masters {
     }
 }
 
-/// A master obtained for a request (see [`Masters::obtain_master`]).
+/// A master obtained for a request (see [`Obtainer::obtain`]).
 pub(in crate::pipeline) struct Obtained {
     /// The verified master.
     pub(in crate::pipeline) master: Master,
@@ -198,5 +221,157 @@ fn set_source_digest(meta: &mut MasterMeta, algo: Algo, hex: String) {
         Algo::Md5 => meta.source_md5 = Some(hex),
         Algo::Sha256 => meta.source_sha256 = Some(hex),
         Algo::Sha512 => meta.source_sha512 = Some(hex),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Config, Files};
+    use crate::image_format::Format;
+    use crate::messages::{DownloadTurn, InstanceInfo, SlowSignal};
+    use crate::sources::Source;
+    use crate::store::sink::Served;
+
+    /// A source nothing answers at: a miss would fail, so a test that
+    /// passes obtained its master from the cache.
+    const HREF: &str = "http://127.0.0.1:9/disk.img";
+    const BYTES: &[u8] = b"the master's bytes";
+
+    /// The masters of a worker whose cache is `dir`.
+    fn masters(dir: &std::path::Path) -> super::super::Masters {
+        let flags = [format!("pxe.instance_master_path={}", dir.display())];
+        let config = Config::load_from(&Files::default(), &[], &flags).unwrap();
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        super::super::Masters::open(Arc::new(config), metrics).unwrap()
+    }
+
+    fn sha256(b: &[u8]) -> String {
+        hex::encode(<sha2::Sha256 as sha2::Digest>::digest(b))
+    }
+
+    /// Commits `BYTES` as a raw master `name` of `HREF`, served as
+    /// fetched, with their SHA-256 and MD5 recorded and no SHA-512.
+    fn commit(masters: &super::super::Masters, name: &str) {
+        let cache = masters.cache();
+        let temp = cache.temp_path(name).unwrap();
+        std::fs::write(&temp, BYTES).unwrap();
+        let meta = MasterMeta {
+            source: HREF.into(),
+            fetched_at: 1,
+            source_last_modified: None,
+            source_size: BYTES.len() as u64,
+            source_md5: Some("md5".into()),
+            source_sha256: Some(sha256(BYTES)),
+            source_sha512: None,
+            source_format: Format::Raw,
+            converted: false,
+            disk_format: Format::Raw.served(),
+            size: BYTES.len() as u64,
+            md5: Some("md5".into()),
+            sha256: sha256(BYTES),
+            sha512: None,
+            inode: 0,
+        };
+        cache.commit(&temp, name, meta).unwrap();
+    }
+
+    struct Fixture {
+        source: Source,
+        info: InstanceInfo,
+        slow: SlowSignal,
+        turn: DownloadTurn,
+    }
+
+    impl Fixture {
+        fn new() -> Fixture {
+            Fixture {
+                source: Source::Http(HREF.parse().unwrap()),
+                info: InstanceInfo::default(),
+                slow: SlowSignal::default(),
+                turn: DownloadTurn::default(),
+            }
+        }
+
+        fn job<'a>(&'a self, expected: Option<&'a Expected>, sha512: bool) -> MasterFetch<'a> {
+            MasterFetch {
+                source: &self.source,
+                href: HREF,
+                name: "m",
+                expected,
+                served: Served { md5: true, sha512 },
+                force_raw: false,
+                info: &self.info,
+                slow: &self.slow,
+                turn: &self.turn,
+            }
+        }
+    }
+
+    /// A cached master whose record has the expected checksum is the
+    /// request's: a hit, with no hold and no download.
+    #[tokio::test]
+    async fn a_cached_master_with_the_expected_checksum_is_a_hit() {
+        let dir = tempfile::tempdir().unwrap();
+        let masters = masters(dir.path());
+        commit(&masters, "m");
+        let fixture = Fixture::new();
+        let expected = Expected {
+            algo: Algo::Sha256,
+            hex: sha256(BYTES),
+        };
+        let job = fixture.job(Some(&expected), false);
+        let got = masters
+            .obtain_master(&job, false, &|_| false)
+            .await
+            .unwrap();
+        assert_eq!(got.outcome, CacheOutcome::Hit);
+        assert!(got.hold.is_none());
+        assert!(!got.linked);
+        assert_eq!(got.master.meta.sha256, sha256(BYTES));
+    }
+
+    /// A digest the request needs and the record lacks is computed from
+    /// the cached master's bytes and recorded, instead of downloading.
+    #[tokio::test]
+    async fn a_missing_digest_is_computed_from_the_cached_master() {
+        let dir = tempfile::tempdir().unwrap();
+        let masters = masters(dir.path());
+        commit(&masters, "m");
+        let fixture = Fixture::new();
+        let expected = Expected {
+            algo: Algo::Sha512,
+            hex: hex::encode(<sha2::Sha512 as sha2::Digest>::digest(BYTES)),
+        };
+        let job = fixture.job(Some(&expected), true);
+        let got = masters
+            .obtain_master(&job, false, &|_| false)
+            .await
+            .unwrap();
+        assert_eq!(got.outcome, CacheOutcome::Hit);
+        assert_eq!(
+            got.master.meta.sha512.as_deref(),
+            Some(expected.hex.as_str())
+        );
+        let recorded = masters.cache().load("m").unwrap().meta;
+        assert_eq!(recorded.sha512.as_deref(), Some(expected.hex.as_str()));
+        assert_eq!(
+            recorded.source_sha512.as_deref(),
+            Some(expected.hex.as_str())
+        );
+    }
+
+    /// Without a checksum, a master the node links already is used without
+    /// asking its source whether it changed (nothing answers at it).
+    #[tokio::test]
+    async fn a_master_the_node_links_needs_no_freshness_check() {
+        let dir = tempfile::tempdir().unwrap();
+        let masters = masters(dir.path());
+        commit(&masters, "m");
+        let fixture = Fixture::new();
+        let job = fixture.job(None, false);
+        let got = masters.obtain_master(&job, false, &|_| true).await.unwrap();
+        assert_eq!(got.outcome, CacheOutcome::Hit);
+        assert!(got.linked);
     }
 }

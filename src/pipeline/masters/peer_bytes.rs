@@ -6,29 +6,60 @@
 //! choosing of offers is `peers`' business: this module is handed the peer
 //! fetcher and knows nothing of queries, offers or claims.
 
-use super::Masters;
-use super::attempt::DELIVERY_DEPTH;
+use super::admit::Admission;
+use super::attempt::{Attempts, DELIVERY_DEPTH};
 use super::job::MasterFetch;
 use crate::error::{Error, ErrorCode, Result};
 use crate::fsutil::TempGuard;
 use crate::image::inspect;
+use crate::metrics::Metrics;
 use crate::peers::wire::OfferedMaster;
 use crate::sources::peer::{Holder, PeerFetcher, Reason};
 use crate::store::cache::{Master, MasterMeta, md5s_agree};
 use crate::store::sink::Digests;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// How long a worker waits for another's download when no
 /// `[source]download_deadline` bounds it.
 const WAIT_LIMIT: Duration = Duration::from_secs(6 * 3600);
 
-impl Masters {
-    /// How long a wait for another worker's download, or a transfer from
-    /// peers, may last: `[source]download_deadline`, else [`WAIT_LIMIT`].
-    pub(super) fn wait_limit(&self) -> Duration {
-        match self.config.source.download_deadline {
-            0 => WAIT_LIMIT,
-            s => Duration::from_secs(s),
+/// How long a wait for another worker's download, or a transfer from
+/// peers, may last under `source`: `[source]download_deadline`, else
+/// [`WAIT_LIMIT`].
+pub(super) fn wait_limit(source: &crate::config::SourceSection) -> Duration {
+    match source.download_deadline {
+        0 => WAIT_LIMIT,
+        s => Duration::from_secs(s),
+    }
+}
+
+/// Receives, checks and adopts peers' masters (see the module): it holds
+/// the download attempts its bytes go through, the admission that
+/// inspects and commits them, the metrics and the bound of a transfer
+/// (`[source]download_deadline`), nothing else.
+pub(super) struct PeerReceiver {
+    attempts: Arc<Attempts>,
+    admission: Arc<Admission>,
+    metrics: Arc<Metrics>,
+    /// How long a transfer from peers may last ([`wait_limit`]).
+    limit: Duration,
+}
+
+impl PeerReceiver {
+    /// A receiver writing through `attempts`, admitting with `admission`,
+    /// its transfers bounded as `source` says.
+    pub(super) fn new(
+        attempts: Arc<Attempts>,
+        admission: Arc<Admission>,
+        metrics: Arc<Metrics>,
+        source: &crate::config::SourceSection,
+    ) -> PeerReceiver {
+        PeerReceiver {
+            attempts,
+            admission,
+            metrics,
+            limit: wait_limit(source),
         }
     }
 
@@ -100,7 +131,7 @@ impl Masters {
                 .with_label_values(&[why.as_str()])
                 .inc();
         };
-        let limit = self.wait_limit();
+        let limit = self.limit;
         let feed = async {
             let transfer = fetcher.download(job.name, size, holders, tx, &failed);
             tokio::time::timeout(limit, transfer)
@@ -117,6 +148,7 @@ impl Masters {
                 })
         };
         let (written, _) = self
+            .attempts
             .receive_from(&plain, rx, feed)
             .await
             .map_err(|e| (Reason::Unreachable, e))?;

@@ -16,21 +16,25 @@
 //! SHA-512) is computed from the bytes received, checked against the
 //! holder's record, and the file is inspected as a download is, before it
 //! becomes a master (`peer_bytes`, handed the peer fetcher).
+//!
+//! The [`PeerSource`] does all this, and answers the other workers' queries
+//! from this worker's cache and the masters it is writing.
 
-use super::Masters;
+use super::admit::Admission;
 use super::job::MasterFetch;
-use super::peer_bytes::meta_of;
+use super::peer_bytes::{PeerReceiver, meta_of, wait_limit};
 use super::verdict::{self, Verdict};
 use crate::error::{Error, ErrorCode, Result};
 use crate::fsutil::TempGuard;
+use crate::metrics::Metrics;
 use crate::peers::live::LiveMasters;
 use crate::peers::wire::{Offer, OfferState, OfferedMaster};
 use crate::sources::http_client;
 use crate::sources::peer::{Holder, PeerFetcher, Reason};
-use crate::store::cache::{Master, md5s_agree};
+use crate::store::cache::{Cache, Master, md5s_agree};
 use futures_util::future::BoxFuture;
 use std::collections::HashSet;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 /// How long a worker that lost the claim waits between two looks at who
@@ -77,7 +81,7 @@ impl ClaimGuard {
 }
 
 /// The peers as the pipeline uses them, once `serve` turned them on.
-pub(super) struct Peers {
+struct Peers {
     directory: Arc<dyn PeerDirectory>,
     fetcher: PeerFetcher,
 }
@@ -90,33 +94,72 @@ pub(super) enum PeerTurn {
     Source(Option<ClaimGuard>),
 }
 
-impl Masters {
-    /// Turns the peers on: misses ask `directory` first (`serve` does
-    /// this when `[peers]` is configured).
-    pub fn enable_peers(&self, directory: Arc<dyn PeerDirectory>) -> Result<()> {
-        let peers = Peers {
-            directory,
-            fetcher: PeerFetcher::new(&self.config)?,
-        };
-        let _ = self.peers.set(peers);
-        Ok(())
+/// The other conductors' workers as a source of masters, and this worker
+/// as theirs (see the module). It holds this worker's host
+/// (`[DEFAULT]host`), the rule of a wait (`[source]`), the cache whose
+/// masters it offers, the masters being written that its listener streams,
+/// the admission that judges offers, the receiver of their bytes, the
+/// metrics, and the directory and fetcher once `serve` turned it on.
+pub(super) struct PeerSource {
+    /// `[DEFAULT]host`: offers from it are our own.
+    host: String,
+    /// How long a wait for another worker's download may last, and when
+    /// it gives back its download slot.
+    wait: WaitRule,
+    cache: Cache,
+    live: Arc<LiveMasters>,
+    admission: Arc<Admission>,
+    receiver: PeerReceiver,
+    metrics: Arc<Metrics>,
+    /// The directory and the fetcher, once turned on.
+    on: OnceLock<Peers>,
+}
+
+impl PeerSource {
+    /// The peer source of `cache` for this worker's `host`, its waits
+    /// bounded by `source`, offers judged by `admission` and their bytes
+    /// received by `receiver`; off until [`PeerSource::enable`].
+    pub(super) fn new(
+        host: &str,
+        source: &crate::config::SourceSection,
+        cache: Cache,
+        admission: Arc<Admission>,
+        receiver: PeerReceiver,
+        metrics: Arc<Metrics>,
+    ) -> PeerSource {
+        PeerSource {
+            host: host.to_string(),
+            wait: WaitRule::new(source),
+            cache,
+            live: Arc::default(),
+            admission,
+            receiver,
+            metrics,
+            on: OnceLock::new(),
+        }
+    }
+
+    /// Turns the peers on: misses ask `directory` first and fetch through
+    /// `fetcher`.
+    pub(super) fn enable(&self, directory: Arc<dyn PeerDirectory>, fetcher: PeerFetcher) {
+        let _ = self.on.set(Peers { directory, fetcher });
     }
 
     /// The masters this process is writing, for the peer listener to
     /// stream as they grow.
-    pub fn live_masters(&self) -> Arc<LiveMasters> {
+    pub(super) fn live_masters(&self) -> Arc<LiveMasters> {
         self.live.clone()
     }
 
     /// The size master `name` will have, when the peer listener streams it
     /// as it is written here.
-    pub fn live_size(&self, name: &str) -> Option<u64> {
+    pub(super) fn live_size(&self, name: &str) -> Option<u64> {
         self.live.get(name).map(|v| v.size)
     }
 
     /// What this worker offers of master `name`: its sidecar's facts, when
     /// the master is committed and its sidecar describes it.
-    pub fn peer_offer(&self, name: &str) -> Option<OfferedMaster> {
+    pub(super) fn peer_offer(&self, name: &str) -> Option<OfferedMaster> {
         if !crate::peers::token::is_master_name(name) {
             return None;
         }
@@ -145,11 +188,11 @@ impl Masters {
     /// else waits for its master (giving back its download slot as a slow
     /// download does); when none is, it takes the cloud-wide claim and goes
     /// to the source (or, its holder gone or silent, goes there anyway).
-    pub(super) async fn through_peers(&self, job: &MasterFetch<'_>) -> Result<PeerTurn> {
-        let Some(peers) = self.peers.get() else {
+    pub(super) async fn through(&self, job: &MasterFetch<'_>) -> Result<PeerTurn> {
+        let Some(peers) = self.on.get() else {
             return Ok(PeerTurn::Source(None));
         };
-        let mut waiting = Waiting::new(self.wait_limit(), &self.config.source);
+        let mut waiting = Waiting::new(self.wait);
         let mut bad = BadHolders::default();
         let mut followed = HashSet::new();
         loop {
@@ -157,7 +200,7 @@ impl Masters {
             let downloading = offers.iter().any(|o| o.state == OfferState::Downloading);
             let live = offers
                 .iter()
-                .find(|o| followable(o, &self.config.default.host, &followed))
+                .find(|o| followable(o, &self.host, &followed))
                 .cloned();
             if let Some(got) = self.fetch_usable(peers, job, offers, &mut bad).await {
                 return Ok(PeerTurn::Fetched(Box::new(got)));
@@ -284,10 +327,7 @@ impl Masters {
         let Some(m) = o.master.as_ref() else {
             return false;
         };
-        if o.state != OfferState::Verified
-            || o.name != job.name
-            || o.host == self.config.default.host
-        {
+        if o.state != OfferState::Verified || o.name != job.name || o.host == self.host {
             return false;
         }
         matches!(
@@ -321,9 +361,12 @@ impl Masters {
         tracing::info!(master = job.name, holders = ?holders.iter().map(|h| &h.host).collect::<Vec<_>>(), size = facts.size, "fetching from peers");
         let checked = async {
             let (file, own) = self
+                .receiver
                 .receive_bytes(&peers.fetcher, job, facts.size, &holders)
                 .await?;
-            self.check_received(job, facts, file.path(), &own).await?;
+            self.receiver
+                .check_received(job, facts, file.path(), &own)
+                .await?;
             Ok((file, own, facts.clone()))
         };
         let checked = checked.await;
@@ -334,7 +377,7 @@ impl Masters {
                 bad.insert(&h.host, &facts.sha256);
             }
         }
-        self.adopt(job, checked).await
+        self.receiver.adopt(job, checked).await
     }
 
     /// Follows the master the holder of `offer` is still downloading (a
@@ -354,6 +397,7 @@ impl Masters {
         let checked = async {
             let holders = std::slice::from_ref(&holder);
             let (file, own) = self
+                .receiver
                 .receive_bytes(&peers.fetcher, job, size, holders)
                 .await?;
             let Some(facts) = self.record_of(peers, job, &holder.host, bad).await else {
@@ -366,11 +410,13 @@ impl Masters {
             // A mismatch does not condemn the holder's master: a retried
             // download's output may have been resumed into these bytes. Its
             // master is checked on its own when it is fetched.
-            self.check_received(job, &facts, file.path(), &own).await?;
+            self.receiver
+                .check_received(job, &facts, file.path(), &own)
+                .await?;
             Ok((file, own, facts))
         };
         let checked = checked.await;
-        self.adopt(job, checked).await.ok()
+        self.receiver.adopt(job, checked).await.ok()
     }
 
     /// The record the holder `host` keeps of master `job.name` once it has
@@ -399,26 +445,47 @@ impl Masters {
     }
 }
 
-/// A wait for another worker's download: bounded in all by `limit`, and
-/// given up when the claim's holder stays silent for [`CLAIM_SILENCE`];
-/// after `[source]slow_after` it gives back the download slot, as a slow
-/// download does (it moves no bytes at all).
+/// What bounds a wait for another worker's download: `limit` in all
+/// ([`wait_limit`]), and, when `[source]slow_rate` is set, `[source]
+/// slow_after`, past which the download slot is given back.
+#[derive(Debug, Clone, Copy)]
+struct WaitRule {
+    limit: Duration,
+    slow_after: Option<Duration>,
+}
+
+impl WaitRule {
+    fn new(source: &crate::config::SourceSection) -> WaitRule {
+        WaitRule {
+            limit: wait_limit(source),
+            slow_after: (source.slow_rate > 0).then(|| Duration::from_secs(source.slow_after)),
+        }
+    }
+}
+
+/// A wait for another worker's download: bounded in all by its rule's
+/// `limit`, and given up when the claim's holder stays silent for
+/// [`CLAIM_SILENCE`]; after its rule's `slow_after` it gives back the
+/// download slot, as a slow download does (it moves no bytes at all).
 struct Waiting {
     started: Instant,
     limit: Duration,
     /// When a holder last answered `downloading`.
     heard: Instant,
+    /// How long a claim may stand with nobody `downloading`.
+    silence: Duration,
     slow_after: Option<Duration>,
     told: bool,
 }
 
 impl Waiting {
-    fn new(limit: Duration, source: &crate::config::SourceSection) -> Waiting {
+    fn new(rule: WaitRule) -> Waiting {
         Waiting {
             started: Instant::now(),
-            limit,
+            limit: rule.limit,
             heard: Instant::now(),
-            slow_after: (source.slow_rate > 0).then(|| Duration::from_secs(source.slow_after)),
+            silence: CLAIM_SILENCE,
+            slow_after: rule.slow_after,
             told: false,
         }
     }
@@ -429,7 +496,7 @@ impl Waiting {
         if downloading {
             self.heard = Instant::now();
         }
-        self.heard.elapsed() > CLAIM_SILENCE
+        self.heard.elapsed() > self.silence
     }
 
     /// One more round of waiting: logged the first time, the download slot
@@ -525,4 +592,302 @@ fn same(o: &Offer, m: &OfferedMaster) -> bool {
     o.master.as_ref().is_some_and(|x| {
         x.size == m.size && x.sha256 == m.sha256 && md5s_agree(x.md5.as_deref(), m.md5.as_deref())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Config, Files};
+    use crate::image_format::Format;
+    use crate::messages::{DownloadTurn, InstanceInfo, SlowSignal};
+    use crate::sources::{Fetcher, Source};
+    use crate::store::checksum::{Algo, Expected};
+    use crate::store::sink::Served;
+
+    const HREF: &str = "https://images.example/disk.qcow2";
+    const NAME: &str = "m";
+
+    /// The peer source of a worker on host `me` whose cache is `dir`.
+    fn source(dir: &std::path::Path) -> PeerSource {
+        let flags = [
+            format!("pxe.instance_master_path={}", dir.display()),
+            "DEFAULT.host=me".to_string(),
+        ];
+        let config = Config::load_from(&Files::default(), &[], &flags).unwrap();
+        let cache = Cache::open(&config.pxe.instance_master_path).unwrap();
+        let metrics = Arc::new(Metrics::new());
+        let fetcher = Fetcher::new(&config).unwrap();
+        let keeper = super::super::keeper::Keeper::new(
+            cache.clone(),
+            &config.pxe,
+            &config.convert,
+            metrics.clone(),
+        );
+        let rules = super::super::stream::ConvertRules::new(&config.convert, 1.1);
+        let converter = super::super::stream::StreamConverter::new(
+            &config.convert,
+            rules,
+            keeper.clone(),
+            metrics.clone(),
+        );
+        let attempts = Arc::new(super::super::attempt::Attempts::new(
+            fetcher.clone(),
+            keeper,
+            metrics.clone(),
+            &config.source,
+            converter,
+        ));
+        let admission = Arc::new(Admission::new(
+            cache.clone(),
+            fetcher,
+            &config.conductor,
+            &config.convert,
+        ));
+        let receiver =
+            PeerReceiver::new(attempts, admission.clone(), metrics.clone(), &config.source);
+        PeerSource::new(
+            &config.default.host,
+            &config.source,
+            cache,
+            admission,
+            receiver,
+            metrics,
+        )
+    }
+
+    /// A qcow2 master of `HREF` served as fetched, its source's SHA-256
+    /// `sha256`, fetched at `fetched_at`.
+    fn master(sha256: &str, fetched_at: u64) -> OfferedMaster {
+        OfferedMaster {
+            size: 10,
+            md5: Some("md5".into()),
+            sha256: sha256.into(),
+            sha512: None,
+            converted: false,
+            disk_format: Format::Qcow2.served(),
+            source_format: Format::Qcow2,
+            source: HREF.into(),
+            fetched_at,
+            source_last_modified: None,
+            source_size: 10,
+            source_md5: Some("md5".into()),
+            source_sha256: Some(sha256.into()),
+            source_sha512: None,
+        }
+    }
+
+    fn offer(host: &str, state: OfferState, master: Option<OfferedMaster>) -> Offer {
+        Offer {
+            name: NAME.into(),
+            host: host.into(),
+            process: "p".into(),
+            url: format!("http://{host}.example:8089"),
+            state,
+            master,
+            live_size: None,
+        }
+    }
+
+    struct Fixture {
+        source: Source,
+        info: InstanceInfo,
+        expected: Expected,
+        slow: SlowSignal,
+        turn: DownloadTurn,
+    }
+
+    impl Fixture {
+        fn new(slow: SlowSignal) -> Fixture {
+            Fixture {
+                source: Source::Http(HREF.parse().unwrap()),
+                info: InstanceInfo {
+                    image_disk_format: Some("qcow2".into()),
+                    ..InstanceInfo::default()
+                },
+                expected: Expected {
+                    algo: Algo::Sha256,
+                    hex: "aa11".into(),
+                },
+                slow,
+                turn: DownloadTurn::default(),
+            }
+        }
+
+        fn job(&self) -> MasterFetch<'_> {
+            MasterFetch {
+                source: &self.source,
+                href: HREF,
+                name: NAME,
+                expected: Some(&self.expected),
+                served: Served {
+                    md5: true,
+                    sha512: false,
+                },
+                force_raw: false,
+                info: &self.info,
+                slow: &self.slow,
+                turn: &self.turn,
+            }
+        }
+    }
+
+    /// The master fetched is the one most recently fetched from its source,
+    /// and among those the lowest SHA-256, whatever the offers' order or
+    /// count; offers without a master (still downloading) are not chosen.
+    #[test]
+    fn the_master_chosen_is_the_latest_fetched_then_the_lowest_sha256() {
+        let offers = vec![
+            offer("a", OfferState::Verified, Some(master("11", 10))),
+            offer("b", OfferState::Verified, Some(master("33", 20))),
+            offer("c", OfferState::Verified, Some(master("22", 20))),
+            offer("d", OfferState::Verified, Some(master("33", 20))),
+            offer("e", OfferState::Downloading, None),
+        ];
+        assert_eq!(chosen(&offers).unwrap().sha256, "22");
+        let reversed: Vec<Offer> = offers.iter().rev().cloned().collect();
+        assert_eq!(chosen(&reversed).unwrap().sha256, "22");
+        assert!(chosen(&offers[4..]).is_none());
+        assert!(same(&offers[1], offers[3].master.as_ref().unwrap()));
+        assert!(!same(&offers[1], offers[2].master.as_ref().unwrap()));
+    }
+
+    /// An offer is usable when it is another host's verified master of the
+    /// same name whose record fits the request, and its holder was not
+    /// found bad for those bytes.
+    #[test]
+    fn an_offer_is_usable_only_when_it_fits_and_is_not_bad() {
+        let dir = tempfile::tempdir().unwrap();
+        let peers = source(dir.path());
+        let fixture = Fixture::new(SlowSignal::default());
+        let job = fixture.job();
+        let good = offer("other", OfferState::Verified, Some(master("aa11", 1)));
+        let mut bad = BadHolders::default();
+        assert!(peers.usable(&job, &good, &bad));
+        let own = offer("me", OfferState::Verified, Some(master("aa11", 1)));
+        assert!(!peers.usable(&job, &own, &bad), "our own offer");
+        let downloading = Offer {
+            state: OfferState::Downloading,
+            ..good.clone()
+        };
+        assert!(!peers.usable(&job, &downloading, &bad));
+        let renamed = Offer {
+            name: "another".into(),
+            ..good.clone()
+        };
+        assert!(!peers.usable(&job, &renamed, &bad));
+        let differs = offer("other", OfferState::Verified, Some(master("ffff", 1)));
+        assert!(!peers.usable(&job, &differs, &bad), "another checksum");
+        let elsewhere = OfferedMaster {
+            source: "https://images.example/other.qcow2".into(),
+            ..master("aa11", 1)
+        };
+        let elsewhere = offer("other", OfferState::Verified, Some(elsewhere));
+        assert!(!peers.usable(&job, &elsewhere, &bad), "another source");
+        bad.insert("other", "bb22");
+        assert!(peers.usable(&job, &good, &bad), "found bad for other bytes");
+        bad.insert("other", "aa11");
+        assert!(
+            !peers.usable(&job, &good, &bad),
+            "found bad for these bytes"
+        );
+        let third = offer("third", OfferState::Verified, Some(master("aa11", 1)));
+        assert!(
+            peers.usable(&job, &third, &bad),
+            "another holder, judged afresh"
+        );
+    }
+
+    /// Only another host's download streamed as it is written, not
+    /// followed before, is followed.
+    #[test]
+    fn only_another_hosts_live_download_is_followed_once() {
+        let live = Offer {
+            live_size: Some(10),
+            ..offer("other", OfferState::Downloading, None)
+        };
+        let mut followed = HashSet::new();
+        assert!(followable(&live, "me", &followed));
+        assert!(!followable(&live, "other", &followed), "our own");
+        let not_live = offer("other", OfferState::Downloading, None);
+        assert!(!followable(&not_live, "me", &followed));
+        followed.insert("other".to_string());
+        assert!(!followable(&live, "me", &followed));
+    }
+
+    /// A waiting turn gives back its download slot once `slow_after` has
+    /// passed (once), and fails past its limit.
+    #[tokio::test]
+    async fn a_waiting_turn_gives_back_its_slot_then_ends_at_its_limit() {
+        let (slow, raised) = SlowSignal::new();
+        let fixture = Fixture::new(slow);
+        let job = fixture.job();
+        let rule = WaitRule {
+            limit: Duration::from_secs(3600),
+            slow_after: Some(Duration::ZERO),
+        };
+        let mut waiting = Waiting::new(rule);
+        waiting.step(&job).unwrap();
+        let told = tokio::time::timeout(Duration::from_secs(1), raised.notified());
+        assert!(told.await.is_ok(), "the slot was given back");
+        waiting.step(&job).unwrap();
+        let again = tokio::time::timeout(Duration::from_millis(50), raised.notified());
+        assert!(again.await.is_err(), "given back once");
+        let patient = WaitRule {
+            limit: Duration::from_secs(3600),
+            slow_after: None,
+        };
+        Waiting::new(patient).step(&job).unwrap();
+        let over = WaitRule {
+            limit: Duration::ZERO,
+            slow_after: None,
+        };
+        let mut waiting = Waiting::new(over);
+        std::thread::sleep(Duration::from_millis(2));
+        let e = waiting.step(&job).unwrap_err();
+        assert_eq!(e.code, ErrorCode::SourceUnreachable);
+    }
+
+    /// A claim is silent once nobody answered `downloading` for its
+    /// silence; an answer starts it again.
+    #[test]
+    fn a_claim_nobody_downloads_for_goes_silent() {
+        let rule = WaitRule {
+            limit: Duration::from_secs(3600),
+            slow_after: None,
+        };
+        let mut waiting = Waiting::new(rule);
+        waiting.silence = Duration::from_millis(30);
+        assert!(!waiting.silent(false));
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(!waiting.silent(true), "an answer starts it again");
+        assert!(!waiting.silent(false));
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(waiting.silent(false));
+    }
+
+    /// Without `[source]download_deadline` a wait lasts up to six hours;
+    /// with it, that long; the slot is given back after `slow_after` only
+    /// with a slow rate.
+    #[test]
+    fn the_wait_rule_comes_from_source() {
+        let config = Config::default();
+        let unbounded = crate::config::SourceSection {
+            download_deadline: 0,
+            ..config.source.clone()
+        };
+        let rule = WaitRule::new(&unbounded);
+        assert_eq!(rule.limit, Duration::from_secs(6 * 3600));
+        assert_eq!(
+            rule.slow_after,
+            Some(Duration::from_secs(config.source.slow_after))
+        );
+        let deadline = crate::config::SourceSection {
+            download_deadline: 60,
+            slow_rate: 0,
+            ..config.source.clone()
+        };
+        let bounded = WaitRule::new(&deadline);
+        assert_eq!(bounded.limit, Duration::from_secs(60));
+        assert_eq!(bounded.slow_after, None);
+    }
 }
