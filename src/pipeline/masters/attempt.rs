@@ -434,12 +434,10 @@ fn out_of_order() -> Error {
 
 #[cfg(test)]
 mod tests {
+    use super::super::job::TestJob;
     use super::*;
     use crate::config::{Config, Files};
-    use crate::messages::{DownloadTurn, InstanceInfo, SlowSignal};
-    use crate::sources::Source;
     use crate::store::cache::Cache;
-    use crate::store::sink::Served;
     use std::path::Path;
 
     /// The attempts of a worker whose master cache is `dir`.
@@ -457,43 +455,6 @@ mod tests {
             StreamConverter::new(&config.convert, rules, keeper.clone(), metrics.clone());
         let fetcher = Fetcher::new(&config).unwrap();
         Attempts::new(fetcher, keeper, metrics, &config.source, converter)
-    }
-
-    /// What one test's job names (the source is never asked: the
-    /// deliveries are fed by the test).
-    struct Fixture {
-        source: Source,
-        info: InstanceInfo,
-        slow: SlowSignal,
-        turn: DownloadTurn,
-    }
-
-    impl Fixture {
-        fn new() -> Fixture {
-            Fixture {
-                source: Source::Http("http://images.invalid/disk.img".parse().unwrap()),
-                info: InstanceInfo::default(),
-                slow: SlowSignal::default(),
-                turn: DownloadTurn::default(),
-            }
-        }
-
-        fn job(&self, force_raw: bool) -> MasterFetch<'_> {
-            MasterFetch {
-                source: &self.source,
-                href: "http://images.invalid/disk.img",
-                name: "m",
-                expected: None,
-                served: Served {
-                    md5: true,
-                    sha512: false,
-                },
-                force_raw,
-                info: &self.info,
-                slow: &self.slow,
-                turn: &self.turn,
-            }
-        }
     }
 
     /// The temporaries of the cache `dir` (its `.tmp`; the owner's lock
@@ -541,7 +502,7 @@ mod tests {
     async fn a_voided_attempt_leaves_no_file() {
         let dir = tempfile::tempdir().unwrap();
         let attempts = attempts(dir.path());
-        let fixture = Fixture::new();
+        let fixture = TestJob::new("http://images.invalid/disk.img");
         let feed = vec![
             attempt(Some(11)),
             bytes(b"first "),
@@ -550,7 +511,9 @@ mod tests {
             bytes(b" try"),
             Delivery::Complete,
         ];
-        let (written, streamed) = receive(&attempts, &fixture.job(false), feed).await.unwrap();
+        let (written, streamed) = receive(&attempts, &fixture.job(None, false, false), feed)
+            .await
+            .unwrap();
         assert!(streamed.is_none(), "nothing to convert");
         assert_eq!(written.digests.size, 10);
         assert_eq!(
@@ -570,15 +533,19 @@ mod tests {
     async fn no_complete_attempt_fails_and_leaves_no_file() {
         let dir = tempfile::tempdir().unwrap();
         let attempts = attempts(dir.path());
-        let fixture = Fixture::new();
+        let fixture = TestJob::new("http://images.invalid/disk.img");
         let feed = vec![attempt(Some(100)), bytes(b"part of it")];
-        let Err(e) = receive(&attempts, &fixture.job(false), feed).await else {
+        let Err(e) = receive(&attempts, &fixture.job(None, false, false), feed).await else {
             panic!("an incomplete download was returned");
         };
         assert_eq!(e.code, ErrorCode::Internal);
         assert!(files(dir.path()).is_empty());
         let feed = vec![bytes(b"no attempt begun")];
-        assert!(receive(&attempts, &fixture.job(false), feed).await.is_err());
+        assert!(
+            receive(&attempts, &fixture.job(None, false, false), feed)
+                .await
+                .is_err()
+        );
         assert!(files(dir.path()).is_empty());
     }
 
@@ -606,7 +573,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let image = qcow2(dir.path(), "4M");
         let attempts = attempts(dir.path());
-        let fixture = Fixture::new();
+        let fixture = TestJob::new("http://images.invalid/disk.img");
         let feed = vec![
             attempt(Some(image.len())),
             bytes(&image),
@@ -614,7 +581,9 @@ mod tests {
             bytes(b"not qcow2"),
             Delivery::Complete,
         ];
-        let (written, streamed) = receive(&attempts, &fixture.job(true), feed).await.unwrap();
+        let (written, streamed) = receive(&attempts, &fixture.job(None, false, true), feed)
+            .await
+            .unwrap();
         assert!(streamed.is_none());
         assert_eq!(std::fs::read(written.file.path()).unwrap(), b"not qcow2");
         assert_eq!(files(dir.path()), [written.file.path().to_path_buf()]);

@@ -40,3 +40,49 @@ pub(in crate::pipeline) struct MasterFetch<'a> {
     /// Its turn among the download slots, taken before downloading.
     pub(super) turn: &'a crate::messages::DownloadTurn,
 }
+
+/// What a test's [`MasterFetch`] borrows: a source at `href` that the test
+/// never asks (it feeds the bytes or finds them cached) and an empty
+/// request.
+#[cfg(test)]
+pub(super) struct TestJob {
+    href: &'static str,
+    source: Source,
+    info: InstanceInfo,
+    slow: crate::messages::SlowSignal,
+    turn: crate::messages::DownloadTurn,
+}
+
+#[cfg(test)]
+impl TestJob {
+    /// A request for master `m` from `href`.
+    pub(super) fn new(href: &'static str) -> TestJob {
+        TestJob {
+            href,
+            source: Source::Http(href.parse().unwrap()),
+            info: InstanceInfo::default(),
+            slow: Default::default(),
+            turn: Default::default(),
+        }
+    }
+
+    /// Its job: MD5 served, SHA-512 when `sha512`.
+    pub(super) fn job<'a>(
+        &'a self,
+        expected: Option<&'a Expected>,
+        sha512: bool,
+        force_raw: bool,
+    ) -> MasterFetch<'a> {
+        MasterFetch {
+            source: &self.source,
+            href: self.href,
+            name: "m",
+            expected,
+            served: crate::store::sink::Served { md5: true, sha512 },
+            force_raw,
+            info: &self.info,
+            slow: &self.slow,
+            turn: &self.turn,
+        }
+    }
+}

@@ -226,12 +226,10 @@ fn set_source_digest(meta: &mut MasterMeta, algo: Algo, hex: String) {
 
 #[cfg(test)]
 mod tests {
+    use super::super::job::TestJob;
     use super::*;
     use crate::config::{Config, Files};
     use crate::image_format::Format;
-    use crate::messages::{DownloadTurn, InstanceInfo, SlowSignal};
-    use crate::sources::Source;
-    use crate::store::sink::Served;
 
     /// A source nothing answers at: a miss would fail, so a test that
     /// passes obtained its master from the cache.
@@ -276,38 +274,6 @@ mod tests {
         cache.commit(&temp, name, meta).unwrap();
     }
 
-    struct Fixture {
-        source: Source,
-        info: InstanceInfo,
-        slow: SlowSignal,
-        turn: DownloadTurn,
-    }
-
-    impl Fixture {
-        fn new() -> Fixture {
-            Fixture {
-                source: Source::Http(HREF.parse().unwrap()),
-                info: InstanceInfo::default(),
-                slow: SlowSignal::default(),
-                turn: DownloadTurn::default(),
-            }
-        }
-
-        fn job<'a>(&'a self, expected: Option<&'a Expected>, sha512: bool) -> MasterFetch<'a> {
-            MasterFetch {
-                source: &self.source,
-                href: HREF,
-                name: "m",
-                expected,
-                served: Served { md5: true, sha512 },
-                force_raw: false,
-                info: &self.info,
-                slow: &self.slow,
-                turn: &self.turn,
-            }
-        }
-    }
-
     /// A cached master whose record has the expected checksum is the
     /// request's: a hit, with no hold and no download.
     #[tokio::test]
@@ -315,12 +281,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let masters = masters(dir.path());
         commit(&masters, "m");
-        let fixture = Fixture::new();
+        let fixture = TestJob::new(HREF);
         let expected = Expected {
             algo: Algo::Sha256,
             hex: sha256(BYTES),
         };
-        let job = fixture.job(Some(&expected), false);
+        let job = fixture.job(Some(&expected), false, false);
         let got = masters
             .obtain_master(&job, false, &|_| false)
             .await
@@ -338,12 +304,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let masters = masters(dir.path());
         commit(&masters, "m");
-        let fixture = Fixture::new();
+        let fixture = TestJob::new(HREF);
         let expected = Expected {
             algo: Algo::Sha512,
             hex: hex::encode(<sha2::Sha512 as sha2::Digest>::digest(BYTES)),
         };
-        let job = fixture.job(Some(&expected), true);
+        let job = fixture.job(Some(&expected), true, false);
         let got = masters
             .obtain_master(&job, false, &|_| false)
             .await
@@ -368,8 +334,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let masters = masters(dir.path());
         commit(&masters, "m");
-        let fixture = Fixture::new();
-        let job = fixture.job(None, false);
+        let fixture = TestJob::new(HREF);
+        let job = fixture.job(None, false, false);
         let got = masters.obtain_master(&job, false, &|_| true).await.unwrap();
         assert_eq!(got.outcome, CacheOutcome::Hit);
         assert!(got.linked);
