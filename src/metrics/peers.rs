@@ -24,15 +24,37 @@ pub struct PeerMetrics {
     /// (`unsigned`, `bad_signature`, `stale`, `replayed`, `too_large`).
     pub refused_messages: IntCounterVec,
     /// Offers whose seal held but that cannot be used, by reason
-    /// (`url`: a listener URL of another shape or a refused address).
-    pub refused_offers: IntCounterVec,
+    /// ([`OfferRefusal`]; counted by [`PeerMetrics::offer_refused`]).
+    refused_offers: IntCounterVec,
     /// Waits on another worker's claim given up because its holder showed
     /// nothing (no `downloading` answer): the master is then downloaded
     /// from its source here.
     pub silent_claims: IntCounter,
 }
 
+/// Why an offer whose seal held is not used: the reason label of
+/// `peer_refused_offers_total`, typed so that no call site spells it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum OfferRefusal {
+    /// It names a listener URL of another shape than `http(s)://host[:port]`
+    /// or an address the rules refuse.
+    Url,
+}
+
+impl OfferRefusal {
+    fn label(self) -> &'static str {
+        match self {
+            OfferRefusal::Url => "url",
+        }
+    }
+}
+
 impl PeerMetrics {
+    /// Counts an offer not used, and why.
+    pub fn offer_refused(&self, why: OfferRefusal) {
+        self.refused_offers.with_label_values(&[why.label()]).inc();
+    }
+
     /// Creates and registers the peers' metrics.
     pub(super) fn register(r: &Registrar<'_>) -> PeerMetrics {
         PeerMetrics {

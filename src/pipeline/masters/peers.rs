@@ -27,6 +27,7 @@ use super::verdict::{self, Verdict};
 use crate::error::{Error, ErrorCode, Result};
 use crate::fsutil::TempGuard;
 use crate::metrics::Metrics;
+use crate::metrics::peers::OfferRefusal;
 use crate::peers::live::LiveMasters;
 use crate::peers::wire::{Offer, OfferState, OfferedMaster};
 use crate::sources::http_client;
@@ -255,11 +256,7 @@ impl PeerSource {
                     http_client::check_followed(&u, allow_local, "peer listener").is_ok()
                 });
                 if !ok {
-                    self.metrics
-                        .peers
-                        .refused_offers
-                        .with_label_values(&["url"])
-                        .inc();
+                    self.metrics.peers.offer_refused(OfferRefusal::Url);
                     tracing::warn!(peer = %o.host, url = %crate::secrets::redact_url(&o.url), "an offer names no usable peer listener URL: not used");
                 }
                 ok
