@@ -36,7 +36,12 @@ fn value(m: &HashMap<String, f64>, name: &str, want: &[(&str, &str)]) -> Option<
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_appear_and_move() {
-    let env = Env::new("");
+    // Notifications on an exchange of the test's own: one every running
+    // worker reads would reach other tests' queues as they are deleted.
+    let notifications = format!("ironic-{}", uuid::Uuid::new_v4().simple());
+    let env = Env::new(&format!(
+        "[amqp]\nnotification_exchange = \"{notifications}\"\n"
+    ));
     let raw = env.root().join("d.raw");
     random_file(&raw, 3 << 20, 51);
     qcow2_from(&raw, &env.root().join("src/d.qcow2"), &[]);
@@ -70,7 +75,7 @@ async fn metrics_appear_and_move() {
     let other = json!({"publisher_id": "ironic-conductor.somebody-else", "event_type": "baremetal.node.provision_set.start",
                        "message_id": "x", "payload": {}});
     broker
-        .publish_notification(other.to_string().as_bytes())
+        .publish_notification_on(&notifications, other.to_string().as_bytes())
         .await;
     // Wait until the notification was counted (a deadline, not a sleep).
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);

@@ -127,10 +127,13 @@ struct Answer {
     correlation_id: String,
 }
 
-/// A sealed worker, its broker client, a source serving `disk.img` and a
-/// queue of the test's own for answers (read with their headers).
+/// A sealed worker, its broker client, a source serving `disk.img`, a
+/// queue of the test's own for answers (read with their headers) and an
+/// exchange of its own for Ironic's notifications (one every running
+/// worker reads would reach other tests' queues as they are deleted).
 struct Sealed {
     env: Env,
+    notifications: String,
     server: SourceServer,
     worker: Worker,
     broker: Broker,
@@ -143,8 +146,9 @@ impl Sealed {
     async fn start(lines: &str) -> Sealed {
         let keys = tempfile::tempdir().unwrap();
         let file = key_file(keys.path(), "seal.key", &[KEY]);
+        let notifications = format!("ironic-{}", uuid::Uuid::new_v4().simple());
         let env = Env::new(&format!(
-            "[amqp]\nseal_secret_file = \"{}\"\n{lines}",
+            "[amqp]\nseal_secret_file = \"{}\"\nnotification_exchange = \"{notifications}\"\n{lines}",
             file.display()
         ));
         random_file(&env.root().join("src/disk.img"), 1 << 20, 58);
@@ -166,6 +170,7 @@ impl Sealed {
             .unwrap();
         Sealed {
             env,
+            notifications,
             server,
             worker,
             broker,
@@ -514,7 +519,10 @@ async fn unsealed_notifications_only_warm() {
     let fresh = node();
     let deploy = ("available", "deploying", "deploy");
     s.broker
-        .publish_notification(&notification(&s.env.host, &fresh, deploy, &url))
+        .publish_notification_on(
+            &s.notifications,
+            &notification(&s.env.host, &fresh, deploy, &url),
+        )
         .await;
     let (key, _, warmed) = tap
         .next(&s.env.host, Duration::from_secs(60))
@@ -544,7 +552,10 @@ async fn unsealed_notifications_only_warm() {
         ("deploying", "deploy failed", "fail"),
     ] {
         s.broker
-            .publish_notification(&notification(&s.env.host, &node, states, &url))
+            .publish_notification_on(
+                &s.notifications,
+                &notification(&s.env.host, &node, states, &url),
+            )
             .await;
     }
     counted(&s.worker, "unsealed_notification", 3.0).await;

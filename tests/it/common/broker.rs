@@ -188,14 +188,12 @@ impl Broker {
         );
     }
 
-    /// Publishes raw bytes as a notification on Ironic's exchange
+    /// Publishes raw bytes as a notification on `exchange`, as Ironic's
     /// (`ironic_versioned_notifications.info`), confirmed by the broker.
-    pub async fn publish_notification(&self, body: &[u8]) {
-        self.publish_notification_on("ironic", body).await
-    }
-
-    /// As [`Broker::publish_notification`], on Ironic's exchange `exchange`
-    /// (a test's own, which no other test's worker reads).
+    /// Always an exchange of the test's own: Ironic's `ironic`, which every
+    /// running test's worker binds, routes to queues other tests are
+    /// deleting, and the broker closes the publisher's connection for that
+    /// (INTERNAL_ERROR).
     pub async fn publish_notification_on(&self, exchange: &str, body: &[u8]) {
         self.channel
             .basic_publish(
