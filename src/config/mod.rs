@@ -443,12 +443,6 @@ impl Config {
             .unwrap_or(self.default.raw_image_growth_factor)
     }
 
-    /// Ironic's estimate of the raw size of an image of `file_size` bytes
-    /// describing `virtual_size` bytes, for space checks before converting.
-    pub fn raw_size_estimate(&self, file_size: u64, virtual_size: u64) -> u64 {
-        raw_size_estimate(self.raw_image_growth_factor(), file_size, virtual_size)
-    }
-
     /// How http(s) sources and checksum files verify TLS certificates:
     /// `[DEFAULT]webserver_verify_ca` when set (oslo's booleans, or a CA
     /// bundle path; a path that does not exist means the system store, as
@@ -544,14 +538,6 @@ pub fn parse_oslo_bool(value: &str) -> Option<bool> {
         "0" | "f" | "false" | "off" | "n" | "no" => Some(false),
         _ => None,
     }
-}
-
-/// Ironic's estimate of the raw size of an image of `file_size` bytes
-/// describing `virtual_size` bytes, under the growth factor `growth`
-/// ([`Config::raw_image_growth_factor`]): for the parts of the pipeline
-/// handed that factor rather than the whole configuration.
-pub fn raw_size_estimate(growth: f64, file_size: u64, virtual_size: u64) -> u64 {
-    ((file_size as f64 * growth) as u64).min(virtual_size)
 }
 
 #[cfg(test)]

@@ -48,9 +48,9 @@ impl ConvertRules {
     }
 
     /// The room to make before converting an image of `file_size` bytes
-    /// describing `virtual_size` bytes.
+    /// describing `virtual_size` bytes: Ironic's estimate of its raw size.
     pub(super) fn raw_size_estimate(&self, file_size: u64, virtual_size: u64) -> u64 {
-        crate::config::raw_size_estimate(self.growth, file_size, virtual_size)
+        ((file_size as f64 * self.growth) as u64).min(virtual_size)
     }
 }
 
