@@ -10,7 +10,7 @@
 
 use super::super::{deadline, stamp};
 use super::Delivered;
-use super::link::{Link, Links};
+use super::link::{Link, Links, gone};
 use super::pending::Pending;
 use super::read::Reader;
 use super::settle::settle;
@@ -18,30 +18,6 @@ use crate::dispatch::{Deferral, Dispatch, Shelf};
 use crate::messages::IgnoreReason;
 use lapin::Acker;
 use std::sync::Arc;
-
-/// Where the copy a job holds stands when it is to go back to the queue
-/// ([`held`]).
-#[derive(Debug, PartialEq)]
-enum Held {
-    /// A copy of the live connection: a copy of it can be put back, then
-    /// it is acknowledged.
-    Live,
-    /// A copy of a connection now gone: the broker gives the message
-    /// again by itself.
-    Gone,
-    /// No copy (acknowledged early), or no connection to put one back by.
-    Nothing,
-}
-
-/// Where the copy of connection `held` stands while `live` is the
-/// connection in force.
-fn held(live: Option<u64>, held: Option<u64>) -> Held {
-    match (live, held) {
-        (Some(live), Some(held)) if held == live => Held::Live,
-        (Some(_), Some(_)) => Held::Gone,
-        _ => Held::Nothing,
-    }
-}
 
 /// Puts work back at the tail of this host's queue: a deferred prepare,
 /// or work not started when the worker stops. Holds the queue's name, the
@@ -98,7 +74,7 @@ impl Requeue {
         let (Some(link), Some((_, acker))) = (link, acker) else {
             return Deferral::TakenBack;
         };
-        if held(Some(link.session), session) == Held::Gone {
+        if gone(Some(link.session), session) {
             tracing::info!("a prepare to defer came through a connection now gone: it comes back");
             return Deferral::TakenBack;
         }
@@ -147,7 +123,7 @@ impl Requeue {
         let acker = job.tracked.take_acker();
         self.pending.forget(&job.identity, &job.tracked);
         let session = acker.as_ref().map(|(s, _)| *s);
-        if held(Some(link.session), session) == Held::Gone {
+        if gone(Some(link.session), session) {
             return;
         }
         if let Err(e) = self.put_back(&link, job).await {
@@ -163,21 +139,5 @@ impl Requeue {
             }
         }
         tracing::info!("not started as the worker stops: given back to the queue");
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn only_a_copy_of_the_live_connection_is_put_back() {
-        assert_eq!(held(Some(2), Some(2)), Held::Live);
-        assert_eq!(held(Some(2), Some(1)), Held::Gone);
-        // Acknowledged early: nothing held (a job given back is put back
-        // from its record; a deferred one waits where it is).
-        assert_eq!(held(Some(2), None), Held::Nothing);
-        // Disconnected: nothing to put it back by.
-        assert_eq!(held(None, Some(1)), Held::Nothing);
     }
 }

@@ -72,18 +72,33 @@ impl Links {
     }
 
     /// Whether a copy held through connection `held` came through one now
-    /// gone: the broker gives that message to another consumer (possibly
-    /// another process of the host), so it counts as delivered twice. A
-    /// job that holds no copy (`None`) has nothing gone.
+    /// gone ([`gone`]).
     pub(super) fn gone(&self, held: Option<u64>) -> bool {
-        let live = self.live.borrow().as_ref().map(|l| l.session);
-        held.is_some_and(|s| Some(s) != live)
+        gone(self.live.borrow().as_ref().map(|l| l.session), held)
     }
+}
+
+/// Whether a copy held through connection `held` came through another than
+/// the `live` one: the broker gives that message again by itself, to
+/// another consumer (possibly another process of the host), so it is not
+/// put back and counts as delivered twice. A job that holds no copy
+/// (`None`: acknowledged early) has nothing gone.
+pub(super) fn gone(live: Option<u64>, held: Option<u64>) -> bool {
+    held.is_some_and(|s| Some(s) != live)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_copy_of_another_connection_is_gone() {
+        assert!(!gone(Some(2), Some(2)), "the live connection's copy");
+        assert!(gone(Some(2), Some(1)));
+        // Acknowledged early: nothing held (a job given back is put back
+        // from its record; a deferred one waits where it is).
+        assert!(!gone(Some(2), None));
+    }
 
     #[test]
     fn a_copy_held_while_disconnected_came_through_a_connection_gone() {
