@@ -130,13 +130,16 @@ def image_work(url, checksum, workdir, nodes):
 class Trial(object):
     """One deploy of ``opts.nodes`` VMs in one mode, measured."""
 
-    def __init__(self, mode, opts, workdir, source, image):
+    def __init__(self, mode, opts, workdir, source, image, checksum):
+        """``image``: the qcow2 and its conversion by qemu-img;
+        ``checksum``: the qcow2's sha256."""
         self.mode = mode
         self.kind, self.http = MODES[mode]
         self.opts = opts
         self.dir = tempfile.mkdtemp(prefix='%s-' % mode, dir=workdir)
         self.source = source
         self.img, self.ref = image
+        self.checksum = checksum
         self.cleanups = []
 
     def run(self, logs):
@@ -197,12 +200,11 @@ class Trial(object):
                 path.split(os.sep)[-2:])))
 
     def _nodes(self, ironic):
-        checksum = deploy.file_hash(self.img)
         url = self.source.url(os.path.basename(self.img))
         nodes = [ironic.node() for _ in range(self.opts.nodes)]
         for node in nodes:
             ironic.call('PATCH', '/v1/nodes/%s' % node['uuid'],
-                        deploy.deploy_patch(self.kind, url, checksum))
+                        deploy.deploy_patch(self.kind, url, self.checksum))
         return nodes
 
     def _follow(self, ironic, nodes, served, started):
@@ -374,6 +376,7 @@ def main():
                                   int(opts.data_gib * GiB), 1, opts.density)
         log('image: %d bytes of qcow2, %d virtual; %d nodes, %d runs each'
             % (os.path.getsize(image[0]), virtual, opts.nodes, opts.runs))
+        checksum = deploy.file_hash(image[0])
         results, works = [], []
         deadline = time.monotonic() + opts.budget * 60
         longest = 0
@@ -382,14 +385,13 @@ def main():
                 log('run %d would end after --budget: not started' % n)
                 break
             started = time.monotonic()
-            works.append(image_work(source.url('image.qcow2'),
-                                    deploy.file_hash(image[0]), workdir,
-                                    opts.nodes))
+            works.append(image_work(source.url('image.qcow2'), checksum,
+                                    workdir, opts.nodes))
             log('run %d image work on its own: %.1f s, CPU %.1f s' % (
                 n, works[-1]['wall'], works[-1]['cpu']))
             for mode in MODES:
-                results.append(Trial(mode, opts, workdir, source,
-                                     image).run(opts.logs))
+                results.append(Trial(mode, opts, workdir, source, image,
+                                     checksum).run(opts.logs))
                 print_round(n, results[-1])
             longest = max(longest, time.monotonic() - started)
         ok = summary(results, works, opts, virtual)
