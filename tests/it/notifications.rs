@@ -20,6 +20,11 @@ fn transition(
            "event": event, "instance_info": info})
 }
 
+/// The notification of a node that starts deploying from `available`.
+fn deploy_starts(node: &str, info: &Value) -> Value {
+    transition(node, "start", "available", "deploying", "deploy", info)
+}
+
 /// The notifications Ironic sends for a successful direct deploy.
 fn deploy(node: &str, info: &Value, from: &str, event: &str) -> Vec<Value> {
     vec![
@@ -146,7 +151,7 @@ async fn failed_deploy_keeps_the_link_until_teardown() {
     let info = json!({"image_source": server.url("a.img")});
 
     // The start arrives twice (redelivery): the same answer, one download.
-    let start = transition(&node, "start", "available", "deploying", "deploy", &info);
+    let start = deploy_starts(&node, &info);
     ironic.emit(&[start.clone(), start]).await;
     let ev = tap.collect(&env.host, 2, WAIT).await;
     assert_eq!(ev.len(), 2);
@@ -228,20 +233,7 @@ async fn another_conductors_notification_is_counted_and_left_alone() {
     let (env, server, worker, _broker, tap, exchange) = one_image_alone(34).await;
     let node = node();
     let info = json!({"image_source": server.url("a.img")});
-    let start = |host: &str| {
-        emit_notifications_on(
-            &exchange,
-            host,
-            &[transition(
-                &node,
-                "start",
-                "available",
-                "deploying",
-                "deploy",
-                &info,
-            )],
-        )
-    };
+    let start = |host: &str| emit_notifications_on(&exchange, host, &[deploy_starts(&node, &info)]);
     start(&format!("{}-other", env.host));
     worker
         .wait_metric(
@@ -366,14 +358,7 @@ async fn notification_starts_early_and_the_command_is_answered_from_the_cache() 
     let url = faults.url("slow", "a.img");
     emit_notifications(
         &env.host,
-        &[transition(
-            &node,
-            "start",
-            "available",
-            "deploying",
-            "deploy",
-            &json!({"image_source": url}),
-        )],
+        &[deploy_starts(&node, &json!({"image_source": url}))],
     );
     // The deploy interface's own prepare, right after (the download at
     // 1 MiB/s is still running, or just over: one download either way).
