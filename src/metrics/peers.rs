@@ -10,9 +10,9 @@ pub struct PeerMetrics {
     /// master that fails it counts in `fetch_failures` too; a transfer cut
     /// short only there).
     pub received_bytes: IntCounter,
-    /// Peer queries by result: `answered` (some peer offered the master) or
-    /// `missed`.
-    pub queries: IntCounterVec,
+    /// Peer queries by result ([`QueryResult`]; counted by
+    /// [`PeerMetrics::query_ended`]).
+    queries: IntCounterVec,
     /// Fetches from a peer that failed, by reason (`digest_mismatch`,
     /// `unreachable`, `busy`, `refused`, `format`, ...).
     pub fetch_failures: IntCounterVec,
@@ -49,7 +49,37 @@ impl OfferRefusal {
     }
 }
 
+/// How a peer query ended: the result label of `peer_queries_total`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum QueryResult {
+    /// Some peer offered a usable master.
+    Answered,
+    /// No usable offer came.
+    Missed,
+}
+
+impl QueryResult {
+    fn label(self) -> &'static str {
+        match self {
+            QueryResult::Answered => "answered",
+            QueryResult::Missed => "missed",
+        }
+    }
+}
+
 impl PeerMetrics {
+    /// Counts a peer query by how it ended.
+    pub fn query_ended(&self, result: QueryResult) {
+        self.queries.with_label_values(&[result.label()]).inc();
+    }
+
+    /// Makes every result's series visible at zero.
+    pub(super) fn show_query_results(&self) {
+        for result in [QueryResult::Answered, QueryResult::Missed] {
+            self.queries.with_label_values(&[result.label()]);
+        }
+    }
+
     /// Counts an offer not used, and why.
     pub fn offer_refused(&self, why: OfferRefusal) {
         self.refused_offers.with_label_values(&[why.label()]).inc();

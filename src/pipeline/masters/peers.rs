@@ -27,7 +27,7 @@ use super::verdict::{self, Verdict};
 use crate::error::{Error, ErrorCode, Result};
 use crate::fsutil::TempGuard;
 use crate::metrics::Metrics;
-use crate::metrics::peers::OfferRefusal;
+use crate::metrics::peers::{OfferRefusal, QueryResult};
 use crate::peers::live::LiveMasters;
 use crate::peers::wire::{Offer, OfferState, OfferedMaster};
 use crate::sources::http_client;
@@ -277,16 +277,11 @@ impl PeerSource {
             .into_iter()
             .filter(|o| self.usable(job, o, bad))
             .collect();
-        let result = if usable.is_empty() {
-            "missed"
+        self.metrics.peers.query_ended(if usable.is_empty() {
+            QueryResult::Missed
         } else {
-            "answered"
-        };
-        self.metrics
-            .peers
-            .queries
-            .with_label_values(&[result])
-            .inc();
+            QueryResult::Answered
+        });
         if usable.is_empty() {
             return None;
         }
