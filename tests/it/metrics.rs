@@ -38,10 +38,8 @@ fn value(m: &HashMap<String, f64>, name: &str, want: &[(&str, &str)]) -> Option<
 async fn metrics_appear_and_move() {
     // Notifications on an exchange of the test's own: one every running
     // worker reads would reach other tests' queues as they are deleted.
-    let notifications = format!("ironic-{}", uuid::Uuid::new_v4().simple());
-    let env = Env::new(&format!(
-        "[amqp]\nnotification_exchange = \"{notifications}\"\n"
-    ));
+    let env = Env::notified_alone("");
+    let notifications = env.notification_exchange().to_string();
     let raw = env.root().join("d.raw");
     random_file(&raw, 3 << 20, 51);
     qcow2_from(&raw, &env.root().join("src/d.qcow2"), &[]);

@@ -215,8 +215,8 @@ async fn failed_deploy_keeps_the_link_until_teardown() {
 /// the test's own (returned): what other tests send on Ironic's reaches
 /// every running worker, and would be counted or dead-lettered here too.
 async fn one_image_alone(seed: u64) -> (Env, SourceServer, Worker, Broker, EventTap, String) {
-    let exchange = format!("ironic-{}", uuid::Uuid::new_v4().simple());
-    let env = Env::new(&format!("[amqp]\nnotification_exchange = \"{exchange}\"\n"));
+    let env = Env::notified_alone("");
+    let exchange = env.notification_exchange().to_string();
     random_file(&env.root().join("src/a.img"), 1 << 20, seed);
     let server = SourceServer::start(&env.root().join("src")).await;
     let worker = env.serve().await;

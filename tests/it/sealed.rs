@@ -129,11 +129,9 @@ struct Answer {
 
 /// A sealed worker, its broker client, a source serving `disk.img`, a
 /// queue of the test's own for answers (read with their headers) and an
-/// exchange of its own for Ironic's notifications (one every running
-/// worker reads would reach other tests' queues as they are deleted).
+/// exchange of its own for Ironic's notifications ([`Env::notified_alone`]).
 struct Sealed {
     env: Env,
-    notifications: String,
     server: SourceServer,
     worker: Worker,
     broker: Broker,
@@ -146,9 +144,8 @@ impl Sealed {
     async fn start(lines: &str) -> Sealed {
         let keys = tempfile::tempdir().unwrap();
         let file = key_file(keys.path(), "seal.key", &[KEY]);
-        let notifications = format!("ironic-{}", uuid::Uuid::new_v4().simple());
-        let env = Env::new(&format!(
-            "[amqp]\nseal_secret_file = \"{}\"\nnotification_exchange = \"{notifications}\"\n{lines}",
+        let env = Env::notified_alone(&format!(
+            "seal_secret_file = \"{}\"\n{lines}",
             file.display()
         ));
         random_file(&env.root().join("src/disk.img"), 1 << 20, 58);
@@ -170,7 +167,6 @@ impl Sealed {
             .unwrap();
         Sealed {
             env,
-            notifications,
             server,
             worker,
             broker,
@@ -520,7 +516,7 @@ async fn unsealed_notifications_only_warm() {
     let deploy = ("available", "deploying", "deploy");
     s.broker
         .publish_notification_on(
-            &s.notifications,
+            s.env.notification_exchange(),
             &notification(&s.env.host, &fresh, deploy, &url),
         )
         .await;
@@ -553,7 +549,7 @@ async fn unsealed_notifications_only_warm() {
     ] {
         s.broker
             .publish_notification_on(
-                &s.notifications,
+                s.env.notification_exchange(),
                 &notification(&s.env.host, &node, states, &url),
             )
             .await;

@@ -98,6 +98,10 @@ pub struct Env {
     pub http_port: u16,
     pub metrics_port: u16,
     pub host: String,
+    /// The exchange this worker reads Ironic's notifications on when it
+    /// is the test's own ([`Env::notified_alone`]), deleted with the
+    /// environment.
+    pub notifications: Option<String>,
 }
 
 /// A TCP port on loopback reserved for this test process until it exits.
@@ -193,7 +197,29 @@ read_timeout = 5
             http_port,
             metrics_port,
             host,
+            notifications: None,
         }
+    }
+
+    /// A new environment whose worker reads Ironic's notifications on an
+    /// exchange of the test's own (its name in `notifications`), with
+    /// `amqp` more lines in `[amqp]`: what other tests send on Ironic's
+    /// reaches every running worker, and would be counted or dead-lettered
+    /// in this test's queues (or routed to a queue as it is deleted).
+    pub fn notified_alone(amqp: &str) -> Env {
+        let exchange = format!("ironic-{}", uuid::Uuid::new_v4().simple());
+        let mut env = Env::new(&format!(
+            "[amqp]\nnotification_exchange = \"{exchange}\"\n{amqp}\n"
+        ));
+        env.notifications = Some(exchange);
+        env
+    }
+
+    /// The exchange of [`Env::notified_alone`].
+    pub fn notification_exchange(&self) -> &str {
+        self.notifications
+            .as_deref()
+            .expect("an environment made by Env::notified_alone")
     }
 
     pub fn root(&self) -> &Path {
@@ -316,9 +342,11 @@ read_timeout = 5
 
 impl Drop for Env {
     /// Deletes this environment's queues (they are bound to Ironic's
-    /// exchange and would collect notifications forever).
+    /// exchange and would collect notifications forever) and its own
+    /// notification exchange.
     fn drop(&mut self) {
         let host = self.host.clone();
+        let exchange = self.notifications.take();
         let _ = std::thread::spawn(move || {
             let Ok(rt) = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -339,6 +367,11 @@ impl Drop for Env {
                     ] {
                         let _ = ch
                             .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                            .await;
+                    }
+                    if let Some(x) = exchange {
+                        let _ = ch
+                            .exchange_delete(x.as_str().into(), Default::default())
                             .await;
                     }
                 }
