@@ -307,6 +307,17 @@ pub enum CacheOutcome {
     PassThrough,
 }
 
+impl CacheOutcome {
+    /// Its name on the wire, in the logs and as a metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CacheOutcome::Hit => "hit",
+            CacheOutcome::Miss => "miss",
+            CacheOutcome::PassThrough => "pass_through",
+        }
+    }
+}
+
 /// The `error` member of a failed completion.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ErrorBody {

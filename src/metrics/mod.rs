@@ -15,7 +15,7 @@ pub(crate) mod peers;
 pub(crate) mod progress;
 pub(crate) mod transfer;
 
-use crate::messages::{Completion, IgnoreReason};
+use crate::messages::{CacheOutcome, Completion, IgnoreReason};
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
@@ -213,8 +213,12 @@ impl Metrics {
             self.in_flight.with_label_values(&[action]);
             self.completions.with_label_values(&[action, "success", ""]);
         }
-        for cache in ["hit", "miss", "pass_through"] {
-            self.prepare_seconds.with_label_values(&[cache]);
+        for cache in [
+            CacheOutcome::Hit,
+            CacheOutcome::Miss,
+            CacheOutcome::PassThrough,
+        ] {
+            self.prepare_seconds.with_label_values(&[cache.as_str()]);
         }
         for mode in ["after_download", "while_downloading"] {
             self.transfer.conversions.with_label_values(&[mode]);
@@ -222,9 +226,7 @@ impl Metrics {
         for result in ["ok", "error"] {
             self.http.tls_reloads.with_label_values(&[result]);
         }
-        for result in ["answered", "missed"] {
-            self.peers.queries.with_label_values(&[result]);
-        }
+        self.peers.show_query_results();
         for encoding in ["gzip", "identity"] {
             self.http.encoded_bytes.with_label_values(&[encoding]);
         }
@@ -265,13 +267,8 @@ impl Metrics {
         // `completions` under its own action label only.
         let prepared = done.action == crate::messages::Action::Prepare;
         if let Some(cache) = done.cache.filter(|_| prepared) {
-            let label = match cache {
-                crate::messages::CacheOutcome::Hit => "hit",
-                crate::messages::CacheOutcome::Miss => "miss",
-                crate::messages::CacheOutcome::PassThrough => "pass_through",
-            };
             self.prepare_seconds
-                .with_label_values(&[label])
+                .with_label_values(&[cache.as_str()])
                 .observe(done.duration_ms as f64 / 1000.0);
         }
     }

@@ -16,7 +16,7 @@
 use crate::config::Config;
 use crate::error::{Error, ErrorCode, Result};
 use crate::fsutil;
-use crate::messages::{Action, Completion, InstanceInfo, Request};
+use crate::messages::{Action, CacheOutcome, Completion, InstanceInfo, Request};
 use crate::metrics::Metrics;
 use crate::node::NodeUuid;
 use std::sync::Arc;
@@ -198,6 +198,7 @@ impl Pipeline {
             }
             Ok(_) => tracing::info!(
                 duration_ms = done.duration_ms,
+                cache = done.cache.map_or("", CacheOutcome::as_str),
                 image_url = done.image_url.as_deref().unwrap_or(""),
                 "request done"
             ),

@@ -87,7 +87,9 @@ impl Pipeline {
             self.masters.after_growth().await;
             self.masters.refresh_cache_gauges().await;
         }
-        tracing::info!(cache = ?outcome, master = %master.path.display(), "prepared");
+        // The request's one line (`request done`) says the outcome; which
+        // master, for who debugs the cache.
+        tracing::debug!(master = %master.path.display(), "prepared");
         done.image_url = Some(url);
         fill_image(&master.meta, job.served, outcome, done);
         Ok(())
