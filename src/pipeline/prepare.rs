@@ -85,7 +85,6 @@ impl Pipeline {
         }
         if outcome == CacheOutcome::Miss {
             self.masters.after_growth().await;
-            self.masters.refresh_cache_gauges().await;
         }
         // The request's one line (`request done`) says the outcome; which
         // master, for who debugs the cache.

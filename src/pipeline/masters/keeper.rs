@@ -59,11 +59,19 @@ impl Keeper {
         blocking(move || work(&keeper)).await
     }
 
-    /// After the cache grew: enforces the size limit and TTL off the async
-    /// threads (a new master is protected by its link to the node or its
-    /// hold, made before this runs).
+    /// After the cache grew: enforces the size limit and TTL, then
+    /// refreshes the cache gauges, in one trip off the async threads (a new
+    /// master is protected by its link to the node or its hold, made before
+    /// this runs).
     pub(super) async fn after_growth(&self) {
-        if let Err(e) = self.off_thread(|k| k.clean(0, false, false)).await {
+        let cleaned = self
+            .off_thread(|k| {
+                let cleaned = k.clean(0, false, false);
+                k.refresh_cache_gauges();
+                cleaned
+            })
+            .await;
+        if let Err(e) = cleaned {
             tracing::warn!(error = %e, "cache clean-up failed");
         }
     }

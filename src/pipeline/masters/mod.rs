@@ -221,10 +221,7 @@ impl Masters {
                 CacheOutcome::Hit => self.cache.mark_used(&obtained.master.path),
                 // Enforce the size limit and TTL while the hold (and the
                 // master lock) keep the new master from being the one evicted.
-                CacheOutcome::Miss => {
-                    self.after_growth().await;
-                    self.refresh_cache_gauges().await;
-                }
+                CacheOutcome::Miss => self.after_growth().await,
                 CacheOutcome::PassThrough => {}
             }
             Ok(obtained)
@@ -346,8 +343,8 @@ impl Masters {
         self.keeper.refresh_cache_gauges();
     }
 
-    /// After the cache grew: enforce the size limit and TTL (see
-    /// [`keeper::Keeper::after_growth`]).
+    /// After the cache grew: enforce the size limit and TTL, and refresh
+    /// the cache gauges (see [`keeper::Keeper::after_growth`]).
     pub(in crate::pipeline) async fn after_growth(&self) {
         self.keeper.after_growth().await;
     }
