@@ -398,9 +398,8 @@ struct SlowRule {
 /// Whether a download is slow by its [`SlowRule`], every attempt counted.
 /// Says so once.
 struct SlowCheck {
+    rule: SlowRule,
     started: Instant,
-    after: Duration,
-    rate: u64,
     bytes: u64,
     told: bool,
 }
@@ -408,9 +407,8 @@ struct SlowCheck {
 impl SlowCheck {
     fn new(rule: SlowRule) -> SlowCheck {
         SlowCheck {
+            rule,
             started: Instant::now(),
-            after: rule.after,
-            rate: rule.rate,
             bytes: 0,
             told: rule.rate == 0,
         }
@@ -420,10 +418,10 @@ impl SlowCheck {
     fn is_slow(&mut self, n: usize) -> bool {
         self.bytes += n as u64;
         let took = self.started.elapsed();
-        if self.told || took < self.after {
+        if self.told || took < self.rule.after {
             return false;
         }
-        self.told = (self.bytes as f64) < self.rate as f64 * took.as_secs_f64();
+        self.told = (self.bytes as f64) < self.rule.rate as f64 * took.as_secs_f64();
         self.told
     }
 }
