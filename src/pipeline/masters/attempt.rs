@@ -434,25 +434,11 @@ fn out_of_order() -> Error {
 mod tests {
     use super::super::job::TestJob;
     use super::*;
-    use crate::config::{Config, Files};
-    use crate::store::cache::Cache;
     use std::path::Path;
 
     /// The attempts of a worker whose master cache is `dir`.
-    fn attempts(dir: &Path) -> Attempts {
-        let flags = [format!("pxe.instance_master_path={}", dir.display())];
-        let config = Config::load_from(&Files::default(), &[], &flags).unwrap();
-        let cache = Cache::open(&config.pxe.instance_master_path).unwrap();
-        let metrics = Arc::new(Metrics::new());
-        let keeper = Keeper::new(cache, &config.pxe, &config.convert, metrics.clone());
-        let rules = super::super::stream::ConvertRules::new(
-            &config.convert,
-            config.raw_image_growth_factor(),
-        );
-        let converter =
-            StreamConverter::new(&config.convert, rules, keeper.clone(), metrics.clone());
-        let fetcher = Fetcher::new(&config).unwrap();
-        Attempts::new(fetcher, keeper, metrics, &config.source, converter)
+    fn attempts(dir: &Path) -> Arc<Attempts> {
+        super::super::Masters::for_test(dir, "me").attempts
     }
 
     /// The temporaries of the cache `dir` (its `.tmp`; the owner's lock

@@ -42,14 +42,14 @@ pub(in crate::pipeline) struct MasterFetch<'a> {
 }
 
 /// What a test's [`MasterFetch`] borrows: a source at `href` that the test
-/// never asks (it feeds the bytes or finds them cached) and an empty
-/// request.
+/// never asks (it feeds the bytes or finds them cached), an empty request
+/// (its `info` and `slow` signal the test's own when it sets them).
 #[cfg(test)]
 pub(super) struct TestJob {
     href: &'static str,
     source: Source,
-    info: InstanceInfo,
-    slow: crate::messages::SlowSignal,
+    pub(super) info: InstanceInfo,
+    pub(super) slow: crate::messages::SlowSignal,
     turn: crate::messages::DownloadTurn,
 }
 

@@ -355,3 +355,18 @@ impl Masters {
         self.keeper.refresh_gauges_off_thread().await;
     }
 }
+
+#[cfg(test)]
+impl Masters {
+    /// The masters of a worker on host `host` whose cache is `dir`, built
+    /// as `serve` builds them: the parts' unit tests take theirs from it.
+    pub(super) fn for_test(dir: &std::path::Path, host: &str) -> Masters {
+        let flags = [
+            format!("pxe.instance_master_path={}", dir.display()),
+            format!("DEFAULT.host={host}"),
+        ];
+        let files = crate::config::Files::default();
+        let config = Config::load_from(&files, &[], &flags).unwrap();
+        Masters::open(Arc::new(config), Arc::new(Metrics::new())).unwrap()
+    }
+}

@@ -228,7 +228,6 @@ fn set_source_digest(meta: &mut MasterMeta, algo: Algo, hex: String) {
 mod tests {
     use super::super::job::TestJob;
     use super::*;
-    use crate::config::{Config, Files};
     use crate::image_format::Format;
 
     /// A source nothing answers at: a miss would fail, so a test that
@@ -238,10 +237,7 @@ mod tests {
 
     /// The masters of a worker whose cache is `dir`.
     fn masters(dir: &std::path::Path) -> super::super::Masters {
-        let flags = [format!("pxe.instance_master_path={}", dir.display())];
-        let config = Config::load_from(&Files::default(), &[], &flags).unwrap();
-        let metrics = Arc::new(crate::metrics::Metrics::new());
-        super::super::Masters::open(Arc::new(config), metrics).unwrap()
+        super::super::Masters::for_test(dir, "me")
     }
 
     fn sha256(b: &[u8]) -> String {

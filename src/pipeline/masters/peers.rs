@@ -588,63 +588,19 @@ fn same(o: &Offer, m: &OfferedMaster) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use super::super::job::TestJob;
     use super::*;
-    use crate::config::{Config, Files};
+    use crate::config::Config;
     use crate::image_format::Format;
-    use crate::messages::{DownloadTurn, InstanceInfo, SlowSignal};
-    use crate::sources::{Fetcher, Source};
+    use crate::messages::SlowSignal;
     use crate::store::checksum::{Algo, Expected};
-    use crate::store::sink::Served;
 
     const HREF: &str = "https://images.example/disk.qcow2";
     const NAME: &str = "m";
 
     /// The peer source of a worker on host `me` whose cache is `dir`.
-    fn source(dir: &std::path::Path) -> PeerSource {
-        let flags = [
-            format!("pxe.instance_master_path={}", dir.display()),
-            "DEFAULT.host=me".to_string(),
-        ];
-        let config = Config::load_from(&Files::default(), &[], &flags).unwrap();
-        let cache = Cache::open(&config.pxe.instance_master_path).unwrap();
-        let metrics = Arc::new(Metrics::new());
-        let fetcher = Fetcher::new(&config).unwrap();
-        let keeper = super::super::keeper::Keeper::new(
-            cache.clone(),
-            &config.pxe,
-            &config.convert,
-            metrics.clone(),
-        );
-        let rules = super::super::stream::ConvertRules::new(&config.convert, 1.1);
-        let converter = super::super::stream::StreamConverter::new(
-            &config.convert,
-            rules,
-            keeper.clone(),
-            metrics.clone(),
-        );
-        let attempts = Arc::new(super::super::attempt::Attempts::new(
-            fetcher.clone(),
-            keeper,
-            metrics.clone(),
-            &config.source,
-            converter,
-        ));
-        let admission = Arc::new(Admission::new(
-            cache.clone(),
-            fetcher,
-            &config.conductor,
-            &config.convert,
-        ));
-        let receiver =
-            PeerReceiver::new(attempts, admission.clone(), metrics.clone(), &config.source);
-        PeerSource::new(
-            &config.default.host,
-            &config.source,
-            cache,
-            admission,
-            receiver,
-            metrics,
-        )
+    fn source(dir: &std::path::Path) -> Arc<PeerSource> {
+        super::super::Masters::for_test(dir, "me").peers
     }
 
     /// A qcow2 master of `HREF` served as fetched, its source's SHA-256
@@ -680,46 +636,20 @@ mod tests {
         }
     }
 
-    struct Fixture {
-        source: Source,
-        info: InstanceInfo,
-        expected: Expected,
-        slow: SlowSignal,
-        turn: DownloadTurn,
+    /// A request for master [`NAME`] of [`HREF`], declared qcow2, whose
+    /// download raises `slow` when slow.
+    fn fixture(slow: SlowSignal) -> TestJob {
+        let mut fixture = TestJob::new(HREF);
+        fixture.info.image_disk_format = Some("qcow2".into());
+        fixture.slow = slow;
+        fixture
     }
 
-    impl Fixture {
-        fn new(slow: SlowSignal) -> Fixture {
-            Fixture {
-                source: Source::Http(HREF.parse().unwrap()),
-                info: InstanceInfo {
-                    image_disk_format: Some("qcow2".into()),
-                    ..InstanceInfo::default()
-                },
-                expected: Expected {
-                    algo: Algo::Sha256,
-                    hex: "aa11".into(),
-                },
-                slow,
-                turn: DownloadTurn::default(),
-            }
-        }
-
-        fn job(&self) -> MasterFetch<'_> {
-            MasterFetch {
-                source: &self.source,
-                href: HREF,
-                name: NAME,
-                expected: Some(&self.expected),
-                served: Served {
-                    md5: true,
-                    sha512: false,
-                },
-                force_raw: false,
-                info: &self.info,
-                slow: &self.slow,
-                turn: &self.turn,
-            }
+    /// The checksum the requests of these tests expect.
+    fn expected() -> Expected {
+        Expected {
+            algo: Algo::Sha256,
+            hex: "aa11".into(),
         }
     }
 
@@ -750,8 +680,8 @@ mod tests {
     fn an_offer_is_usable_only_when_it_fits_and_is_not_bad() {
         let dir = tempfile::tempdir().unwrap();
         let peers = source(dir.path());
-        let fixture = Fixture::new(SlowSignal::default());
-        let job = fixture.job();
+        let (fixture, expected) = (fixture(SlowSignal::default()), expected());
+        let job = fixture.job(Some(&expected), false, false);
         let good = offer("other", OfferState::Verified, Some(master("aa11", 1)));
         let mut bad = BadHolders::default();
         assert!(peers.usable(&job, &good, &bad));
@@ -811,8 +741,8 @@ mod tests {
     #[tokio::test]
     async fn a_waiting_turn_gives_back_its_slot_then_ends_at_its_limit() {
         let (slow, raised) = SlowSignal::new();
-        let fixture = Fixture::new(slow);
-        let job = fixture.job();
+        let (fixture, expected) = (fixture(slow), expected());
+        let job = fixture.job(Some(&expected), false, false);
         let rule = WaitRule {
             limit: Duration::from_secs(3600),
             slow_after: Some(Duration::ZERO),
